@@ -1,0 +1,52 @@
+"""Shared fixtures: where the real test data lives, and small helpers."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Real public data (corpus, GPT-2/BERT/SentencePiece vocabularies, NLTK punkt) sits
+# beside the project in ../shared/data; users do not have it, so tests that need it skip.
+SHARED_DATA = Path(os.environ.get("MEGATRON_TEST_DATA", ROOT.parent / "shared" / "data"))
+
+
+def _require(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"real test data not found at {path} (set MEGATRON_TEST_DATA to ../shared/data)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    return _require(SHARED_DATA)
+
+
+@pytest.fixture(scope="session")
+def corpus_path(shared_data) -> Path:
+    return _require(shared_data / "corpus" / "kjv_shakespeare.jsonl")
+
+
+@pytest.fixture(scope="session")
+def gpt2_vocab_dir(shared_data) -> Path:
+    return _require(shared_data / "tokenizers" / "gpt2")
+
+
+@pytest.fixture(scope="session")
+def bert_vocab_file(shared_data) -> Path:
+    return _require(shared_data / "tokenizers" / "bert-base-uncased" / "vocab.txt")
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_model(shared_data) -> Path:
+    return _require(shared_data / "tokenizers" / "sentencepiece" / "mistral-7b-v1.model")
+
+
+@pytest.fixture(scope="session")
+def nltk_data_dir(shared_data) -> Path:
+    path = _require(shared_data / "nltk_data")
+    os.environ["NLTK_DATA"] = str(path)
+    return path
