@@ -1,0 +1,58 @@
+# Two commands do all the set-up on a fresh machine (both are idempotent):
+#   make run    install what is needed, then run the main job on the built-in default data
+#   make test   install what is needed, then run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A CPU build of torch; on a GPU machine use e.g. `make TORCH_SPEC=torch run`.
+TORCH_SPEC ?= torch==2.13.0
+DATA ?= data/default
+VOCAB_SIZE ?= 8192
+WORKERS ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: run test setup setup-test bench clean-data
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+$(VENV)/.installed: pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[tokenizers]"
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+# ---------------------------------------------------------------- the main job
+# The built-in default: a corpus made from Python's own documentation and standard library,
+# a byte-level BPE tokenizer trained on it, and the corpus preprocessed into .bin/.idx.
+$(DATA)/corpus.jsonl: tools/make_default_corpus.py | $(VENV)/.installed
+	$(PY) tools/make_default_corpus.py --output $@
+
+$(DATA)/tokenizer/vocab.json: $(DATA)/corpus.jsonl | $(VENV)/.installed
+	$(PY) tools/train_tokenizer.py --input $< --tokenizer-type GPT2BPETokenizer \
+		--vocab-size $(VOCAB_SIZE) --output-dir $(DATA)/tokenizer
+
+$(DATA)/python_text_document.idx: $(DATA)/tokenizer/vocab.json | $(VENV)/.installed
+	$(PY) tools/preprocess_data.py --input $(DATA)/corpus.jsonl --output-prefix $(DATA)/python \
+		--tokenizer-type GPT2BPETokenizer --vocab-file $(DATA)/tokenizer/vocab.json \
+		--merge-file $(DATA)/tokenizer/merges.txt --append-eod --workers $(WORKERS)
+
+run: $(DATA)/python_text_document.idx
+	$(PY) tools/inspect_dataset.py --data-path $(DATA)/python_text_document \
+		--tokenizer-type GPT2BPETokenizer --vocab-file $(DATA)/tokenizer/vocab.json \
+		--merge-file $(DATA)/tokenizer/merges.txt
+
+# ---------------------------------------------------------------- tests and benchmarks
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+bench: $(DATA)/python_text_document.idx
+	$(PY) bench/preprocess.py
+	$(PY) bench/dataset_index.py
+
+clean-data:
+	rm -rf $(DATA)
