@@ -1,0 +1,139 @@
+"""GPT-2's byte-level BPE, implemented here in pure Python (vocab.json + merges.txt).
+
+The algorithm is OpenAI's: text is cut into words by GPT-2's regex, each word's UTF-8
+bytes are mapped to printable characters (``bytes_to_unicode``), then adjacent symbols are
+merged, lowest merge rank first, until no ranked pair is left. Results are cached per word,
+which is what makes a corpus pass fast: most words repeat.
+"""
+import json
+from functools import lru_cache
+from typing import Dict, List, Sequence, Tuple
+
+import regex
+
+from megatron.tokenizer.base import MegatronTokenizer
+
+# GPT-2's pre-tokenization pattern: contractions, letter runs, number runs, other symbol
+# runs (each with an optional leading space), then whitespace not followed by a word.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOD_TOKEN = "<|endoftext|>"
+# Bound on the word cache: the corpus vocabulary of words, not of tokens, lives here.
+_CACHE_LIMIT = 1_000_000
+
+
+@lru_cache()
+def bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character table.
+
+    Printable Latin-1 bytes map to themselves; the other 68 bytes (controls, space, ...)
+    map to chr(256 + n) in byte order, so no token string contains whitespace.
+    """
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return dict(sorted(table.items()))
+
+
+def read_merges(merge_file: str) -> List[Tuple[str, str]]:
+    """Read merges.txt: one 'left right' pair per line, after an optional '#version' line."""
+    with open(merge_file, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    if lines and lines[0].startswith("#version"):
+        lines = lines[1:]
+    return [tuple(line.split(" ")) for line in lines if line.strip()]
+
+
+def bpe_merge(word: str, ranks: Dict[Tuple[str, str], int]) -> List[str]:
+    """Apply BPE merges to one byte-mapped word; returns its symbols."""
+    symbols = list(word)
+    while len(symbols) > 1:
+        # The adjacent pair with the lowest merge rank is merged everywhere at once.
+        pairs = zip(symbols, symbols[1:])
+        best = min(pairs, key=lambda p: ranks.get(p, float("inf")))
+        if best not in ranks:
+            break
+        first, second = best
+        merged: List[str] = []
+        i = 0
+        n = len(symbols)
+        while i < n:
+            if i < n - 1 and symbols[i] == first and symbols[i + 1] == second:
+                merged.append(first + second)
+                i += 2
+            else:
+                merged.append(symbols[i])
+                i += 1
+        symbols = merged
+    return symbols
+
+
+class GPT2BPETokenizer(MegatronTokenizer):
+    """Megatron's GPT2BPETokenizer: byte-level BPE from vocab.json and merges.txt."""
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        super().__init__("GPT2 BPE")
+        with open(vocab_file, encoding="utf-8") as f:
+            self.encoder: Dict[str, int] = json.load(f)
+        self.decoder: Dict[int, str] = {v: k for k, v in self.encoder.items()}
+        self.bpe_ranks = {pair: i for i, pair in enumerate(read_merges(merge_file))}
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
+        # Latin-1 decoding maps byte b to chr(b); this table then maps chr(b) to GPT-2's char.
+        self._byte_table = str.maketrans({chr(b): c for b, c in self.byte_encoder.items()})
+        self._pattern = regex.compile(GPT2_PATTERN)
+        self._cache: Dict[str, List[int]] = {}
+        self._id_bytes: Dict[int, bytes] = {}
+        if EOD_TOKEN not in self.encoder:
+            raise ValueError(f"{vocab_file} has no {EOD_TOKEN!r} token (needed as end of document)")
+        self.eod_id = self.encoder[EOD_TOKEN]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.encoder)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self.encoder
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return self.decoder
+
+    def _word_ids(self, word: str) -> List[int]:
+        mapped = word.encode("utf-8").decode("latin-1").translate(self._byte_table)
+        ids = [self.encoder[s] for s in bpe_merge(mapped, self.bpe_ranks)]
+        if len(self._cache) >= _CACHE_LIMIT:
+            self._cache.clear()
+        self._cache[word] = ids
+        return ids
+
+    def tokenize(self, text: str) -> List[int]:
+        """Token ids of ``text``; '<|endoftext|>' in the text is NOT special (as in Megatron)."""
+        ids: List[int] = []
+        cache = self._cache
+        for word in self._pattern.findall(text):
+            cached = cache.get(word)
+            ids.extend(cached if cached is not None else self._word_ids(word))
+        return ids
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        data = self._id_bytes.get(token_id)
+        if data is None:
+            data = bytes(self.byte_decoder[c] for c in self.decoder[token_id])
+            self._id_bytes[token_id] = data
+        return data
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``; invalid UTF-8 (split multi-byte chars) becomes U+FFFD."""
+        id_bytes = self._id_bytes
+        data = b"".join([id_bytes.get(i) or self._bytes_of(i) for i in token_ids])
+        return data.decode("utf-8", errors="replace")
+
+    @property
+    def eod(self) -> int:
+        return self.eod_id

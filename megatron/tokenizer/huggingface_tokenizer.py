@@ -1,0 +1,127 @@
+"""HuggingFaceTokenizer: a local tokenizer.json file or a saved HuggingFace tokenizer folder.
+
+``--tokenizer-model PATH``:
+* PATH is a file: a ``tokenizers`` tokenizer.json, loaded with ``tokenizers.Tokenizer``;
+* PATH is a folder: loaded with ``transformers.AutoTokenizer`` (local files only) when
+  transformers is installed, else with ``tokenizers`` from PATH/tokenizer.json.
+Both libraries are optional extras, imported only here and only when this type is used.
+
+As in Megatron, ``tokenize`` is the library's default encoding, so a post-processor that
+adds special tokens (e.g. Llama's BOS) runs; ``detokenize`` keeps special tokens.
+"""
+import os
+from typing import Dict, List, Optional, Sequence
+
+from megatron.tokenizer.base import MegatronTokenizer
+
+INSTALL_HINT = "pip install -e .[huggingface]"
+# Conventional strings for special tokens when a bare tokenizer.json carries no roles.
+_CANDIDATES = {
+    "eos": ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]"),
+    "bos": ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]"),
+    "pad": ("<pad>", "[PAD]", "<|pad|>"),
+    "cls": ("[CLS]", "<cls>"),
+    "sep": ("[SEP]", "<sep>"),
+    "mask": ("[MASK]", "<mask>"),
+}
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError as err:
+        raise ImportError(
+            f"HuggingFaceTokenizer needs the 'tokenizers' package: {INSTALL_HINT}") from err
+    return tokenizers
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers
+
+
+class HuggingFaceTokenizer(MegatronTokenizer):
+    """Megatron's HuggingFaceTokenizer over local files (see the module docstring)."""
+
+    def __init__(self, path: str):
+        super().__init__(f"HuggingFace ({path})")
+        self._hf = None       # a transformers tokenizer, when loaded that way
+        self._backend = None  # a tokenizers.Tokenizer, when loaded that way
+        transformers = _import_transformers() if os.path.isdir(path) else None
+        if transformers is not None:
+            self._hf = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self._vocab: Dict[str, int] = dict(self._hf.get_vocab())
+        else:
+            tokenizers = _import_tokenizers()
+            file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"--tokenizer-model {path}: no tokenizer.json at {file} "
+                                        f"(a folder needs transformers: {INSTALL_HINT})")
+            self._backend = tokenizers.Tokenizer.from_file(file)
+            self._vocab = dict(self._backend.get_vocab(with_added_tokens=True))
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        # Ids may have holes; the embedding must still cover the largest id.
+        return max(len(self._vocab), max(self._vocab.values(), default=-1) + 1)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return self._inv_vocab
+
+    def tokenize(self, text: str) -> List[int]:
+        """The library's default encoding of ``text`` (its post-processor included)."""
+        if self._hf is not None:
+            return list(self._hf(text)["input_ids"])
+        return self._backend.encode(text).ids
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Decode ``token_ids``, special tokens included."""
+        if self._hf is not None:
+            return self._hf.decode(list(token_ids))
+        return self._backend.decode(list(token_ids), skip_special_tokens=False)
+
+    def _special(self, role: str) -> int:
+        token_id: Optional[int] = getattr(self._hf, f"{role}_token_id", None) if self._hf else None
+        if token_id is None:
+            token_id = next((self._vocab[t] for t in _CANDIDATES[role] if t in self._vocab), None)
+        if token_id is None:
+            raise self._missing(role.upper())
+        return token_id
+
+    @property
+    def eos(self) -> int:
+        return self._special("eos")
+
+    @property
+    def eod(self) -> int:
+        # Megatron uses the end-of-sequence token to end documents.
+        return self._special("eos")
+
+    @property
+    def bos(self) -> int:
+        return self._special("bos")
+
+    @property
+    def pad(self) -> int:
+        return self._special("pad")
+
+    @property
+    def cls(self) -> int:
+        return self._special("cls")
+
+    @property
+    def sep(self) -> int:
+        return self._special("sep")
+
+    @property
+    def mask(self) -> int:
+        return self._special("mask")
