@@ -1,0 +1,114 @@
+"""BlendedDataset: samples drawn from several datasets in proportion to their weights.
+
+Item i is sample dataset_sample_index[i] of dataset dataset_index[i]; the two arrays are built
+once (vectorised, see index_helpers.build_blending_indices) and cached beside the GPT indices
+under path_to_cache as `<md5>-BlendedDataset-<split>-{description.txt,dataset_index.npy,
+dataset_sample_index.npy}`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from megatron.data import index_helpers
+from megatron.data.dataset_config import GPTDatasetConfig
+from megatron.data.utils import IndexCache, log_rank_0, log_warning, may_build_indices
+
+_INDEX_NAMES = ("dataset_index", "dataset_sample_index")
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """A weighted interleaving of datasets of the same split.
+
+    Args:
+        datasets: the datasets to blend (e.g. GPTDatasets), all of one split.
+        weights: their relative weights (normalised here).
+        size: the number of samples; None takes every sample of every dataset once
+            (weights are then the dataset lengths).
+        config: the dataset configuration (its path_to_cache holds the cache).
+    """
+
+    def __init__(self, datasets: Sequence[torch.utils.data.Dataset], weights: Sequence[float],
+                 size: Optional[int], config: GPTDatasetConfig) -> None:
+        super().__init__()
+        if len(datasets) != len(weights):
+            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+        if not 0 < len(datasets) < np.iinfo(np.int16).max:
+            raise ValueError(f"a blend needs between 1 and 32766 datasets, got {len(datasets)}")
+        if len({d.index_split for d in datasets}) != 1:
+            raise ValueError("every dataset of a blend must belong to the same split")
+        if len(datasets) == 1:
+            log_warning("building a BlendedDataset of a single dataset")
+        self.datasets = list(datasets)
+        self.split = self.datasets[0].index_split
+        if size is None:
+            size = int(sum(len(d) for d in self.datasets))
+            weights = [len(d) for d in self.datasets]
+        self.weights: List[float] = index_helpers.normalize_weights(weights).tolist()
+        self.size = int(size)
+        self.config = config
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__),
+             ("datasets", [d.unique_identifiers for d in self.datasets]),
+             ("split", self.split.name), ("weights", self.weights), ("size", self.size)])
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+        self.built_anew_on_cache_miss = False
+        arrays = self._load_or_build_indices()
+        self.dataset_index = arrays["dataset_index"]  # int16 [size]: dataset of each sample
+        self.dataset_sample_index = arrays["dataset_sample_index"]  # int64 [size]: sample in that dataset
+        self._check_indices()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx) -> Dict[str, torch.Tensor]:
+        """The sample of the chosen dataset, plus "dataset_id" (as Megatron's)."""
+        idx = int(idx)
+        if not -self.size <= idx < self.size:
+            raise IndexError(f"sample {idx} out of range for a blend of {self.size} samples")
+        dataset_id = int(self.dataset_index[idx])
+        sample = self.datasets[dataset_id][int(self.dataset_sample_index[idx])]
+        return {"dataset_id": dataset_id, **sample}
+
+    def _load_or_build_indices(self) -> Dict[str, np.ndarray]:
+        name = f"{type(self).__name__} {self.split.name} indices"
+        if self.config.path_to_cache is None:
+            log_rank_0(f"Build the {name} in memory (no path_to_cache)")
+            return self._build_indices()
+        cache = IndexCache(self.config.path_to_cache, self.unique_description, type(self).__name__, self.split)
+        if cache.complete(_INDEX_NAMES):
+            log_rank_0(f"Load the {name} from {cache.directory}")
+            return cache.load(_INDEX_NAMES)
+        if not may_build_indices():
+            raise cache.missing_error()
+        log_rank_0(f"Build and save the {name} to {cache.directory}")
+        arrays = self._build_indices()
+        for array_name in _INDEX_NAMES:
+            cache.save_array(array_name, arrays[array_name])
+        cache.finish()
+        self.built_anew_on_cache_miss = True
+        return arrays
+
+    def _build_indices(self) -> Dict[str, np.ndarray]:
+        start = time.time()
+        dataset_index, dataset_sample_index = index_helpers.build_blending_indices(
+            self.weights, self.size, available=[len(d) for d in self.datasets])
+        log_rank_0(f"\t> time elapsed: {time.time() - start:4f} seconds")
+        return {"dataset_index": dataset_index, "dataset_sample_index": dataset_sample_index}
+
+    def _check_indices(self) -> None:
+        if self.dataset_index.shape[0] != self.size:
+            raise RuntimeError(f"blend indices hold {self.dataset_index.shape[0]} samples, expected {self.size}")
+        lengths = np.array([len(d) for d in self.datasets], dtype=np.int64)
+        over = np.flatnonzero(self.dataset_sample_index >= lengths[self.dataset_index])
+        if len(over):
+            d = int(self.dataset_index[over[0]])
+            raise IndexError(f"the {self.split.name} blend oversamples dataset {d} "
+                             f"({getattr(self.datasets[d], 'dataset_path', None)}): sample "
+                             f"{int(self.dataset_sample_index[over[0]])} requested but it has {lengths[d]}")

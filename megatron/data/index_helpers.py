@@ -1,0 +1,150 @@
+"""Vectorised numpy builders of the GPT and blending index arrays.
+
+Megatron-Core builds the sample index and the blending indices in a C++ extension; the same
+arrays come out of these numpy functions, with no Python loop over samples or tokens.
+
+    document_index        int32 [num_epochs * num_docs]   sequence ids, each epoch a shuffled copy
+    sample_index          int32/int64 [num_samples+1, 2]  (position in document_index, token offset)
+                                                          where each sample starts; row k+1 ends sample k
+    shuffle_index         uint32/int64 [num_samples]      permutation of the sample ids
+    dataset_index         int16 [size]                    which dataset each blended sample comes from
+    dataset_sample_index  int64 [size]                    the sample id within that dataset
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+# Share of an epoch below which the final epoch is shuffled on its own (Megatron's threshold),
+# so that the samples drawn from a partial last epoch are not concentrated in the run's end.
+SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+# Blended samples whose order is sorted at once (bounds the temporary memory of a large blend).
+BLEND_CHUNK = 1 << 22
+
+
+def get_num_epochs(tokens_per_epoch: int, sequence_length: int, num_samples: Optional[int],
+                   add_extra_token: int) -> int:
+    """Smallest e with (e * tokens_per_epoch - add_extra_token) // sequence_length >= num_samples."""
+    if num_samples is None:
+        return 1
+    needed = num_samples * sequence_length + add_extra_token
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+def use_separate_final_epoch(tokens_per_epoch: int, sequence_length: int, num_samples: Optional[int],
+                             num_epochs: int, add_extra_token: int) -> bool:
+    """Whether the final epoch is shuffled separately (it would give under 80% of an epoch's samples)."""
+    if num_epochs == 1 or num_samples is None:
+        return False
+    samples_sans_final = ((num_epochs - 1) * tokens_per_epoch - add_extra_token) // sequence_length
+    samples_from_final = num_samples - samples_sans_final
+    samples_per_epoch = (tokens_per_epoch - add_extra_token) // sequence_length
+    assert 0 <= samples_from_final <= samples_per_epoch + 1
+    return samples_from_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch)
+
+
+def build_document_index(sequence_ids: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final_epoch: bool) -> np.ndarray:
+    """int32 [num_epochs * len(sequence_ids)]: the ids repeated num_epochs times and shuffled.
+
+    With a separate final epoch the first num_epochs - 1 copies are shuffled together and the
+    last copy on its own (two draws from `rng`, in that order).
+    """
+    if separate_final_epoch and num_epochs > 1:
+        first = build_document_index(sequence_ids, num_epochs - 1, rng, False)
+        last = build_document_index(sequence_ids, 1, rng, False)
+        return np.concatenate((first, last))
+    document_index = np.tile(np.asarray(sequence_ids, dtype=np.int32), num_epochs)
+    rng.shuffle(document_index)
+    return document_index
+
+
+def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, sequence_length: int,
+                       add_extra_token: int) -> np.ndarray:
+    """[num_samples + 1, 2] (position in document_index, offset in that document) of each sample start.
+
+    Sample k covers tokens [k * sequence_length, k * sequence_length + sequence_length + add_extra_token)
+    of the stream made by concatenating the documents in document_index order. As in Megatron's
+    loop, a start (k >= 1) is placed in the first document whose end reaches start + add_extra_token:
+    with the extra token that is the document holding the start token (never an empty one),
+    without it a start on a boundary stays at the end of the earlier document. Row 0 is (0, 0).
+    """
+    sequence_lengths = np.asarray(sequence_lengths)
+    ends = np.cumsum(sequence_lengths[document_index], dtype=np.int64)  # end of each doc position in the stream
+    total = int(ends[-1]) if len(ends) else 0
+    num_samples = max(0, (total - add_extra_token) // sequence_length)
+    dtype = np.int32 if len(document_index) < np.iinfo(np.int32).max else np.int64
+    starts = np.arange(1, num_samples + 1, dtype=np.int64) * sequence_length
+    positions = np.searchsorted(ends, starts + add_extra_token, side="left")
+    sample_index = np.zeros((num_samples + 1, 2), dtype=dtype)
+    sample_index[1:, 0] = positions
+    sample_index[1:, 1] = starts - ends[positions] + sequence_lengths[document_index[positions]]
+    return sample_index
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """[total_size] permutation: [0, num_samples) shuffled, then [num_samples, total_size) shuffled."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def build_blending_indices(weights: Sequence[float], size: int,
+                           available: Optional[Sequence[int]] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """(dataset_index int16 [size], dataset_sample_index int64 [size]) interleaving datasets by weight.
+
+    The k-th sample of dataset d gets the key (k + 0.5) / w_d and the `size` smallest keys are taken
+    in order, ties going to the lower dataset (Sainte-Lague/Webster order). After every prefix of n
+    samples dataset d has round(w_d * t) samples for some t, so its count stays close to w_d * n
+    (within 1 for up to three datasets). `available[d]` caps the samples taken from dataset d.
+    Keys are sorted in chunks of about BLEND_CHUNK samples, so memory stays near the output's.
+    """
+    w = normalize_weights(weights)
+    # c_d <= w_d * t + 1/2 with t <= n + D/2, so this many keys per dataset never change the result
+    limit = np.ceil(w * size).astype(np.int64) + math.ceil(len(w) / 2) + 1
+    if available is not None:
+        limit = np.minimum(limit, np.asarray(available, dtype=np.int64))
+    if limit.sum() < size:
+        raise ValueError(f"a blend of {size} samples needs more samples than the datasets hold "
+                         f"({limit.tolist()} available)")
+    dataset_index = np.empty(size, dtype=np.int16)  # [size] dataset of each sample
+    dataset_sample_index = np.empty(size, dtype=np.int64)  # [size] sample within that dataset
+    begin = np.zeros(len(w), dtype=np.int64)  # next sample of each dataset
+    filled, threshold = 0, 0.0
+    while filled < size:
+        threshold += BLEND_CHUNK  # this chunk: every key below the threshold not taken yet
+        end = np.array([min(int(c), _first_sample_with_key_at_least(threshold, x)) for c, x in zip(limit, w)])
+        chunk_dataset = np.repeat(np.arange(len(w), dtype=np.int16), end - begin)
+        chunk_sample = np.concatenate([np.arange(b, e, dtype=np.int64) for b, e in zip(begin, end)])
+        order = np.argsort((chunk_sample + 0.5) / w[chunk_dataset], kind="stable")[:size - filled]
+        dataset_index[filled:filled + len(order)] = chunk_dataset[order]
+        dataset_sample_index[filled:filled + len(order)] = chunk_sample[order]
+        filled += len(order)
+        begin = end
+    return dataset_index, dataset_sample_index
+
+
+def _first_sample_with_key_at_least(threshold: float, weight: float) -> int:
+    """Smallest k >= 0 with (k + 0.5) / weight >= threshold, compared exactly as the float keys are."""
+    k = max(0, math.ceil(threshold * weight - 0.5))
+    while k > 0 and (k - 1 + 0.5) / weight >= threshold:
+        k -= 1
+    while (k + 0.5) / weight < threshold:
+        k += 1
+    return k
+
+
+def normalize_weights(weights: Sequence[float]) -> np.ndarray:
+    """Positive weights scaled to sum to 1."""
+    w = np.asarray(weights, dtype=np.float64)
+    if w.size == 0 or np.any(~(w > 0)) or not np.all(np.isfinite(w)):
+        raise ValueError(f"blend weights must be positive numbers, got {list(weights)}")
+    return w / w.sum()

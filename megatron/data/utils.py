@@ -1,0 +1,217 @@
+"""Helpers shared by the dataset classes: --data-path and --split parsing, logging on rank 0,
+and the on-disk cache of index arrays.
+
+Cache layout (as Megatron-Core's): one directory holds, per dataset and split,
+
+    <md5 of the JSON description>-<Class>-<split>-description.txt   written LAST: marks the set complete
+    <md5 of the JSON description>-<Class>-<split>-<array>.npy       one file per index array
+
+Every file is written to a temporary name and renamed into place, so a reader never sees a
+half-written array, and a set without its description.txt is simply rebuilt.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+import re
+import tempfile
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+
+class Split(enum.Enum):
+    """The three splits, in the order of --split and of the builder's sizes."""
+
+    train = 0
+    valid = 1
+    test = 2
+
+
+Blend = Tuple[List[str], Optional[List[float]]]
+
+
+def normalize(weights: Sequence[float]) -> List[float]:
+    """Scale positive weights so that they sum to 1."""
+    array = np.asarray(weights, dtype=np.float64)
+    if array.size == 0 or np.any(~np.isfinite(array)) or np.any(array < 0) or array.sum() <= 0:
+        raise ValueError(f"weights must be finite, non-negative and not all zero, got {list(weights)}")
+    return (array / array.sum()).tolist()
+
+
+def _as_float(text: str) -> Optional[float]:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_data_path(data_path: Optional[Sequence[str]]) -> Optional[Blend]:
+    """Parse Megatron's --data-path into (prefixes, weights or None).
+
+    Accepted forms: one prefix; "w1 p1 w2 p2 ..." (a weighted blend); "p1 p2 ..." (a blend
+    whose weights are later inferred from the dataset sizes). Items may hold several
+    whitespace-separated words, as when the whole blend is passed as one string.
+    """
+    if data_path is None:
+        return None
+    words = [word for item in data_path for word in str(item).split()]
+    if not words:
+        return None
+    if _as_float(words[0]) is None:  # a plain list of prefixes
+        numeric = [w for w in words if _as_float(w) is not None]
+        if numeric:
+            raise ValueError(f"--data-path {' '.join(words)!r} mixes weights ({numeric}) with unweighted prefixes; "
+                             "give either 'PREFIX ...' or 'WEIGHT PREFIX WEIGHT PREFIX ...'")
+        return words, None
+    if len(words) % 2:
+        raise ValueError(f"--data-path {' '.join(words)!r} starts with a weight but has an odd number of items; "
+                         "a weighted blend is 'WEIGHT PREFIX WEIGHT PREFIX ...'")
+    weights = [_as_float(w) for w in words[0::2]]
+    prefixes = words[1::2]
+    for raw, weight in zip(words[0::2], weights):
+        if weight is None:
+            raise ValueError(f"--data-path: {raw!r} is not a number but stands where a weight must be "
+                             f"(blend {' '.join(words)!r})")
+    for prefix in prefixes:
+        if _as_float(prefix) is not None:
+            raise ValueError(f"--data-path: {prefix!r} stands where a dataset prefix must be "
+                             f"(blend {' '.join(words)!r})")
+    return prefixes, weights
+
+
+# Megatron's name for the same function.
+get_blend_from_list = parse_data_path
+
+
+def parse_and_normalize_split(split: str) -> List[float]:
+    """'949,50,1' or '949/50/1' -> proportions for train/valid/test (missing ones are 0)."""
+    parts = [p.strip() for p in re.split(r"[,/]", str(split)) if p.strip()]
+    values = [_as_float(p) for p in parts]
+    if not parts or any(v is None for v in values):
+        raise ValueError(f"--split {split!r} must be up to three numbers separated by ',' or '/', e.g. '949,50,1'")
+    if len(values) > len(Split):
+        raise ValueError(f"--split {split!r} has {len(values)} parts; at most 3 (train, valid, test)")
+    if any(v < 0 for v in values) or sum(values) <= 0:
+        raise ValueError(f"--split {split!r} must be non-negative numbers with a positive sum")
+    values += [0.0] * (len(Split) - len(values))
+    return normalize(values)
+
+
+def get_split_indices(split_proportions: Sequence[float], num_elements: int) -> List[int]:
+    """Boundaries [0, b1, b2, n] of the train/valid/test ranges of `num_elements` items.
+
+    As Megatron: running sum of round(p * n), then every boundary shifted by the same amount
+    so that the last one equals n.
+    """
+    bounds = [0]
+    for proportion in split_proportions:
+        bounds.append(bounds[-1] + int(round(proportion * float(num_elements))))
+    excess = bounds[-1] - num_elements
+    bounds = [bounds[0]] + [max(0, b - excess) for b in bounds[1:]]
+    assert bounds[-1] == num_elements
+    return bounds
+
+
+# ---------------------------------------------------------------------------- distributed
+
+
+def distributed_rank() -> Optional[int]:
+    """Global rank, or None when torch.distributed is not initialised."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return None
+
+
+def may_build_indices() -> bool:
+    """Only global rank 0 builds index caches in a distributed run; the others load them."""
+    return distributed_rank() in (None, 0)
+
+
+def log_rank_0(message: str) -> None:
+    """Print on global rank 0 only (or always, without torch.distributed)."""
+    if distributed_rank() in (None, 0):
+        print(message, flush=True)
+
+
+def log_warning(message: str) -> None:
+    """Print a warning on every rank: each rank's own situation may differ."""
+    rank = distributed_rank()
+    print(f"WARNING{'' if rank is None else f' (rank {rank})'}: {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------- index cache
+
+
+def writable_directory(directory: str) -> Optional[OSError]:
+    """Create `directory` if needed and check that a file can be written there; the error, if any."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=directory)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as error:
+        return error
+    return None
+
+
+class IndexCache:
+    """The cached index arrays of one dataset split, named after the md5 of its description."""
+
+    def __init__(self, directory: str, description: str, class_name: str, split: Split) -> None:
+        self.directory = directory
+        self.description = description
+        self.hash = hashlib.md5(description.encode("utf-8"), usedforsecurity=False).hexdigest()
+        self._stem = f"{self.hash}-{class_name}-{split.name}-"
+
+    def path(self, name: str) -> str:
+        """Path of the cache file `name` ('description.txt' or '<array>.npy')."""
+        return os.path.join(self.directory, self._stem + name)
+
+    def complete(self, array_names: Sequence[str]) -> bool:
+        """True when the description and every array are present."""
+        names = ["description.txt"] + [f"{a}.npy" for a in array_names]
+        return all(os.path.isfile(self.path(n)) for n in names)
+
+    def load(self, array_names: Sequence[str]) -> Dict[str, np.ndarray]:
+        """Memory-map every cached array."""
+        return {a: np.load(self.path(f"{a}.npy"), mmap_mode="r", allow_pickle=False) for a in array_names}
+
+    def save_array(self, name: str, array: np.ndarray) -> None:
+        """Write '<name>.npy' atomically."""
+        self._write(f"{name}.npy", lambda f: np.save(f, array, allow_pickle=False))
+
+    def finish(self) -> None:
+        """Write description.txt, which marks the set complete: call it after every array."""
+        self._write("description.txt", lambda f: f.write(self.description.encode("utf-8")))
+
+    def _write(self, name: str, write) -> None:
+        final = self.path(name)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(final)}.", suffix=".tmp", dir=self.directory)
+        except OSError as error:
+            raise OSError(f"cannot write dataset indices to the cache directory {self.directory} "
+                          f"(path_to_cache / --data-cache-path): {error}") from error
+        try:
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+            os.chmod(temp, 0o644)
+            os.replace(temp, final)
+        except BaseException:
+            try:
+                os.remove(temp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def missing_error(self) -> RuntimeError:
+        """The error of a rank that may not build and finds no complete cache."""
+        return RuntimeError(
+            f"rank {distributed_rank()} found no complete index cache {self.path('description.txt')}; in a "
+            "distributed run only global rank 0 builds the dataset indices and the other ranks load them "
+            "(build them on rank 0 first, e.g. with BlendedMegatronDatasetBuilder, and make the cache "
+            "directory visible to every rank)")
