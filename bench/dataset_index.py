@@ -27,7 +27,7 @@ from megatron.data import index_helpers  # noqa: E402
 from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
 from megatron.data.dataset_config import GPTDatasetConfig  # noqa: E402
 from megatron.data.gpt_dataset import GPTDataset  # noqa: E402
-from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: E402
+from megatron.data.indexed_dataset import IndexedDataset, write_index  # noqa: E402
 from megatron.data.utils import Split  # noqa: E402
 
 
@@ -36,21 +36,21 @@ class _Tokenizer:
     vocab_size = 50257
 
 
-def write_corpus(prefix: str, num_tokens: int, seed: int = 0) -> None:
-    """Random documents (lognormal lengths, median ~400 tokens, eod last) totalling num_tokens."""
+def write_corpus(prefix: str, num_tokens: int, median_doc_tokens: int = 400, seed: int = 0) -> None:
+    """Random documents (lognormal lengths around median_doc_tokens, eod last) totalling num_tokens."""
     rng = np.random.default_rng(seed)
-    lengths = np.maximum(1, rng.lognormal(np.log(400), 0.8, size=num_tokens // 200 + 16).astype(np.int64))
+    lengths = np.maximum(1, rng.lognormal(np.log(median_doc_tokens), 0.8,
+                                          size=2 * num_tokens // median_doc_tokens + 16).astype(np.int64))
     ends = np.cumsum(lengths)
     count = int(np.searchsorted(ends, num_tokens)) + 1
     lengths[count - 1] -= ends[count - 1] - num_tokens  # the last document ends exactly at num_tokens
     tokens = rng.integers(0, _Tokenizer.eod, size=num_tokens, dtype=np.uint16)
     ends = np.cumsum(lengths[:count])
     tokens[ends - 1] = _Tokenizer.eod
-    with IndexedDatasetBuilder(prefix + ".bin", np.uint16) as builder:
-        for begin, end in zip(ends - lengths[:count], ends):
-            builder.add_item(tokens[begin:end])
-            builder.end_document()
-        builder.finalize(prefix + ".idx")
+    # one sequence per document, written in one go (the builder's add_item loop is slow for
+    # millions of documents); write_index is the builder's own index writer
+    tokens.tofile(prefix + ".bin")
+    write_index(prefix + ".idx", np.uint16, lengths[:count], np.arange(count + 1, dtype=np.int64))
 
 
 def timed(label: str, fn):
@@ -93,12 +93,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=100_000_000)
     parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--median-doc-tokens", type=int, default=400,
+                        help="median document length (smaller means more documents)")
     parser.add_argument("--keep-dir", action="store_true", help="keep the temporary directory")
     args = parser.parse_args()
     directory = tempfile.mkdtemp(prefix="bench_dataset_index_")
     try:
         prefix = os.path.join(directory, "corpus_text_document")
-        timed(f"write a {args.tokens:,}-token corpus", lambda: write_corpus(prefix, args.tokens))
+        timed(f"write a {args.tokens:,}-token corpus", lambda: write_corpus(prefix, args.tokens, args.median_doc_tokens))
         dataset = IndexedDataset(prefix)
         per_epoch = (args.tokens - 1) // args.seq_length
         print(f"corpus: {dataset.num_documents:,} documents, {args.tokens:,} tokens, "
