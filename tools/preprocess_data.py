@@ -429,3 +429,6 @@ if __name__ == "__main__":
     except (PreprocessError, TokenizerConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted: no output was written", file=sys.stderr)
+        sys.exit(130)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError
 from tests.conftest import ROOT
 from tools import merge_datasets, preprocess_data
 from tools.preprocess_data import PreprocessError
@@ -239,10 +239,14 @@ def test_merge_datasets_equals_preprocessing_the_concatenation(tmp_path):
     preprocess_data.main(null_args(tmp_path / "all.jsonl", tmp_path / "all", "--append-eod"))
     merge_datasets.main(["--input", str(shards), "--output-prefix", str(tmp_path / "merged")])
     assert files_bytes(tmp_path / "merged") == files_bytes(tmp_path / "all_text_document")
-    os.remove(shards / "b_text_document.idx")
-    with pytest.raises(Exception, match="b_text_document has no .idx"):
+    idx = (shards / "b_text_document.idx").read_bytes()
+    (shards / "b_text_document.idx").write_bytes(idx[:-3])
+    with pytest.raises(IndexedDatasetError, match=r"b_text_document\.idx is truncated"):
         merge_datasets.main(["--input", str(shards), "--output-prefix", str(tmp_path / "merged2")])
-    assert not (tmp_path / "merged2.bin").exists()
+    os.remove(shards / "b_text_document.idx")
+    with pytest.raises(IndexedDatasetError, match="b_text_document has no .idx"):
+        merge_datasets.main(["--input", str(shards), "--output-prefix", str(tmp_path / "merged2")])
+    assert not [name for name in os.listdir(tmp_path) if "merged2" in name]
 
 
 def test_command_line_reports_errors_without_traceback(tmp_path):
@@ -253,3 +257,26 @@ def test_command_line_reports_errors_without_traceback(tmp_path):
     assert proc.returncode == 1
     assert "error: " in proc.stderr and "in.jsonl:1: malformed JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_interrupted_run_leaves_no_output_under_the_final_names(tmp_path, sig):
+    import signal
+
+    write_jsonl(tmp_path / "in.jsonl", [" ".join(str(i % 997) for i in range(k, k + 50)) for k in range(200_000)])
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"),
+         *null_args(tmp_path / "in.jsonl", out / "x", "--log-interval", "2000", workers=2)],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    for line in proc.stderr:  # interrupt once it is visibly midway
+        if line.startswith("Processed"):
+            break
+    proc.send_signal(getattr(signal, sig))
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    final_names = {"x_text_document.bin", "x_text_document.idx"}
+    assert not final_names & set(os.listdir(out))
+    if sig == "SIGINT":  # Ctrl-C cleans up its temporary files too
+        assert os.listdir(out) == []
+        assert proc.returncode == 130
