@@ -131,6 +131,9 @@ class BlendedMegatronDatasetBuilder:
             return weights, size
         if size is None:
             return lengths, None
+        if size > sum(lengths):
+            log_warning(f"{size} samples wanted from an unweighted blend that holds {sum(lengths)} (one epoch of "
+                        "each dataset); give weights to draw more epochs")
         return lengths, min(size, sum(lengths))
 
     @staticmethod
