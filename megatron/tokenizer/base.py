@@ -23,21 +23,24 @@ class MegatronTokenizer(ABC):
     def _missing(self, what: str) -> UnsupportedSpecialToken:
         return UnsupportedSpecialToken(f"{self.name} tokenizer has no {what} token")
 
-    # --- vocabulary -------------------------------------------------------------------
+    # --- vocabulary (subclasses fill self._vocab and self._inv_vocab, or override) -------
+    _vocab: Dict[str, int]
+    _inv_vocab: Dict[int, str]
+
     @property
-    @abstractmethod
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce (before padding for the embedding)."""
+        return len(self._vocab)
 
     @property
-    @abstractmethod
     def vocab(self) -> Dict[str, int]:
         """Token string -> id."""
+        return self._vocab
 
     @property
-    @abstractmethod
     def inv_vocab(self) -> Dict[int, str]:
         """Id -> token string."""
+        return self._inv_vocab
 
     # --- text <-> ids -----------------------------------------------------------------
     @abstractmethod

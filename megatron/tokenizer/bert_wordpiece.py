@@ -135,18 +135,6 @@ class BertWordPieceTokenizer(MegatronTokenizer):
             self._inv_vocab[new_id] = token
             self._cache.clear()
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
     # --- encoding ---------------------------------------------------------------------
     def _word_pieces(self, word: str) -> List[str]:
         if self.lower_case:

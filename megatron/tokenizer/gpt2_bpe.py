@@ -80,6 +80,7 @@ class GPT2BPETokenizer(MegatronTokenizer):
         with open(vocab_file, encoding="utf-8") as f:
             self.encoder: Dict[str, int] = json.load(f)
         self.decoder: Dict[int, str] = {v: k for k, v in self.encoder.items()}
+        self._vocab, self._inv_vocab = self.encoder, self.decoder
         self.bpe_ranks = {pair: i for i, pair in enumerate(read_merges(merge_file))}
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
@@ -91,18 +92,6 @@ class GPT2BPETokenizer(MegatronTokenizer):
         if EOD_TOKEN not in self.encoder:
             raise ValueError(f"{vocab_file} has no {EOD_TOKEN!r} token (needed as end of document)")
         self.eod_id = self.encoder[EOD_TOKEN]
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.encoder)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self.encoder
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self.decoder
 
     def _word_ids(self, word: str) -> List[int]:
         mapped = word.encode("utf-8").decode("latin-1").translate(self._byte_table)

@@ -69,14 +69,6 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         # Ids may have holes; the embedding must still cover the largest id.
         return max(len(self._vocab), max(self._vocab.values(), default=-1) + 1)
 
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
     def tokenize(self, text: str) -> List[int]:
         """The library's default encoding of ``text`` (its post-processor included)."""
         if self._hf is not None:

@@ -33,18 +33,6 @@ class _SentencePieceBase(MegatronTokenizer):
             self._vocab[piece] = i
             self._inv_vocab[i] = piece
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
     def _model_id(self, which: str) -> int:
         """The model's own bos/eos/pad id; sentencepiece reports -1 when it has none."""
         value = getattr(self.tokenizer, f"{which}_id")()

@@ -87,7 +87,7 @@ def test_optimal_dtype_follows_megatron():
 
 
 def test_add_document_and_add_index_give_the_same_bytes(tmp_path):
-    direct = build(str(tmp_path / "direct"), docs=DOCS + DOCS)
+    build(str(tmp_path / "direct"), docs=DOCS + DOCS)
     builder = IndexedDatasetBuilder(str(tmp_path / "by_document.bin"), dtype=np.uint16)
     for doc in DOCS + DOCS:
         builder.add_document(sum(doc, []), [len(s) for s in doc])
