@@ -34,14 +34,6 @@ class Split(enum.Enum):
 Blend = Tuple[List[str], Optional[List[float]]]
 
 
-def normalize(weights: Sequence[float]) -> List[float]:
-    """Scale positive weights so that they sum to 1."""
-    array = np.asarray(weights, dtype=np.float64)
-    if array.size == 0 or np.any(~np.isfinite(array)) or np.any(array < 0) or array.sum() <= 0:
-        raise ValueError(f"weights must be finite, non-negative and not all zero, got {list(weights)}")
-    return (array / array.sum()).tolist()
-
-
 def _as_float(text: str) -> Optional[float]:
     try:
         return float(text)
@@ -98,7 +90,7 @@ def parse_and_normalize_split(split: str) -> List[float]:
     if any(v < 0 for v in values) or sum(values) <= 0:
         raise ValueError(f"--split {split!r} must be non-negative numbers with a positive sum")
     values += [0.0] * (len(Split) - len(values))
-    return normalize(values)
+    return [v / sum(values) for v in values]
 
 
 def get_split_indices(split_proportions: Sequence[float], num_elements: int) -> List[int]:
