@@ -1,0 +1,103 @@
+"""TransformerConfig: the shape, regularisation, init and precision of a transformer.
+
+Field names and defaults are Megatron-Core's (`megatron/core/transformer/transformer_config.py`),
+so `megatron/arguments.py` maps flags one-to-one (`--hidden-size` -> hidden_size, ...). The model
+reads only this object, never the global args.
+
+Derived in __post_init__ (as Megatron does):
+    ffn_hidden_size           None -> 4 * hidden_size
+    kv_channels               None -> hidden_size // num_attention_heads
+    attention_softmax_in_fp32 forced True when apply_query_key_layer_scaling
+    init_method               None -> normal(0, init_method_std)
+    output_layer_init_method  None -> normal(0, init_method_std / sqrt(2 * num_layers))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron.model.utils import init_method_normal, scaled_init_method_normal
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _require_positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _require_probability(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+
+
+@dataclass
+class TransformerConfig:
+    """Configuration of a GPT-style transformer (Megatron-Core field names and defaults).
+
+    Accepted for compatibility, with the plain PyTorch path always used: masked_softmax_fusion,
+    bias_dropout_fusion, deterministic_mode, use_cpu_initialization (parameters are always
+    created and initialised on the CPU, so an initialisation is the same on every device; the
+    trainer moves the model to the device).
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int | None = None
+    kv_channels: int | None = None
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    apply_query_key_layer_scaling: bool = False
+    attention_softmax_in_fp32: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    layernorm_epsilon: float = 1e-5
+    add_bias_linear: bool = True
+    openai_gelu: bool = False
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    fp32_residual_connection: bool = False
+    perform_initialization: bool = True
+    use_cpu_initialization: bool = False
+    fp16_lm_cross_entropy: bool = False
+    masked_softmax_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    deterministic_mode: bool = False
+    init_method: InitMethod | None = None
+    output_layer_init_method: InitMethod | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels"):
+            _require_positive(name, getattr(self, name))
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}) unless kv_channels is given"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16 and bf16 are mutually exclusive; set at most one of them")
+        _require_probability("hidden_dropout", self.hidden_dropout)
+        _require_probability("attention_dropout", self.attention_dropout)
+        if self.init_method_std < 0:
+            raise ValueError(f"init_method_std must be >= 0, got {self.init_method_std!r}")
+        if self.layernorm_epsilon <= 0:
+            raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon!r}")
+        if not self.params_dtype.is_floating_point:
+            raise ValueError(f"params_dtype must be a floating-point dtype, got {self.params_dtype}")
+        if self.apply_query_key_layer_scaling:
+            # The scores are divided by layer_number before the softmax and multiplied back
+            # inside it; that only helps if the softmax itself runs in fp32 (Megatron's rule).
+            self.attention_softmax_in_fp32 = True
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+        if self.output_layer_init_method is None:
+            self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)

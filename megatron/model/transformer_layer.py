@@ -1,0 +1,85 @@
+"""TransformerLayer (one pre-LN block) and TransformerBlock (the stack + final layer norm).
+
+Read as nanoGPT's Block, with activations [s, b, h]:
+    x = x + dropout(attn(ln_1(x)))
+    x = x + dropout(mlp(ln_2(x)))
+apply_residual_connection_post_layernorm takes the residual from ln(x) instead of x (as in
+BERT-era Megatron); fp32_residual_connection keeps x in fp32 while the layers run in half.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron.model.attention import SelfAttention
+from megatron.model.layers import LayerNorm
+from megatron.model.mlp import MLP
+from megatron.model.module import MegatronModule
+from megatron.model.transformer_config import TransformerConfig
+from megatron.model.utils import get_causal_attention_mask
+
+
+class TransformerLayer(MegatronModule):
+    """[s, b, h] -> [s, b, h]. Keys: input_layernorm, self_attention, pre_mlp_layernorm, mlp.
+
+    layer_number is 1-based (it is the query-key layer-scaling coefficient).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.input_layernorm = LayerNorm(config.hidden_size, config)
+        self.self_attention = SelfAttention(config, layer_number)
+        self.pre_mlp_layernorm = LayerNorm(config.hidden_size, config)
+        self.mlp = MLP(config)
+        # Applied to each branch's output before the residual add (Megatron's bias-dropout-add).
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        post_ln_residual = self.config.apply_residual_connection_post_layernorm
+
+        layernorm_output = self.input_layernorm(hidden_states)  # [s, b, h]
+        attention_output = self.self_attention(layernorm_output, attention_mask)  # [s, b, h]
+        residual = layernorm_output if post_ln_residual else hidden_states
+        hidden_states = residual + self.hidden_dropout(attention_output)  # [s, b, h]
+
+        layernorm_output = self.pre_mlp_layernorm(hidden_states)  # [s, b, h]
+        mlp_output = self.mlp(layernorm_output)  # [s, b, h]
+        residual = layernorm_output if post_ln_residual else hidden_states
+        return residual + self.hidden_dropout(mlp_output)  # [s, b, h]
+
+
+class TransformerBlock(MegatronModule):
+    """The stack of layers. Keys: layers.{i}.*, final_layernorm.* (only when post_process).
+
+    pre_process=False: the input comes from set_input_tensor() (the previous pipeline stage)
+    instead of the forward argument. post_process=False: no final layer norm.
+    """
+
+    def __init__(self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True) -> None:
+        super().__init__(config)
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.input_tensor: torch.Tensor | None = None
+        self.layers = nn.ModuleList(TransformerLayer(config, i + 1) for i in range(config.num_layers))
+        self.final_layernorm = LayerNorm(config.hidden_size, config) if post_process else None
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
+        """Pipeline hook: the activations [s, b, h] received from the previous stage."""
+        self.input_tensor = input_tensor
+
+    def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        if hidden_states is None:
+            raise ValueError("TransformerBlock got no input: pass hidden_states or call set_input_tensor()")
+        if attention_mask is None:
+            attention_mask = get_causal_attention_mask(hidden_states.shape[0], hidden_states.device)  # [1, 1, s, s]
+        elif attention_mask.dtype != torch.bool:
+            raise TypeError(f"attention_mask must be a bool tensor (True = masked out), got {attention_mask.dtype}")
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask)  # [s, b, h]
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states

@@ -1,0 +1,63 @@
+"""Small helpers shared by the model: init methods, GeLU variants, attention masks, counting."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Megatron fills masked attention scores with -10000.0 rather than -inf: a fully masked row
+# (e.g. padding) then gives a uniform distribution instead of NaN, and the value fits in fp16.
+ATTENTION_MASK_FILL_VALUE = -10000.0
+
+
+def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Init function drawing from normal(0, sigma) in place."""
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return nn.init.normal_(tensor, mean=0.0, std=sigma)
+
+    return init_
+
+
+def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Init for the projections that write into the residual stream: normal(0, sigma / sqrt(2L)).
+
+    Each of the 2L residual branches adds its output to the stream, so scaling keeps the
+    variance of the stream independent of depth (GPT-2 paper, sec. 2.3).
+    """
+    return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
+
+
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Tanh approximation of GeLU (OpenAI GPT-2's, HF's "gelu_new")."""
+    return F.gelu(x, approximate="tanh")
+
+
+def erf_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Exact GeLU, x * Phi(x) with the error function (Megatron's default)."""
+    return F.gelu(x)
+
+
+def attention_mask_func(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Fill the positions where mask is True (masked out) with ATTENTION_MASK_FILL_VALUE."""
+    return scores.masked_fill(mask, ATTENTION_MASK_FILL_VALUE)
+
+
+def get_causal_attention_mask(seq_length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Bool [1, 1, s, s] mask, True above the diagonal (a token may not see later tokens)."""
+    mask = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).triu_(diagonal=1)
+    return mask.view(1, 1, seq_length, seq_length)  # [1, 1, s, s]
+
+
+def get_num_parameters(model: nn.Module | Iterable[nn.Module]) -> int:
+    """Number of unique parameters (a tied embedding / output weight counts once)."""
+    modules = [model] if isinstance(model, nn.Module) else list(model)
+    seen = {}
+    for module in modules:
+        for param in module.parameters():
+            seen[id(param)] = param.numel()
+    return sum(seen.values())
