@@ -1,0 +1,127 @@
+"""Optimizers for Megatron models: param groups, precision wrappers, loss scaling, clipping.
+
+get_megatron_optimizer(config, model_chunks) is the entry point: it splits the params into
+groups (no weight decay on biases and 1-D params such as norm weights), builds torch AdamW/Adam
+or SGD on them, and wraps that in FP32Optimizer or, for --fp16/--bf16,
+Float16OptimizerWithFloat16Params with the matching loss scaler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import (
+    clip_grad_by_total_norm_fp32,
+    clip_grad_norm_fp32,
+    count_zeros_fp32,
+    get_grad_norm_fp32,
+)
+from megatron.core.optimizer.grad_scaler import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    MegatronGradScaler,
+)
+from megatron.core.optimizer.optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    MixedPrecisionOptimizer,
+)
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+__all__ = [
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "FP32Optimizer",
+    "Float16OptimizerWithFloat16Params",
+    "MegatronGradScaler",
+    "MegatronOptimizer",
+    "MixedPrecisionOptimizer",
+    "OptimizerConfig",
+    "clip_grad_by_total_norm_fp32",
+    "clip_grad_norm_fp32",
+    "count_zeros_fp32",
+    "get_grad_norm_fp32",
+    "get_megatron_optimizer",
+    "get_param_groups",
+]
+
+ParamCond = Callable[[str, nn.Parameter], bool]
+
+
+def get_param_groups(model_chunks: Sequence[nn.Module], no_weight_decay_cond: ParamCond | None = None,
+                     scale_lr_cond: ParamCond | None = None, lr_mult: float = 1.0,
+                     lr: float = 0.0, weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """Megatron's param groups, one per (wd_mult, lr_mult, is_expert_parallel).
+
+    By default biases and 1-D params (norm weights) get wd_mult 0.0; params for which
+    scale_lr_cond(name, param) is true get lr_mult. A param shared by several modules or
+    chunks (tied embeddings) appears once. Each group also starts with 'lr' = lr * lr_mult and
+    'weight_decay' = weight_decay * wd_mult, which the scheduler then keeps up to date.
+    """
+    groups: dict[tuple[float, float, bool], list[nn.Parameter]] = {}
+    seen = set()
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if no_weight_decay_cond is not None:
+                no_wd = no_weight_decay_cond(name, param)
+            else:
+                # Do not regularize biases and norm parameters.
+                no_wd = name.endswith(".bias") or param.ndim == 1
+            scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
+            is_expert_parallel = not getattr(param, "allreduce", True)
+            key = (0.0 if no_wd else 1.0, lr_mult if scale_lr else 1.0, is_expert_parallel)
+            groups.setdefault(key, []).append(param)
+    return [{"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
+             "is_expert_parallel": is_expert_parallel, "lr": lr * group_lr_mult,
+             "weight_decay": weight_decay * wd_mult}
+            for (wd_mult, group_lr_mult, is_expert_parallel), params in groups.items()]
+
+
+def _build_torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    lr = config.lr if config.lr is not None else 0.0
+    if config.optimizer == "adam":
+        adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+        return adam_cls(param_groups, lr=lr, weight_decay=config.weight_decay,
+                        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(param_groups, lr=lr, weight_decay=config.weight_decay,
+                               momentum=config.sgd_momentum)
+    raise ValueError(f"{config.optimizer} optimizer is not supported.")
+
+
+def _build_grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
+    """Constant scaler for --loss-scale, dynamic for fp16, none for bf16 (Megatron's choice)."""
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+                                 growth_factor=2.0, backoff_factor=0.5,
+                                 growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
+    return None
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks: nn.Module | Sequence[nn.Module],
+                           no_weight_decay_cond: ParamCond | None = None,
+                           scale_lr_cond: ParamCond | None = None,
+                           lr_mult: float = 1.0) -> MegatronOptimizer:
+    """Build the optimizer for a model given as a list of chunks (a bare module is accepted)."""
+    if isinstance(model_chunks, nn.Module):
+        model_chunks = [model_chunks]
+    lr = config.lr if config.lr is not None else 0.0
+    param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
+                                    lr=lr, weight_decay=config.weight_decay)
+    optimizer = _build_torch_optimizer(config, param_groups)
+    model_parallel_group = parallel_state.get_model_parallel_group()
+    if config.fp16 or config.bf16:
+        return Float16OptimizerWithFloat16Params(optimizer, config, _build_grad_scaler(config),
+                                                 model_parallel_group)
+    return FP32Optimizer(optimizer, config, model_parallel_group)
