@@ -1,0 +1,424 @@
+"""Every command-line flag, grouped and named as in Megatron-LM, and the builders of the configs.
+
+| function | what |
+|---|---|
+| parse_args(extra_args_provider, ignore_unknown_args, argv) | the Namespace; RANK / WORLD_SIZE from the environment |
+| validate_args(args, defaults) | checks and derived values (megatron/arguments_validation.py) |
+| parse_and_validate_args(...) | both |
+| print_args(args) | Megatron's "---- arguments ----" block on rank 0 |
+| core_transformer_config_from_args(args) | megatron.model.TransformerConfig |
+| optimizer_config_from_args(args) | megatron.core.optimizer.OptimizerConfig |
+| gpt_dataset_config_from_args(args, tokenizer) | megatron.data.dataset_config.GPTDatasetConfig |
+
+Flag names, dests and defaults are Megatron's (v0.13), quirks included: the underscore in
+--override-opt_param-scheduler, dest add_bias_linear for --disable-bias-linear, None (not False)
+as the default of --no-save-optim / --no-load-optim / --no-save-rng / --no-load-rng.
+Deviations: --ckpt-format defaults to 'torch' (Megatron: torch_dist), --distributed-backend to
+None (chosen by megatron.core.device), --transformer-impl to 'local' (Transformer Engine is optional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from argparse import Namespace
+from collections.abc import Callable
+from typing import Any
+
+from megatron.arguments_validation import (
+    ArgsError,
+    env_rank_and_world_size,
+    print_args,
+    validate_args,
+)
+from megatron.tokenizer.arguments import add_tokenizer_args
+
+__all__ = [
+    "ArgsError",
+    "core_transformer_config_from_args",
+    "gpt_dataset_config_from_args",
+    "optimizer_config_from_args",
+    "parse_and_validate_args",
+    "parse_args",
+    "print_args",
+    "validate_args",
+]
+
+ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None]
+
+
+def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="network size")
+    group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="Transformer feed-forward hidden size; 4 x hidden-size if not given.")
+    group.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
+    group.add_argument("--kv-channels", type=int, default=None,
+                       help="Per-head projection size; hidden-size // num-attention-heads if not given.")
+    group.add_argument("--group-query-attention", action="store_true", help="Use group-query attention.")
+    group.add_argument("--num-query-groups", type=int, default=1)
+    group.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="Maximum number of position embeddings (size of the position table).")
+    group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
+                       choices=["learned_absolute", "rope", "mrope", "relative", "none"],
+                       help="Position embedding type (only learned_absolute is supported yet).")
+    group.add_argument("--use-rotary-position-embeddings", action="store_true",
+                       help="Legacy alias of --position-embedding-type rope.")
+    group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    group.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5,
+                       help="Epsilon of the normalization layers.")
+    group.add_argument("--apply-layernorm-1p", action="store_true")
+    group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
+                       help="Take the residual from after the layernorm (original BERT/GPT-1 style).")
+    group.add_argument("--openai-gelu", action="store_true",
+                       help="Tanh-approximated GeLU (HF gelu_new), for GPT-2 checkpoints.")
+    group.add_argument("--squared-relu", action="store_true")
+    group.add_argument("--swiglu", action="store_true")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="Separate input embedding and output layer weights.")
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                       help="Disable the bias of the linear layers.")
+    group.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
+                       help="Layer implementation (only local is supported yet).")
+
+
+def _add_regularization_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="regularization")
+    group.add_argument("--attention-dropout", type=float, default=0.1, help="Post attention dropout probability.")
+    group.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout probability for hidden state.")
+    group.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay coefficient (L2).")
+    group.add_argument("--start-weight-decay", type=float, default=None,
+                       help="Initial weight decay of a linear/cosine increment.")
+    group.add_argument("--end-weight-decay", type=float, default=None,
+                       help="End of run weight decay of a linear/cosine increment.")
+    group.add_argument("--weight-decay-incr-style", type=str, default="constant",
+                       choices=["constant", "linear", "cosine"], help="Weight decay increment function.")
+    group.add_argument("--clip-grad", type=float, default=1.0, help="Gradient clipping on the global L2 norm.")
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-08)
+    group.add_argument("--sgd-momentum", type=float, default=0.9)
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="training")
+    group.add_argument("--micro-batch-size", type=int, default=None, help="Batch size per model instance.")
+    group.add_argument("--batch-size", type=int, default=None, help="Old batch size parameter, do not use. "
+                       "Use --micro-batch-size instead")
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Training batch size; micro-batch-size x data-parallel size if not given.")
+    group.add_argument("--rampup-batch-size", nargs="*", default=None,
+                       help="<start> <increment> <ramp-samples>: grow the global batch size.")
+    group.add_argument("--recompute-activations", action="store_true",
+                       help="Selective activation recompute (--recompute-granularity selective).")
+    group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"])
+    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"])
+    group.add_argument("--recompute-num-layers", type=int, default=None)
+    group.add_argument("--checkpoint-activations", action="store_true",
+                       help="No longer valid: use --recompute-activations.")
+    group.add_argument("--train-iters", type=int, default=None, help="Total iterations to train.")
+    group.add_argument("--train-samples", type=int, default=None, help="Total samples to train.")
+    group.add_argument("--log-interval", type=int, default=100, help="Report interval in iterations.")
+    group.add_argument("--exit-interval", type=int, default=None,
+                       help="Exit when the iteration is divisible by this value.")
+    group.add_argument("--exit-duration-in-mins", type=float, default=None,
+                       help="Exit after this many minutes (Megatron takes whole minutes; fractions are accepted).")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="Save a checkpoint and exit on SIGTERM.")
+    group.add_argument("--tensorboard-dir", type=str, default=None, help="Write tensorboard logs here.")
+    group.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion")
+    group.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion")
+    group.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion")
+    group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"])
+    group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic", "external"],
+                       help="Single pass vs multiple pass data loader ('single' if not given).")
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument("--calculate-per-token-loss", action="store_true",
+                       help="Divide the loss by the number of tokens of the whole global batch.")
+    group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                       help="Empty the accelerator's cache: 1 after each iteration, 2 also after eval.")
+    group.add_argument("--deterministic-mode", action="store_true", help="Use deterministic algorithms.")
+    group.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+                       help="Check the loss and gradients for NaN each iteration.")
+
+
+def _add_initialization_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="initialization")
+    group.add_argument("--seed", type=int, default=1234, help="Random seed of python, numpy, torch and the device.")
+    group.add_argument("--data-parallel-random-init", action="store_true",
+                       help="Different initial weights on each data-parallel rank.")
+    group.add_argument("--init-method-std", type=float, default=0.02,
+                       help="Standard deviation of the zero-mean normal weight initialization.")
+
+
+def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="learning rate")
+    group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
+    group.add_argument("--lr-decay-style", type=str, default="linear",
+                       choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    group.add_argument("--lr-wsd-decay-style", type=str, default="exponential",
+                       choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    group.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="Iterations to decay the LR over; --train-iters if not given.")
+    group.add_argument("--lr-decay-samples", type=int, default=None,
+                       help="Samples to decay the LR over; --train-samples if not given.")
+    group.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    group.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    group.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="Fraction of the LR decay steps used for warmup.")
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-warmup-samples", type=int, default=0)
+    group.add_argument("--lr-warmup-init", type=float, default=0.0, help="Initial LR of the linear warmup.")
+    group.add_argument("--warmup", type=int, default=None,
+                       help="Old lr warmup argument, do not use. Use one of the --lr-warmup-* arguments.")
+    group.add_argument("--min-lr", type=float, default=0.0, help="Minimum value of the learning rate.")
+    group.add_argument("--override-opt_param-scheduler", action="store_true",
+                       help="Use the scheduler values of the command line, not the checkpoint's.")
+    group.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                       help="Use the scheduler values of the checkpoint.")
+
+
+def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="checkpointing")
+    group.add_argument("--save", type=str, default=None, help="Output directory for checkpoints.")
+    group.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
+                       help="Iterations between checkpoint saves.")
+    group.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save the optimizer.")
+    group.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save the RNG state.")
+    group.add_argument("--load", type=str, default=None, help="Directory holding a checkpoint.")
+    group.add_argument("--no-load-optim", action="store_true", default=None, help="Do not load the optimizer.")
+    group.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load the RNG state.")
+    group.add_argument("--finetune", action="store_true",
+                       help="Load the model only and start from iteration 0.")
+    group.add_argument("--use-checkpoint-args", action="store_true",
+                       help="Take the model-shape arguments from the checkpoint.")
+    group.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                       help="Exit if --load is given but no checkpoint is found there.")
+    group.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                       help="Do not initialize the weights (they come from a checkpoint).")
+    group.add_argument("--ckpt-format", default="torch",
+                       choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
+                       help="Checkpoint format (only torch is supported yet).")
+
+
+def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="mixed precision")
+    group.add_argument("--fp16", action="store_true", help="Run the model in fp16.")
+    group.add_argument("--bf16", action="store_true", help="Run the model in bfloat16.")
+    group.add_argument("--loss-scale", type=float, default=None,
+                       help="Static loss scale (a power of 2); dynamic loss scaling if not given.")
+    group.add_argument("--initial-loss-scale", type=float, default=2**32, help="Initial dynamic loss scale.")
+    group.add_argument("--min-loss-scale", type=float, default=1.0, help="Minimum dynamic loss scale.")
+    group.add_argument("--loss-scale-window", type=float, default=1000,
+                       help="Clean steps before the dynamic loss scale grows.")
+    group.add_argument("--hysteresis", type=int, default=2, help="Overflows before the loss scale backs off.")
+    group.add_argument("--fp32-residual-connection", action="store_true", help="Keep the residual in fp32.")
+    group.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                       help="Scale Q x K^T by 1 / layer-number (forces softmax in fp32).")
+    group.add_argument("--attention-softmax-in-fp32", action="store_true",
+                       help="Run attention masking and softmax in fp32.")
+    group.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                       help="Gradient accumulation and all-reduce in fp32.")
+    group.add_argument("--fp16-lm-cross-entropy", action="store_true",
+                       help="Compute the unreduced cross entropy in fp16.")
+    group.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"], dest="fp8")
+
+
+def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="distributed")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--model-parallel-size", type=int, default=None,
+                       help="Old model parallel argument, do not use. Use --tensor-model-parallel-size.")
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    group.add_argument("--context-parallel-size", type=int, default=1)
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                       help="nccl on CUDA, gloo on CPU if not given.")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Timeout of the distributed collectives, in minutes.")
+    group.add_argument("--overlap-grad-reduce", action="store_true")
+    group.add_argument("--overlap-param-gather", action="store_true")
+    group.add_argument("--local-rank", type=int, default=int(os.getenv("LOCAL_RANK", "0")),
+                       help="Local rank, from the LOCAL_RANK environment variable that torchrun sets.")
+    group.add_argument("--use-cpu-initialization", action="store_true", default=None,
+                       help="Initialize the weights on the CPU.")
+
+
+def _add_validation_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="validation")
+    group.add_argument("--eval-iters", type=int, default=100, help="Iterations of each evaluation.")
+    group.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
+    group.add_argument("--skip-train", action="store_true", help="Only evaluate, do not train.")
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="data and dataloader")
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="One prefix, 'w1 p1 w2 p2 ...' (a weighted blend) or 'p1 p2 ...'.")
+    group.add_argument("--split", type=str, default=None,
+                       help="train,valid,test proportions of --data-path, e.g. '949,50,1'.")
+    group.add_argument("--train-data-path", nargs="*", default=None)
+    group.add_argument("--valid-data-path", nargs="*", default=None)
+    group.add_argument("--test-data-path", nargs="*", default=None)
+    group.add_argument("--data-cache-path", default=None, help="Where to cache the dataset index arrays.")
+    group.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                       help="Read the .bin files without memory mapping.")
+    group.add_argument("--mock-data", action="store_true", help="Synthetic data instead of --data-path.")
+    group.add_argument("--seq-length", type=int, default=None, help="Maximum sequence length to process.")
+    group.add_argument("--num-workers", type=int, default=2, help="Dataloader worker processes.")
+    group.add_argument("--reset-position-ids", action="store_true",
+                       help="Restart position ids after each end-of-document token.")
+    group.add_argument("--reset-attention-mask", action="store_true",
+                       help="Do not attend across end-of-document tokens.")
+    group.add_argument("--eod-mask-loss", action="store_true", help="No loss on end-of-document tokens.")
+    group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                       dest="create_attention_mask_in_dataloader",
+                       help="Do not build the [1, s, s] attention mask in the data loader.")
+
+
+def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="logging")
+    group.add_argument("--log-params-norm", action="store_true", help="Log the norm of the parameters.")
+    group.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log the number of zero gradients.")
+    group.add_argument("--log-throughput", action="store_true", help="Log TFLOP/s per device.")
+    group.add_argument("--timing-log-level", type=int, default=0, choices=range(3),
+                       help="Granularity of the timers: 0 iteration only, 1 coarse, 2 fine.")
+    group.add_argument("--timing-log-option", type=str, default="minmax", choices=["max", "minmax", "all"])
+    group.add_argument("--tensorboard-log-interval", type=int, default=1)
+    group.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                       help="Events and summaries queued before a flush to disk.")
+    group.add_argument("--log-timers-to-tensorboard", action="store_true")
+    group.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    group.add_argument("--log-memory-to-tensorboard", action="store_true")
+    group.add_argument("--wandb-project", type=str, default="", help="The wandb project name; off if empty.")
+    group.add_argument("--wandb-exp-name", type=str, default="", help="The wandb experiment name.")
+    group.add_argument("--wandb-save-dir", type=str, default="", help="Where wandb saves its files.")
+    group.add_argument("--logging-level", type=int, default=None, help="Python logging level.")
+
+
+def _add_moe_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(title="moe")
+    group.add_argument("--num-experts", type=int, default=None, help="Experts per MoE layer (not supported yet).")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1)
+
+
+def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
+    """The parser with every group, then the script's own flags from extra_args_provider."""
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    for add_group in (_add_network_size_args, _add_regularization_args, _add_training_args,
+                      _add_initialization_args, _add_learning_rate_args, _add_checkpointing_args,
+                      _add_mixed_precision_args, _add_distributed_args, _add_validation_args,
+                      _add_data_args, add_tokenizer_args, _add_logging_args, _add_moe_args):
+        add_group(parser)
+    if extra_args_provider is not None:
+        # Megatron's providers return the parser; accept one that only adds to it, too.
+        parser = extra_args_provider(parser) or parser
+    return parser
+
+
+def parse_args(extra_args_provider: ExtraArgsProvider | None = None, ignore_unknown_args: bool = False,
+               argv: list[str] | None = None) -> Namespace:
+    """Parse argv (sys.argv[1:] when None); rank and world_size come from RANK / WORLD_SIZE."""
+    parser = build_parser(extra_args_provider)
+    if ignore_unknown_args:
+        args, _ = parser.parse_known_args(argv)
+    else:
+        args = parser.parse_args(argv)
+    args.rank, args.world_size = env_rank_and_world_size()
+    return args
+
+
+def parse_and_validate_args(extra_args_provider: ExtraArgsProvider | None = None,
+                            args_defaults: dict[str, Any] | None = None,
+                            argv: list[str] | None = None, ignore_unknown_args: bool = False) -> Namespace:
+    """parse_args then validate_args(args, args_defaults)."""
+    args = parse_args(extra_args_provider, ignore_unknown_args, argv)
+    return validate_args(args, args_defaults)
+
+
+# ----------------------------------------------------------------------------- config builders
+
+
+def core_transformer_config_from_args(args: Namespace, config_class: type | None = None) -> Any:
+    """The TransformerConfig (or config_class) of validated args; the only flag -> model translation."""
+    if config_class is None:
+        from megatron.model import TransformerConfig as config_class
+    return config_class(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+        layernorm_epsilon=args.norm_epsilon,
+        add_bias_linear=args.add_bias_linear,
+        openai_gelu=args.openai_gelu,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        fp32_residual_connection=args.fp32_residual_connection,
+        perform_initialization=args.perform_initialization,
+        use_cpu_initialization=bool(args.use_cpu_initialization),
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        masked_softmax_fusion=args.masked_softmax_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion,
+        deterministic_mode=args.deterministic_mode,
+    )
+
+
+def optimizer_config_from_args(args: Namespace) -> Any:
+    """The OptimizerConfig of validated args."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        clip_grad=args.clip_grad,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+    )
+
+
+def gpt_dataset_config_from_args(args: Namespace, tokenizer: Any) -> Any:
+    """The GPTDatasetConfig of validated args: --data-path blend + --split, or one blend per split."""
+    from megatron.data.dataset_config import GPTDatasetConfig
+    from megatron.data.utils import parse_data_path
+
+    per_split = [parse_data_path(getattr(args, f"{name}_data_path")) for name in ("train", "valid", "test")]
+    if args.seq_length is None:
+        raise ArgsError("--seq-length is required to build the GPT datasets")
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=parse_data_path(args.data_path),
+        blend_per_split=per_split if any(b is not None for b in per_split) else None,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        mock=args.mock_data,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )

@@ -1,0 +1,464 @@
+"""validate_args: Megatron's checks and derived values, one small pure function per concern.
+
+Order (each step may rely on the values the earlier ones derived):
+
+| step | function | derives |
+|---|---|---|
+| 1 | _apply_defaults | values from args_defaults that the user left at None |
+| 2 | _apply_flag_aliases | exits/raises for dead flags; recompute/rope aliases |
+| 3 | _validate_parallel | rank, world_size, data_parallel_size, distributed_backend |
+| 4 | _validate_not_yet_supported | (nothing: features of later issues raise) |
+| 5 | _validate_model | ffn_hidden_size (4h), kv_channels (h / heads) |
+| 6 | _validate_precision | params_dtype, attention_softmax_in_fp32, bf16 fp32 grad accumulation |
+| 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints |
+| 8 | _validate_train_length | (iteration- or sample-based consistency) |
+| 9 | _validate_lr | start/end_weight_decay for the constant style |
+| 10 | _validate_checkpointing | |
+| 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' |
+| 12 | _validate_intervals | |
+| 13 | _set_training_state | consumed/skipped sample counters, variable_seq_lengths |
+
+Every error is an ArgsError naming the flag(s) and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from argparse import Namespace
+from typing import Any
+
+import torch
+
+from megatron.core import device
+from megatron.data.utils import parse_and_normalize_split, parse_data_path
+
+
+class ArgsError(ValueError):
+    """A bad command line: the message names the flag(s) involved and what to do."""
+
+
+# Deprecated / shorthand flags in one table: dest -> (action, message or (target dest, value)).
+# "exit": print Megatron's message on rank 0 and stop the program (as Megatron's exit()).
+# "error": raise ArgsError with Megatron's message. "set": the flag is a shorthand for another.
+# The dead flags are removed from args afterwards, as Megatron does (del args.checkpoint_activations).
+FLAG_ALIASES: dict[str, tuple] = {
+    "checkpoint_activations": ("exit", ("--checkpoint-activations is no longer valid, use --recompute-activations, "
+                                       "or, for more control, --recompute-granularity and --recompute-method.")),
+    "batch_size": ("error", "--batch-size argument is no longer valid, use --micro-batch-size instead"),
+    "warmup": ("error", "--warmup argument is no longer valid, use --lr-warmup-fraction instead"),
+    "model_parallel_size": ("error", ("--model-parallel-size is no longer valid, "
+                                     "use --tensor-model-parallel-size instead")),
+    "recompute_activations": ("set", ("recompute_granularity", "selective")),
+    "use_rotary_position_embeddings": ("set", ("position_embedding_type", "rope")),
+}
+
+# Features that later issues add. A row: (dest, flag as the user sees it, supported value, feature).
+# A value other than the supported one raises "not supported yet"; delete the row when it lands.
+NOT_YET_SUPPORTED = (
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size", 1, "tensor parallelism"),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1, "pipeline parallelism"),
+    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage", None,
+     "the interleaved pipeline schedule"),
+    ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
+    ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "expert parallelism"),
+    ("num_experts", "--num-experts", None, "mixture of experts"),
+    ("sequence_parallel", "--sequence-parallel", False, "sequence parallelism"),
+    ("data_parallel_size", "world size (WORLD_SIZE / torchrun --nproc-per-node)", 1, "data parallelism"),
+    ("use_distributed_optimizer", "--use-distributed-optimizer", False, "the distributed optimizer"),
+    ("overlap_grad_reduce", "--overlap-grad-reduce", False, "overlapped gradient reduction"),
+    ("overlap_param_gather", "--overlap-param-gather", False, "overlapped parameter all-gather"),
+    ("recompute_granularity", "--recompute-granularity (or --recompute-activations)", None,
+     "activation recompute"),
+    ("recompute_method", "--recompute-method", None, "activation recompute"),
+    ("recompute_num_layers", "--recompute-num-layers", None, "activation recompute"),
+    ("position_embedding_type", "--position-embedding-type", "learned_absolute",
+     "position embeddings other than learned_absolute"),
+    ("normalization", "--normalization", "LayerNorm", "RMSNorm"),
+    ("apply_layernorm_1p", "--apply-layernorm-1p", False, "LayerNorm 1p"),
+    ("swiglu", "--swiglu", False, "the SwiGLU MLP"),
+    ("squared_relu", "--squared-relu", False, "the squared-ReLU MLP"),
+    ("group_query_attention", "--group-query-attention", False, "grouped-query attention"),
+    ("transformer_impl", "--transformer-impl", "local", "Transformer Engine layers"),
+    ("fp8", "--fp8-format", None, "FP8 training"),
+    ("ckpt_format", "--ckpt-format", "torch", "checkpoint formats other than 'torch'"),
+)
+
+# The GPT model's required shape flags (Megatron's required_args).
+REQUIRED_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
+
+
+def flag(dest: str) -> str:
+    """'micro_batch_size' -> '--micro-batch-size'."""
+    return "--" + dest.replace("_", "-")
+
+
+def _print_rank_0(args: Namespace, message: str) -> None:
+    if getattr(args, "rank", 0) == 0:
+        print(message, flush=True)
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ArgsError(f"environment variable {name}={text!r} must be an integer "
+                        f"(it is set by torchrun; unset it for a single-process run)") from None
+
+
+def env_rank_and_world_size() -> tuple:
+    """(RANK, WORLD_SIZE) from the environment, as torchrun sets them; (0, 1) when unset."""
+    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+
+
+def _require_positive(args: Namespace, dests: tuple, allow_zero: bool = False) -> None:
+    """Each given (non-None) value must be > 0 (>= 0 with allow_zero)."""
+    for dest in dests:
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ArgsError(f"{flag(dest)} must be {bound}, got {value}")
+
+
+# ----------------------------------------------------------------------------- steps 1-4
+
+
+def _apply_defaults(args: Namespace, defaults: dict[str, Any] | None) -> None:
+    """Megatron's args_defaults: fill values the user did not give (those still None)."""
+    for key, value in (defaults or {}).items():
+        current = getattr(args, key, None)
+        if current is None:
+            setattr(args, key, value)
+        elif current != value:
+            _print_rank_0(args, f"WARNING: overriding default arguments for {key}:{value} "
+                                f"with {key}:{current}")
+
+
+def _apply_flag_aliases(args: Namespace) -> None:
+    """Dead flags exit or raise with Megatron's message; shorthand flags set their target."""
+    for dest, (action, payload) in FLAG_ALIASES.items():
+        value = getattr(args, dest, None)
+        if value not in (None, False):
+            if action == "exit":
+                _print_rank_0(args, payload)
+                # Megatron calls exit() (status 0); a non-zero status tells job runners it did not train.
+                sys.exit(1)
+            if action == "error":
+                raise ArgsError(payload)
+            target, target_value = payload
+            setattr(args, target, target_value)
+        if hasattr(args, dest):
+            delattr(args, dest)
+
+
+def data_parallel_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
+    """world_size / (tp x pp x cp), with an ArgsError when it does not divide."""
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ArgsError(f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
+                        f"x --pipeline-model-parallel-size ({pp}) x --context-parallel-size ({cp}); "
+                        "change the parallel sizes or the number of processes")
+    return world_size // model_parallel
+
+
+def _validate_parallel(args: Namespace) -> None:
+    """rank, world_size, data_parallel_size and the distributed backend."""
+    if getattr(args, "rank", None) is None or getattr(args, "world_size", None) is None:
+        args.rank, args.world_size = env_rank_and_world_size()
+    if args.world_size < 1:
+        raise ArgsError(f"WORLD_SIZE must be >= 1, got {args.world_size}")
+    if not 0 <= args.rank < args.world_size:
+        raise ArgsError(f"RANK ({args.rank}) must be in [0, WORLD_SIZE ({args.world_size})); "
+                        "launch with torchrun, which sets both")
+    _require_positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                             "context_parallel_size", "expert_model_parallel_size"))
+    args.data_parallel_size = data_parallel_size(args.world_size, args.tensor_model_parallel_size,
+                                                 args.pipeline_model_parallel_size, args.context_parallel_size)
+    _print_rank_0(args, f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, "
+                        f"context-parallel size: {args.context_parallel_size}, "
+                        f"tensor-model-parallel size: {args.tensor_model_parallel_size}, "
+                        f"pipeline-model-parallel size: {args.pipeline_model_parallel_size} ")
+    if args.distributed_backend is None:
+        args.distributed_backend = device.get_backend()
+    elif args.distributed_backend == "nccl" and not device.accelerator_available():
+        raise ArgsError("--distributed-backend nccl needs a CUDA device and none is available; "
+                        "use --distributed-backend gloo (or leave it unset to choose automatically)")
+    _require_positive(args, ("distributed_timeout_minutes",))
+
+
+def _validate_not_yet_supported(args: Namespace) -> None:
+    """Flags of features that later issues add raise instead of being ignored."""
+    for dest, shown, supported, feature in NOT_YET_SUPPORTED:
+        value = getattr(args, dest, supported)
+        if value == supported:
+            continue
+        given = "" if isinstance(value, bool) else f" {value}"
+        keep = "remove it" if supported in (None, False) else f"use {supported}"
+        raise ArgsError(f"{shown}{given}: {feature} is not supported yet; {keep}")
+
+
+# ----------------------------------------------------------------------------- steps 5-6
+
+
+def _validate_model(args: Namespace) -> None:
+    """Required shape flags, the 4h and h/heads defaults, positional range and dropouts."""
+    for dest in REQUIRED_MODEL_ARGS:
+        if getattr(args, dest, None) is None:
+            raise ArgsError(f"{flag(dest)} is required")
+    _require_positive(args, REQUIRED_MODEL_ARGS + ("ffn_hidden_size", "kv_channels", "seq_length",
+                                                   "make_vocab_size_divisible_by", "norm_epsilon",
+                                                   "init_method_std"))
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads:
+            raise ArgsError(f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+                            f"({args.num_attention_heads}), or give --kv-channels")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if (args.seq_length is not None and args.position_embedding_type == "learned_absolute"
+            and args.max_position_embeddings < args.seq_length):
+        raise ArgsError(f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --seq-length "
+                        f"({args.seq_length}); raise --max-position-embeddings or shorten --seq-length")
+    for dest in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, dest) < 1.0:
+            raise ArgsError(f"{flag(dest)} must be in [0, 1), got {getattr(args, dest)}")
+
+
+def _validate_precision(args: Namespace) -> None:
+    """params_dtype from --fp16/--bf16, softmax in fp32 with query-key scaling, loss-scale values."""
+    if args.fp16 and args.bf16:
+        raise ArgsError("--fp16 and --bf16 cannot both be given; choose one")
+    args.params_dtype = torch.float32
+    if args.fp16:
+        args.params_dtype = torch.half
+    if args.bf16:
+        args.params_dtype = torch.bfloat16
+        # bfloat16 gradients are too coarse to sum across micro-batches: accumulate them in fp32.
+        if not args.accumulate_allreduce_grads_in_fp32:
+            args.accumulate_allreduce_grads_in_fp32 = True
+            _print_rank_0(args, "accumulate and all-reduce gradients in fp32 for bfloat16 data type.")
+    _print_rank_0(args, f"using {args.params_dtype} for parameters ...")
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True
+    if args.fp16_lm_cross_entropy and not args.fp16:
+        raise ArgsError("--fp16-lm-cross-entropy needs --fp16 (lm cross entropy in fp16 is only for fp16 runs)")
+    if args.fp32_residual_connection and not (args.fp16 or args.bf16):
+        raise ArgsError("--fp32-residual-connection needs --fp16 or --bf16 (the residual is already fp32)")
+    _require_positive(args, ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                             "hysteresis"))
+    if args.min_loss_scale > args.initial_loss_scale:
+        raise ArgsError(f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale "
+                        f"({args.initial_loss_scale})")
+
+
+# ----------------------------------------------------------------------------- steps 7-9
+
+
+def _parse_rampup(values: Any) -> list:
+    if not isinstance(values, (list, tuple)) or len(values) != 3:
+        raise ArgsError(f"--rampup-batch-size needs three values <start> <increment> <ramp-samples>, "
+                        f"got {values!r}; e.g. --rampup-batch-size 16 8 300000")
+    try:
+        start, incr, samples = (int(v) for v in values)
+    except ValueError:
+        raise ArgsError(f"--rampup-batch-size values must be integers, got {list(values)}") from None
+    if start <= 0 or incr <= 0 or samples < 0:
+        raise ArgsError(f"--rampup-batch-size start ({start}) and increment ({incr}) must be > 0 and "
+                        f"ramp-samples ({samples}) >= 0")
+    return [start, incr, samples]
+
+
+def _validate_batch(args: Namespace) -> None:
+    """Micro/global batch sizes (gbs defaults to mbs x dp) and the batch-size ramp-up."""
+    if args.micro_batch_size is None:
+        raise ArgsError("--micro-batch-size is required")
+    _require_positive(args, ("micro_batch_size", "global_batch_size"))
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+        _print_rank_0(args, f"setting global batch size to {args.global_batch_size}")
+    if args.global_batch_size % per_step:
+        raise ArgsError(f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
+                        f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
+    if args.rampup_batch_size is None:
+        return
+    start, incr, _ = args.rampup_batch_size = _parse_rampup(args.rampup_batch_size)
+    if start > args.global_batch_size:
+        raise ArgsError(f"--rampup-batch-size start ({start}) must be <= --global-batch-size "
+                        f"({args.global_batch_size})")
+    if (args.global_batch_size - start) % incr:
+        raise ArgsError(f"--global-batch-size ({args.global_batch_size}) minus the --rampup-batch-size start "
+                        f"({start}) must be divisible by its increment ({incr})")
+    if start % per_step or incr % per_step:
+        raise ArgsError(f"--rampup-batch-size start ({start}) and increment ({incr}) must be divisible by "
+                        f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
+                        f"({args.data_parallel_size}), so that every ramp-up batch splits into micro-batches")
+
+
+def _validate_train_length(args: Namespace) -> None:
+    """Exactly one of --train-iters / --train-samples, and no mixing of iteration and sample flags."""
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ArgsError("--train-iters and --train-samples cannot both be given; "
+                        "train by iterations or by samples")
+    if args.train_iters is None and args.train_samples is None:
+        raise ArgsError("give the training length: --train-iters or --train-samples")
+    _require_positive(args, ("train_iters", "train_samples"))
+    if args.train_iters is not None:
+        if args.rampup_batch_size is not None:
+            raise ArgsError("--rampup-batch-size needs sample-based training: "
+                            "use --train-samples instead of --train-iters")
+        mixed = [d for d in ("lr_decay_samples", "lr_wsd_decay_samples") if getattr(args, d) is not None]
+        mixed += ["lr_warmup_samples"] if args.lr_warmup_samples else []
+        unit, other, kind = "iters", "samples", "iteration"
+    else:
+        mixed = [d for d in ("lr_decay_iters", "lr_wsd_decay_iters") if getattr(args, d) is not None]
+        mixed += ["lr_warmup_iters"] if args.lr_warmup_iters else []
+        unit, other, kind = "samples", "iters", "sample"
+    if mixed:
+        bad = flag(mixed[0])
+        raise ArgsError(f"{bad} cannot be used with --train-{unit} ({kind}-based training); "
+                        f"use {bad.replace(other, unit)}")
+
+
+def _validate_lr(args: Namespace) -> None:
+    """Learning rate, warmup, decay and weight-decay schedule."""
+    if args.lr is None:
+        raise ArgsError("--lr is required (the peak learning rate)")
+    _require_positive(args, ("lr", "min_lr", "lr_warmup_init", "lr_warmup_iters", "lr_warmup_samples",
+                             "weight_decay"), allow_zero=True)
+    _require_positive(args, ("lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples"))
+    if args.min_lr > args.lr:
+        raise ArgsError(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
+    if args.lr_warmup_fraction is not None:
+        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
+            raise ArgsError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+        for dest in ("lr_warmup_iters", "lr_warmup_samples"):
+            if getattr(args, dest):
+                raise ArgsError(f"can only specify one of --lr-warmup-fraction and {flag(dest)}")
+    if args.train_iters is not None and args.lr_warmup_iters:
+        decay = args.lr_decay_iters or args.train_iters
+        if args.lr_warmup_iters >= decay:
+            raise ArgsError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --lr-decay-iters ({decay}; "
+                            "it defaults to --train-iters)")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.lr_wsd_decay_samples is None:
+        raise ArgsError("--lr-decay-style WSD needs the length of its decay phase: "
+                        "--lr-wsd-decay-iters or --lr-wsd-decay-samples")
+    if args.weight_decay_incr_style == "constant":
+        for dest in ("start_weight_decay", "end_weight_decay"):
+            # equal to --weight-decay: args validated before, which is fine
+            if getattr(args, dest) not in (None, args.weight_decay):
+                raise ArgsError(f"{flag(dest)} needs --weight-decay-incr-style linear or cosine; "
+                                "with the constant style use --weight-decay")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    else:
+        for dest in ("start_weight_decay", "end_weight_decay"):
+            if getattr(args, dest) is None:
+                raise ArgsError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs {flag(dest)}")
+        _require_positive(args, ("start_weight_decay", "end_weight_decay"), allow_zero=True)
+
+
+# ----------------------------------------------------------------------------- steps 10-13
+
+
+def _validate_checkpointing(args: Namespace) -> None:
+    """--save needs --save-interval; loading options need --load."""
+    if args.save is not None and args.save_interval is None:
+        raise ArgsError("--save needs --save-interval (iterations between checkpoints)")
+    _require_positive(args, ("save_interval",))
+    for dest in ("use_checkpoint_args", "finetune"):
+        if getattr(args, dest) and args.load is None:
+            raise ArgsError(f"{flag(dest)} needs --load (the checkpoint directory to read)")
+
+
+def _validate_data(args: Namespace) -> None:
+    """One data source (--data-path, --train/valid/test-data-path or --mock-data), split, seq length."""
+    per_split = [d for d in ("train_data_path", "valid_data_path", "test_data_path") if getattr(args, d) is not None]
+    for dest in ["data_path"] + per_split:
+        if getattr(args, dest) is not None:
+            if not getattr(args, dest):
+                raise ArgsError(f"{flag(dest)} needs at least one dataset prefix")
+            try:
+                parse_data_path(getattr(args, dest))
+            except ValueError as error:
+                raise ArgsError(str(error).replace("--data-path", flag(dest))) from None
+    given = (["--data-path"] if args.data_path is not None else []) + [flag(d) for d in per_split]
+    if args.data_path is not None and per_split:
+        raise ArgsError(f"--data-path cannot be combined with {', '.join(flag(d) for d in per_split)}; "
+                        "give one blend split by --split, or one path per split")
+    if args.mock_data and given:
+        raise ArgsError(f"--mock-data cannot be combined with {', '.join(given)}; drop one of them")
+    if not given and not args.mock_data:
+        raise ArgsError("no training data: give --data-path (with --split), --train-data-path/"
+                        "--valid-data-path/--test-data-path, or --mock-data")
+    if per_split and args.split is not None:
+        raise ArgsError("--split cannot be used with --train-data-path/--valid-data-path/--test-data-path; "
+                        "each split already has its own data")
+    if args.data_path is not None and args.split is None:
+        args.split = "969, 30, 1"
+        _print_rank_0(args, 'WARNING: Please specify --split when using --data-path. '
+                            'Using legacy default value of "969, 30, 1"')
+    if args.split is not None:
+        try:
+            parse_and_normalize_split(args.split)
+        except ValueError as error:
+            raise ArgsError(str(error)) from None
+    if args.seq_length is None:
+        raise ArgsError("--seq-length is required (tokens per training sample)")
+    _require_positive(args, ("num_workers",), allow_zero=True)
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"
+
+
+def _validate_intervals(args: Namespace) -> None:
+    """Logging, evaluation and exit intervals."""
+    _require_positive(args, ("log_interval", "eval_interval", "exit_interval", "exit_duration_in_mins",
+                             "tensorboard_log_interval", "tensorboard_queue_size"))
+    _require_positive(args, ("eval_iters",), allow_zero=True)
+
+
+def _set_training_state(args: Namespace) -> None:
+    """Counters that checkpoints carry; they start at zero."""
+    args.consumed_train_samples = 0
+    args.consumed_valid_samples = 0
+    args.skipped_train_samples = 0
+    args.variable_seq_lengths = False
+
+
+def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Namespace:
+    """Check the parsed flags, derive Megatron's values in place and return args.
+
+    defaults: Megatron's args_defaults; each fills its key only where the value is None.
+    Raises ArgsError (a ValueError) naming the flag; --checkpoint-activations exits.
+    Prints Megatron's argument block on rank 0 at the end.
+    """
+    _apply_defaults(args, defaults)
+    _apply_flag_aliases(args)
+    _validate_parallel(args)
+    _validate_not_yet_supported(args)
+    _validate_model(args)
+    _validate_precision(args)
+    _validate_batch(args)
+    _validate_train_length(args)
+    _validate_lr(args)
+    _validate_checkpointing(args)
+    _validate_data(args)
+    _validate_intervals(args)
+    _set_training_state(args)
+    print_args(args)
+    return args
+
+
+def print_args(args: Namespace, title: str = "arguments") -> None:
+    """Megatron's sorted '  name .... value' block, on rank 0 only."""
+    if getattr(args, "rank", 0) != 0:
+        return
+    print(f"------------------------ {title} ------------------------", flush=True)
+    lines = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()]
+    for line in sorted(lines, key=lambda x: x.lower()):
+        print(line, flush=True)
+    print(f"-------------------- end of {title} ---------------------", flush=True)
