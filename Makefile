@@ -28,7 +28,8 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 # ---------------------------------------------------------------- the main job
 # The built-in default: a corpus made from Python's own documentation and standard library,
-# a byte-level BPE tokenizer trained on it, and the corpus preprocessed into .bin/.idx.
+# a byte-level BPE tokenizer trained on it, the corpus preprocessed into .bin/.idx, and a tiny
+# GPT trained on it (examples/pretrain_gpt.sh: 200 iterations on CPU, checkpoints under $(DATA)/checkpoints).
 $(DATA)/corpus.jsonl: tools/make_default_corpus.py | $(VENV)/.installed
 	$(PY) tools/make_default_corpus.py --output $@
 
@@ -45,6 +46,8 @@ run: $(DATA)/python_text_document.idx
 	$(PY) tools/inspect_dataset.py --data-path $(DATA)/python_text_document \
 		--tokenizer-type GPT2BPETokenizer --vocab-file $(DATA)/tokenizer/vocab.json \
 		--merge-file $(DATA)/tokenizer/merges.txt
+	PYTHON=$(PY) examples/pretrain_gpt.sh $(DATA)/python_text_document $(DATA)/tokenizer/vocab.json \
+		$(DATA)/tokenizer/merges.txt $(DATA)/checkpoints/gpt-tiny
 
 # ---------------------------------------------------------------- tests and benchmarks
 test: $(VENV)/.installed-test
@@ -53,6 +56,7 @@ test: $(VENV)/.installed-test
 bench: $(DATA)/python_text_document.idx
 	$(PY) bench/preprocess.py
 	$(PY) bench/dataset_index.py
+	$(PY) bench/train_gpt.py
 
 clean-data:
 	rm -rf $(DATA)

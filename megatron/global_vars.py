@@ -1,0 +1,135 @@
+"""Process-wide state of a training run: args, tokenizer, timers, writers, micro-batch calculator.
+
+Only the training framework (training.py, the entry points, checkpointing) reads these;
+megatron/core and megatron/model take explicit configs. set_global_variables() is called once
+by initialize_megatron(); unset_global_variables() lets one process run several trainings
+(tests, notebooks).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+from megatron.timers import Timers
+
+_ARGS: Optional[argparse.Namespace] = None
+_TOKENIZER: Any = None
+_TIMERS: Optional[Timers] = None
+_TENSORBOARD_WRITER: Any = None
+_WANDB_WRITER: Any = None
+_MICROBATCHES: Any = None
+_SIGNAL_HANDLER: Any = None
+
+
+def _ensure(value: Any, name: str) -> Any:
+    if value is None:
+        raise RuntimeError(f"{name} is not initialized; call megatron.initialize.initialize_megatron() first")
+    return value
+
+
+def get_args() -> argparse.Namespace:
+    return _ensure(_ARGS, "args")
+
+
+def get_tokenizer() -> Any:
+    return _ensure(_TOKENIZER, "tokenizer")
+
+
+def get_timers() -> Timers:
+    return _ensure(_TIMERS, "timers")
+
+
+def get_tensorboard_writer() -> Any:
+    """The SummaryWriter on the last rank when --tensorboard-dir is set, else None."""
+    return _TENSORBOARD_WRITER
+
+
+def get_wandb_writer() -> Any:
+    """The wandb module (after wandb.init) on the last rank when --wandb-project is set, else None."""
+    return _WANDB_WRITER
+
+
+def get_signal_handler() -> Any:
+    return _SIGNAL_HANDLER
+
+
+def get_num_microbatches() -> int:
+    return _ensure(_MICROBATCHES, "micro-batch calculator").get()
+
+
+def get_current_global_batch_size() -> int:
+    return _ensure(_MICROBATCHES, "micro-batch calculator").get_current_global_batch_size()
+
+
+def update_num_microbatches(consumed_samples: int, consistency_check: bool = True) -> None:
+    _ensure(_MICROBATCHES, "micro-batch calculator").update(consumed_samples, consistency_check)
+
+
+def set_args(args: argparse.Namespace) -> None:
+    global _ARGS
+    _ARGS = args
+
+
+def set_global_variables(args: argparse.Namespace, build_tokenizer: bool = True) -> None:
+    """Set args, the micro-batch calculator, tokenizer, timers and the writers from args."""
+    global _TOKENIZER, _TIMERS, _MICROBATCHES
+    from megatron.microbatches import build_num_microbatches_calculator
+
+    set_args(args)
+    _MICROBATCHES = build_num_microbatches_calculator(
+        args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
+        args.data_parallel_size)
+    if build_tokenizer:
+        from megatron.tokenizer import build_tokenizer as _build
+
+        _TOKENIZER = _build(args)
+    _TIMERS = Timers(getattr(args, "timing_log_level", 0))
+    _set_tensorboard_writer(args)
+    _set_wandb_writer(args)
+    _set_signal_handler(args)
+
+
+def _set_tensorboard_writer(args: argparse.Namespace) -> None:
+    global _TENSORBOARD_WRITER
+    if not getattr(args, "tensorboard_dir", None) or args.rank != args.world_size - 1:
+        return
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise RuntimeError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from exc
+    print("> setting tensorboard ...", flush=True)
+    _TENSORBOARD_WRITER = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+
+
+def _set_wandb_writer(args: argparse.Namespace) -> None:
+    global _WANDB_WRITER
+    if not getattr(args, "wandb_project", None) or args.rank != args.world_size - 1:
+        return
+    try:
+        import wandb
+    except ImportError as exc:
+        raise RuntimeError("--wandb-project needs the wandb package: pip install wandb") from exc
+    save_dir = args.wandb_save_dir or (f"{args.save}/wandb" if args.save else None)
+    wandb.init(dir=save_dir, name=args.wandb_exp_name, project=args.wandb_project, config=vars(args))
+    _WANDB_WRITER = wandb
+
+
+def _set_signal_handler(args: argparse.Namespace) -> None:
+    global _SIGNAL_HANDLER
+    if getattr(args, "exit_signal_handler", False):
+        from megatron.dist_signal_handler import DistributedSignalHandler
+
+        _SIGNAL_HANDLER = DistributedSignalHandler().__enter__()
+
+
+def unset_global_variables() -> None:
+    """Forget every global (closing the writers and restoring the signal handler)."""
+    global _ARGS, _TOKENIZER, _TIMERS, _TENSORBOARD_WRITER, _WANDB_WRITER, _MICROBATCHES, _SIGNAL_HANDLER
+    if _TENSORBOARD_WRITER is not None:
+        _TENSORBOARD_WRITER.close()
+    if _WANDB_WRITER is not None:
+        _WANDB_WRITER.finish()
+    if _SIGNAL_HANDLER is not None:
+        _SIGNAL_HANDLER.__exit__(None, None, None)
+    _ARGS = _TOKENIZER = _TIMERS = _TENSORBOARD_WRITER = _WANDB_WRITER = _MICROBATCHES = _SIGNAL_HANDLER = None

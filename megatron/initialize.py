@@ -1,0 +1,78 @@
+"""initialize_megatron(): arguments, globals, torch.distributed, parallel state and seeds.
+
+    parse_args -> (--use-checkpoint-args: shape args from the checkpoint) -> validate_args
+    -> global variables (tokenizer, timers, writers, micro-batch calculator)
+    -> torch.distributed (under torchrun: env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)
+    -> parallel state -> random seeds -> deterministic mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron import global_vars
+from megatron.core import device, parallel_state
+from megatron.utils import print_rank_0
+
+
+def initialize_megatron(extra_args_provider: Optional[Callable] = None, args_defaults: Optional[Dict] = None,
+                        argv: Optional[List[str]] = None, ignore_unknown_args: bool = False) -> argparse.Namespace:
+    """Set up a training process; argv None reads sys.argv. Returns the validated args."""
+    from megatron.arguments import parse_args, validate_args
+
+    reset_megatron()
+    args = parse_args(extra_args_provider, ignore_unknown_args, argv=argv)
+    if args.use_checkpoint_args or (args_defaults or {}).get("use_checkpoint_args", False):
+        from megatron.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args)
+    validate_args(args, args_defaults or {})
+    device.set_backend_override(args.distributed_backend)
+    global_vars.set_global_variables(args)
+    _initialize_distributed(args)
+    _set_random_seed(args.seed)
+    if args.deterministic_mode:
+        _set_deterministic_mode()
+    return args
+
+
+def reset_megatron() -> None:
+    """Forget the globals and parallel state of a previous run in this process."""
+    global_vars.unset_global_variables()
+    parallel_state.destroy_model_parallel()
+
+
+def _initialize_distributed(args: argparse.Namespace) -> None:
+    """Join the torchrun process group (when launched by torchrun) and record the parallel layout."""
+    device.set_device()
+    launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    if launched and not dist.is_initialized():
+        print_rank_0("> initializing torch distributed ...")
+        dist.init_process_group(backend=device.get_backend(), world_size=args.world_size, rank=args.rank,
+                                timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+
+
+def _set_random_seed(seed: int) -> None:
+    """Seed python, numpy, torch and the accelerator; pipeline stages get distinct seeds."""
+    if seed is None or seed <= 0:
+        raise ValueError(f"--seed must be a positive integer, got {seed}")
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    device.manual_seed(seed)
+
+
+def _set_deterministic_mode() -> None:
+    """Bit-reproducible runs: deterministic kernels only (and cuBLAS workspace pinned on GPU)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)

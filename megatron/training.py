@@ -1,0 +1,452 @@
+"""pretrain(): build the model, optimizer, scheduler and data; train, evaluate, checkpoint.
+
+    initialize_megatron           args, globals, distributed, seeds
+    setup_model_and_optimizer     model (Float16Module under --fp16/--bf16), optimizer, LR/WD
+                                  scheduler, --load
+    build data iterators          datasets sized for train_iters x global batch, loaders that
+                                  resume at the consumed samples of the checkpoint
+    train                         train_step per iteration; log, evaluate, save, exit checks
+    final validation and test
+
+The loop reads top to bottom; every feature is a named helper call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from megatron.core import device, parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.global_vars import (
+    get_args,
+    get_current_global_batch_size,
+    get_num_microbatches,
+    get_signal_handler,
+    get_tensorboard_writer,
+    get_timers,
+    get_wandb_writer,
+    update_num_microbatches,
+)
+from megatron.initialize import initialize_megatron
+from megatron.training_log import (
+    IntervalStats,
+    Progress,
+    format_log_line,
+    log_validation,
+    num_floating_point_operations,
+    write_scalars,
+)
+from megatron.utils import print_datetime, print_rank_0, print_rank_last
+
+_TRAIN_START_TIME: float = time.time()
+
+
+class NaNLossError(RuntimeError):
+    """--check-for-nan-in-loss-and-grad found a NaN/Inf loss or gradient norm."""
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One training iteration, exactly as computed (no log-line rounding)."""
+
+    iteration: int
+    losses: Dict[str, float]
+    skipped: bool
+    grad_norm: Optional[float]
+    learning_rate: float
+    loss_scale: float
+    global_batch_size: int
+
+
+@dataclass
+class TrainingResult:
+    """What pretrain() did. history holds every iteration when record_history=True."""
+
+    iteration: int = 0
+    exit_reason: str = "completed"
+    history: List[IterationRecord] = field(default_factory=list)
+    validation: List[Tuple[str, Dict[str, float]]] = field(default_factory=list)
+    num_floating_point_operations_so_far: float = 0.0
+
+
+def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type: ModelType,
+             forward_step_func: Callable, process_non_loss_data_func: Optional[Callable] = None,
+             extra_args_provider: Optional[Callable] = None, args_defaults: Optional[Dict] = None,
+             argv: Optional[List[str]] = None, record_history: bool = False) -> TrainingResult:
+    """Train a model as Megatron's pretrain(); argv None reads sys.argv."""
+    global _TRAIN_START_TIME
+    _TRAIN_START_TIME = time.time()
+    initialize_megatron(extra_args_provider, args_defaults, argv=argv)
+    args = get_args()
+    print_rank_0("time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME))
+    print_datetime("after megatron is initialized")
+
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
+    print_datetime("after model, optimizer, and learning rate scheduler are built")
+    train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(train_valid_test_dataset_provider)
+    print_datetime("after dataloaders are built")
+
+    result = TrainingResult(iteration=args.iteration,
+                            num_floating_point_operations_so_far=args.num_floating_point_operations_so_far)
+    loop = _Loop(forward_step_func, model, optimizer, opt_param_scheduler, result, record_history)
+    if not args.skip_train and args.do_train and args.train_iters > 0:
+        print_rank_0("training ...")
+        loop.train(train_iter, valid_iter)
+        print_datetime("after training is done")
+        if result.exit_reason != "completed":
+            return _finish(result)
+        if args.save and result.iteration != 0 and result.iteration != loop.last_saved_iteration:
+            loop.save()
+    if args.do_valid:
+        loop.evaluate_and_print(f"iteration {result.iteration} on validation set", valid_iter,
+                                "the end of training for val data")
+    if args.do_test:
+        loop.evaluate_and_print(f"iteration {result.iteration} on test set", test_iter,
+                                "the end of training for test data")
+    return _finish(result)
+
+
+def _finish(result: TrainingResult) -> TrainingResult:
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.flush()
+    return result
+
+
+# ------------------------------------------------------------------------ model and optimizer
+
+def get_model(model_provider: Callable, model_type: ModelType = ModelType.encoder_or_decoder) -> List[torch.nn.Module]:
+    """The model chunks of this rank, on the device, wrapped in Float16Module under --fp16/--bf16."""
+    from megatron.model import Float16Module, get_num_parameters
+
+    args = get_args()
+    model = model_provider(pre_process=parallel_state.is_pipeline_first_stage(),
+                           post_process=parallel_state.is_pipeline_last_stage())
+    model.model_type = model_type
+    if parallel_state.get_data_parallel_rank() == 0:
+        print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
+            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+            get_num_parameters(model)), flush=True)
+    model.to(device.get_device())
+    if args.fp16 or args.bf16:
+        model = Float16Module(model.config, model)
+    return [model]
+
+
+def get_optimizer_param_scheduler(optimizer: Any) -> Any:
+    """The LR/WD scheduler, with every length converted to samples as Megatron does."""
+    from megatron.optimizer_param_scheduler import OptimizerParamScheduler
+
+    args = get_args()
+    if args.train_samples is None:  # iteration-based training (train_iters is derived otherwise)
+        if args.lr_decay_iters is None:
+            args.lr_decay_iters = args.train_iters
+        gbs = args.global_batch_size
+        lr_decay_steps = args.lr_decay_iters * gbs
+        wd_incr_steps = args.train_iters * gbs
+        wsd_decay_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
+        warmup = (args.lr_warmup_fraction * lr_decay_steps if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_iters * gbs)
+    else:
+        if args.lr_decay_samples is None:
+            args.lr_decay_samples = args.train_samples
+        lr_decay_steps = args.lr_decay_samples
+        wd_incr_steps = args.train_samples
+        wsd_decay_steps = args.lr_wsd_decay_samples
+        warmup = (args.lr_warmup_fraction * lr_decay_steps if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_samples)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=lr_decay_steps, lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay, wd_incr_steps=wd_incr_steps, wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType) -> Tuple[List[torch.nn.Module], Any, Any]:
+    """Model, optimizer and scheduler; loads --load when given (sets args.iteration)."""
+    from megatron.arguments import optimizer_config_from_args
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    args = get_args()
+    _set_train_iters(args)
+    model = get_model(model_provider, model_type)
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
+    opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
+    args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
+    if args.load is not None:
+        from megatron.checkpointing import load_checkpoint
+
+        timers = get_timers()
+        timers("load-checkpoint").start()
+        args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
+            model, optimizer, opt_param_scheduler, args)
+        timers("load-checkpoint").stop()
+        if args.finetune or args.no_load_optim or args.iteration == 0:
+            optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
+    return model, optimizer, opt_param_scheduler
+
+
+def _set_train_iters(args: argparse.Namespace) -> None:
+    """--train-samples: the iterations they take, with the batch-size ramp-up (Megatron's update_train_iters)."""
+    if args.train_samples is None:
+        return
+    from megatron.microbatches import get_train_iters_for_samples
+
+    args.train_iters = get_train_iters_for_samples(args.train_samples, args.rampup_batch_size,
+                                                   args.global_batch_size)
+    print_rank_0(f"setting training iterations to {args.train_iters}")
+
+
+# ------------------------------------------------------------------------------------ data
+
+def build_train_valid_test_data_iterators(provider: Callable) -> Tuple[Optional[Iterator], ...]:
+    """Datasets sized as Megatron sizes them, and iterators resumed at the consumed samples."""
+    from megatron.data.data_samplers import build_pretraining_data_loader
+
+    args = get_args()
+    gbs = args.global_batch_size
+    if args.iteration > 0 and args.consumed_train_samples == 0 and args.rampup_batch_size is None:
+        args.consumed_train_samples = args.iteration * gbs  # a checkpoint from before the counters
+    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_interval else args.eval_iters
+    sizes = [args.train_iters * gbs if args.train_samples is None else args.train_samples,
+             eval_iters * gbs, args.eval_iters * gbs]
+    print_rank_0(" > datasets target sizes (minimum size):")
+    for name, size in zip(("train", "validation", "test"), sizes):
+        print_rank_0(f"    {name + ':':<12}{size}")
+    datasets = provider(sizes)
+    loaders = [build_pretraining_data_loader(
+        dataset, consumed, micro_batch_size=args.micro_batch_size,
+        data_parallel_rank=parallel_state.get_data_parallel_rank(),
+        data_parallel_size=parallel_state.get_data_parallel_world_size(),
+        dataloader_type=args.dataloader_type, num_workers=args.num_workers, seed=args.seed)
+        for dataset, consumed in zip(datasets, (args.consumed_train_samples, args.consumed_valid_samples, 0))]
+    args.do_train = loaders[0] is not None and args.train_iters > 0
+    args.do_valid = loaders[1] is not None and args.eval_iters > 0
+    args.do_test = loaders[2] is not None and args.eval_iters > 0
+    print_rank_0(" > finished creating data iterators: train {}, valid {}, test {}".format(
+        args.do_train, args.do_valid, args.do_test))
+    return tuple(_iterate(loader, args.dataloader_type) for loader in loaders)
+
+
+def _iterate(loader: Any, dataloader_type: str) -> Optional[Iterator]:
+    if loader is None:
+        return None
+    if dataloader_type == "cyclic":
+        def forever() -> Iterator:
+            while True:
+                yield from loader
+        return forever()
+    return iter(loader)
+
+
+# ------------------------------------------------------------------------------ one step
+
+def _reduce_losses(losses: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
+    """Per-token mean over the global batch for [sum, count] values; mean over micro-batches otherwise."""
+    reduced: Dict[str, float] = {}
+    for key in losses[0]:
+        values = [torch.as_tensor(x[key]).detach().float().cpu().view(-1) for x in losses]
+        if values[0].numel() == 2:
+            total = torch.stack(values).sum(dim=0)
+            reduced[key] = (total[0] / total[1].clamp(min=1)).item()
+        else:
+            reduced[key] = torch.cat(values).mean().item()
+    return reduced
+
+
+def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: List[torch.nn.Module],
+               optimizer: Any, opt_param_scheduler: Any) -> Tuple[Dict[str, float], bool, Optional[float], Optional[int]]:
+    """One global batch: forward/backward over its micro-batches, optimizer and scheduler step.
+
+    Returns (losses, skipped, grad norm, zeros in grad). An fp16 overflow skips the update and
+    the scheduler step, as in Megatron.
+    """
+    args = get_args()
+    for chunk in model:
+        chunk.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
+    losses = forward_backward(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False, grad_scale_func=optimizer.scale_loss,
+        calculate_per_token_loss=args.calculate_per_token_loss)
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    if update_successful:
+        opt_param_scheduler.step(increment=get_num_microbatches() * args.micro_batch_size * args.data_parallel_size)
+    return _reduce_losses(losses), not update_successful, grad_norm, num_zeros
+
+
+def _check_for_nan(iteration: int, losses: Dict[str, float], grad_norm: Optional[float], skipped: bool) -> None:
+    bad = [name for name, value in losses.items() if not math.isfinite(value)]
+    if bad:
+        raise NaNLossError(f"iteration {iteration}: {', '.join(bad)} is {losses[bad[0]]} "
+                           "(--check-for-nan-in-loss-and-grad)")
+    if not skipped and grad_norm is not None and not math.isfinite(grad_norm):
+        raise NaNLossError(f"iteration {iteration}: the gradient norm is {grad_norm} "
+                           "(--check-for-nan-in-loss-and-grad)")
+
+
+# ------------------------------------------------------------------------------ the loop
+
+class _Loop:
+    """The training loop's state: model, optimizer, scheduler, log accumulators, last save."""
+
+    def __init__(self, forward_step_func: Callable, model: List[torch.nn.Module], optimizer: Any,
+                 opt_param_scheduler: Any, result: TrainingResult, record_history: bool) -> None:
+        self.forward_step_func = forward_step_func
+        self.model = model
+        self.optimizer = optimizer
+        self.opt_param_scheduler = opt_param_scheduler
+        self.result = result
+        self.record_history = record_history
+        self.last_saved_iteration: Optional[int] = None
+        self.stats = IntervalStats()
+
+    # -------------------------------------------------------------- train
+    def train(self, train_iter: Iterator, valid_iter: Optional[Iterator]) -> None:
+        args = get_args()
+        timers = get_timers()
+        for chunk in self.model:
+            chunk.train()
+        progress = Progress(self.result.iteration, args.train_iters)
+        timers("interval-time").start()
+        while self.result.iteration < args.train_iters:
+            update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+            losses, skipped, grad_norm, num_zeros = train_step(
+                self.forward_step_func, train_iter, self.model, self.optimizer, self.opt_param_scheduler)
+            self.result.iteration += 1
+            iteration = self.result.iteration
+            batch_size = get_num_microbatches() * args.micro_batch_size * args.data_parallel_size
+            args.consumed_train_samples += batch_size
+            self.result.num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
+            if args.check_for_nan_in_loss_and_grad:
+                _check_for_nan(iteration, losses, grad_norm, skipped)
+            if self.record_history:
+                self.result.history.append(IterationRecord(
+                    iteration, dict(losses), skipped, grad_norm, self.optimizer.param_groups[0]["lr"],
+                    float(self.optimizer.get_loss_scale()), batch_size))
+            self._log(iteration, losses, skipped, grad_norm, num_zeros, batch_size, progress)
+            if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+                self.evaluate_and_print(f"iteration {iteration}", valid_iter)
+            if self._should_exit(iteration):
+                return
+
+    def _log(self, iteration: int, losses: Dict[str, float], skipped: bool, grad_norm: Optional[float],
+             num_zeros: Optional[int], batch_size: int, progress: Progress) -> None:
+        args = get_args()
+        self.stats.add(losses, skipped)
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        loss_scale = float(self.optimizer.get_loss_scale())
+        writer, wandb = get_tensorboard_writer(), get_wandb_writer()
+        if (writer is not None or wandb is not None) and iteration % args.tensorboard_log_interval == 0:
+            scalars = {"learning-rate": learning_rate, "batch-size": float(batch_size), "loss-scale": loss_scale}
+            scalars.update({key: value for key, value in losses.items() if math.isfinite(value)})
+            if grad_norm is not None:
+                scalars["grad-norm"] = grad_norm
+            write_scalars(writer, wandb, scalars, iteration, args.consumed_train_samples)
+        if iteration % args.log_interval != 0:
+            return
+        seconds = get_timers()("interval-time").elapsed(reset=True) / max(self.stats.iterations, 1)
+        tflops = num_floating_point_operations(args, batch_size) / (seconds * 1e12 * args.world_size) if seconds > 0 else 0.0
+        print_rank_last(format_log_line(
+            iteration=iteration, train_iters=args.train_iters, consumed_samples=args.consumed_train_samples,
+            ms_per_iteration=seconds * 1000.0, tflops_per_gpu=tflops, learning_rate=learning_rate,
+            global_batch_size=batch_size, losses=self.stats.averages(), loss_scale=loss_scale,
+            grad_norm=grad_norm, num_zeros_in_grad=num_zeros, params_norm=self._params_norm(),
+            skipped=self.stats.skipped, nan=self.stats.nan))
+        if writer is not None or wandb is not None:
+            write_scalars(writer, wandb, {"iteration-time": seconds, "throughput": tflops}, iteration,
+                          args.consumed_train_samples)
+        if parallel_state.get_data_parallel_rank() == 0:
+            progress.report(iteration)
+        self.stats = IntervalStats()
+
+    def _params_norm(self) -> Optional[float]:
+        if not get_args().log_params_norm:
+            return None
+        squares = [p.detach().float().pow(2).sum() for chunk in self.model for p in chunk.parameters()]
+        return math.sqrt(sum(s.item() for s in squares))
+
+    # -------------------------------------------------------------- evaluation
+    def evaluate(self, data_iterator: Iterator) -> Dict[str, float]:
+        """Mean losses over --eval-iters global batches, without dropout or gradients."""
+        args = get_args()
+        eval_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+        forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
+        for chunk in self.model:
+            chunk.eval()
+        losses: List[Dict[str, torch.Tensor]] = []
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                losses += forward_backward(
+                    forward_step_func=self.forward_step_func, data_iterator=data_iterator, model=self.model,
+                    num_microbatches=eval_microbatches, seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size, forward_only=True,
+                    calculate_per_token_loss=args.calculate_per_token_loss)
+                args.consumed_valid_samples += args.global_batch_size
+        for chunk in self.model:
+            chunk.train()
+        return _reduce_losses(losses)
+
+    def evaluate_and_print(self, prefix: str, data_iterator: Iterator, label: Optional[str] = None) -> Dict[str, float]:
+        args = get_args()
+        timers = get_timers()
+        timers("interval-time").stop()  # evaluation is not training time
+        losses = self.evaluate(data_iterator)
+        log_validation(label or prefix, losses, self.result.iteration, args.consumed_train_samples,
+                       get_tensorboard_writer(), get_wandb_writer())
+        self.result.validation.append((label or prefix, losses))
+        timers("interval-time").start()
+        return losses
+
+    # -------------------------------------------------------------- checkpoints and exits
+    def save(self) -> None:
+        from megatron.checkpointing import save_checkpoint
+
+        args = get_args()
+        timers = get_timers()
+        timers("interval-time").stop()
+        save_checkpoint(self.result.iteration, self.model, self.optimizer, self.opt_param_scheduler, args,
+                        num_floating_point_operations_so_far=self.result.num_floating_point_operations_so_far)
+        self.last_saved_iteration = self.result.iteration
+        timers("interval-time").start()
+
+    def _exit(self, reason: str, message: str) -> bool:
+        args = get_args()
+        if args.save and self.last_saved_iteration != self.result.iteration:
+            self.save()
+        print_datetime(message)
+        print_rank_0(message)
+        self.result.exit_reason = reason
+        return True
+
+    def _should_exit(self, iteration: int) -> bool:
+        """Save/exit checks after an iteration, in Megatron's order."""
+        args = get_args()
+        handler = get_signal_handler()
+        if handler is not None and handler.signals_received():
+            return self._exit("signal", "exiting program after receiving SIGTERM.")
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            self.save()
+        if args.exit_duration_in_mins:
+            minutes = (time.time() - _TRAIN_START_TIME) / 60.0
+            if minutes > args.exit_duration_in_mins:
+                return self._exit("duration", f"exiting program after {minutes:.2f} minutes")
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            return self._exit("interval", f"exiting program at iteration {iteration}")
+        return False
+
+
+__all__ = ["pretrain", "train_step", "get_model", "setup_model_and_optimizer", "TrainingResult",
+           "NaNLossError", "IterationRecord", "build_train_valid_test_data_iterators", "get_optimizer_param_scheduler",
+           "get_current_global_batch_size"]

@@ -1,0 +1,166 @@
+"""What the training loop reports: Megatron's log line, TensorBoard/W&B scalars, progress, FLOPs.
+
+The log line (stdout of the last rank, every --log-interval iterations) is Megatron's, field for
+field, e.g.
+
+     iteration       10/     100 | consumed samples:           80 | elapsed time per iteration (ms): 123.4 |
+     throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: 1.000000E-03 | global batch size:     8 |
+     lm loss: 5.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |
+     number of nan iterations:   0 |
+
+(one line in the real output). Losses are averaged over the iterations of the interval whose
+update was applied; skipped iterations (fp16 overflow) are counted instead, and iterations whose
+loss is inf/nan are counted as nan iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+from megatron.utils import print_rank_last
+
+
+def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
+    """Model FLOPs of one training iteration (forward + backward) on batch_size sequences.
+
+    The standard GPT count (Narayanan et al., 2021, as Megatron-LM logs it): every GEMM costs
+    2 FLOPs per multiply-add, backward costs twice forward, attention scores are counted for the
+    full s x s matrix, recomputation is not counted. Per sequence of s tokens, L layers, hidden h:
+        12 s L h^2 [ (1 + g/a + s/h) (d a / h) + f/h * m + V / (2 L h) ]
+    with a heads, g query groups (= a without GQA), d = kv channels, f = ffn hidden size,
+    m = 1.5 for gated (SwiGLU) MLPs else 1, V = padded vocab. With d a = h, g = a, f = 4h, m = 1
+    it is the familiar 72 s L h^2 (1 + s / 6h + V / 12 L h).
+    """
+    s, layers, h = args.seq_length, args.num_layers, args.hidden_size
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    gated = 1.5 if getattr(args, "swiglu", False) else 1.0
+    q_ratio = args.kv_channels * heads / h
+    per_sequence = 12 * s * layers * h * h * (
+        (1 + groups / heads + s / h) * q_ratio
+        + args.ffn_hidden_size / h * gated
+        + args.padded_vocab_size / (2 * layers * h))
+    return batch_size * per_sequence
+
+
+def _is_bad(value: float) -> bool:
+    return math.isinf(value) or math.isnan(value)
+
+
+@dataclass
+class IntervalStats:
+    """Sums over the iterations since the last log line."""
+
+    losses: Dict[str, float] = field(default_factory=dict)
+    iterations: int = 0
+    advanced: int = 0
+    skipped: int = 0
+    nan: int = 0
+
+    def add(self, loss_dict: Dict[str, float], skipped: bool) -> None:
+        self.iterations += 1
+        bad = any(_is_bad(v) for v in loss_dict.values())
+        self.nan += int(bad)
+        self.skipped += int(skipped)
+        if skipped or bad:
+            return
+        self.advanced += 1
+        for key, value in loss_dict.items():
+            self.losses[key] = self.losses.get(key, 0.0) + value
+
+    def averages(self) -> Dict[str, float]:
+        return {key: total / max(self.advanced, 1) for key, total in self.losses.items()}
+
+
+def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, ms_per_iteration: float,
+                    tflops_per_gpu: float, learning_rate: float, global_batch_size: int,
+                    losses: Dict[str, float], loss_scale: float, grad_norm: Optional[float],
+                    num_zeros_in_grad: Optional[int], params_norm: Optional[float],
+                    skipped: int, nan: int) -> str:
+    """Megatron's training log line."""
+    line = " iteration {:8d}/{:8d} |".format(iteration, train_iters)
+    line += " consumed samples: {:12d} |".format(consumed_samples)
+    line += " elapsed time per iteration (ms): {:.1f} |".format(ms_per_iteration)
+    line += " throughput per GPU (TFLOP/s/GPU): {:.1f} |".format(tflops_per_gpu)
+    line += " learning rate: {:.6E} |".format(learning_rate)
+    line += " global batch size: {:5d} |".format(global_batch_size)
+    for key, value in losses.items():
+        line += " {}: {:.6E} |".format(key, value)
+    line += " loss scale: {:.1f} |".format(loss_scale)
+    if grad_norm is not None:
+        line += " grad norm: {:.3f} |".format(grad_norm)
+    if num_zeros_in_grad is not None:
+        line += " num zeros: {:.1f} |".format(num_zeros_in_grad)
+    if params_norm is not None:
+        line += " params norm: {:.3f} |".format(params_norm)
+    line += " number of skipped iterations: {:3d} |".format(skipped)
+    line += " number of nan iterations: {:3d} |".format(nan)
+    return line
+
+
+def format_validation_line(prefix: str, losses: Dict[str, float]) -> str:
+    """'validation loss at <prefix> | lm loss value: X | lm loss PPL: Y | ' (PPL of min(loss, 20))."""
+    line = f" validation loss at {prefix} | "
+    for key, value in losses.items():
+        line += "{} value: {:.6E} | ".format(key, value)
+        line += "{} PPL: {:.6E} | ".format(key, math.exp(min(20.0, value)))
+    return line
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class Progress:
+    """Iterations done, rate and ETA, printed to stderr at each log line for a person watching."""
+
+    def __init__(self, start_iteration: int, train_iters: int, stream: Any = None) -> None:
+        self.start_iteration = start_iteration
+        self.train_iters = train_iters
+        self.start_time = time.time()
+        self.stream = stream or sys.stderr
+
+    def line(self, iteration: int) -> str:
+        elapsed = time.time() - self.start_time
+        done = iteration - self.start_iteration
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.train_iters - iteration) / rate if rate > 0 else float("inf")
+        percent = 100.0 * iteration / max(self.train_iters, 1)
+        eta_text = _clock(eta) if math.isfinite(eta) else "?"
+        return (f"progress: {iteration}/{self.train_iters} iterations ({percent:.1f}%) | "
+                f"elapsed {_clock(elapsed)} | ETA {eta_text} | {rate:.2f} it/s")
+
+    def report(self, iteration: int) -> None:
+        print(self.line(iteration), file=self.stream, flush=True)
+
+
+def write_scalars(writer: Any, wandb: Any, scalars: Dict[str, float], iteration: int,
+                  consumed_samples: int) -> None:
+    """TensorBoard scalars by iteration and, as Megatron, '<name> vs samples'; W&B by iteration."""
+    if writer is not None:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+            writer.add_scalar(f"{name} vs samples", value, consumed_samples)
+    if wandb is not None:
+        wandb.log(dict(scalars), step=iteration)
+
+
+def log_validation(prefix: str, losses: Dict[str, float], iteration: int, consumed_samples: int,
+                   writer: Any = None, wandb: Any = None) -> None:
+    """Print the validation block (dashes, line, dashes) and write the scalars."""
+    line = format_validation_line(prefix, losses)
+    dashes = "-" * (len(line) + 1)
+    print_rank_last(dashes)
+    print_rank_last(line)
+    print_rank_last(dashes)
+    scalars = {}
+    for key, value in losses.items():
+        scalars[f"{key} validation"] = value
+        scalars[f"{key} validation ppl"] = math.exp(min(20.0, value))
+    write_scalars(writer, wandb, scalars, iteration, consumed_samples)

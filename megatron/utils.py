@@ -1,0 +1,49 @@
+"""Small helpers of the training framework: rank-aware printing and batch reductions."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def get_rank_safe() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size_safe() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_last_rank() -> bool:
+    return get_rank_safe() == get_world_size_safe() - 1
+
+
+def print_rank_0(message: str) -> None:
+    """Print on global rank 0 only."""
+    if get_rank_safe() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    """Print on the last global rank (the one that holds the loss under pipeline parallelism)."""
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def print_datetime(string: str) -> None:
+    """Megatron's '[string] datetime: YYYY-MM-DD HH:MM:SS' marker line."""
+    time_str = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    print_rank_0(f"[{string}] datetime: {time_str} ")
+
+
+def average_losses_across_data_parallel_group(losses: list[torch.Tensor],
+                                              group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Mean of each loss over the data-parallel ranks (identity in a single process)."""
+    averaged = torch.cat([loss.clone().detach().view(1) for loss in losses])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(averaged, group=group)
+        averaged = averaged / dist.get_world_size(group=group)
+    return averaged

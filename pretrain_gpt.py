@@ -1,0 +1,122 @@
+"""Pretrain a GPT model.
+
+    python pretrain_gpt.py --num-layers 2 --hidden-size 64 ... --data-path PREFIX_text_document
+    torchrun --nproc-per-node 1 pretrain_gpt.py ...
+
+The three functions handed to pretrain() are the whole recipe; write your own in the same
+shape for a custom loss or batch layout (docs/training.md shows an example):
+
+    model_provider(pre_process, post_process) -> the model
+    train_valid_test_datasets_provider([n_train, n_valid, n_test]) -> (train, valid, test) datasets
+    forward_step(data_iterator, model) -> (output tensor, loss function of that tensor)
+"""
+
+import os
+import sys
+from functools import partial
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from megatron.core import device  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
+from megatron.model import GPTModel  # noqa: E402
+from megatron.training import pretrain  # noqa: E402
+from megatron.utils import print_rank_0  # noqa: E402
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """A GPTModel shaped by the flags."""
+    from megatron.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    print_rank_0("building GPT model ...")
+    config = core_transformer_config_from_args(args)
+    return GPTModel(config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type,
+                    pre_process=pre_process, post_process=post_process)
+
+
+def get_batch(data_iterator: Iterator) -> Tuple[torch.Tensor, ...]:
+    """(tokens, labels, loss_mask, attention_mask or None, position_ids) of the next micro-batch."""
+    data: Dict[str, torch.Tensor] = next(data_iterator)
+    target = device.get_device()
+    tokens = data["tokens"].to(target, non_blocking=True)
+    labels = data["labels"].to(target, non_blocking=True)
+    loss_mask = data["loss_mask"].to(target, non_blocking=True)
+    position_ids = data["position_ids"].to(target, non_blocking=True)
+    attention_mask = data.get("attention_mask")
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(target, non_blocking=True)  # [b, 1, s, s], True = masked
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of the per-token losses under loss_mask, the token count, and the reported [sum, count].
+
+    The schedule turns the sum into a mean per micro-batch (Megatron's default) or, with
+    --calculate-per-token-loss, into a mean over every token of the global batch.
+    """
+    losses = output_tensor.float()  # [b, s]
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses.view(-1) * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    reporting_loss = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": reporting_loss}
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+    """Forward one micro-batch; returns the per-token losses and the loss function to apply."""
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers("batch-generator", log_level=2).stop()
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def is_dataset_built_on_rank() -> bool:
+    return True
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
+    """GPT datasets for --data-path / --split (or the per-split paths, or --mock-data)."""
+    from megatron.arguments import gpt_dataset_config_from_args
+    from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.data.gpt_dataset import GPTDataset
+
+    args = get_args()
+    config = gpt_dataset_config_from_args(args, get_tokenizer())
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    datasets = BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, is_dataset_built_on_rank,
+                                             config).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return datasets
+
+
+def main(argv: Optional[List[str]] = None, record_history: bool = False):
+    """Train with the flags in argv (None: sys.argv); returns megatron.training.TrainingResult."""
+    return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
+                    forward_step, args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, argv=argv,
+                    record_history=record_history)
+
+
+def user_input_errors() -> tuple:
+    """Errors that mean bad flags or files: reported as one line, without a traceback."""
+    from megatron.arguments import ArgsError
+    from megatron.checkpointing import CheckpointError
+    from megatron.data.indexed_dataset import IndexedDatasetError
+    from megatron.tokenizer import TokenizerConfigError
+
+    return (ArgsError, CheckpointError, IndexedDatasetError, TokenizerConfigError, FileNotFoundError)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except user_input_errors() as exc:
+        sys.exit(f"pretrain_gpt.py: error: {exc}")

@@ -1,0 +1,149 @@
+"""Training-loop features end to end: schedules with ramp-up, exits, checkpoints, TensorBoard, CLI."""
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import pretrain_gpt
+from megatron import checkpointing
+from megatron.checkpointing import CheckpointError, get_checkpoint_tracker_filename
+from tests.conftest import ROOT
+from tests.functional.test_pretrain_gpt import MOCK, TINY, log_lines, losses
+
+QUIET = ["--eval-iters", "0"]
+
+
+def cosine_lr(samples, max_lr, min_lr, warmup, decay):
+    if samples <= warmup:
+        return max_lr * samples / warmup
+    ratio = (samples - warmup) / (decay - warmup)
+    return min_lr + (max_lr - min_lr) * 0.5 * (math.cos(math.pi * ratio) + 1.0)
+
+
+def test_rampup_batch_sizes_and_lr_follow_the_consumed_samples(capsys):
+    """--rampup-batch-size 2 2 16 to a global batch of 6 over 64 samples; LR warmup+cosine in samples."""
+    result = pretrain_gpt.main(
+        [*TINY, *MOCK, *QUIET, "--global-batch-size", "6", "--rampup-batch-size", "2", "2", "16",
+         "--train-samples", "64", "--lr", "1e-2", "--min-lr", "1e-3", "--lr-decay-style", "cosine",
+         "--lr-warmup-samples", "8", "--lr-decay-samples", "64"], record_history=True)
+    # 8 samples per increment of 2: batches of 2 until 8 samples, 4 until 16, then 6
+    expected_gbs = [2, 2, 2, 2, 4, 4] + [6] * 8
+    assert [r.global_batch_size for r in result.history] == expected_gbs
+    consumed = [sum(expected_gbs[:i + 1]) for i in range(len(expected_gbs))]
+    expected_lr = [cosine_lr(c, 1e-2, 1e-3, 8, 64) for c in consumed]
+    assert [r.learning_rate for r in result.history] == pytest.approx(expected_lr, rel=1e-12, abs=1e-15)
+    rows = log_lines(capsys.readouterr().out)
+    assert [r["gbs"] for r in rows] == expected_gbs and [r["consumed"] for r in rows] == consumed
+    assert all(r["train_iters"] == 14 for r in rows)
+    assert [r["lr"] for r in rows] == pytest.approx(expected_lr, rel=1e-6)
+
+
+def test_exit_duration_saves_and_exits(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    result = pretrain_gpt.main([*TINY, *MOCK, *QUIET, "--train-iters", "50", "--exit-duration-in-mins", "1e-9",
+                                "--save", ckpt, "--save-interval", "50"])
+    assert result.exit_reason == "duration" and result.iteration == 1
+    assert open(get_checkpoint_tracker_filename(ckpt)).read() == "1"
+    assert "exiting program after" in capsys.readouterr().out
+
+
+def test_crash_during_save_leaves_the_previous_checkpoint_to_resume_from(tmp_path, monkeypatch):
+    common = [*TINY, *MOCK, *QUIET, "--train-iters", "6"]
+    straight = pretrain_gpt.main(common, record_history=True)
+    ckpt = str(tmp_path / "ckpt")
+    real_save, calls = checkpointing.torch.save, {"n": 0}
+
+    def crashing_save(obj, f, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the save at iteration 4 dies half-way through writing
+            f.write(b"partial")
+            raise OSError("disk full")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.torch, "save", crashing_save)
+    with pytest.raises(OSError, match="disk full"):
+        pretrain_gpt.main([*common, "--save", ckpt, "--save-interval", "2"])
+    monkeypatch.setattr(checkpointing.torch, "save", real_save)
+    assert open(get_checkpoint_tracker_filename(ckpt)).read() == "2"
+    resumed = pretrain_gpt.main([*common, "--load", ckpt], record_history=True)
+    assert losses(resumed) == losses(straight)[2:]
+
+
+def test_checkpoint_shape_mismatch_use_checkpoint_args_and_finetune(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    pretrain_gpt.main([*TINY, *MOCK, *QUIET, "--train-iters", "2", "--save", ckpt, "--save-interval", "2"])
+    wider = [*TINY, *MOCK, *QUIET, "--train-iters", "4", "--hidden-size", "64", "--load", ckpt]
+    with pytest.raises(CheckpointError, match="--hidden-size"):
+        pretrain_gpt.main(wider)
+    # --train-iters changed, so the LR schedule changed too: say which one wins, as in Megatron
+    resumed = pretrain_gpt.main([*wider, "--use-checkpoint-args", "--override-opt_param-scheduler"],
+                                record_history=True)
+    assert [r.iteration for r in resumed.history] == [3, 4]
+    finetuned = pretrain_gpt.main([*TINY, *MOCK, *QUIET, "--train-iters", "2", "--load", ckpt, "--finetune"],
+                                  record_history=True)
+    assert [r.iteration for r in finetuned.history] == [1, 2]
+    assert [r.global_batch_size for r in finetuned.history] == [4, 4]
+
+
+def test_tensorboard_scalars(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    logdir = tmp_path / "tb"
+    pretrain_gpt.main([*TINY, *MOCK, "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+                       "--tensorboard-dir", str(logdir)])
+    events = event_accumulator.EventAccumulator(str(logdir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("lm loss", "learning-rate", "batch-size", "grad-norm", "loss-scale", "throughput",
+                "iteration-time", "lm loss validation", "lm loss validation ppl", "lm loss vs samples"):
+        assert tag in tags, tag
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]
+    assert [e.value for e in events.Scalars("batch-size")] == [4.0] * 4
+
+
+def run_cli(args, **kwargs):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, **kwargs)
+
+
+def test_torchrun_one_process_trains_and_saves_megatron_layout(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = run_cli(["-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29641",
+                    "pretrain_gpt.py", *TINY, *MOCK, *QUIET, "--train-iters", "3", "--save", str(ckpt),
+                    "--save-interval", "3"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["iteration"] for r in log_lines(proc.stdout)] == [1, 2, 3]
+    assert (ckpt / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert "progress: 3/3 iterations (100.0%)" in proc.stderr
+
+
+def test_bad_flags_fail_fast_on_the_command_line():
+    proc = run_cli(["pretrain_gpt.py", *TINY, *MOCK, "--train-iters", "3", "--fp16", "--bf16"])
+    assert proc.returncode != 0
+    assert "--fp16" in proc.stderr and "--bf16" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_sigterm_with_exit_signal_handler_saves_and_exits(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *TINY, *MOCK, *QUIET, "--train-iters", "100000",
+                             "--exit-signal-handler", "--save", str(ckpt), "--save-interval", "100000"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith(" iteration        3/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "exiting program after receiving SIGTERM." in out
+    iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert iteration >= 3
+    assert (ckpt / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt").is_file()
