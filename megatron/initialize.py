@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 import random
 from typing import Callable, Dict, List, Optional
@@ -35,6 +36,8 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None, args_def
 
         load_args_from_checkpoint(args)
     validate_args(args, args_defaults or {})
+    if args.logging_level is not None:
+        logging.getLogger().setLevel(args.logging_level)
     device.set_backend_override(args.distributed_backend)
     global_vars.set_global_variables(args)
     _initialize_distributed(args)

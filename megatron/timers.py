@@ -9,7 +9,7 @@ reading (a no-op on CPU), so GPU timings are honest. Timers whose log_level is a
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from megatron.core import device
 
@@ -78,12 +78,3 @@ class Timers:
         if name not in self._timers:
             self._timers[name] = _Timer(name)
         return self._timers[name]
-
-    def log_string(self, names: List[str], normalizer: float = 1.0, reset: bool = True) -> str:
-        """Megatron's '(min, max) time across ranks (ms):' block, for one process."""
-        lines = ["(min, max) time across ranks (ms):"]
-        for name in names:
-            if name in self._timers:
-                ms = self._timers[name].elapsed(reset=reset) * 1000.0 / normalizer
-                lines.append(f"    {name + ' ':.<40}: ({ms:.2f}, {ms:.2f})")
-        return "\n".join(lines)

@@ -137,6 +137,10 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
     model.to(device.get_device())
     if args.fp16 or args.bf16:
         model = Float16Module(model.config, model)
+        if args.accumulate_allreduce_grads_in_fp32:  # always on with --bf16, as in Megatron
+            from megatron.core.distributed import enable_fp32_grad_accumulation
+
+            enable_fp32_grad_accumulation(model)
     return [model]
 
 
@@ -270,17 +274,29 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     Returns (losses, skipped, grad norm, zeros in grad). An fp16 overflow skips the update and
     the scheduler step, as in Megatron.
     """
+    from megatron.core.distributed import zero_main_grads
+
     args = get_args()
+    timers = get_timers()
     for chunk in model:
         chunk.zero_grad(set_to_none=True)
+        zero_main_grads(chunk)
     optimizer.zero_grad()
     forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
+    timers("forward-backward", log_level=1).start()
     losses = forward_backward(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False, grad_scale_func=optimizer.scale_loss,
         calculate_per_token_loss=args.calculate_per_token_loss)
+    timers("forward-backward", log_level=1).stop()
+    if args.empty_unused_memory_level >= 1:
+        device.empty_cache()
+    timers("optimizer", log_level=1).start()
     update_successful, grad_norm, num_zeros = optimizer.step()
+    timers("optimizer", log_level=1).stop()
+    if args.empty_unused_memory_level >= 2:
+        device.empty_cache()
     if update_successful:
         opt_param_scheduler.step(increment=get_num_microbatches() * args.micro_batch_size * args.data_parallel_size)
     return _reduce_losses(losses), not update_successful, grad_norm, num_zeros
@@ -364,12 +380,32 @@ class _Loop:
             global_batch_size=batch_size, losses=self.stats.averages(), loss_scale=loss_scale,
             grad_norm=grad_norm, num_zeros_in_grad=num_zeros, params_norm=self._params_norm(),
             skipped=self.stats.skipped, nan=self.stats.nan))
+        self._log_timers_and_memory(iteration, max(self.stats.iterations, 1))
         if writer is not None or wandb is not None:
             write_scalars(writer, wandb, {"iteration-time": seconds, "throughput": tflops}, iteration,
                           args.consumed_train_samples)
         if parallel_state.get_data_parallel_rank() == 0:
             progress.report(iteration)
         self.stats = IntervalStats()
+
+    def _log_timers_and_memory(self, iteration: int, iterations: int) -> None:
+        """--timing-log-level >= 1: Megatron's timers block; --log-timers/memory-to-tensorboard."""
+        args = get_args()
+        timers = get_timers()
+        names = ("forward-backward", "optimizer")
+        if args.timing_log_level >= 1:
+            seconds = {name: timers(name, log_level=1).elapsed(reset=True) / iterations for name in names}
+            print_rank_last("(min, max) time across ranks (ms):\n" + "\n".join(
+                f"    {name + ' ':.<40}: ({1000 * t:.2f}, {1000 * t:.2f})" for name, t in seconds.items()))
+            if args.log_timers_to_tensorboard:
+                write_scalars(get_tensorboard_writer(), get_wandb_writer(),
+                              {f"{name}-time": t for name, t in seconds.items()}, iteration,
+                              args.consumed_train_samples)
+        if args.log_memory_to_tensorboard:  # accelerator memory; a CPU has none to report
+            stats = device.memory_stats()
+            write_scalars(get_tensorboard_writer(), get_wandb_writer(),
+                          {f"mem-{key}": float(value) for key, value in stats.items()}, iteration,
+                          args.consumed_train_samples)
 
     def _params_norm(self) -> Optional[float]:
         if not get_args().log_params_norm:

@@ -147,3 +147,44 @@ def test_sigterm_with_exit_signal_handler_saves_and_exits(tmp_path):
     iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert iteration >= 3
     assert (ckpt / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+
+
+class FakeWandb:
+    """Stands in for the wandb package: records init/log/finish."""
+
+    def __init__(self):
+        self.inits, self.logs, self.finished = [], [], False
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+
+    def log(self, values, step):
+        self.logs.append((step, dict(values)))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_logs_the_same_scalars(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    pretrain_gpt.main([*TINY, *MOCK, *QUIET, "--train-iters", "2", "--wandb-project", "proj",
+                       "--wandb-exp-name", "run1", "--wandb-save-dir", str(tmp_path)])
+    assert fake.inits[0]["project"] == "proj" and fake.inits[0]["name"] == "run1"
+    assert fake.inits[0]["config"]["hidden_size"] == 32
+    steps = {step for step, values in fake.logs if "lm loss" in values}
+    assert steps == {1, 2}
+
+
+def test_sgd_timers_and_log_interval_averaging(capsys):
+    """--optimizer sgd trains; --timing-log-level 1 prints the timers; a line averages its interval."""
+    result = pretrain_gpt.main([*TINY, *MOCK, *QUIET, "--train-iters", "4", "--optimizer", "sgd",
+                                "--log-interval", "2", "--timing-log-level", "1"], record_history=True)
+    out = capsys.readouterr().out
+    rows = log_lines(out)
+    assert [r["iteration"] for r in rows] == [2, 4]
+    values = [r.losses["lm loss"] for r in result.history]
+    assert rows[0]["loss"] == pytest.approx((values[0] + values[1]) / 2, rel=1e-6)
+    assert rows[1]["loss"] == pytest.approx((values[2] + values[3]) / 2, rel=1e-6)
+    assert out.count("(min, max) time across ranks (ms):") == 2
+    assert "    forward-backward ...." in out and "    optimizer ...." in out
