@@ -30,8 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import tempfile
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron.core import device, parallel_state
+from megatron.core.atomic_io import atomic_write
 
 # The saved args are an argparse.Namespace; PyTorch >= 2.6 refuses it under weights_only=True
 # unless allow-listed. Megatron allow-lists it and still loads with weights_only=False, because
@@ -184,28 +184,6 @@ def find_checkpoint_rank_0(checkpoints_path: str, iteration: int,
     return None
 
 
-def _atomic_write(final_path: str, write: Callable[[Any], None]) -> None:
-    """Run write(file) on a temp file beside `final_path`, fsync it, then rename it into place.
-    On any failure (including KeyboardInterrupt) the temp file is removed and nothing is renamed."""
-    directory, name = os.path.split(os.path.abspath(final_path))
-    fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temp, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
-        os.replace(temp, final_path)
-    except BaseException:
-        try:
-            os.remove(temp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _unwrap(module: nn.Module) -> nn.Module:
     """Strip Float16Module / DDP-style wrappers by following `.module`."""
     while isinstance(getattr(module, "module", None), nn.Module):
@@ -272,11 +250,11 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
         ensure_directory_exists(checkpoint_name)
         state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
                                          iteration, num_floating_point_operations_so_far)
-        _atomic_write(checkpoint_name, lambda f: torch.save(state_dict, f))
+        atomic_write(checkpoint_name, lambda f: torch.save(state_dict, f))
     _barrier()  # every rank's file is complete before the tracker names it
     if not dist.is_initialized() or dist.get_rank() == 0:
         tracker = get_checkpoint_tracker_filename(save_dir)
-        _atomic_write(tracker, lambda f: f.write(str(iteration).encode("ascii")))
+        atomic_write(tracker, lambda f: f.write(str(iteration).encode("ascii")))
     _barrier()
     _print_rank_0("  successfully saved checkpoint from iteration {:7d} to {}".format(
         iteration, save_dir))
@@ -472,9 +450,9 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
 
     _barrier()
     _print_rank_0(f"  successfully loaded checkpoint from {load_dir} "
-                  f"[ t {parallel_state.get_tensor_model_parallel_rank()}/"
+                  f"[ t {parallel_state.get_tensor_model_parallel_rank() + 1}/"
                   f"{parallel_state.get_tensor_model_parallel_world_size()}, "
-                  f"p {parallel_state.get_pipeline_model_parallel_rank()}/"
+                  f"p {parallel_state.get_pipeline_model_parallel_rank() + 1}/"
                   f"{parallel_state.get_pipeline_model_parallel_world_size()} ] "
                   f"at iteration {iteration}")
     return iteration, float(state_dict.get("num_floating_point_operations_so_far", 0))

@@ -102,7 +102,8 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         print_datetime("after training is done")
         if result.exit_reason != "completed":
             return _finish(result)
-        if args.save and result.iteration != 0 and result.iteration != loop.last_saved_iteration:
+        trained = result.iteration != args.iteration  # a resumed run may have nothing left to train
+        if args.save and trained and result.iteration != loop.last_saved_iteration:
             loop.save()
     if args.do_valid:
         loop.evaluate_and_print(f"iteration {result.iteration} on validation set", valid_iter,

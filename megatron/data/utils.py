@@ -22,6 +22,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from megatron.core.atomic_io import atomic_write
+
 
 class Split(enum.Enum):
     """The three splits, in the order of --split and of the builder's sizes."""
@@ -181,24 +183,12 @@ class IndexCache:
         self._write("description.txt", lambda f: f.write(self.description.encode("utf-8")))
 
     def _write(self, name: str, write) -> None:
-        final = self.path(name)
         try:
             os.makedirs(self.directory, exist_ok=True)
-            fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(final)}.", suffix=".tmp", dir=self.directory)
+            atomic_write(self.path(name), write)
         except OSError as error:
             raise OSError(f"cannot write dataset indices to the cache directory {self.directory} "
                           f"(path_to_cache / --data-cache-path): {error}") from error
-        try:
-            with os.fdopen(fd, "wb") as f:
-                write(f)
-            os.chmod(temp, 0o644)
-            os.replace(temp, final)
-        except BaseException:
-            try:
-                os.remove(temp)
-            except FileNotFoundError:
-                pass
-            raise
 
     def missing_error(self) -> RuntimeError:
         """The error of a rank that may not build and finds no complete cache."""

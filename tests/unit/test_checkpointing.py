@@ -252,7 +252,7 @@ def test_round_trip_restores_everything(ckpt, capsys):
             new_args.skipped_train_samples) == (640, 96, 3)
     out = capsys.readouterr().out
     assert f" loading checkpoint from {ckpt} at iteration 10" in out
-    assert f"  successfully loaded checkpoint from {ckpt} [ t 0/1, p 0/1 ] at iteration 10" in out
+    assert f"  successfully loaded checkpoint from {ckpt} [ t 1/1, p 1/1 ] at iteration 10" in out
 
 
 def _partial_save(obj, f, *args, **kwargs):
