@@ -139,8 +139,12 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
                        help="Empty the accelerator's cache: 1 after each iteration, 2 also after eval.")
     group.add_argument("--deterministic-mode", action="store_true", help="Use deterministic algorithms.")
-    group.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
-                       help="Check the loss and gradients for NaN each iteration.")
+    # On by default, as in Megatron-LM; the positive spelling is kept for explicit scripts.
+    group.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                       help="Stop with an error naming the iteration when the loss or the gradient "
+                            "norm is NaN/Inf (the default).")
+    group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                       dest="check_for_nan_in_loss_and_grad", help="Train on through NaN/Inf losses.")
 
 
 def _add_initialization_args(parser: argparse.ArgumentParser) -> None:

@@ -37,6 +37,10 @@ class _Timer:
         self._elapsed = 0.0
         self._started = None
 
+    @property
+    def running(self) -> bool:
+        return self._started is not None
+
     def elapsed(self, reset: bool = True) -> float:
         """Seconds accumulated so far (including a running interval)."""
         running = self._started is not None
@@ -51,6 +55,8 @@ class _Timer:
 
 
 class _NullTimer:
+    running = False
+
     def start(self, barrier: bool = False) -> None:
         pass
 

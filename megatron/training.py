@@ -14,6 +14,7 @@ The loop reads top to bottom; every feature is a named helper call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                             num_floating_point_operations_so_far=args.num_floating_point_operations_so_far)
     loop = _Loop(forward_step_func, model, optimizer, opt_param_scheduler, result, record_history)
     if not args.skip_train and args.do_train and args.train_iters > 0:
+        print_datetime("before the start of training step")
         print_rank_0("training ...")
         loop.train(train_iter, valid_iter)
         print_datetime("after training is done")
@@ -106,11 +108,9 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         if args.save and trained and result.iteration != loop.last_saved_iteration:
             loop.save()
     if args.do_valid:
-        loop.evaluate_and_print(f"iteration {result.iteration} on validation set", valid_iter,
-                                "the end of training for val data")
+        loop.evaluate_and_print(f"iteration {result.iteration} on validation set", valid_iter)
     if args.do_test:
-        loop.evaluate_and_print(f"iteration {result.iteration} on test set", test_iter,
-                                "the end of training for test data")
+        loop.evaluate_and_print(f"iteration {result.iteration} on test set", test_iter)
     return _finish(result)
 
 
@@ -315,6 +315,20 @@ def _check_for_nan(iteration: int, losses: Dict[str, float], grad_norm: Optional
 
 # ------------------------------------------------------------------------------ the loop
 
+@contextlib.contextmanager
+def _not_training_time():
+    """Pause the iteration timer (if it runs) around evaluation and checkpointing."""
+    timer = get_timers()("interval-time")
+    running = timer.running
+    if running:
+        timer.stop()
+    try:
+        yield
+    finally:
+        if running:
+            timer.start()
+
+
 class _Loop:
     """The training loop's state: model, optimizer, scheduler, log accumulators, last save."""
 
@@ -435,28 +449,23 @@ class _Loop:
             chunk.train()
         return _reduce_losses(losses)
 
-    def evaluate_and_print(self, prefix: str, data_iterator: Iterator, label: Optional[str] = None) -> Dict[str, float]:
+    def evaluate_and_print(self, prefix: str, data_iterator: Iterator) -> Dict[str, float]:
         args = get_args()
-        timers = get_timers()
-        timers("interval-time").stop()  # evaluation is not training time
-        losses = self.evaluate(data_iterator)
-        log_validation(label or prefix, losses, self.result.iteration, args.consumed_train_samples,
+        with _not_training_time():
+            losses = self.evaluate(data_iterator)
+        log_validation(prefix, losses, self.result.iteration, args.consumed_train_samples,
                        get_tensorboard_writer(), get_wandb_writer())
-        self.result.validation.append((label or prefix, losses))
-        timers("interval-time").start()
+        self.result.validation.append((prefix, losses))
         return losses
 
     # -------------------------------------------------------------- checkpoints and exits
     def save(self) -> None:
         from megatron.checkpointing import save_checkpoint
 
-        args = get_args()
-        timers = get_timers()
-        timers("interval-time").stop()
-        save_checkpoint(self.result.iteration, self.model, self.optimizer, self.opt_param_scheduler, args,
-                        num_floating_point_operations_so_far=self.result.num_floating_point_operations_so_far)
+        with _not_training_time():
+            save_checkpoint(self.result.iteration, self.model, self.optimizer, self.opt_param_scheduler,
+                            get_args(), self.result.num_floating_point_operations_so_far)
         self.last_saved_iteration = self.result.iteration
-        timers("interval-time").start()
 
     def _exit(self, reason: str, message: str) -> bool:
         args = get_args()

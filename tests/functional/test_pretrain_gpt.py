@@ -74,8 +74,8 @@ def test_loss_decreases_on_real_text_and_validation_is_logged(text_data, capsys)
     assert [r["iteration"] for r in rows] == list(range(1, 41))
     assert [r["consumed"] for r in rows] == [4 * i for i in range(1, 41)]
     validation = re.findall(r" validation loss at (.+?) \| lm loss value: (\S+) \| lm loss PPL: (\S+) \|", out)
-    assert [v[0] for v in validation] == ["iteration 20", "iteration 40", "the end of training for val data",
-                                          "the end of training for test data"]
+    assert [v[0] for v in validation] == ["iteration 20", "iteration 40", "iteration 40 on validation set",
+                                          "iteration 40 on test set"]
     for _, value, ppl in validation:
         assert float(ppl) == pytest.approx(math.exp(float(value)), rel=1e-5)
     assert float(validation[1][1]) < float(validation[0][1])

@@ -188,3 +188,15 @@ def test_sgd_timers_and_log_interval_averaging(capsys):
     assert rows[1]["loss"] == pytest.approx((values[2] + values[3]) / 2, rel=1e-6)
     assert out.count("(min, max) time across ranks (ms):") == 2
     assert "    forward-backward ...." in out and "    optimizer ...." in out
+
+
+def test_skip_train_only_evaluates_the_loaded_checkpoint(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    pretrain_gpt.main([*TINY, *MOCK, *QUIET, "--train-iters", "2", "--save", ckpt, "--save-interval", "2"])
+    capsys.readouterr()
+    result = pretrain_gpt.main([*TINY, *MOCK, "--train-iters", "2", "--eval-iters", "1", "--load", ckpt,
+                                "--skip-train"], record_history=True)
+    out = capsys.readouterr().out
+    assert result.history == [] and log_lines(out) == []
+    assert [label for label, _ in result.validation] == ["iteration 2 on validation set", "iteration 2 on test set"]
+    assert " validation loss at iteration 2 on validation set | lm loss value: " in out

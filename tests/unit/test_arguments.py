@@ -188,7 +188,7 @@ def test_defaults_match_megatron():
         "no_load_optim": None, "no_save_optim": None, "no_load_rng": None, "no_save_rng": None,
         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "sequence_parallel": False,
         "global_batch_size": None, "rampup_batch_size": None, "split": None, "dataloader_type": None,
-        "timing_log_level": 0, "empty_unused_memory_level": 0, "check_for_nan_in_loss_and_grad": False,
+        "timing_log_level": 0, "empty_unused_memory_level": 0, "check_for_nan_in_loss_and_grad": True,
         "wandb_project": "", "local_rank": 0, "use_cpu_initialization": None, "perform_initialization": True,
         "override_opt_param_scheduler": False, "use_checkpoint_opt_param_scheduler": False,
     }
