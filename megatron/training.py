@@ -82,6 +82,9 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
              extra_args_provider: Optional[Callable] = None, args_defaults: Optional[Dict] = None,
              argv: Optional[List[str]] = None, record_history: bool = False) -> TrainingResult:
     """Train a model as Megatron's pretrain(); argv None reads sys.argv."""
+    if process_non_loss_data_func is not None:
+        raise ValueError("pretrain(process_non_loss_data_func=...) is not supported yet: evaluation "
+                         "collects losses only")
     global _TRAIN_START_TIME
     _TRAIN_START_TIME = time.time()
     initialize_megatron(extra_args_provider, args_defaults, argv=argv)
