@@ -41,6 +41,36 @@ def test_rampup_batch_sizes_and_lr_follow_the_consumed_samples(capsys):
     assert [r["lr"] for r in rows] == pytest.approx(expected_lr, rel=1e-6)
 
 
+def closed_form_lr(style, n, max_lr=1e-2, min_lr=1e-3, warmup=8, decay=40, wsd=16):
+    """Megatron's schedule at n consumed samples (warmup/decay/WSD lengths in samples)."""
+    if n <= warmup:
+        return max_lr * n / warmup
+    if style == "constant":
+        return max_lr
+    if n > decay:  # past the decay, every style but constant holds min_lr (inverse-sqrt too)
+        return min_lr
+    if style == "inverse-square-root":
+        return max(min_lr, max_lr * math.sqrt(warmup) / math.sqrt(n))
+    if style == "WSD":
+        ratio = max(0.0, (n - (decay - wsd)) / wsd)
+        return min_lr + (max_lr - min_lr) * (1.0 - ratio)
+    ratio = (n - warmup) / (decay - warmup)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + (max_lr - min_lr) * coeff
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+def test_every_lr_style_in_iterations_follows_the_closed_form_in_samples(style):
+    """--lr-warmup-iters 2 / --lr-decay-iters 10 / --lr-wsd-decay-iters 4 at a global batch of 4."""
+    extra = ["--lr-wsd-decay-style", "linear", "--lr-wsd-decay-iters", "4"] if style == "WSD" else []
+    result = pretrain_gpt.main(
+        [*TINY, *MOCK, *QUIET, "--train-iters", "12", "--lr", "1e-2", "--min-lr", "1e-3",
+         "--lr-decay-style", style, "--lr-warmup-iters", "2", "--lr-decay-iters", "10", *extra],
+        record_history=True)
+    expected = [closed_form_lr(style, 4 * i) for i in range(1, 13)]
+    assert [r.learning_rate for r in result.history] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
 def test_exit_duration_saves_and_exits(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
     result = pretrain_gpt.main([*TINY, *MOCK, *QUIET, "--train-iters", "50", "--exit-duration-in-mins", "1e-9",
