@@ -383,9 +383,10 @@ def _validate_data(args: Namespace) -> None:
             if not getattr(args, dest):
                 raise ArgsError(f"{flag(dest)} needs at least one dataset prefix")
             try:
-                parse_data_path(getattr(args, dest))
+                prefixes, _ = parse_data_path(getattr(args, dest))
             except ValueError as error:
                 raise ArgsError(str(error).replace("--data-path", flag(dest))) from None
+            _check_dataset_files(flag(dest), prefixes)
     given = (["--data-path"] if args.data_path is not None else []) + [flag(d) for d in per_split]
     if args.data_path is not None and per_split:
         raise ArgsError(f"--data-path cannot be combined with {', '.join(flag(d) for d in per_split)}; "
@@ -412,6 +413,15 @@ def _validate_data(args: Namespace) -> None:
     _require_positive(args, ("num_workers",), allow_zero=True)
     if args.dataloader_type is None:
         args.dataloader_type = "single"
+
+
+def _check_dataset_files(shown: str, prefixes: list) -> None:
+    """Each prefix needs PREFIX.bin and PREFIX.idx: say so now, not after the model is built."""
+    for prefix in prefixes:
+        missing = [prefix + ext for ext in (".idx", ".bin") if not os.path.isfile(prefix + ext)]
+        if missing:
+            hint = " (give the prefix without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
+            raise ArgsError(f"{shown} {prefix}: no such dataset, {' and '.join(missing)} not found{hint}")
 
 
 def _validate_intervals(args: Namespace) -> None:

@@ -28,6 +28,22 @@ BASE = {
 }
 
 
+@pytest.fixture(autouse=True)
+def dataset_files(tmp_path, monkeypatch):
+    """The dataset prefixes the tests name (a, b, t1, t2, x) exist in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    for prefix in ("a", "b", "t1", "t2", "x"):
+        (tmp_path / f"{prefix}.bin").write_bytes(b"")
+        (tmp_path / f"{prefix}.idx").write_bytes(b"")
+
+
+def test_missing_dataset_files_are_named_before_anything_is_built():
+    with pytest.raises(ArgsError, match=r"--data-path nope: no such dataset, nope.idx and nope.bin not found"):
+        run("--data-path nope", drop=["--mock-data"])
+    with pytest.raises(ArgsError, match=r"--valid-data-path a.bin: .*give the prefix without .bin/.idx"):
+        run("--train-data-path a --valid-data-path a.bin", drop=["--mock-data"])
+
+
 def argv(*extra, drop=()):
     """BASE without the flags in `drop`, then `extra` (a string split on spaces, or words)."""
     words = []
