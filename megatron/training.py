@@ -27,7 +27,6 @@ from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.global_vars import (
     get_args,
-    get_current_global_batch_size,
     get_num_microbatches,
     get_signal_handler,
     get_tensorboard_writer,
@@ -497,5 +496,4 @@ class _Loop:
 
 
 __all__ = ["pretrain", "train_step", "get_model", "setup_model_and_optimizer", "TrainingResult",
-           "NaNLossError", "IterationRecord", "build_train_valid_test_data_iterators", "get_optimizer_param_scheduler",
-           "get_current_global_batch_size"]
+           "NaNLossError", "IterationRecord", "build_train_valid_test_data_iterators", "get_optimizer_param_scheduler"]

@@ -1,11 +1,9 @@
-"""Small helpers of the training framework: rank-aware printing and batch reductions."""
+"""Small helpers of the training framework: rank-aware printing."""
 
 from __future__ import annotations
 
 import datetime
-from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 
@@ -37,13 +35,3 @@ def print_datetime(string: str) -> None:
     """Megatron's '[string] datetime: YYYY-MM-DD HH:MM:SS' marker line."""
     time_str = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     print_rank_0(f"[{string}] datetime: {time_str} ")
-
-
-def average_losses_across_data_parallel_group(losses: list[torch.Tensor],
-                                              group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """Mean of each loss over the data-parallel ranks (identity in a single process)."""
-    averaged = torch.cat([loss.clone().detach().view(1) for loss in losses])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(averaged, group=group)
-        averaged = averaged / dist.get_world_size(group=group)
-    return averaged
