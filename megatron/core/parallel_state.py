@@ -1,47 +1,266 @@
-"""Model- and data-parallel state, with Megatron's `parallel_state.get_*` accessor names.
+"""Model- and data-parallel process groups, with Megatron's `parallel_state.get_*` accessor names.
 
-Today only the trivial layout exists: one process, or a world whose every rank is its own
-model-parallel group (tensor = pipeline = expert = 1). The tensor/pipeline/data-parallel
-groups in Megatron's `tp-cp-ep-dp-pp` rank order arrive with the parallelism issues; code
-written against these accessors (checkpoint names, samplers, logging) does not change then.
+The layout is pure rank arithmetic (`RankGenerator`, unit-tested without any process group);
+`initialize_model_parallel` turns that arithmetic into `torch.distributed` groups. Megatron's
+default order "tp-cp-ep-dp-pp" makes the first axis vary fastest:
+
+    global rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+so tensor-parallel peers are neighbouring ranks (one node, fastest link) and pipeline stages
+are the farthest apart. 16 ranks with TP=2, PP=4 (hence DP=2):
+
+    TP groups  [0, 1] [2, 3] [4, 5] ... [14, 15]
+    DP groups  [0, 2] [1, 3] [4, 6] [5, 7] [8, 10] [9, 11] [12, 14] [13, 15]
+    PP groups  [0, 4, 8, 12] [1, 5, 9, 13] [2, 6, 10, 14] [3, 7, 11, 15]
+
+Before `initialize_model_parallel` (and after `destroy_model_parallel`) the accessors describe
+the trivial layout: every rank its own model, data parallelism over the whole world.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from math import prod
 from typing import Optional
 
 import torch.distributed as dist
 
+_AXES = ("tp", "cp", "ep", "dp", "pp")
+_AXIS_WORDS = {"tp": "tensor", "cp": "context", "ep": "expert", "dp": "data", "pp": "pipeline"}
+
+# Groups created by initialize_model_parallel, in creation order (every rank creates every group
+# in this same order, as torch.distributed requires), keyed by the name group_name() reports.
+_GROUP_NAMES = ("tp", "pp", "dp", "dp-cp", "cp", "mp", "tp-dp", "embd", "pos-embd", "ep", "expert-dp")
+# Groups spanning the whole world in the trivial (uninitialised) layout; every other group is one rank.
+_WORLD_WIDE_WHEN_TRIVIAL = ("dp", "dp-cp", "tp-dp", "expert-dp")
+
+
+# --------------------------------------------------------------------------- rank arithmetic
+
+def _strides(shape: list[int]) -> list[int]:
+    """Mixed-radix strides with the first axis fastest: [2, 3, 4] -> [1, 2, 6]."""
+    out, step = [], 1
+    for size in shape:
+        out.append(step)
+        step *= size
+    return out
+
+
+def _linear_index(index: int, shape: list[int], strides: list[int]) -> int:
+    """Offset of the index-th point of `shape` (first axis fastest) in a grid with `strides`."""
+    offset = 0
+    for size, stride in zip(shape, strides):
+        offset += (index % size) * stride
+        index //= size
+    return offset
+
+
+def generate_masked_orthogonal_rank_groups(world_size: int, parallel_size: list[int],
+                                           mask: list[bool]) -> list[list[int]]:
+    """Split a rank grid into the groups that vary the masked axes and fix the others.
+
+    `parallel_size` lists the axis sizes, first axis fastest; `mask[i]` says axis i varies
+    inside a group. With sizes [tp=2, dp=3, pp=2] (12 ranks) and mask [False, True, False]
+    (the dp groups), rank = tp_rank + 2 * dp_rank + 6 * pp_rank and the groups are
+    [0, 2, 4] [1, 3, 5] [6, 8, 10] [7, 9, 11]: groups enumerate the fixed axes first axis
+    fastest, and ranks inside a group enumerate the masked axes the same way.
+    """
+    if len(parallel_size) != len(mask):
+        raise ValueError(f"parallel_size {parallel_size} and mask {mask} differ in length")
+    if any(not isinstance(size, int) or size < 1 for size in parallel_size):
+        raise ValueError(f"parallel sizes must be positive integers, got {parallel_size}")
+    if prod(parallel_size) != world_size:
+        raise ValueError(f"world size ({world_size}) is not the product of the parallel sizes "
+                         f"{parallel_size} = {prod(parallel_size)}")
+    strides = _strides(parallel_size)
+    varying = [(size, stride) for size, stride, m in zip(parallel_size, strides, mask) if m]
+    fixed = [(size, stride) for size, stride, m in zip(parallel_size, strides, mask) if not m]
+    varying_shape, varying_strides = [s for s, _ in varying], [d for _, d in varying]
+    fixed_shape, fixed_strides = [s for s, _ in fixed], [d for _, d in fixed]
+    group_size = prod(varying_shape)
+    groups = []
+    for group_index in range(world_size // group_size):
+        base = _linear_index(group_index, fixed_shape, fixed_strides)
+        groups.append([base + _linear_index(i, varying_shape, varying_strides) for i in range(group_size)])
+    return groups
+
+
+class RankGenerator:
+    """Rank groups of a (tp, cp, ep, dp, pp) grid laid out in `order` (first token fastest).
+
+    Axes of size 1 may be left out of `order` (they are appended); leaving out a larger axis is
+    an error. `rank_offset` shifts every rank (a grid placed after other ranks).
+    """
+
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset: int = 0) -> None:
+        sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
+        for axis, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{_AXIS_WORDS[axis]} parallel size ({axis}) must be a positive integer, got {size!r}")
+        tokens = order.split("-") if order else []
+        unknown = [t for t in tokens if t not in sizes]
+        if unknown or len(set(tokens)) != len(tokens):
+            raise ValueError(f"order {order!r} must be distinct axes from {'-'.join(_AXES)}")
+        for axis in _AXES:
+            if axis not in tokens:
+                if sizes[axis] != 1:
+                    raise ValueError(f"order {order!r} leaves out {axis} whose size is {sizes[axis]}; "
+                                     "only axes of size 1 may be left out")
+                tokens.append(axis)
+        self.tp, self.ep, self.dp, self.pp, self.cp = tp, ep, dp, pp, cp
+        self.rank_offset = rank_offset
+        self.name_to_size = sizes
+        self.order = "-".join(tokens)
+        self.ordered_size = [sizes[t] for t in tokens]
+        self.world_size = prod(self.ordered_size)
+
+    def get_mask(self, token: str) -> list[bool]:
+        """Which axes of the order vary inside the groups named by `token` ("tp-dp": tp and dp)."""
+        names = token.split("-")
+        unknown = [n for n in names if n not in self.name_to_size]
+        if unknown or len(set(names)) != len(names):
+            raise ValueError(f"rank token {token!r} must be distinct axes from {'-'.join(_AXES)}")
+        return [axis in names for axis in self.order.split("-")]
+
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """Every group that varies the axes in `token` and holds the others fixed."""
+        groups = generate_masked_orthogonal_rank_groups(self.world_size, self.ordered_size, self.get_mask(token))
+        return [[rank + self.rank_offset for rank in group] for group in groups]
+
+
+def _embedding_ranks(pp_group: list[int]) -> list[int]:
+    # The word embedding lives on the first stage and the tied output layer on the last;
+    # their gradients are all-reduced between the two.
+    return [pp_group[0], pp_group[-1]] if len(pp_group) > 1 else list(pp_group)
+
+
+def _plan_rank_groups(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int,
+                      order: str) -> dict[str, list[list[int]]]:
+    """Every group's ranks, by group name; raises ValueError (naming the sizes) on a bad layout."""
+    dense = tp * pp * cp
+    if world_size % dense:
+        raise ValueError(f"world size ({world_size}) is not divisible by tensor ({tp}) x pipeline ({pp}) "
+                         f"x context ({cp}) = {dense}")
+    expert = etp * ep * pp
+    if world_size % expert:
+        raise ValueError(f"world size ({world_size}) is not divisible by expert tensor ({etp}) x expert ({ep}) "
+                         f"x pipeline ({pp}) = {expert}")
+    # Dense layers see ep as 1; expert layers see cp as 1 and their own tp and dp sizes.
+    decoder = RankGenerator(tp=tp, ep=1, dp=world_size // dense, pp=pp, cp=cp, order=order)
+    experts = RankGenerator(tp=etp, ep=ep, dp=world_size // expert, pp=pp, cp=1, order=order)
+    pp_groups = decoder.get_ranks("pp")
+    if experts.get_ranks("pp") != pp_groups:
+        raise ValueError(f"order {order!r} puts pipeline stages on different ranks for dense layers "
+                         f"(tensor ({tp}) x context ({cp})) and expert layers (expert tensor ({etp}) x "
+                         f"expert ({ep})); make the two products equal or put pp last")
+    return {
+        "tp": decoder.get_ranks("tp"),
+        "pp": pp_groups,
+        "dp": decoder.get_ranks("dp"),
+        "dp-cp": decoder.get_ranks("dp-cp"),
+        "cp": decoder.get_ranks("cp"),
+        "mp": decoder.get_ranks("tp-pp"),
+        "tp-dp": decoder.get_ranks("tp-dp"),
+        "embd": [_embedding_ranks(group) for group in pp_groups],
+        "pos-embd": [group[:1] for group in pp_groups],
+        "ep": experts.get_ranks("ep"),
+        "expert-dp": experts.get_ranks("dp"),
+    }
+
+
+# --------------------------------------------------------------------------- process groups
+
+@dataclass(frozen=True)
+class _Membership:
+    """This rank's group of one kind: its global ranks and the process group (None: no dist)."""
+
+    ranks: tuple[int, ...]
+    group: Optional[dist.ProcessGroup]
+
 
 @dataclass
 class _State:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
     initialized: bool = False
+    rank: int = 0  # global rank, recorded once: accessors run on every forward
+    memberships: dict[str, _Membership] = field(default_factory=dict)
+    created: list[dist.ProcessGroup] = field(default_factory=list)  # to destroy, this rank's only
+    names_by_id: dict[int, str] = field(default_factory=dict)
+    virtual_pipeline_rank: Optional[int] = None
+    virtual_pipeline_world_size: Optional[int] = None
 
 
 _STATE = _State()
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _global_rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+
+
+def _check_size(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
-                              expert_model_parallel_size: int = 1) -> None:
-    """Record the parallel layout. Only sizes of 1 are available so far."""
-    sizes = {"tensor_model_parallel_size": tensor_model_parallel_size,
-             "pipeline_model_parallel_size": pipeline_model_parallel_size,
-             "expert_model_parallel_size": expert_model_parallel_size}
-    unsupported = {name: size for name, size in sizes.items() if size != 1}
-    if unsupported:
-        raise ValueError(f"parallel sizes {unsupported} are not available yet; only 1 is supported")
-    _STATE.tensor_model_parallel_size = tensor_model_parallel_size
-    _STATE.pipeline_model_parallel_size = pipeline_model_parallel_size
-    _STATE.expert_model_parallel_size = expert_model_parallel_size
-    _STATE.initialized = True
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                              order: str = "tp-cp-ep-dp-pp",
+                              expert_tensor_parallel_size: Optional[int] = None) -> None:
+    """Create every model/data-parallel group (Megatron's layout); call on all ranks alike.
+
+    Everything is validated before the first group is created, so a bad size raises the same
+    ValueError on every rank instead of leaving some ranks waiting inside `new_group`. Without
+    torch.distributed only a world of one process is possible; its groups are None.
+    `expert_tensor_parallel_size` defaults to the tensor-parallel size, as in Megatron.
+    """
+    global _STATE
+    if _STATE.initialized:
+        raise RuntimeError("model parallel groups are already initialized; call destroy_model_parallel() first")
+    tp, pp, cp, ep = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
+                      expert_model_parallel_size)
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                        ("context_parallel_size", cp), ("expert_model_parallel_size", ep),
+                        ("expert_tensor_parallel_size", etp)):
+        _check_size(name, value)
+    if virtual_pipeline_model_parallel_size is not None:
+        _check_size("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
+    rank, world_size = _global_rank_and_world()
+    if not _distributed() and max(tp, pp, cp, ep, etp) > 1:
+        raise ValueError(f"torch.distributed is not initialized (a world of 1 process), so every parallel size "
+                         f"must be 1; got tensor ({tp}), pipeline ({pp}), context ({cp}), expert ({ep}), "
+                         f"expert tensor ({etp})")
+    plan = _plan_rank_groups(world_size, tp, pp, cp, ep, etp, order)
+
+    state = _State(rank=rank, virtual_pipeline_world_size=virtual_pipeline_model_parallel_size,
+                   virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size is not None else None)
+    for name in _GROUP_NAMES:
+        for ranks in plan[name]:
+            # new_group is collective over the whole world: every rank creates every group.
+            group = dist.new_group(ranks) if _distributed() else None
+            if rank in ranks:
+                state.memberships[name] = _Membership(tuple(ranks), group)
+                if group is not None:
+                    state.created.append(group)
+                    state.names_by_id[id(group)] = name
+    state.initialized = True
+    _STATE = state
 
 
 def destroy_model_parallel() -> None:
+    """Destroy the groups initialize_model_parallel created and forget the layout (safe to repeat)."""
     global _STATE
+    if _distributed():
+        for group in _STATE.created:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):
+                # Already gone: the default group was destroyed (taking its subgroups) and perhaps re-created.
+                pass
     _STATE = _State()
 
 
@@ -49,59 +268,219 @@ def model_parallel_is_initialized() -> bool:
     return _STATE.initialized
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _membership(name: str) -> _Membership:
+    """This rank's group `name`, or the trivial layout's when nothing is initialised."""
+    if _STATE.initialized:
+        if name not in _STATE.memberships:  # only embedding groups leave ranks out
+            raise RuntimeError(f"rank {_STATE.rank} is in no {name} group; "
+                               "ask is_rank_in_embedding_group() / is_rank_in_position_embedding_group() first")
+        return _STATE.memberships[name]
+    rank, world_size = _global_rank_and_world()
+    if name in _WORLD_WIDE_WHEN_TRIVIAL:
+        return _Membership(tuple(range(world_size)), dist.group.WORLD if _distributed() else None)
+    return _Membership((rank,), None)
+
+
+def _group(name: str) -> Optional[dist.ProcessGroup]:
+    member = _membership(name)
+    if not _STATE.initialized and len(member.ranks) == 1 and _global_rank_and_world()[1] > 1:
+        # A one-rank group that was never created: None would mean WORLD to a collective.
+        raise RuntimeError(f"the {name} process group is not initialized; call initialize_model_parallel() first")
+    return member.group
+
+
+def _global_rank() -> int:
+    return _STATE.rank if _STATE.initialized else _global_rank_and_world()[0]
+
+
+def _rank_in(name: str) -> int:
+    return _membership(name).ranks.index(_global_rank())
+
+
+def _size_of(name: str) -> int:
+    return len(_membership(name).ranks)
+
+
+def group_name(group: Optional[dist.ProcessGroup]) -> str:
+    """Short name of a group made here ("tp", "dp-cp", ...); "world" for None/WORLD, else "other"."""
+    if group is None or (_distributed() and group is dist.group.WORLD):
+        return "world"
+    return _STATE.names_by_id.get(id(group), "other")
+
+
+# --------------------------------------------------------------------------- accessors
+
+def get_tensor_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("tp")
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    return _STATE.tensor_model_parallel_size
+    return _size_of("tp")
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return 0
+    return _rank_in("tp")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of tensor-parallel rank 0 in this rank's TP group (the broadcast source)."""
+    return _membership("tp").ranks[0]
+
+
+def get_pipeline_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("pp")
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    return _STATE.pipeline_model_parallel_size
+    return _size_of("pp")
 
 
 def get_pipeline_model_parallel_rank() -> int:
-    return 0
+    return _rank_in("pp")
 
 
-def get_expert_model_parallel_world_size() -> int:
-    return _STATE.expert_model_parallel_size
+def get_pipeline_model_parallel_first_rank() -> int:
+    return _membership("pp").ranks[0]
 
 
-def get_expert_model_parallel_rank() -> int:
-    return 0
+def get_pipeline_model_parallel_last_rank() -> int:
+    return _membership("pp").ranks[-1]
 
 
-def get_data_parallel_world_size() -> int:
-    return _world()[1]
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Global rank of the next stage (wrapping round, as Megatron's p2p ring does)."""
+    ranks = _membership("pp").ranks
+    return ranks[(_rank_in("pp") + 1) % len(ranks)]
 
 
-def get_data_parallel_rank() -> int:
-    return _world()[0]
+def get_pipeline_model_parallel_prev_rank() -> int:
+    ranks = _membership("pp").ranks
+    return ranks[(_rank_in("pp") - 1) % len(ranks)]
 
 
-def get_data_parallel_group() -> Optional[dist.ProcessGroup]:
-    """The data-parallel group: the whole world while every rank is its own model replica."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
+def get_data_parallel_group(with_context_parallel: bool = False) -> Optional[dist.ProcessGroup]:
+    """The DP group; with_context_parallel=True: DP x CP, over which dense gradients are reduced."""
+    return _group("dp-cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    return _size_of("dp-cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    return _rank_in("dp-cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    return _membership("dp-cp" if with_context_parallel else "dp").ranks[0]
+
+
+def get_context_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("cp")
+
+
+def get_context_parallel_world_size() -> int:
+    return _size_of("cp")
+
+
+def get_context_parallel_rank() -> int:
+    return _rank_in("cp")
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    return list(_membership("cp").ranks)
 
 
 def get_model_parallel_group() -> Optional[dist.ProcessGroup]:
-    """None: with tensor = pipeline = 1 each rank is a model-parallel group of one."""
-    return None
+    """TP x PP: the ranks holding one model replica (grad-norm and found-inf reductions)."""
+    return _group("mp")
 
 
-def is_pipeline_first_stage() -> bool:
+def get_tensor_and_data_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("tp-dp")
+
+
+def get_expert_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("ep")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return _size_of("ep")
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _rank_in("ep")
+
+
+def get_expert_data_parallel_group() -> Optional[dist.ProcessGroup]:
+    return _group("expert-dp")
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return _size_of("expert-dp")
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _rank_in("expert-dp")
+
+
+def get_embedding_group() -> Optional[dist.ProcessGroup]:
+    """First and last stage of this rank's pipeline (tied word embeddings); one rank when PP = 1."""
+    return _group("embd")
+
+
+def get_position_embedding_group() -> Optional[dist.ProcessGroup]:
+    return _group("pos-embd")
+
+
+def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
+    """Whether this rank holds a tied embedding; with virtual stages, only in its first/last chunk."""
+    rank = _global_rank()
+    if _STATE.initialized and "embd" not in _STATE.memberships:
+        return False
+    ranks = _membership("embd").ranks
+    if ignore_virtual:
+        return True
+    if rank == ranks[0]:
+        return is_pipeline_first_stage()
+    if rank == ranks[-1]:
+        return is_pipeline_last_stage()
+    return True
+
+
+def is_rank_in_position_embedding_group() -> bool:
+    return not _STATE.initialized or "pos-embd" in _STATE.memberships
+
+
+# --------------------------------------------------------------------------- pipeline stages
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    return _STATE.virtual_pipeline_rank
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    _STATE.virtual_pipeline_rank = rank
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    return _STATE.virtual_pipeline_world_size
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    _STATE.virtual_pipeline_world_size = world_size
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
+    """First pipeline stage; with virtual stages, also the first model chunk unless ignore_virtual."""
+    if not ignore_virtual and _STATE.virtual_pipeline_world_size is not None \
+            and _STATE.virtual_pipeline_rank != 0:
+        return False
     return get_pipeline_model_parallel_rank() == 0
 
 
-def is_pipeline_last_stage() -> bool:
+def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
+    """Last pipeline stage; with virtual stages, also the last model chunk unless ignore_virtual."""
+    size = _STATE.virtual_pipeline_world_size
+    if not ignore_virtual and size is not None and _STATE.virtual_pipeline_rank != size - 1:
+        return False
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
