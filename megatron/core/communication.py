@@ -1,0 +1,137 @@
+"""The one door every collective goes through, with an optional counter of what went through it.
+
+Tensor-parallel layers, gradient reduction and data broadcasting call these wrappers rather
+than `torch.distributed` directly, so a test (or `--log-communication-stats`) can see exactly
+which collectives ran, on which group, and how many bytes they moved:
+
+    with count_communication() as counter:
+        loss = model(batch); loss.backward()
+    counter.summary()   # {("all_reduce", "tp"): (4, 65536), ...}
+
+Sizes are those of the FULL tensor of the collective (all_reduce / broadcast: the tensor;
+all_gather: the gathered output; reduce_scatter: the input before scattering), so a count is
+independent of the group size. Counting is off by default and costs one bool check per call.
+Only dim-0 collectives exist here: a gather along another dim is a gather of a transposed copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+
+SUM = dist.ReduceOp.SUM
+
+# Recent torch deprecates all_gather_into_tensor / reduce_scatter_tensor for the *_single names
+# (same arguments); older builds only have the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective call: op name, group name (parallel_state.group_name), full-tensor size."""
+
+    op: str
+    group: str
+    numel: int
+    nbytes: int
+
+
+class CommCounter:
+    """Records the collectives issued while it is active, in call order."""
+
+    def __init__(self) -> None:
+        self.events: list[CommEvent] = []
+
+    def record(self, event: CommEvent) -> None:
+        self.events.append(event)
+
+    def summary(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """{(op, group): (calls, total nbytes)}, keys in first-seen order."""
+        totals: dict[tuple[str, str], tuple[int, int]] = {}
+        for event in self.events:
+            calls, nbytes = totals.get((event.op, event.group), (0, 0))
+            totals[(event.op, event.group)] = (calls + 1, nbytes + event.nbytes)
+        return totals
+
+    def reset(self) -> None:
+        self.events.clear()
+
+
+# Counters currently recording (innermost last); the global one is among them while enabled.
+_ACTIVE: list[CommCounter] = []
+_GLOBAL_COUNTER = CommCounter()
+
+
+@contextlib.contextmanager
+def count_communication() -> Iterator[CommCounter]:
+    """Count the collectives issued inside the block; nested blocks each see their own calls
+    (and an outer counter sees the inner block's calls too)."""
+    counter = CommCounter()
+    _ACTIVE.append(counter)
+    try:
+        yield counter
+    finally:
+        _ACTIVE.remove(counter)
+
+
+def set_counting(enabled: bool) -> None:
+    """Switch the process-wide counter (`get_global_counter()`) on or off."""
+    if enabled and _GLOBAL_COUNTER not in _ACTIVE:
+        _ACTIVE.insert(0, _GLOBAL_COUNTER)
+    elif not enabled and _GLOBAL_COUNTER in _ACTIVE:
+        _ACTIVE.remove(_GLOBAL_COUNTER)
+
+
+def get_global_counter() -> CommCounter:
+    """The counter that `set_counting(True)` feeds (for `--log-communication-stats`)."""
+    return _GLOBAL_COUNTER
+
+
+def _record(op: str, group: dist.ProcessGroup | None, tensor: torch.Tensor) -> None:
+    if not _ACTIVE:
+        return
+    event = CommEvent(op, parallel_state.group_name(group), tensor.numel(), tensor.numel() * tensor.element_size())
+    for counter in _ACTIVE:
+        counter.record(event)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: dist.ReduceOp = SUM) -> torch.Tensor:
+    """Reduce `tensor` in place over `group` (None: the world); returns it."""
+    _record("all_reduce", group, tensor)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """output [t * n, ...] = the ranks' input_ [n, ...] concatenated along dim 0 in rank order."""
+    _record("all_gather", group, output)
+    _all_gather_single(output, input_, group=group)
+    return output
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input_: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op: dist.ReduceOp = SUM,
+) -> torch.Tensor:
+    """output [n, ...] = this rank's dim-0 chunk of the sum over ranks of input_ [t * n, ...]."""
+    _record("reduce_scatter", group, input_)
+    _reduce_scatter_single(output, input_, op=op, group=group)
+    return output
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Overwrite `tensor` with global rank `src`'s copy on every rank of `group`; returns it."""
+    _record("broadcast", group, tensor)
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor

@@ -1,0 +1,344 @@
+"""Linear and embedding layers whose weights are split over the tensor-parallel ranks.
+
+    layer                   weight on one of t ranks   splits                    output
+    ColumnParallelLinear    [out/t, in]                output features (dim 0)   [..., out/t] (or gathered)
+    RowParallelLinear       [out, in/t]                input features (dim 1)    [..., out], summed over ranks
+    VocabParallelEmbedding  [v/t, h]                   vocabulary rows (dim 0)   [b, s, h], summed over ranks
+
+A column layer followed by a row layer (attention's qkv -> proj, the MLP's fc1 -> fc2) needs
+one all-reduce forward and one backward, and nothing between the two.
+
+Initialisation: every rank draws the FULL weight in fp32 on the CPU with init_method from the
+default generator (which all TP ranks seed alike), keeps its partition and casts it to
+config.params_dtype. A TP=t model therefore equals the TP=1 model weight for weight, and the
+generator ends in the same state on every rank whatever t is.
+
+Sequence parallelism (config.sequence_parallel): activations outside the TP regions are split
+along the sequence, [s/t, b, h]. A column layer then all-gathers its input (and re-gathers it in
+backward rather than keeping the gathered copy), and a row layer reduce-scatters its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    _gather_along_first_dim,
+    _reduce_scatter_along_first_dim,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.utils import VocabUtility, divide
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+# What a parameter's TP attributes mean when a layer did not set them: replicated on every rank.
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
+
+
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+    """Mark `tensor` as split (or not) over TP along `dim`; checkpoint tools and grad-norm code read these."""
+    for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(tensor, name):
+            raise ValueError(f"tensor already has the tensor-parallel attribute {name!r}")
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    for name, default in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, name):
+            setattr(tensor, name, default)
+
+
+def copy_tensor_model_parallel_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    for name in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
+    """True for a TP-split parameter, and for a replicated one on TP rank 0 only (so a grad norm
+    or parameter count over the model-parallel group counts every replicated value once)."""
+    return bool(getattr(param, "tensor_model_parallel", False)) or (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+
+
+def _init_partition(
+    weight: torch.Tensor,
+    full_shape: tuple[int, int],
+    partition_dim: int,
+    stride: int,
+    init_method: InitMethod,
+) -> None:
+    """Draw the full weight [out, in] in fp32, copy this rank's partition into `weight`.
+
+    With stride k the partition dim is cut into t * k equal blocks dealt round-robin: rank r
+    keeps blocks r, r + t, ... (for a fused weight whose k sub-matrices are each split over TP).
+    """
+    master = torch.empty(full_shape, dtype=torch.float32)
+    init_method(master)
+    world_size = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    block = divide(weight.size(partition_dim), stride)
+    blocks = torch.split(master, block, dim=partition_dim)  # t * stride blocks
+    with torch.no_grad():
+        weight.copy_(torch.cat(blocks[rank::world_size], dim=partition_dim))
+
+
+def _new_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype))
+
+
+class _LinearWithSequenceParallelInput(torch.autograd.Function):
+    """y = all-gather(x) W^T + b for x [s/t, b, in], keeping only x (not the gathered input).
+
+    Backward re-gathers x for the weight gradient and reduce-scatters the input gradient back
+    to [s/t, b, in]: activation memory stays s*b*in/t at the price of a second all-gather.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias):
+        total_input = _gather_along_first_dim(input_)  # [s/t, b, in] -> [s, b, in]
+        ctx.save_for_backward(input_, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(total_input, weight, bias)  # [s, b, out/t]
+
+    @staticmethod
+    def backward(ctx, grad_output):  # grad_output [s, b, out/t]
+        input_, weight = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        # The re-gather is issued first, as Megatron does, so that an asynchronous version can
+        # overlap it with the input-gradient matmul.
+        total_input = _gather_along_first_dim(input_) if ctx.needs_input_grad[1] else None  # [s, b, in]
+        if ctx.needs_input_grad[0]:
+            grad_total_input = grad_output.matmul(weight)  # [s, b, in], partial over the TP ranks
+            grad_input = _reduce_scatter_along_first_dim(grad_total_input)  # [s/t, b, in]
+        if total_input is not None:
+            grad_2d = grad_output.reshape(-1, grad_output.size(-1))  # [s*b, out/t]
+            grad_weight = grad_2d.t().matmul(total_input.reshape(-1, total_input.size(-1)))  # [out/t, in]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0)  # [out/t]
+        return grad_input, grad_weight, grad_bias
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W [out, in] split by rows: this rank computes out/t of the outputs.
+
+    forward(input_, weight=None) -> (output, output_bias). input_ is [s, b, in] replicated, or
+    [s/t, b, in] under sequence parallelism; output is [s, b, out/t], or [s, b, out] with
+    gather_output. `weight` overrides the layer's own (e.g. an output layer tied to the word
+    embedding; then build it with skip_weight_param_allocation=True). With skip_bias_add the
+    bias is returned as output_bias instead of added, for a caller that fuses the add.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method: InitMethod,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        skip_bias_add: bool = False,
+        skip_weight_param_allocation: bool = False,
+    ) -> None:
+        super().__init__()
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = divide(output_size, world_size)
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = config.sequence_parallel
+        if self.sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel")
+
+        if skip_weight_param_allocation:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = _new_param(self.output_size_per_partition, input_size, dtype=config.params_dtype)
+            if config.perform_initialization:
+                _init_partition(self.weight, (output_size, input_size), 0, stride, init_method)
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(
+        self, input_: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs forward(..., weight=)")
+            weight = self.weight
+        elif tuple(weight.shape) != (self.output_size_per_partition, self.input_size):
+            raise ValueError(
+                f"weight has shape {tuple(weight.shape)}, expected "
+                f"({self.output_size_per_partition}, {self.input_size}) on this tensor-parallel rank"
+            )
+        bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel:
+            output_parallel = _LinearWithSequenceParallelInput.apply(input_, weight, bias)  # [s, b, out/t]
+        else:
+            input_parallel = copy_to_tensor_model_parallel_region(input_)  # [s, b, in]
+            output_parallel = F.linear(input_parallel, weight, bias)  # [s, b, out/t]
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(output_parallel)  # [s, b, out]
+        else:
+            output = output_parallel
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def extra_repr(self) -> str:
+        return (f"input_size={self.input_size}, output_size_per_partition={self.output_size_per_partition}, "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W [out, in] split by columns: this rank multiplies its in/t inputs.
+
+    forward(input_) -> (output, output_bias). input_ is this rank's [s, b, in/t] (input_is_parallel)
+    or the full [s, b, in], which is split here. The partial products are summed over the ranks
+    (all-reduce to [s, b, out], or reduce-scatter to [s/t, b, out] under sequence parallelism) and
+    the bias, replicated, is added once after the sum. Under sequence parallelism each rank's bias
+    gradient covers its s/t tokens only, so the bias carries `sequence_parallel = True` and its
+    gradient must be all-reduced over TP before the optimizer step.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config,
+        init_method: InitMethod,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        skip_bias_add: bool = False,
+        stride: int = 1,
+    ) -> None:
+        super().__init__()
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_size_per_partition = divide(input_size, world_size)
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = config.sequence_parallel
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
+
+        self.weight = _new_param(output_size, self.input_size_per_partition, dtype=config.params_dtype)
+        if config.perform_initialization:
+            _init_partition(self.weight, (output_size, input_size), 1, stride, init_method)
+        set_tensor_model_parallel_attributes(self.weight, True, 1, stride)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype))
+            self.bias.sequence_parallel = config.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.input_is_parallel:
+            input_parallel = input_  # [s, b, in/t]
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(input_)  # [s, b, in] -> [s, b, in/t]
+        output_parallel = F.linear(input_parallel, self.weight)  # [s, b, out], partial sum
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output_parallel)  # [s/t, b, out]
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel)  # [s, b, out]
+        if self.skip_bias_add:
+            return output, self.bias
+        if self.bias is not None:
+            output = output + self.bias
+        return output, None
+
+    def extra_repr(self) -> str:
+        return (f"input_size_per_partition={self.input_size_per_partition}, output_size={self.output_size}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows (the padded vocabulary, num_embeddings) are split over the TP ranks.
+
+    forward(input_ [b, s] global token ids) -> [b, s, h], or this rank's [s/t, b, h] with
+    reduce_scatter_embeddings. Each rank looks up the ids in its row range [first, last), zeros
+    the others, and the ranks' results are summed. With num_initialized_embeddings = n (the
+    tokenizer's real vocabulary) init_method draws only rows [0, n), in order, and the padding
+    rows start at zero: the initial model and the RNG stream after it do not depend on padding.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        init_method: InitMethod,
+        config,
+        reduce_scatter_embeddings: bool = False,
+        num_initialized_embeddings: int | None = None,
+    ) -> None:
+        super().__init__()
+        world_size = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.reduce_scatter_embeddings = reduce_scatter_embeddings
+        self.vocab_start_index, self.vocab_end_index = VocabUtility.vocab_range_from_global_vocab_size(
+            num_embeddings, rank, world_size
+        )
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        if num_initialized_embeddings is None:
+            num_initialized_embeddings = num_embeddings
+        if not 0 <= num_initialized_embeddings <= num_embeddings:
+            raise ValueError(
+                f"num_initialized_embeddings ({num_initialized_embeddings}) must be in "
+                f"[0, num_embeddings ({num_embeddings})]"
+            )
+        self.num_initialized_embeddings = num_initialized_embeddings
+
+        self.weight = _new_param(self.num_embeddings_per_partition, embedding_dim, dtype=config.params_dtype)
+        if config.perform_initialization:
+            self._initialize(init_method)
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def _initialize(self, init_method: InitMethod) -> None:
+        real = torch.empty(self.num_initialized_embeddings, self.embedding_dim, dtype=torch.float32)
+        init_method(real)  # [n, h], drawn exactly as an unpadded table would be
+        master = torch.zeros(self.num_embeddings, self.embedding_dim, dtype=torch.float32)  # [v, h]
+        master[: self.num_initialized_embeddings] = real
+        with torch.no_grad():
+            self.weight.copy_(master[self.vocab_start_index : self.vocab_end_index])  # [v/t, h]
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            # Ids outside this rank's rows look up row 0 and are zeroed; another rank supplies them.
+            outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)  # [b, s]
+            local_ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
+            output_parallel = F.embedding(local_ids, self.weight)  # [b, s, h]
+            output_parallel = output_parallel.masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            output_parallel = F.embedding(input_, self.weight)  # [b, s, h]
+        if self.reduce_scatter_embeddings:
+            output_parallel = output_parallel.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
+            return reduce_scatter_to_sequence_parallel_region(output_parallel)  # [s/t, b, h]
+        return reduce_from_tensor_model_parallel_region(output_parallel)  # [b, s, h]
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings}, rows=[{self.vocab_start_index}, {self.vocab_end_index}), "
+                f"embedding_dim={self.embedding_dim}")
