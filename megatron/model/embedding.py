@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
+from megatron.model.layers import tensor_parallel_dropout_context
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
 
@@ -12,19 +15,26 @@ from megatron.model.transformer_config import TransformerConfig
 class LanguageModelEmbedding(MegatronModule):
     """Token ids [b, s] and position ids [b, s] -> embeddings [s, b, h] (Megatron's layout).
 
-    State-dict keys: word_embeddings.weight [vocab, h], position_embeddings.weight [max_s, h].
+    State-dict keys: word_embeddings.weight [vocab/t, h] (this tensor-parallel rank's rows of
+    the padded vocabulary), position_embeddings.weight [max_s, h] (replicated).
+
+    vocab_size is the padded size; num_tokens (the tokenizer's vocabulary, default vocab_size)
+    is how many rows are drawn at initialisation -- the padding rows start at zero, so the
+    initial model, and the random stream after it, are the same for every padding.
+    Under sequence parallelism the output is this rank's [s/t, b, h] chunk.
     """
 
-    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int) -> None:
+    def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
+                 num_tokens: int | None = None) -> None:
         super().__init__(config)
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         h, dtype = config.hidden_size, config.params_dtype
-        self.word_embeddings = nn.Embedding(vocab_size, h, dtype=dtype)
+        self.word_embeddings = VocabParallelEmbedding(vocab_size, h, init_method=config.init_method, config=config,
+                                                      num_initialized_embeddings=num_tokens)
         self.position_embeddings = nn.Embedding(max_sequence_length, h, dtype=dtype)
         if config.perform_initialization:
             with torch.no_grad():
-                config.init_method(self.word_embeddings.weight)
                 config.init_method(self.position_embeddings.weight)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
@@ -34,9 +44,18 @@ class LanguageModelEmbedding(MegatronModule):
                 f"sequence length {input_ids.shape[1]} exceeds the model's max_sequence_length "
                 f"({self.max_sequence_length}, --max-position-embeddings)"
             )
-        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)  # [b, s, h]
+        if self.config.sequence_parallel and input_ids.shape[1] % parallel_state.get_tensor_model_parallel_world_size():
+            raise ValueError(f"sequence length {input_ids.shape[1]} is not divisible by the tensor-parallel size "
+                             f"({parallel_state.get_tensor_model_parallel_world_size()}), as --sequence-parallel needs")
+        word = self.word_embeddings(input_ids)  # [b, s, h], summed over the TP ranks' vocab slices
+        embeddings = word + self.position_embeddings(position_ids)  # [b, s, h]
         embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
         if self.config.fp32_residual_connection:
             # The residual stream is kept in fp32 from here on; layer norms hand half back.
             embeddings = embeddings.float()
-        return self.embedding_dropout(embeddings)
+        if self.config.sequence_parallel:
+            # Split after the position embeddings are added: their gradient then comes back
+            # whole (the split's backward gathers the sequence), so it needs no TP reduction.
+            embeddings = scatter_to_sequence_parallel_region(embeddings)  # [s/t, b, h]
+        with tensor_parallel_dropout_context(partitioned=self.config.sequence_parallel):
+            return self.embedding_dropout(embeddings)

@@ -1,25 +1,29 @@
 """GPTModel: embedding -> transformer block -> output layer -> per-token cross-entropy.
 
-State-dict keys (Megatron-Core GPT, local spec; FORMATS.md sec. 3):
-    embedding.word_embeddings.weight              [vocab, h]
+State-dict keys (Megatron-Core GPT, local spec; FORMATS.md sec. 3), shapes on one of t
+tensor-parallel ranks (vocab is the padded vocabulary):
+    embedding.word_embeddings.weight              [vocab/t, h]
     embedding.position_embeddings.weight          [max_s, h]
     decoder.layers.{i}.input_layernorm.{weight,bias}
-    decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}   rows in [np, 3, hn] order
-    decoder.layers.{i}.self_attention.linear_proj.{weight,bias}
+    decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}   [3 np hn/t, h], rows [np/t, 3, hn]
+    decoder.layers.{i}.self_attention.linear_proj.{weight,bias}  [h, np hn/t], bias [h]
     decoder.layers.{i}.pre_mlp_layernorm.{weight,bias}
-    decoder.layers.{i}.mlp.linear_fc1.{weight,bias}
-    decoder.layers.{i}.mlp.linear_fc2.{weight,bias}
+    decoder.layers.{i}.mlp.linear_fc1.{weight,bias}              [ffn/t, h]
+    decoder.layers.{i}.mlp.linear_fc2.{weight,bias}              [h, ffn/t], bias [h]
     decoder.final_layernorm.{weight,bias}
-    output_layer.weight                           only when the output layer is not tied
+    output_layer.weight                           [vocab/t, h], only when the output layer is not tied
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    gather_from_tensor_model_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 from megatron.model.embedding import LanguageModelEmbedding
-from megatron.model.layers import Linear
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.transformer_layer import TransformerBlock
@@ -28,11 +32,18 @@ from megatron.model.transformer_layer import TransformerBlock
 class GPTModel(MegatronModule):
     """Decoder-only transformer language model.
 
-    forward(input_ids [b, s], position_ids [b, s], attention_mask, labels) returns logits
-    [b, s, vocab] when labels is None, else per-token cross-entropy losses [b, s] (fp32 unless
-    config.fp16_lm_cross_entropy). attention_mask: bool [b or 1, 1, s, s], True = masked out;
-    None means causal. With pre_process=False the input comes from set_input_tensor(); with
-    post_process=False forward returns the hidden states [s, b, h] (pipeline stages).
+    forward(input_ids [b, s], position_ids [b, s], attention_mask, labels) returns logits when
+    labels is None -- [b, s, vocab/t], this rank's slice, with parallel_output (Megatron's
+    default), or [b, s, vocab] gathered -- else per-token cross-entropy losses [b, s] (fp32 unless
+    config.fp16_lm_cross_entropy), computed without gathering the vocabulary. attention_mask:
+    bool [b or 1, 1, s, s], True = masked out; None means causal. With pre_process=False the input
+    comes from set_input_tensor(); with post_process=False forward returns the hidden states
+    [s, b, h] (pipeline stages; [s/t, b, h] under sequence parallelism).
+
+    vocab_size is the padded vocabulary (a multiple of --make-vocab-size-divisible-by x t);
+    num_tokens is the tokenizer's (default: vocab_size). Ids from num_tokens up are padding:
+    their rows start at zero and their logits take no part in the loss, so the loss and the
+    gradients do not depend on how much padding the tensor-parallel size asked for.
     """
 
     def __init__(
@@ -44,26 +55,38 @@ class GPTModel(MegatronModule):
         position_embedding_type: str = "learned_absolute",
         pre_process: bool = True,
         post_process: bool = True,
+        parallel_output: bool = True,
+        num_tokens: int | None = None,
     ) -> None:
         super().__init__(config)
+        if num_tokens is not None and not 0 < num_tokens <= vocab_size:
+            raise ValueError(f"num_tokens ({num_tokens}) must be in [1, vocab_size ({vocab_size})]")
         if position_embedding_type != "learned_absolute":
             raise ValueError(
                 f"position_embedding_type {position_embedding_type!r} is not supported yet "
                 "(only 'learned_absolute')"
             )
         self.vocab_size = vocab_size
+        self.num_tokens = num_tokens if num_tokens is not None else vocab_size
+        self.parallel_output = parallel_output
         self.max_sequence_length = max_sequence_length
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
         self.pre_process = pre_process
         self.post_process = post_process
 
-        self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length) if pre_process else None
+        self.embedding = (LanguageModelEmbedding(config, vocab_size, max_sequence_length, num_tokens=self.num_tokens)
+                          if pre_process else None)
         self.decoder = TransformerBlock(config, pre_process=pre_process, post_process=post_process)
-        self.output_layer: Linear | None = None
-        if post_process and not (share_embeddings_and_output_weights and pre_process):
-            self.output_layer = Linear(config.hidden_size, vocab_size, config, config.init_method, bias=False)
-            if share_embeddings_and_output_weights:
+        self.output_layer: ColumnParallelLinear | None = None
+        if post_process:
+            # Tied on a stage that has the embedding: the layer multiplies by the embedding's
+            # weight and owns none (no output_layer.* key in the state dict).
+            tied_here = share_embeddings_and_output_weights and pre_process
+            self.output_layer = ColumnParallelLinear(config.hidden_size, vocab_size, config=config,
+                                                     init_method=config.init_method, bias=False, gather_output=False,
+                                                     skip_weight_param_allocation=tied_here)
+            if share_embeddings_and_output_weights and not tied_here:
                 # A last pipeline stage without the embedding keeps its own copy of the tied
                 # weight; as in Megatron it starts at zero and is overwritten from the first
                 # stage's embedding (the `shared_embedding` mark tells the sync step which).
@@ -72,8 +95,8 @@ class GPTModel(MegatronModule):
                 self.output_layer.weight.shared_embedding = True
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
-        """The weight [vocab, h] the output layer multiplies by (the word embedding when tied)."""
-        if self.output_layer is not None:
+        """The weight [vocab/t, h] the output layer multiplies by (the word embedding when tied)."""
+        if self.output_layer is not None and self.output_layer.weight is not None:
             return self.output_layer.weight
         if self.embedding is None:
             raise ValueError("this GPTModel stage has neither an embedding nor an output layer")
@@ -98,16 +121,17 @@ class GPTModel(MegatronModule):
         hidden_states = self.decoder(decoder_input, attention_mask)  # [s, b, h]
         if not self.post_process:
             return hidden_states
-        logits = F.linear(hidden_states, self.shared_embedding_or_output_weight())  # [s, b, vocab]
+        logits, _ = self.output_layer(hidden_states, weight=self.shared_embedding_or_output_weight())  # [s, b, vocab/t]
         if labels is None:
-            return logits.transpose(0, 1).contiguous()  # [s, b, vocab] -> [b, s, vocab]
+            if not self.parallel_output:
+                logits = gather_from_tensor_model_parallel_region(logits)  # [s, b, vocab]
+            return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
         return self.compute_language_model_loss(labels, logits)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Per-token cross-entropy: labels [b, s], logits [s, b, vocab] -> losses [b, s]."""
+        """Per-token cross-entropy: labels [b, s], logits [s, b, vocab/t] -> losses [b, s]."""
         if not self.config.fp16_lm_cross_entropy:
             logits = logits.float()
-        s, b, vocab = logits.shape
-        labels = labels.transpose(0, 1)  # [b, s] -> [s, b]
-        losses = F.cross_entropy(logits.reshape(s * b, vocab), labels.reshape(s * b), reduction="none")  # [s * b]
-        return losses.view(s, b).transpose(0, 1).contiguous()  # [s, b] -> [b, s]
+        labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
+        losses = vocab_parallel_cross_entropy(logits, labels, unpadded_vocab_size=self.num_tokens)  # [s, b]
+        return losses.transpose(0, 1).contiguous()  # [s, b] -> [b, s]

@@ -47,6 +47,11 @@ class TransformerConfig:
     num_layers: int
     hidden_size: int
     num_attention_heads: int
+    # Model-parallel layout (Megatron-Core's ModelParallelConfig fields). The layers read the live
+    # group sizes from parallel_state; these say what the model was built for.
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
     ffn_hidden_size: int | None = None
     kv_channels: int | None = None
     hidden_dropout: float = 0.1
@@ -72,7 +77,7 @@ class TransformerConfig:
     output_layer_init_method: InitMethod | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "kv_channels"):
             _require_positive(name, getattr(self, name))
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:

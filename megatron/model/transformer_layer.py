@@ -5,6 +5,10 @@ Read as nanoGPT's Block, with activations [s, b, h]:
     x = x + dropout(mlp(ln_2(x)))
 apply_residual_connection_post_layernorm takes the residual from ln(x) instead of x (as in
 BERT-era Megatron); fp32_residual_connection keeps x in fp32 while the layers run in half.
+
+Under sequence parallelism (config.sequence_parallel) everything outside the attention and MLP
+linears -- layer norms, dropout, residual adds -- runs on this rank's s/t tokens: the block's
+input and output are [s/t, b, h], and the column-parallel linears gather the sequence.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import torch
 from torch import nn
 
 from megatron.model.attention import SelfAttention
-from megatron.model.layers import LayerNorm
+from megatron.core import parallel_state
+from megatron.model.layers import LayerNorm, tensor_parallel_dropout_context
 from megatron.model.mlp import MLP
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
@@ -42,12 +47,14 @@ class TransformerLayer(MegatronModule):
         layernorm_output = self.input_layernorm(hidden_states)  # [s, b, h]
         attention_output = self.self_attention(layernorm_output, attention_mask)  # [s, b, h]
         residual = layernorm_output if post_ln_residual else hidden_states
-        hidden_states = residual + self.hidden_dropout(attention_output)  # [s, b, h]
+        with tensor_parallel_dropout_context(partitioned=self.config.sequence_parallel):
+            hidden_states = residual + self.hidden_dropout(attention_output)  # [s, b, h]
 
         layernorm_output = self.pre_mlp_layernorm(hidden_states)  # [s, b, h]
         mlp_output = self.mlp(layernorm_output)  # [s, b, h]
         residual = layernorm_output if post_ln_residual else hidden_states
-        return residual + self.hidden_dropout(mlp_output)  # [s, b, h]
+        with tensor_parallel_dropout_context(partitioned=self.config.sequence_parallel):
+            return residual + self.hidden_dropout(mlp_output)  # [s, b, h]
 
 
 class TransformerBlock(MegatronModule):
@@ -75,7 +82,10 @@ class TransformerBlock(MegatronModule):
         if hidden_states is None:
             raise ValueError("TransformerBlock got no input: pass hidden_states or call set_input_tensor()")
         if attention_mask is None:
-            attention_mask = get_causal_attention_mask(hidden_states.shape[0], hidden_states.device)  # [1, 1, s, s]
+            seq_length = hidden_states.shape[0]  # s, or s/t under sequence parallelism
+            if self.config.sequence_parallel:
+                seq_length *= parallel_state.get_tensor_model_parallel_world_size()
+            attention_mask = get_causal_attention_mask(seq_length, hidden_states.device)  # [1, 1, s, s]
         elif attention_mask.dtype != torch.bool:
             raise TypeError(f"attention_mask must be a bool tensor (True = masked out), got {attention_mask.dtype}")
         for layer in self.layers:

@@ -61,3 +61,28 @@ def get_num_parameters(model: nn.Module | Iterable[nn.Module]) -> int:
         for param in module.parameters():
             seen[id(param)] = param.numel()
     return sum(seen.values())
+
+
+def get_num_parameters_across_model_parallel(model: nn.Module | Iterable[nn.Module]) -> int:
+    """Parameters of the whole model over its tensor/pipeline ranks, each counted once.
+
+    A tensor-parallel shard counts on every rank (the shards together are the weight); a
+    parameter replicated on all TP ranks (layer norms, row-parallel biases, position
+    embeddings) counts on TP rank 0 only; the last stage's copy of a tied embedding not at all.
+    Equals the serial model's count plus the vocabulary padding rows. Collective over the
+    model-parallel group: every rank of it must call this.
+    """
+    from megatron.core import communication, parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    modules = [model] if isinstance(model, nn.Module) else list(model)
+    seen = {}
+    for module in modules:
+        for param in module.parameters():
+            if param_is_not_tensor_parallel_duplicate(param) and not getattr(param, "shared_embedding", False):
+                seen[id(param)] = param.numel()
+    total = torch.tensor([sum(seen.values())], dtype=torch.int64)
+    group = parallel_state.get_model_parallel_group()
+    if group is not None:
+        communication.all_reduce(total, group=group)
+    return int(total.item())

@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 
 import torch
 
+from megatron.core.distributed.finalize_model_grads import scale_gradients
+
 LossDict = Dict[str, torch.Tensor]
 
 
@@ -80,17 +82,8 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
         if finalize_model_grads_func is not None:
             finalize_model_grads_func([model], tokens)
         elif tokens is not None:
-            scale_gradients(model, 1.0 / max(int(tokens), 1))
+            scale_gradients([model], 1.0 / max(int(tokens), 1))
     return losses
-
-
-def scale_gradients(model: torch.nn.Module, factor: float) -> None:
-    """Multiply every gradient of model by factor (per-token loss normalisation)."""
-    for param in model.parameters():
-        grad = getattr(param, "main_grad", None)
-        grad = grad if grad is not None else param.grad
-        if grad is not None:
-            grad.mul_(factor)
 
 
 def get_forward_backward_func(pipeline_model_parallel_size: int = 1) -> Callable[..., List[Any]]:

@@ -1,0 +1,64 @@
+"""finalize_model_grads: the gradient reductions between the last backward and the optimizer step.
+
+    1. sequence-parallel reduction: parameters replicated on every tensor-parallel rank but fed
+       only this rank's s/t tokens under --sequence-parallel (layer norms, row-parallel biases,
+       marked `param.sequence_parallel`) hold partial gradients; they are summed over the TP
+       group in one flat all-reduce.
+    2. per-token normalisation (--calculate-per-token-loss): gradients divided by the number of
+       tokens of the global batch.
+
+The data-parallel reduction and the embedding-group reduction of pipeline stages join here
+with their issues.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from megatron.core import communication, parallel_state
+
+
+def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
+    """The gradient the optimizer will read: the fp32 main_grad when there is one, else .grad."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def allreduce_sequence_parallel_grads(model_chunks: List[nn.Module]) -> None:
+    """Sum the partial gradients of `sequence_parallel` parameters over the tensor-parallel group."""
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [grad for chunk in model_chunks for param in chunk.parameters()
+             if param.requires_grad and getattr(param, "sequence_parallel", False)
+             and (grad := _grad_of(param)) is not None]
+    if not grads:
+        return
+    by_dtype: dict = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same_dtype in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same_dtype])  # one collective instead of one per tensor
+        communication.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+        offset = 0
+        for grad in same_dtype:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def scale_gradients(model_chunks: List[nn.Module], factor: float) -> None:
+    """Multiply every gradient by factor."""
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            grad = _grad_of(param)
+            if grad is not None:
+                grad.mul_(factor)
+
+
+def finalize_model_grads(model_chunks: List[nn.Module], num_tokens: Optional[torch.Tensor] = None) -> None:
+    """Run the reductions above; num_tokens (per-token loss only) is the global batch's token count."""
+    allreduce_sequence_parallel_grads(model_chunks)
+    if num_tokens is not None:
+        scale_gradients(model_chunks, 1.0 / max(int(num_tokens), 1))
