@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron.core import device  # noqa: E402
+from megatron.core import device, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
@@ -35,15 +35,35 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
-    return GPTModel(config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+    return GPTModel(config, vocab_size=args.padded_vocab_size, num_tokens=get_tokenizer().vocab_size,
+                    max_sequence_length=args.max_position_embeddings,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type,
                     pre_process=pre_process, post_process=post_process)
 
 
-def get_batch(data_iterator: Iterator) -> Tuple[torch.Tensor, ...]:
-    """(tokens, labels, loss_mask, attention_mask or None, position_ids) of the next micro-batch."""
-    data: Dict[str, torch.Tensor] = next(data_iterator)
+def get_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:
+    """(tokens, labels, loss_mask, attention_mask or None, position_ids) of the next micro-batch.
+
+    Tensor-parallel rank 0 reads the batch; the other TP ranks (data_iterator None) receive it
+    by broadcast, so every rank of a TP group works on the same tokens.
+    """
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    data: Optional[Dict[str, torch.Tensor]] = next(data_iterator) if data_iterator is not None else None
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        with_mask = get_args().create_attention_mask_in_dataloader  # the same on every rank
+        if data is not None:
+            data = {key: value for key, value in data.items() if key in keys or key == "attention_mask"}
+            data.update({key: data[key].to(torch.int64) for key in ("tokens", "labels", "position_ids")})
+            data["loss_mask"] = data["loss_mask"].float()
+            if with_mask:
+                data["attention_mask"] = data["attention_mask"].to(torch.uint8)
+        received = tensor_parallel.broadcast_data(["tokens", "labels", "position_ids"], data, torch.int64)
+        received.update(tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32))
+        if with_mask:
+            mask = tensor_parallel.broadcast_data(["attention_mask"], data, torch.uint8)["attention_mask"]
+            received["attention_mask"] = mask.bool()
+        data = received
     target = device.get_device()
     tokens = data["tokens"].to(target, non_blocking=True)
     labels = data["labels"].to(target, non_blocking=True)
@@ -80,7 +100,8 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
 
 
 def is_dataset_built_on_rank() -> bool:
-    return True
+    """Tensor-parallel rank 0 reads the data (the first and last pipeline stages, once they exist)."""
+    return parallel_state.get_tensor_model_parallel_rank() == 0
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):

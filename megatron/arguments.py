@@ -287,6 +287,9 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-params-norm", action="store_true", help="Log the norm of the parameters.")
     group.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log the number of zero gradients.")
     group.add_argument("--log-throughput", action="store_true", help="Log TFLOP/s per device.")
+    group.add_argument("--log-communication-stats", action="store_true",
+                       help="Count the calls and bytes of every collective, per operation and process group, "
+                            "and print them with each log line (not a Megatron flag).")
     group.add_argument("--timing-log-level", type=int, default=0, choices=range(3),
                        help="Granularity of the timers: 0 iteration only, 1 coarse, 2 fine.")
     group.add_argument("--timing-log-option", type=str, default="minmax", choices=["max", "minmax", "all"])
@@ -350,6 +353,9 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
     if config_class is None:
         from megatron.model import TransformerConfig as config_class
     return config_class(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,

@@ -9,6 +9,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 3 | _validate_parallel | rank, world_size, data_parallel_size, distributed_backend |
 | 4 | _validate_not_yet_supported | (nothing: features of later issues raise) |
 | 5 | _validate_model | ffn_hidden_size (4h), kv_channels (h / heads) |
+| 5b | _validate_tensor_parallel | sequence_parallel off when TP = 1 (with a warning) |
 | 6 | _validate_precision | params_dtype, attention_softmax_in_fp32, bf16 fp32 grad accumulation |
 | 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints |
 | 8 | _validate_train_length | (iteration- or sample-based consistency) |
@@ -56,14 +57,12 @@ FLAG_ALIASES: dict[str, tuple] = {
 # Features that later issues add. A row: (dest, flag as the user sees it, supported value, feature).
 # A value other than the supported one raises "not supported yet"; delete the row when it lands.
 NOT_YET_SUPPORTED = (
-    ("tensor_model_parallel_size", "--tensor-model-parallel-size", 1, "tensor parallelism"),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1, "pipeline parallelism"),
     ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage", None,
      "the interleaved pipeline schedule"),
     ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
     ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "expert parallelism"),
     ("num_experts", "--num-experts", None, "mixture of experts"),
-    ("sequence_parallel", "--sequence-parallel", False, "sequence parallelism"),
     ("data_parallel_size", "world size (WORLD_SIZE / torchrun --nproc-per-node)", 1, "data parallelism"),
     ("use_distributed_optimizer", "--use-distributed-optimizer", False, "the distributed optimizer"),
     ("overlap_grad_reduce", "--overlap-grad-reduce", False, "overlapped gradient reduction"),
@@ -227,6 +226,21 @@ def _validate_model(args: Namespace) -> None:
     for dest in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, dest) < 1.0:
             raise ArgsError(f"{flag(dest)} must be in [0, 1), got {getattr(args, dest)}")
+
+
+def _validate_tensor_parallel(args: Namespace) -> None:
+    """Heads and MLP columns split evenly over the TP ranks; the sequence too under --sequence-parallel."""
+    tp = args.tensor_model_parallel_size
+    for dest in ("num_attention_heads", "ffn_hidden_size"):
+        if getattr(args, dest) % tp:
+            raise ArgsError(f"{flag(dest)} ({getattr(args, dest)}) must be divisible by --tensor-model-parallel-size "
+                            f"({tp}): each tensor-parallel rank holds an equal share")
+    if args.sequence_parallel and tp == 1:
+        _print_rank_0(args, "WARNING: disabling --sequence-parallel because --tensor-model-parallel-size is 1")
+        args.sequence_parallel = False
+    if args.sequence_parallel and args.seq_length is not None and args.seq_length % tp:
+        raise ArgsError(f"--seq-length ({args.seq_length}) must be divisible by --tensor-model-parallel-size ({tp}) "
+                        "with --sequence-parallel: each rank keeps seq-length / TP tokens")
 
 
 def _validate_precision(args: Namespace) -> None:
@@ -451,6 +465,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_parallel(args)
     _validate_not_yet_supported(args)
     _validate_model(args)
+    _validate_tensor_parallel(args)
     _validate_precision(args)
     _validate_batch(args)
     _validate_train_length(args)

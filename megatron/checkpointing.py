@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core import device, parallel_state
+from megatron.core import communication, device, parallel_state, tensor_parallel
 from megatron.core.atomic_io import atomic_write
 
 # The saved args are an argparse.Namespace; PyTorch >= 2.6 refuses it under weights_only=True
@@ -160,7 +160,7 @@ def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
     if dist.is_initialized():
         on = torch.device("cpu") if dist.get_backend() == "gloo" else device.get_device()
         iters = torch.tensor([iteration], dtype=torch.long, device=on)
-        dist.all_reduce(iters, op=dist.ReduceOp.MAX)  # [1]
+        communication.all_reduce(iters, op=dist.ReduceOp.MAX)  # [1]
         max_iter = int(iters[0].item())
         if max_iter != iteration:
             print(f"WARNING: on rank {dist.get_rank()} found iteration {iteration} in the tracker "
@@ -203,7 +203,7 @@ def get_rng_state() -> List[Dict[str, Any]]:
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": device.get_rng_state(),  # None on CPU
-        "rng_tracker_states": {},  # no tensor-parallel RNG tracker yet
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }]
 
 
@@ -279,6 +279,14 @@ def _load_base_checkpoint(load_dir: str, rank0: bool = False
         if os.path.isfile(os.path.join(base_dir, "metadata.json")):
             raise CheckpointError(f"{base_dir} is a distributed (torch_dist) checkpoint; only "
                                   "--ckpt-format torch is supported yet")
+        base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+        saved = sorted(d for d in os.listdir(base_dir) if d.startswith("mp_rank_")) if os.path.isdir(base_dir) else []
+        if saved:
+            raise CheckpointError(
+                f"{base_dir} has no file for this rank ({os.path.relpath(name, base_dir)}): it holds {', '.join(saved)}, "
+                f"but this run has tensor-parallel size {parallel_state.get_tensor_model_parallel_world_size()} and "
+                f"pipeline-parallel size {parallel_state.get_pipeline_model_parallel_world_size()}; a legacy checkpoint "
+                "loads only at the sizes it was saved with")
         raise CheckpointError(f"tracker file {tracker} names {what} but the checkpoint file "
                               f"{name} does not exist")
     _print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration}")
@@ -324,6 +332,23 @@ def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Na
     if problems:
         raise CheckpointError("; ".join(problems)
                               + " (use --use-checkpoint-args to take the checkpoint's)")
+
+
+def check_parallel_layout(checkpoint_args: argparse.Namespace, args: argparse.Namespace,
+                          checkpoint_name: str) -> None:
+    """Raise CheckpointError when the checkpoint was saved at other tensor/pipeline sizes.
+
+    Each file holds one rank's shards; loading it at another layout would mis-assign rows.
+    (The padded vocabulary also depends on the TP size, so this check comes first, with the
+    message that says what actually differs.)
+    """
+    for attr, label in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
+        saved, current = getattr(checkpoint_args, attr, 1), getattr(args, attr, 1)
+        if saved != current:
+            raise CheckpointError(f"checkpoint at {checkpoint_name} was saved with {label} {saved} but this run "
+                                  f"has {label} {current}; a legacy checkpoint loads only at the tensor/pipeline "
+                                  "sizes it was saved with (resharding is the checkpoint converter's job)")
 
 
 def _check_qkv_version(state_dict: Dict[str, Any], checkpoint_name: str) -> None:
@@ -395,6 +420,9 @@ def _load_rng(state_dict: Dict[str, Any], checkpoint_name: str) -> None:
     np.random.set_state(rng_state["np_rng_state"])
     torch.set_rng_state(rng_state["torch_rng_state"])
     device.set_rng_state(rng_state.get("cuda_rng_state"))
+    tracker_states = rng_state.get("rng_tracker_states")
+    if tracker_states:
+        tensor_parallel.get_cuda_rng_tracker().set_states(tracker_states)
 
 
 def _read_iteration(state_dict: Dict[str, Any], checkpoint_name: str) -> int:
@@ -427,6 +455,7 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
     finetune = _flag(args, "finetune")
     checkpoint_args = state_dict.get("args")
     if checkpoint_args is not None:
+        check_parallel_layout(checkpoint_args, args, checkpoint_name)
         check_checkpoint_args(checkpoint_args, args, checkpoint_name)
     _check_qkv_version(state_dict, checkpoint_name)
     _load_model(_as_chunks(model), state_dict, checkpoint_name, strict)
@@ -506,6 +535,6 @@ def load_args_from_checkpoint(args: argparse.Namespace,
 __all__ = [
     "CheckpointError", "checkpoint_exists", "check_checkpoint_args", "ensure_directory_exists",
     "find_checkpoint_rank_0", "generate_state_dict", "get_checkpoint_name",
-    "get_checkpoint_tracker_filename", "get_rng_state", "load_args_from_checkpoint",
+    "get_checkpoint_tracker_filename", "get_rng_state", "check_parallel_layout", "load_args_from_checkpoint",
     "load_checkpoint", "read_metadata", "save_checkpoint",
 ]

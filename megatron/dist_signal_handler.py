@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core import communication
+
 
 class DistributedSignalHandler:
     def __init__(self, sig: int = signal.SIGTERM) -> None:
@@ -37,5 +39,5 @@ class DistributedSignalHandler:
         """True when any rank has received the signal."""
         flag = torch.tensor([1 if self._received else 0], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            communication.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

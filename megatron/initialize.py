@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import logging
 import os
@@ -61,18 +62,40 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         print_rank_0("> initializing torch distributed ...")
         dist.init_process_group(backend=device.get_backend(), world_size=args.world_size, rank=args.rank,
                                 timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        # Tear the groups down before the interpreter does: a gloo group still alive at exit
+        # aborts the process ("terminate called without an active exception").
+        atexit.register(_destroy_distributed)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                             context_parallel_size=args.context_parallel_size,
+                                             expert_model_parallel_size=args.expert_model_parallel_size)
+    if args.log_communication_stats:
+        from megatron.core import communication
+
+        communication.set_counting(True)
+
+
+def _destroy_distributed() -> None:
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _set_random_seed(seed: int) -> None:
-    """Seed python, numpy, torch and the accelerator; pipeline stages get distinct seeds."""
+    """Seed python, numpy, torch and the accelerator; pipeline stages get distinct seeds.
+
+    Every tensor-parallel rank of a stage gets the same seed (weights are drawn whole and then
+    split, and replicated dropout masks must agree); the "model-parallel-rng" stream used for
+    dropout on split tensors is seeded per TP rank by model_parallel_cuda_manual_seed.
+    """
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
     if seed is None or seed <= 0:
         raise ValueError(f"--seed must be a positive integer, got {seed}")
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    device.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
 
 
 def _set_deterministic_mode() -> None:

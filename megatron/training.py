@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.core import device, parallel_state
+from megatron.core import communication, device, parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.global_vars import (
@@ -38,6 +38,7 @@ from megatron.initialize import initialize_megatron
 from megatron.training_log import (
     IntervalStats,
     Progress,
+    format_communication_stats,
     format_log_line,
     log_validation,
     num_floating_point_operations,
@@ -128,6 +129,7 @@ def _finish(result: TrainingResult) -> TrainingResult:
 def get_model(model_provider: Callable, model_type: ModelType = ModelType.encoder_or_decoder) -> List[torch.nn.Module]:
     """The model chunks of this rank, on the device, wrapped in Float16Module under --fp16/--bf16."""
     from megatron.model import Float16Module, get_num_parameters
+    from megatron.model.utils import get_num_parameters_across_model_parallel
 
     args = get_args()
     model = model_provider(pre_process=parallel_state.is_pipeline_first_stage(),
@@ -137,6 +139,8 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
         print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
             parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
             get_num_parameters(model)), flush=True)
+    total = get_num_parameters_across_model_parallel([model])
+    print_rank_0(f" > number of parameters in the model (every rank, replicated ones once): {total}")
     model.to(device.get_device())
     if args.fp16 or args.bf16:
         model = Float16Module(model.config, model)
@@ -236,9 +240,14 @@ def build_train_valid_test_data_iterators(provider: Callable) -> Tuple[Optional[
         data_parallel_size=parallel_state.get_data_parallel_world_size(),
         dataloader_type=args.dataloader_type, num_workers=args.num_workers, seed=args.seed)
         for dataset, consumed in zip(datasets, (args.consumed_train_samples, args.consumed_valid_samples, 0))]
-    args.do_train = loaders[0] is not None and args.train_iters > 0
-    args.do_valid = loaders[1] is not None and args.eval_iters > 0
-    args.do_test = loaders[2] is not None and args.eval_iters > 0
+    # Only the ranks that read data (tensor-parallel rank 0) have loaders; the others take
+    # their batches by broadcast, and learn from here which splits exist.
+    flags = torch.tensor([loaders[0] is not None, loaders[1] is not None, loaders[2] is not None], dtype=torch.int64)
+    if torch.distributed.is_initialized():
+        communication.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    args.do_train = bool(flags[0]) and args.train_iters > 0
+    args.do_valid = bool(flags[1]) and args.eval_iters > 0
+    args.do_test = bool(flags[2]) and args.eval_iters > 0
     print_rank_0(" > finished creating data iterators: train {}, valid {}, test {}".format(
         args.do_train, args.do_valid, args.do_test))
     return tuple(_iterate(loader, args.dataloader_type) for loader in loaders)
@@ -277,7 +286,7 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     Returns (losses, skipped, grad norm, zeros in grad). An fp16 overflow skips the update and
     the scheduler step, as in Megatron.
     """
-    from megatron.core.distributed import zero_main_grads
+    from megatron.core.distributed import finalize_model_grads, zero_main_grads
 
     args = get_args()
     timers = get_timers()
@@ -291,7 +300,7 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False, grad_scale_func=optimizer.scale_loss,
-        calculate_per_token_loss=args.calculate_per_token_loss)
+        calculate_per_token_loss=args.calculate_per_token_loss, finalize_model_grads_func=finalize_model_grads)
     timers("forward-backward", log_level=1).stop()
     if args.empty_unused_memory_level >= 1:
         device.empty_cache()
@@ -398,6 +407,10 @@ class _Loop:
             grad_norm=grad_norm, num_zeros_in_grad=num_zeros, params_norm=self._params_norm(),
             skipped=self.stats.skipped, nan=self.stats.nan))
         self._log_timers_and_memory(iteration, max(self.stats.iterations, 1))
+        if args.log_communication_stats:
+            counter = communication.get_global_counter()
+            print_rank_last(format_communication_stats(counter.summary(), max(self.stats.iterations, 1)))
+            counter.reset()
         if writer is not None or wandb is not None:
             write_scalars(writer, wandb, {"iteration-time": seconds, "throughput": tflops}, iteration,
                           args.consumed_train_samples)

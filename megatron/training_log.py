@@ -20,7 +20,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from megatron.utils import print_rank_last
 
@@ -101,6 +101,17 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, 
     line += " number of skipped iterations: {:3d} |".format(skipped)
     line += " number of nan iterations: {:3d} |".format(nan)
     return line
+
+
+def format_communication_stats(summary: Dict[Tuple[str, str], Tuple[int, int]], iterations: int) -> str:
+    """' communication per iteration: all_reduce tp: 8 calls, 65536 bytes | ...' (--log-communication-stats).
+
+    summary: {(op, group): (calls, bytes)} over `iterations` iterations; bytes are those of the
+    full tensors (the input of an all-reduce or reduce-scatter, the output of an all-gather).
+    """
+    parts = [f"{op} {group}: {calls / iterations:g} calls, {nbytes / iterations:.0f} bytes"
+             for (op, group), (calls, nbytes) in summary.items()]
+    return " communication per iteration: " + (" | ".join(parts) if parts else "none")
 
 
 def format_validation_line(prefix: str, losses: Dict[str, float]) -> str:

@@ -126,7 +126,10 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_recovers(capsys):
     assert all(math.isfinite(r.losses["lm loss"]) for r in result.history)
     # the skipped step left the learning-rate schedule where it was
     assert result.history[2].learning_rate == result.history[1].learning_rate
-    assert result.history[-1].losses["lm loss"] < result.history[0].losses["lm loss"]
+    # the steps after the overflow update again (mock tokens are uniform noise, so the loss
+    # itself stays near ln(vocab) and says nothing about recovery)
+    assert all(r.grad_norm is not None and math.isfinite(r.grad_norm) and r.grad_norm > 0
+               for i, r in enumerate(result.history) if i != 2)
 
 
 def test_check_for_nan_names_the_iteration():

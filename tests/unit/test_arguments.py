@@ -116,11 +116,17 @@ BAD = [
      "world size (3) is not divisible by --tensor-model-parallel-size (2)"),
     ("rank-out-of-range", "", [], {"RANK": "1", "WORLD_SIZE": "1"}, "RANK (1) must be in [0, WORLD_SIZE (1))"),
     ("rank-not-int", "", [], {"RANK": "zero"}, "environment variable RANK='zero' must be an integer"),
-    ("tp", "--tensor-model-parallel-size 2", [], {"WORLD_SIZE": "2"},
-     "--tensor-model-parallel-size 2: tensor parallelism is not supported yet"),
+    ("tp-heads", "--tensor-model-parallel-size 8", [], {"WORLD_SIZE": "8"},
+     "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (8)"),
+    ("tp-ffn", "--tensor-model-parallel-size 2 --ffn-hidden-size 99", [], {"WORLD_SIZE": "2"},
+     "--ffn-hidden-size (99) must be divisible by --tensor-model-parallel-size (2)"),
+    ("tp-hidden-heads", "--tensor-model-parallel-size 2 --hidden-size 66 --num-attention-heads 3", [],
+     {"WORLD_SIZE": "2"}, "--num-attention-heads (3) must be divisible by --tensor-model-parallel-size (2)"),
+    ("sp-seq", "--tensor-model-parallel-size 4 --sequence-parallel --seq-length 30 --max-position-embeddings 30",
+     ["--seq-length", "--max-position-embeddings"], {"WORLD_SIZE": "4"},
+     "--seq-length (30) must be divisible by --tensor-model-parallel-size (4) with --sequence-parallel"),
     ("pp", "--pipeline-model-parallel-size 2", [], {"WORLD_SIZE": "2"},
      "--pipeline-model-parallel-size 2: pipeline parallelism is not supported yet"),
-    ("sp", "--sequence-parallel", [], {}, "--sequence-parallel: sequence parallelism is not supported yet"),
     ("dp", "", [], {"WORLD_SIZE": "2"}, "world size (WORLD_SIZE / torchrun --nproc-per-node) 2: data parallelism"),
     ("recompute-activations", "--recompute-activations", [], {},
      "--recompute-granularity (or --recompute-activations) selective: activation recompute is not supported"),
@@ -152,6 +158,19 @@ def test_bad_combination_raises_naming_the_flag(monkeypatch, extra, drop, env, m
         monkeypatch.setenv(name, value)
     with pytest.raises(ArgsError, match=re.escape(message)):
         run(extra, drop=drop)
+
+
+def test_sequence_parallel_needs_tensor_parallelism(monkeypatch, capsys):
+    args = run("--sequence-parallel")
+    assert args.sequence_parallel is False
+    assert "disabling --sequence-parallel because --tensor-model-parallel-size is 1" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = run("--sequence-parallel", "--tensor-model-parallel-size", "2")
+    assert args.sequence_parallel is True and args.data_parallel_size == 1
+    from megatron.arguments import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args)
+    assert config.tensor_model_parallel_size == 2 and config.sequence_parallel is True
 
 
 def test_nccl_without_cuda_is_refused(monkeypatch):

@@ -29,7 +29,7 @@ from megatron.checkpointing import (
     read_metadata,
     save_checkpoint,
 )
-from megatron.core import device
+from megatron.core import device, tensor_parallel
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -186,8 +186,17 @@ def test_find_checkpoint_rank_0_tries_the_pipeline_layout(tmp_path):
 def test_top_level_keys_version_and_unwrapped_model(ckpt):
     args = make_args(ckpt, consumed_train_samples=640)
     model, optimizer, scheduler = build(args, seed=0)
+    tensor_parallel.model_parallel_cuda_manual_seed(7)
+    tracker_states = tensor_parallel.get_cuda_rng_tracker().get_states()
     save_checkpoint(10, [Wrapper(Wrapper(model))], optimizer, scheduler, args,
                     num_floating_point_operations_so_far=1.5e9)
+    # the next draw of the dropout stream is restored on load
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        expected_draw = torch.rand(3)
+    tensor_parallel.model_parallel_cuda_manual_seed(8)
+    load_checkpoint([model], None, None, make_args(ckpt, no_load_optim=True))
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        assert torch.equal(torch.rand(3), expected_draw)
     state = torch.load(model_file(ckpt, 10), map_location="cpu", weights_only=False)
     assert set(state) == {"args", "checkpoint_version", "iteration", "model", "optimizer",
                           "opt_param_scheduler", "rng_state",
@@ -203,7 +212,9 @@ def test_top_level_keys_version_and_unwrapped_model(ckpt):
     assert len(state["rng_state"]) == 1
     assert set(state["rng_state"][0]) == {"random_rng_state", "np_rng_state", "torch_rng_state",
                                           "cuda_rng_state", "rng_tracker_states"}
-    assert state["rng_state"][0]["rng_tracker_states"] == {}
+    saved_tracker = state["rng_state"][0]["rng_tracker_states"]
+    assert set(saved_tracker) == {"model-parallel-rng"} == set(tracker_states)
+    assert torch.equal(saved_tracker["model-parallel-rng"], tracker_states["model-parallel-rng"])
     if device.get_rng_state() is None:
         assert state["rng_state"][0]["cuda_rng_state"] is None
     assert argparse.Namespace in torch.serialization.get_safe_globals()

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from megatron.core import communication
+
 TensorOrTensors = torch.Tensor | Iterable[torch.Tensor]
 
 
@@ -38,7 +40,7 @@ def _grads_of(params_or_grads: TensorOrTensors) -> list[torch.Tensor]:
 
 def _all_reduce(value: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> None:
     if group is not None:
-        dist.all_reduce(value, op=op, group=group)
+        communication.all_reduce(value, group=group, op=op)
 
 
 def get_grad_norm_fp32(grads_for_norm: TensorOrTensors, norm_type: float = 2,

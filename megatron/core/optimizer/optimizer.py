@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import communication, parallel_state
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -192,7 +192,7 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         group = self.get_model_parallel_group()
         if group is not None:
             # Every model-parallel rank must agree on skipping, or their params diverge.
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+            communication.all_reduce(found_inf, group=group, op=dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
 
     def prepare_grads(self) -> bool:
