@@ -26,7 +26,7 @@ LOG_LINE = re.compile(
 
 
 def log_lines(out):
-    """Parsed training log lines: dicts of iteration, consumed, lr, gbs, loss, scale, skipped, nan.
+    """Parsed training log lines: dicts of iteration, consumed, lr, gbs, loss, scale, grad_norm, skipped, nan.
 
     As in Megatron, an interval whose every iteration was skipped has no loss and no grad norm.
     """
@@ -37,7 +37,7 @@ def log_lines(out):
             assert m, f"log line not in Megatron's format: {line!r}"
             rows.append({"iteration": int(m[1]), "train_iters": int(m[2]), "consumed": int(m[3]),
                          "lr": float(m[4]), "gbs": int(m[5]), "loss": m[6] and float(m[6]), "scale": float(m[7]),
-                         "skipped": int(m[9]), "nan": int(m[10])})
+                         "grad_norm": m[8] and float(m[8]), "skipped": int(m[9]), "nan": int(m[10])})
     return rows
 
 

@@ -36,6 +36,10 @@ def _losses(stdout):
     return {row["iteration"]: row["loss"] for row in log_lines(stdout)}
 
 
+def _grad_norms(stdout):
+    return {row["iteration"]: row["grad_norm"] for row in log_lines(stdout)}
+
+
 @pytest.fixture(scope="module")
 def runs(default_pipeline, tmp_path_factory):  # noqa: F811
     root, _, _, tokenizer_flags = default_pipeline
@@ -65,6 +69,12 @@ def test_tp2_logs_the_serial_losses_and_resumes_exactly(runs):
     for iteration, loss in serial.items():
         assert tp2[iteration] == pytest.approx(loss, rel=1e-4), iteration
     assert serial[10] < serial[1]
+    # the clipped global norm counts every parameter once: shards summed over TP, replicas once
+    serial_norms = _grad_norms(runs["serial"].stdout)
+    tp2_norms = {**_grad_norms(runs["first"].stdout), **_grad_norms(runs["resumed"].stdout)}
+    assert sum(norm > 1.0 for norm in serial_norms.values()) >= 3  # above --clip-grad 1.0: clipping acted
+    for iteration, norm in serial_norms.items():
+        assert tp2_norms[iteration] == pytest.approx(norm, rel=1e-4), iteration
     serial_validation = VALIDATION.findall(runs["serial"].stdout)
     tp2_validation = VALIDATION.findall(runs["first"].stdout + runs["resumed"].stdout)
     assert [v[0] for v in serial_validation] == ["5", "10"] == [v[0] for v in tp2_validation]
@@ -93,6 +103,8 @@ def test_sequence_parallel_logs_the_serial_losses_and_counts_communication(runs)
     serial, sequence_parallel = _losses(runs["serial"].stdout), _losses(runs["sp"].stdout)
     for iteration, loss in serial.items():
         assert sequence_parallel[iteration] == pytest.approx(loss, rel=1e-4), iteration
+    for iteration, norm in _grad_norms(runs["serial"].stdout).items():
+        assert _grad_norms(runs["sp"].stdout)[iteration] == pytest.approx(norm, rel=1e-4), iteration
     stats = [line for line in runs["sp"].stdout.splitlines() if line.startswith(" communication per iteration:")]
     assert len(stats) == 10
     # 2 layers x 2 micro-batches: forward and backward of each layer gather and scatter the sequence
