@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core import communication, parallel_state
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     gather_from_tensor_model_parallel_region,
@@ -27,6 +28,7 @@ from megatron.model.embedding import LanguageModelEmbedding
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.transformer_layer import TransformerBlock
+from megatron.model.utils import init_rng
 
 
 class GPTModel(MegatronModule):
@@ -75,17 +77,24 @@ class GPTModel(MegatronModule):
         self.pre_process = pre_process
         self.post_process = post_process
 
-        self.embedding = (LanguageModelEmbedding(config, vocab_size, max_sequence_length, num_tokens=self.num_tokens)
-                          if pre_process else None)
-        self.decoder = TransformerBlock(config, pre_process=pre_process, post_process=post_process)
+        # One draw from the caller's generator seeds every piece's own init stream (init_rng), so
+        # the model is the same whatever pipeline stage or chunk builds which layers.
+        init_seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.embedding = None
+        if pre_process:
+            with init_rng(init_seed, 0):
+                self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
+                                                        num_tokens=self.num_tokens)
+        self.decoder = TransformerBlock(config, pre_process=pre_process, post_process=post_process, init_seed=init_seed)
         self.output_layer: ColumnParallelLinear | None = None
         if post_process:
             # Tied on a stage that has the embedding: the layer multiplies by the embedding's
             # weight and owns none (no output_layer.* key in the state dict).
             tied_here = share_embeddings_and_output_weights and pre_process
-            self.output_layer = ColumnParallelLinear(config.hidden_size, vocab_size, config=config,
-                                                     init_method=config.init_method, bias=False, gather_output=False,
-                                                     skip_weight_param_allocation=tied_here)
+            with init_rng(init_seed, config.num_layers + 1):
+                self.output_layer = ColumnParallelLinear(config.hidden_size, vocab_size, config=config,
+                                                         init_method=config.init_method, bias=False,
+                                                         gather_output=False, skip_weight_param_allocation=tied_here)
             if share_embeddings_and_output_weights and not tied_here:
                 # A last pipeline stage without the embedding keeps its own copy of the tied
                 # weight; as in Megatron it starts at zero and is overwritten from the first
@@ -93,6 +102,24 @@ class GPTModel(MegatronModule):
                 with torch.no_grad():
                     self.output_layer.weight.zero_()
                 self.output_layer.weight.shared_embedding = True
+                self.output_layer.weight.shared = True  # its gradient norm is counted on the first stage
+        self._sync_tied_embedding()
+
+    def _sync_tied_embedding(self) -> None:
+        """With pipeline stages, copy the first stage's word embedding into the last stage's zeroed
+        output weight: a sum over the embedding group (first + last stage of each pipeline).
+
+        Collective: every rank of the embedding group builds its model at the same time (get_model).
+        finalize_model_grads keeps the two copies equal by summing their gradients the same way.
+        """
+        if (not self.share_embeddings_and_output_weights
+                or parallel_state.get_pipeline_model_parallel_world_size() == 1
+                or not (self.pre_process or self.post_process)
+                or not parallel_state.is_rank_in_embedding_group()):
+            return
+        weight = self.shared_embedding_or_output_weight()
+        with torch.no_grad():
+            communication.all_reduce(weight.data, group=parallel_state.get_embedding_group())
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The weight [vocab/t, h] the output layer multiplies by (the word embedding when tied)."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from megatron.core import parallel_state
+from megatron.core.utils import unwrap_model  # noqa: F401 (re-exported: megatron.model.unwrap_model)
 from megatron.model.transformer_config import TransformerConfig
 
 
@@ -92,15 +93,3 @@ class Float16Module(MegatronModule):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Load into the inner module (keys without a "module." prefix); values are cast to its dtype."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-
-def unwrap_model(model: nn.Module | list[nn.Module]) -> nn.Module | list[nn.Module]:
-    """Strip wrappers (Float16Module, DDP, anything exposing `.module`) down to the inner model.
-
-    A list of model chunks gives the list of unwrapped chunks.
-    """
-    if isinstance(model, (list, tuple)):
-        return [unwrap_model(chunk) for chunk in model]
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model

@@ -51,6 +51,7 @@ class TransformerConfig:
     # group sizes from parallel_state; these say what the model was built for.
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
     ffn_hidden_size: int | None = None
     kv_channels: int | None = None

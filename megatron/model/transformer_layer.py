@@ -22,7 +22,7 @@ from megatron.model.layers import LayerNorm, tensor_parallel_dropout_context
 from megatron.model.mlp import MLP
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
-from megatron.model.utils import get_causal_attention_mask
+from megatron.model.utils import get_causal_attention_mask, init_rng
 
 
 class TransformerLayer(MegatronModule):
@@ -57,19 +57,51 @@ class TransformerLayer(MegatronModule):
             return residual + self.hidden_dropout(mlp_output)  # [s, b, h]
 
 
+def get_num_layers_to_build(config: TransformerConfig) -> int:
+    """Layers of this pipeline stage (of this model chunk, with virtual stages): L / (pp x vp)."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    if config.num_layers % (pp * vp):
+        raise ValueError(f"num_layers ({config.num_layers}) is not divisible by the pipeline-parallel size ({pp})"
+                         + (f" x virtual stages ({vp})" if vp > 1 else ""))
+    return config.num_layers // (pp * vp)
+
+
+def get_layer_offset(config: TransformerConfig) -> int:
+    """Global index of this stage's (chunk's) first layer.
+
+    Model chunks are dealt round-robin over the pipeline ranks: chunk v of rank p is chunk
+    v * pp + p of the model, so its first layer is v * L / vp + p * L / (pp * vp).
+    """
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vp_rank = parallel_state.get_virtual_pipeline_model_parallel_rank() or 0
+    return (vp_rank * pp + pp_rank) * get_num_layers_to_build(config)
+
+
 class TransformerBlock(MegatronModule):
-    """The stack of layers. Keys: layers.{i}.*, final_layernorm.* (only when post_process).
+    """This pipeline stage's layers. Keys: layers.{i}.* (i local to the stage), final_layernorm.*
+    (only when post_process).
 
     pre_process=False: the input comes from set_input_tensor() (the previous pipeline stage)
-    instead of the forward argument. post_process=False: no final layer norm.
+    instead of the forward argument. post_process=False: no final layer norm. Layers are
+    numbered globally (layer_number = offset + i + 1), the number query-key scaling uses; with
+    init_seed each layer is initialised from its own stream (see GPTModel), so its weights do
+    not depend on which stage builds it.
     """
 
-    def __init__(self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True) -> None:
+    def __init__(self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True,
+                 init_seed: int | None = None) -> None:
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
         self.input_tensor: torch.Tensor | None = None
-        self.layers = nn.ModuleList(TransformerLayer(config, i + 1) for i in range(config.num_layers))
+        offset = get_layer_offset(config)
+        layers = []
+        for i in range(get_num_layers_to_build(config)):
+            with init_rng(init_seed, offset + i + 1):
+                layers.append(TransformerLayer(config, offset + i + 1))
+        self.layers = nn.ModuleList(layers)
         self.final_layernorm = LayerNorm(config.hidden_size, config) if post_process else None
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:

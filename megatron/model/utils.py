@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,23 @@ def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.
     variance of the stream independent of depth (GPT-2 paper, sec. 2.3).
     """
     return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
+
+
+@contextlib.contextmanager
+def init_rng(init_seed: int | None, stream: int) -> Iterator[None]:
+    """Run a module's initialisation on its own CPU random stream, seeded by (init_seed, stream).
+
+    The model gives each piece a stream number (0 the embedding, L the L-th layer, num_layers + 1
+    an untied output layer), so a piece's initial weights depend on the seed and on nothing else:
+    not on which pipeline stage or model chunk builds it, nor on what was built before. The
+    caller's generator is restored afterwards. init_seed None: draw from the caller's generator.
+    """
+    if init_seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((init_seed * 1_000_003 + stream) % (2**63))
+        yield
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,11 @@
     2. per-token normalisation (--calculate-per-token-loss): gradients divided by the number of
        tokens of the global batch.
 
-The data-parallel reduction and the embedding-group reduction of pipeline stages join here
-with their issues.
+    3. embedding-group reduction (pipeline parallelism with tied input/output embeddings): the
+       first stage's word embedding and the last stage's copy of it are one logical weight; their
+       gradients are summed over the embedding group, so both copies take the same step.
+
+The data-parallel reduction joins here with its issue.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from megatron.core import communication, parallel_state
+from megatron.core.utils import unwrap_model
 
 
 def _grad_of(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -48,6 +52,24 @@ def allreduce_sequence_parallel_grads(model_chunks: List[nn.Module]) -> None:
             offset += grad.numel()
 
 
+def allreduce_embedding_grads(model_chunks: List[nn.Module]) -> None:
+    """Sum the tied embedding's gradient over the first and last pipeline stages."""
+    if (parallel_state.get_pipeline_model_parallel_world_size() == 1
+            or not parallel_state.is_rank_in_embedding_group(ignore_virtual=True)):
+        return
+    # The embedding lives in the first chunk of the first stage, the output copy in the last
+    # chunk of the last stage.
+    if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        chunk = unwrap_model(model_chunks[0])
+    else:
+        chunk = unwrap_model(model_chunks[-1])
+    if not getattr(chunk, "share_embeddings_and_output_weights", False):
+        return
+    grad = _grad_of(chunk.shared_embedding_or_output_weight())
+    if grad is not None:
+        communication.all_reduce(grad, group=parallel_state.get_embedding_group())
+
+
 def scale_gradients(model_chunks: List[nn.Module], factor: float) -> None:
     """Multiply every gradient by factor."""
     for chunk in model_chunks:
@@ -60,5 +82,6 @@ def scale_gradients(model_chunks: List[nn.Module], factor: float) -> None:
 def finalize_model_grads(model_chunks: List[nn.Module], num_tokens: Optional[torch.Tensor] = None) -> None:
     """Run the reductions above; num_tokens (per-token loss only) is the global batch's token count."""
     allreduce_sequence_parallel_grads(model_chunks)
+    allreduce_embedding_grads(model_chunks)
     if num_tokens is not None:
         scale_gradients(model_chunks, 1.0 / max(int(num_tokens), 1))
