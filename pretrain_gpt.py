@@ -46,9 +46,12 @@ def get_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:
     """(tokens, labels, loss_mask, attention_mask or None, position_ids) of the next micro-batch.
 
     Tensor-parallel rank 0 reads the batch; the other TP ranks (data_iterator None) receive it
-    by broadcast, so every rank of a TP group works on the same tokens.
+    by broadcast, so every rank of a TP group works on the same tokens. Only the first pipeline
+    stage (tokens) and the last (labels, loss mask) need a batch; middle stages get Nones.
     """
     keys = ("tokens", "labels", "loss_mask", "position_ids")
+    if not (parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()):
+        return None, None, None, None, None  # a middle stage takes its input from the previous one
     data: Optional[Dict[str, torch.Tensor]] = next(data_iterator) if data_iterator is not None else None
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         with_mask = get_args().create_attention_mask_in_dataloader  # the same on every rank
@@ -100,8 +103,10 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
 
 
 def is_dataset_built_on_rank() -> bool:
-    """Tensor-parallel rank 0 reads the data (the first and last pipeline stages, once they exist)."""
-    return parallel_state.get_tensor_model_parallel_rank() == 0
+    """Tensor-parallel rank 0 of the first and last pipeline stages reads the data."""
+    return ((parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+             or parallel_state.is_pipeline_last_stage(ignore_virtual=True))
+            and parallel_state.get_tensor_model_parallel_rank() == 0)
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):

@@ -235,7 +235,11 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--model-parallel-size", type=int, default=None,
                        help="Old model parallel argument, do not use. Use --tensor-model-parallel-size.")
-    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="Layers per virtual pipeline stage (model chunk): the interleaved 1F1B schedule.")
+    group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                       help="Model chunks per pipeline rank (the interleaved schedule); alternative to "
+                            "--num-layers-per-virtual-pipeline-stage.")
     group.add_argument("--context-parallel-size", type=int, default=1)
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
@@ -355,6 +359,7 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
     return config_class(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

@@ -12,6 +12,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 5b | _validate_tensor_parallel | sequence_parallel off when TP = 1 (with a warning) |
 | 6 | _validate_precision | params_dtype, attention_softmax_in_fp32, bf16 fp32 grad accumulation |
 | 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints |
+| 7b | _validate_pipeline_parallel | virtual_pipeline_model_parallel_size |
 | 8 | _validate_train_length | (iteration- or sample-based consistency) |
 | 9 | _validate_lr | start/end_weight_decay for the constant style |
 | 10 | _validate_checkpointing | |
@@ -57,9 +58,6 @@ FLAG_ALIASES: dict[str, tuple] = {
 # Features that later issues add. A row: (dest, flag as the user sees it, supported value, feature).
 # A value other than the supported one raises "not supported yet"; delete the row when it lands.
 NOT_YET_SUPPORTED = (
-    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1, "pipeline parallelism"),
-    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage", None,
-     "the interleaved pipeline schedule"),
     ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
     ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "expert parallelism"),
     ("num_experts", "--num-experts", None, "mixture of experts"),
@@ -314,6 +312,41 @@ def _validate_batch(args: Namespace) -> None:
                         f"({args.data_parallel_size}), so that every ramp-up batch splits into micro-batches")
 
 
+def _validate_pipeline_parallel(args: Namespace) -> None:
+    """Layers split evenly over the stages (and virtual stages); the interleaved schedule's batches."""
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers % pp:
+        raise ArgsError(f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size "
+                        f"({pp}): every stage holds the same number of layers")
+    per_stage = args.num_layers // pp
+    by_layers, by_stages = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    args.virtual_pipeline_model_parallel_size = None
+    if by_layers is None and by_stages is None:
+        return
+    if by_layers is not None and by_stages is not None:
+        raise ArgsError("give one of --num-layers-per-virtual-pipeline-stage and "
+                        "--num-virtual-stages-per-pipeline-rank, not both")
+    if pp == 1:
+        raise ArgsError("the interleaved schedule (--num-layers-per-virtual-pipeline-stage / "
+                        "--num-virtual-stages-per-pipeline-rank) needs --pipeline-model-parallel-size > 1")
+    shown = ("--num-layers-per-virtual-pipeline-stage", by_layers) if by_layers is not None else \
+        ("--num-virtual-stages-per-pipeline-rank", by_stages)
+    if shown[1] < 1 or per_stage % shown[1]:
+        raise ArgsError(f"{shown[0]} ({shown[1]}) must divide the {per_stage} layers of each pipeline stage "
+                        f"(--num-layers {args.num_layers} / --pipeline-model-parallel-size {pp})")
+    virtual = per_stage // by_layers if by_layers is not None else by_stages
+    if virtual == 1:
+        return  # one chunk per stage: the plain 1F1B schedule
+    args.virtual_pipeline_model_parallel_size = virtual
+    per_step = args.micro_batch_size * args.data_parallel_size
+    batches = [args.global_batch_size] + (list(args.rampup_batch_size[:2]) if args.rampup_batch_size else [])
+    for batch in batches:
+        if (batch // per_step) % pp:
+            raise ArgsError(f"the interleaved schedule needs the number of micro-batches ({batch // per_step} = "
+                            f"batch {batch} / (--micro-batch-size {args.micro_batch_size} x data-parallel size "
+                            f"{args.data_parallel_size})) to be a multiple of --pipeline-model-parallel-size ({pp})")
+
+
 def _validate_train_length(args: Namespace) -> None:
     """Exactly one of --train-iters / --train-samples, and no mixing of iteration and sample flags."""
     if args.train_iters is not None and args.train_samples is not None:
@@ -468,6 +501,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_tensor_parallel(args)
     _validate_precision(args)
     _validate_batch(args)
+    _validate_pipeline_parallel(args)
     _validate_train_length(args)
     _validate_lr(args)
     _validate_checkpointing(args)

@@ -342,9 +342,10 @@ def check_parallel_layout(checkpoint_args: argparse.Namespace, args: argparse.Na
     (The padded vocabulary also depends on the TP size, so this check comes first, with the
     message that says what actually differs.)
     """
-    for attr, label in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
-        saved, current = getattr(checkpoint_args, attr, 1), getattr(args, attr, 1)
+    for attr, label, default in (("tensor_model_parallel_size", "--tensor-model-parallel-size", 1),
+                                 ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1),
+                                 ("virtual_pipeline_model_parallel_size", "virtual pipeline stages per rank", None)):
+        saved, current = getattr(checkpoint_args, attr, default), getattr(args, attr, default)
         if saved != current:
             raise CheckpointError(f"checkpoint at {checkpoint_name} was saved with {label} {saved} but this run "
                                   f"has {label} {current}; a legacy checkpoint loads only at the tensor/pipeline "

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron import global_vars
 from megatron.core import device, parallel_state
+from megatron.core.pipeline_parallel import p2p_communication
 from megatron.utils import print_rank_0
 
 
@@ -65,9 +66,12 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         # Tear the groups down before the interpreter does: a gloo group still alive at exit
         # aborts the process ("terminate called without an active exception").
         atexit.register(_destroy_distributed)
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                             context_parallel_size=args.context_parallel_size,
-                                             expert_model_parallel_size=args.expert_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size, expert_model_parallel_size=args.expert_model_parallel_size)
+    # A stage waiting on its neighbour longer than this fails with an error naming both (no silent hang).
+    p2p_communication.set_p2p_timeout(args.distributed_timeout_minutes * 60.0)
     if args.log_communication_stats:
         from megatron.core import communication
 

@@ -127,28 +127,46 @@ def _finish(result: TrainingResult) -> TrainingResult:
 # ------------------------------------------------------------------------ model and optimizer
 
 def get_model(model_provider: Callable, model_type: ModelType = ModelType.encoder_or_decoder) -> List[torch.nn.Module]:
-    """The model chunks of this rank, on the device, wrapped in Float16Module under --fp16/--bf16."""
+    """The model chunks of this rank, on the device, wrapped in Float16Module under --fp16/--bf16.
+
+    One chunk per virtual pipeline stage (one without interleaving). Every chunk is built from the
+    same generator state (--seed), and each layer draws its weights from its own stream (see
+    GPTModel): the model is the same, weight for weight, whatever the TP/PP layout.
+    """
     from megatron.model import Float16Module, get_num_parameters
     from megatron.model.utils import get_num_parameters_across_model_parallel
 
     args = get_args()
-    model = model_provider(pre_process=parallel_state.is_pipeline_first_stage(),
-                           post_process=parallel_state.is_pipeline_last_stage())
-    model.model_type = model_type
+    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    model = []
+    for chunk_id in range(virtual or 1):
+        if virtual is not None:
+            parallel_state.set_virtual_pipeline_model_parallel_rank(chunk_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(args.seed)
+            chunk = model_provider(pre_process=parallel_state.is_pipeline_first_stage(),
+                                   post_process=parallel_state.is_pipeline_last_stage())
+        chunk.model_type = model_type
+        model.append(chunk)
+    if virtual is not None:
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     if parallel_state.get_data_parallel_rank() == 0:
         print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
             parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
             get_num_parameters(model)), flush=True)
-    total = get_num_parameters_across_model_parallel([model])
+    total = get_num_parameters_across_model_parallel(model)
     print_rank_0(f" > number of parameters in the model (every rank, replicated ones once): {total}")
-    model.to(device.get_device())
-    if args.fp16 or args.bf16:
-        model = Float16Module(model.config, model)
-        if args.accumulate_allreduce_grads_in_fp32:  # always on with --bf16, as in Megatron
-            from megatron.core.distributed import enable_fp32_grad_accumulation
+    wrapped = []
+    for chunk in model:
+        chunk.to(device.get_device())
+        if args.fp16 or args.bf16:
+            chunk = Float16Module(chunk.config, chunk)
+            if args.accumulate_allreduce_grads_in_fp32:  # always on with --bf16, as in Megatron
+                from megatron.core.distributed import enable_fp32_grad_accumulation
 
-            enable_fp32_grad_accumulation(model)
-    return [model]
+                enable_fp32_grad_accumulation(chunk)
+        wrapped.append(chunk)
+    return wrapped
 
 
 def get_optimizer_param_scheduler(optimizer: Any) -> Any:
@@ -250,7 +268,12 @@ def build_train_valid_test_data_iterators(provider: Callable) -> Tuple[Optional[
     args.do_test = bool(flags[2]) and args.eval_iters > 0
     print_rank_0(" > finished creating data iterators: train {}, valid {}, test {}".format(
         args.do_train, args.do_valid, args.do_test))
-    return tuple(_iterate(loader, args.dataloader_type) for loader in loaders)
+    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if virtual is None:
+        return tuple(_iterate(loader, args.dataloader_type) for loader in loaders)
+    # The interleaved schedule takes one iterator per model chunk; only the chunk holding the
+    # first (last) stage reads from its iterator, each advancing once per micro-batch.
+    return tuple([_iterate(loader, args.dataloader_type) for _ in range(virtual)] for loader in loaders)
 
 
 def _iterate(loader: Any, dataloader_type: str) -> Optional[Iterator]:
@@ -267,15 +290,24 @@ def _iterate(loader: Any, dataloader_type: str) -> Optional[Iterator]:
 # ------------------------------------------------------------------------------ one step
 
 def _reduce_losses(losses: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
-    """Per-token mean over the global batch for [sum, count] values; mean over micro-batches otherwise."""
+    """Per-token mean over the global batch for [sum, count] values; mean over micro-batches otherwise.
+
+    Only the last pipeline stage computes losses; it hands the reduced values to the other
+    stages, so every rank reports (and checks for NaN) the same numbers.
+    """
     reduced: Dict[str, float] = {}
-    for key in losses[0]:
+    for key in (losses[0] if losses else {}):
         values = [torch.as_tensor(x[key]).detach().float().cpu().view(-1) for x in losses]
         if values[0].numel() == 2:
             total = torch.stack(values).sum(dim=0)
             reduced[key] = (total[0] / total[1].clamp(min=1)).item()
         else:
             reduced[key] = torch.cat(values).mean().item()
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        shared = [reduced]
+        torch.distributed.broadcast_object_list(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                                group=parallel_state.get_pipeline_model_parallel_group())
+        reduced = shared[0]
     return reduced
 
 
@@ -294,7 +326,7 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
         chunk.zero_grad(set_to_none=True)
         zero_main_grads(chunk)
     optimizer.zero_grad()
-    forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
+    forward_backward = get_forward_backward_func()
     timers("forward-backward", log_level=1).start()
     losses = forward_backward(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
@@ -448,7 +480,7 @@ class _Loop:
         """Mean losses over --eval-iters global batches, without dropout or gradients."""
         args = get_args()
         eval_microbatches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-        forward_backward = get_forward_backward_func(args.pipeline_model_parallel_size)
+        forward_backward = get_forward_backward_func()
         for chunk in self.model:
             chunk.eval()
         losses: List[Dict[str, torch.Tensor]] = []

@@ -94,7 +94,8 @@ def get_global_counter() -> CommCounter:
     return _GLOBAL_COUNTER
 
 
-def _record(op: str, group: dist.ProcessGroup | None, tensor: torch.Tensor) -> None:
+def record(op: str, group: dist.ProcessGroup | None, tensor: torch.Tensor) -> None:
+    """Count one operation on `tensor` in every active counter (the wrappers below and p2p traffic call this)."""
     if not _ACTIVE:
         return
     event = CommEvent(op, parallel_state.group_name(group), tensor.numel(), tensor.numel() * tensor.element_size())
@@ -104,7 +105,7 @@ def _record(op: str, group: dist.ProcessGroup | None, tensor: torch.Tensor) -> N
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: dist.ReduceOp = SUM) -> torch.Tensor:
     """Reduce `tensor` in place over `group` (None: the world); returns it."""
-    _record("all_reduce", group, tensor)
+    record("all_reduce", group, tensor)
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
 
@@ -113,7 +114,7 @@ def all_gather_into_tensor(
     output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """output [t * n, ...] = the ranks' input_ [n, ...] concatenated along dim 0 in rank order."""
-    _record("all_gather", group, output)
+    record("all_gather", group, output)
     _all_gather_single(output, input_, group=group)
     return output
 
@@ -125,13 +126,13 @@ def reduce_scatter_tensor(
     op: dist.ReduceOp = SUM,
 ) -> torch.Tensor:
     """output [n, ...] = this rank's dim-0 chunk of the sum over ranks of input_ [t * n, ...]."""
-    _record("reduce_scatter", group, input_)
+    record("reduce_scatter", group, input_)
     _reduce_scatter_single(output, input_, op=op, group=group)
     return output
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Overwrite `tensor` with global rank `src`'s copy on every rank of `group`; returns it."""
-    _record("broadcast", group, tensor)
+    record("broadcast", group, tensor)
     dist.broadcast(tensor, src=src, group=group)
     return tensor

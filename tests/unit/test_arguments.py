@@ -125,8 +125,21 @@ BAD = [
     ("sp-seq", "--tensor-model-parallel-size 4 --sequence-parallel --seq-length 30 --max-position-embeddings 30",
      ["--seq-length", "--max-position-embeddings"], {"WORLD_SIZE": "4"},
      "--seq-length (30) must be divisible by --tensor-model-parallel-size (4) with --sequence-parallel"),
-    ("pp", "--pipeline-model-parallel-size 2", [], {"WORLD_SIZE": "2"},
-     "--pipeline-model-parallel-size 2: pipeline parallelism is not supported yet"),
+    ("pp-layers", "--pipeline-model-parallel-size 2 --num-layers 3", ["--num-layers"], {"WORLD_SIZE": "2"},
+     "--num-layers (3) must be divisible by --pipeline-model-parallel-size (2)"),
+    ("vpp-both", "--pipeline-model-parallel-size 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 1 "
+     "--num-virtual-stages-per-pipeline-rank 2", ["--num-layers"], {"WORLD_SIZE": "2"},
+     "give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"),
+    ("vpp-no-pp", "--num-layers-per-virtual-pipeline-stage 1", [], {},
+     "the interleaved schedule (--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank) "
+     "needs --pipeline-model-parallel-size > 1"),
+    ("vpp-layers", "--pipeline-model-parallel-size 2 --num-layers 6 --num-virtual-stages-per-pipeline-rank 2",
+     ["--num-layers"], {"WORLD_SIZE": "2"},
+     "--num-virtual-stages-per-pipeline-rank (2) must divide the 3 layers of each pipeline stage"),
+    ("vpp-microbatches", "--pipeline-model-parallel-size 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 6", ["--num-layers", "--global-batch-size"], {"WORLD_SIZE": "2"},
+     "the interleaved schedule needs the number of micro-batches (3 = batch 6 / (--micro-batch-size 2 x "
+     "data-parallel size 1)) to be a multiple of --pipeline-model-parallel-size (2)"),
     ("dp", "", [], {"WORLD_SIZE": "2"}, "world size (WORLD_SIZE / torchrun --nproc-per-node) 2: data parallelism"),
     ("recompute-activations", "--recompute-activations", [], {},
      "--recompute-granularity (or --recompute-activations) selective: activation recompute is not supported"),

@@ -1,8 +1,21 @@
 """Forward/backward schedules over the micro-batches of one global batch.
 
-Only the no-pipelining schedule exists so far: each micro-batch runs forward then backward,
-and gradients accumulate in the parameters. The pipelined schedules (1F1B, interleaved) join
-this module with the pipeline-parallel issue and share its forward_step/backward_step.
+    forward_backward_no_pipelining                 one stage: each micro-batch forward then
+                                                   backward, gradients accumulating.
+    forward_backward_pipelining_without_interleaving
+                                                   PipeDream-Flush (1F1B): stage p runs
+                                                   pp - p - 1 warm-up forwards, then alternates one
+                                                   forward and one backward, then drains the
+                                                   remaining backwards. At most pp - p micro-batches
+                                                   are in flight on stage p.
+    forward_backward_pipelining_with_interleaving  the same with v model chunks per rank (virtual
+                                                   stages): chunk c of rank p is stage c*pp + p of
+                                                   the model, which shrinks the bubble from
+                                                   (pp-1)/m to (pp-1)/(v*m).
+
+get_forward_backward_func() picks one from parallel_state. All three take the same keyword
+arguments and return the reported losses of each micro-batch (on the last pipeline stage; an
+empty list elsewhere).
 
 The loss function returned by a forward step may give
     (loss, {name: reported})                   -> loss is the micro-batch's mean; the schedule
@@ -14,18 +27,30 @@ The loss function returned by a forward step may give
                                                  the sum, and gradients are divided by the total
                                                  number of tokens of the global batch afterwards
                                                  (every token weighs the same).
+
+Memory: once a stage has sent its output to the next stage it keeps only the autograd graph
+behind it; the output's own storage is released (deallocate_pipeline_outputs, on by default)
+and backward runs through the graph with the gradient received from the next stage.
+
+Every forward and backward step is reported to the schedule tracer (tracer.py) when it is on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import scale_gradients
+from megatron.core.pipeline_parallel import p2p_communication, tracer
+from megatron.core.pipeline_parallel.p2p_communication import Where
+from megatron.core.utils import unwrap_model
 
 LossDict = Dict[str, torch.Tensor]
 
+
+# ------------------------------------------------------------------------------ shared steps
 
 def _run_loss_func(loss_func: Callable, output_tensor: torch.Tensor, num_microbatches: int,
                    calculate_per_token_loss: bool) -> tuple[torch.Tensor, torch.Tensor, LossDict]:
@@ -46,49 +71,400 @@ def _run_loss_func(loss_func: Callable, output_tensor: torch.Tensor, num_microba
     raise ValueError(f"a loss function must return 2 or 3 values, got {len(outputs)}")
 
 
+class _Run:
+    """What one call of a schedule shares between its steps."""
+
+    def __init__(self, forward_step_func: Callable, num_microbatches: int, forward_only: bool,
+                 grad_scale_func: Optional[Callable], calculate_per_token_loss: bool,
+                 deallocate_pipeline_outputs: bool) -> None:
+        self.forward_step_func = forward_step_func
+        self.num_microbatches = num_microbatches
+        self.forward_only = forward_only
+        self.grad_scale_func = grad_scale_func
+        self.calculate_per_token_loss = calculate_per_token_loss
+        self.deallocate = deallocate_pipeline_outputs and not forward_only
+        self.losses: List[LossDict] = []
+        self.total_num_tokens = torch.zeros((), dtype=torch.int64)
+
+    def forward(self, data_iterator: Optional[Iterator], model: torch.nn.Module,
+                input_tensor: Optional[torch.Tensor], microbatch: int, virtual_stage: int) -> torch.Tensor:
+        """One forward step; on the last stage the output is the loss to back-propagate."""
+        with tracer.step("F", microbatch, virtual_stage):
+            unwrap_model(model).set_input_tensor(input_tensor)
+            output_tensor, loss_func = self.forward_step_func(data_iterator, model)
+            if parallel_state.is_pipeline_last_stage():
+                loss, num_tokens, reported = _run_loss_func(loss_func, output_tensor, self.num_microbatches,
+                                                            self.calculate_per_token_loss)
+                self.total_num_tokens += num_tokens.to(torch.int64).cpu()
+                self.losses.append(reported)
+                output_tensor = loss
+        if self.forward_only:
+            tracer.forward_only_done()
+        return output_tensor
+
+    def backward(self, input_tensor: Optional[torch.Tensor], output_tensor: torch.Tensor,
+                 output_tensor_grad: Optional[torch.Tensor], microbatch: int,
+                 virtual_stage: int) -> Optional[torch.Tensor]:
+        """One backward step; returns the gradient of the stage's input (None on the first stage)."""
+        with tracer.step("B", microbatch, virtual_stage):
+            if input_tensor is not None:
+                input_tensor.retain_grad()
+            if output_tensor_grad is None:  # the last stage: output_tensor is the loss
+                if self.grad_scale_func is not None:
+                    output_tensor = self.grad_scale_func(output_tensor)
+                torch.autograd.backward(output_tensor)
+            else:
+                _backward_through(output_tensor, output_tensor_grad)
+            return None if input_tensor is None else input_tensor.grad
+
+    def release(self, output_tensor: Optional[torch.Tensor]) -> None:
+        """Free a sent output's storage; its autograd graph (what backward needs) stays.
+
+        Callers pass None for a loss (the model's last stage sends nothing).
+        """
+        if not self.deallocate or output_tensor is None:
+            return
+        if output_tensor._base is not None:
+            raise RuntimeError("a pipeline stage's output must not be a view of another tensor: freeing its "
+                               "storage would free the base too (return a fresh tensor from the stage)")
+        output_tensor.data = torch.empty((1,), device=output_tensor.device, dtype=output_tensor.dtype)
+
+    def finish(self, model: List[torch.nn.Module], finalize_model_grads_func: Optional[Callable]) -> None:
+        """After the last backward: the gradient reductions (and per-token scaling)."""
+        if self.forward_only:
+            return
+        tokens = None
+        if self.calculate_per_token_loss:
+            tokens = self.total_num_tokens
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+                # Only the last stage counted tokens; every stage divides by the same number.
+                torch.distributed.broadcast(tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                            group=parallel_state.get_pipeline_model_parallel_group())
+        if finalize_model_grads_func is not None:
+            finalize_model_grads_func(model, tokens)
+        elif tokens is not None:
+            scale_gradients(model, 1.0 / max(int(tokens), 1))
+
+
+def _backward_through(output_tensor: torch.Tensor, grad: torch.Tensor) -> None:
+    """Back-propagate grad into output_tensor's graph, whose storage may have been released.
+
+    torch.autograd.backward checks that grad has the tensor's shape, which a released output
+    (a 1-element placeholder) no longer has; the engine itself needs only the graph.
+    """
+    if output_tensor.shape == grad.shape:
+        torch.autograd.backward(output_tensor, grad_tensors=grad)
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output_tensor,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
+
+
+def _as_list(model: Union[torch.nn.Module, List[torch.nn.Module]]) -> List[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _boundary_shape(model: torch.nn.Module, seq_length: Optional[int], micro_batch_size: Optional[int]
+                    ) -> Tuple[Tuple[int, int, int], torch.dtype]:
+    """Shape and dtype of the tensor crossing a stage boundary: [s (/ t under SP), b, h]."""
+    if seq_length is None or micro_batch_size is None:
+        raise ValueError("pipelined schedules need seq_length and micro_batch_size: receivers allocate "
+                         "[seq_length, micro_batch_size, hidden_size] before the data arrives")
+    config = unwrap_model(model).config
+    seq = seq_length // parallel_state.get_context_parallel_world_size()
+    if config.sequence_parallel:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if seq % tp:
+            raise ValueError(f"sequence length {seq} is not divisible by the tensor-parallel size {tp}")
+        seq //= tp
+    return (seq, micro_batch_size, config.hidden_size), config.params_dtype
+
+
+# ------------------------------------------------------------------------------ no pipelining
+
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Union[Iterator, List[Iterator]],
                                    model: Union[torch.nn.Module, List[torch.nn.Module]], num_microbatches: int,
                                    seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
                                    decoder_seq_length: Optional[int] = None, forward_only: bool = False,
                                    grad_scale_func: Optional[Callable] = None,
                                    calculate_per_token_loss: bool = False,
-                                   finalize_model_grads_func: Optional[Callable] = None) -> List[LossDict]:
+                                   finalize_model_grads_func: Optional[Callable] = None,
+                                   deallocate_pipeline_outputs: bool = True) -> List[LossDict]:
     """Run num_microbatches forward (and backward) steps; returns each micro-batch's reported losses.
 
     grad_scale_func scales each loss before backward (the fp16 loss scale). After the last
     backward, finalize_model_grads_func(model_chunks, total_num_tokens or None) runs; without
     one, per-token gradients are divided by the total number of tokens here.
     """
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError("virtual pipeline model chunks need the interleaved pipeline schedule")
-        model = model[0]
+    chunks = _as_list(model)
+    if len(chunks) != 1:
+        raise ValueError("virtual pipeline model chunks need the interleaved pipeline schedule")
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
-    losses: List[LossDict] = []
-    total_num_tokens = torch.zeros((), dtype=torch.int64)
-    for _ in range(num_microbatches):
-        output_tensor, loss_func = forward_step_func(data_iterator, model)
-        loss, num_tokens, reported = _run_loss_func(loss_func, output_tensor, num_microbatches,
-                                                    calculate_per_token_loss)
-        total_num_tokens += num_tokens.to(torch.int64).cpu()
-        losses.append(reported)
+    run = _Run(forward_step_func, num_microbatches, forward_only, grad_scale_func, calculate_per_token_loss,
+               deallocate_pipeline_outputs=False)
+    for i in range(num_microbatches):
+        output_tensor = run.forward(data_iterator, chunks[0], None, i, 0)
         if not forward_only:
-            if grad_scale_func is not None:
-                loss = grad_scale_func(loss)
-            loss.backward()
+            run.backward(None, output_tensor, None, i, 0)
+    run.finish(chunks, finalize_model_grads_func)
+    return run.losses
+
+
+# ------------------------------------------------------------------------------ 1F1B
+
+def forward_backward_pipelining_without_interleaving(
+        *, forward_step_func: Callable, data_iterator: Union[Optional[Iterator], List[Optional[Iterator]]],
+        model: Union[torch.nn.Module, List[torch.nn.Module]], num_microbatches: int,
+        seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+        decoder_seq_length: Optional[int] = None, forward_only: bool = False,
+        grad_scale_func: Optional[Callable] = None, calculate_per_token_loss: bool = False,
+        finalize_model_grads_func: Optional[Callable] = None,
+        deallocate_pipeline_outputs: bool = True) -> List[LossDict]:
+    """PipeDream-Flush: warm-up forwards, steady one-forward-one-backward, cool-down backwards."""
+    chunks = _as_list(model)
+    if len(chunks) != 1:
+        raise ValueError("the non-interleaved pipeline schedule takes one model chunk per rank, "
+                         f"got {len(chunks)}")
+    model_chunk = chunks[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    shape, dtype = _boundary_shape(model_chunk, seq_length, micro_batch_size)
+    run = _Run(forward_step_func, num_microbatches, forward_only, grad_scale_func, calculate_per_token_loss,
+               deallocate_pipeline_outputs)
+    p2p = p2p_communication
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    sends = not parallel_state.is_pipeline_last_stage()  # the last stage's outputs are losses
+    num_warmup = min(pp - rank - 1, num_microbatches)
+    num_steady = num_microbatches - num_warmup
+
+    inputs: List[Optional[torch.Tensor]] = []   # kept for backward, oldest first
+    outputs: List[torch.Tensor] = []
+    next_forward = 0                           # micro-batch ids, for the tracer and error messages
+    next_backward = 0
+
+    def forward(input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        nonlocal next_forward
+        output = run.forward(data_iterator, model_chunk, input_tensor, next_forward, 0)
+        next_forward += 1
+        return output
+
+    def backward(output_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        nonlocal next_backward
+        grad = run.backward(inputs.pop(0), outputs.pop(0), output_grad, next_backward, 0)
+        next_backward += 1
+        return grad
+
+    for _ in range(num_warmup):
+        input_tensor = p2p.recv_forward(shape, dtype, Where(next_forward))
+        output = forward(input_tensor)
+        p2p.send_forward(output, shape, dtype, Where(next_forward - 1))
+        if not forward_only:
+            inputs.append(input_tensor)
+            outputs.append(output)
+            run.release(output if sends else None)
+
+    input_tensor = p2p.recv_forward(shape, dtype, Where(next_forward)) if num_steady > 0 else None
+    for i in range(num_steady):
+        last = i == num_steady - 1
+        output = forward(input_tensor)
+        if forward_only:
+            p2p.send_forward(output, shape, dtype, Where(next_forward - 1))
+            if not last:
+                input_tensor = p2p.recv_forward(shape, dtype, Where(next_forward))
+            continue
+        output_grad = p2p.send_forward_recv_backward(output, shape, dtype, Where(next_backward))
+        inputs.append(input_tensor)
+        outputs.append(output)
+        run.release(output if sends else None)
+        input_grad = backward(output_grad)
+        if last:
+            input_tensor = None
+            p2p.send_backward(input_grad, shape, dtype, Where(next_backward - 1))
+        else:
+            input_tensor = p2p.send_backward_recv_forward(input_grad, shape, dtype, Where(next_forward))
+
     if not forward_only:
-        tokens = total_num_tokens if calculate_per_token_loss else None
-        if finalize_model_grads_func is not None:
-            finalize_model_grads_func([model], tokens)
-        elif tokens is not None:
-            scale_gradients([model], 1.0 / max(int(tokens), 1))
-    return losses
+        for _ in range(num_warmup):
+            output_grad = p2p.recv_backward(shape, dtype, Where(next_backward))
+            input_grad = backward(output_grad)
+            p2p.send_backward(input_grad, shape, dtype, Where(next_backward - 1))
+    run.finish(chunks, finalize_model_grads_func)
+    return run.losses
 
 
-def get_forward_backward_func(pipeline_model_parallel_size: int = 1) -> Callable[..., List[Any]]:
-    """The schedule for the pipeline size: no pipelining for 1."""
-    if pipeline_model_parallel_size == 1:
+# ------------------------------------------------------------------------------ interleaved 1F1B
+
+def forward_backward_pipelining_with_interleaving(
+        *, forward_step_func: Callable, data_iterator: Union[Optional[Iterator], List[Optional[Iterator]]],
+        model: Union[torch.nn.Module, List[torch.nn.Module]], num_microbatches: int,
+        seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+        decoder_seq_length: Optional[int] = None, forward_only: bool = False,
+        grad_scale_func: Optional[Callable] = None, calculate_per_token_loss: bool = False,
+        finalize_model_grads_func: Optional[Callable] = None,
+        deallocate_pipeline_outputs: bool = True) -> List[LossDict]:
+    """1F1B over v model chunks per rank (Narayanan et al. 2021, sec. 2.2).
+
+    Steps are numbered k = 0 .. v*m - 1 on every rank. Micro-batches go through in groups of pp:
+    step k runs micro-batch (k // (pp*v)) * pp + k % pp on chunk (k % (pp*v)) // pp going
+    forward, and on chunk v - 1 - that going backward. Rank p runs (pp - p - 1) * 2 + (v - 1) * pp
+    warm-up forwards (all of them when m == pp), then alternates, then drains the backwards.
+    A chunk's output goes to the next rank, and the last rank's to rank 0's next chunk (a ring).
+    """
+    chunks = _as_list(model)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    v = len(chunks)
+    if v < 2:
+        raise ValueError("the interleaved schedule needs at least 2 model chunks per rank")
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size() != v:
+        raise ValueError(f"{v} model chunks but the virtual pipeline size is "
+                         f"{parallel_state.get_virtual_pipeline_model_parallel_world_size()}")
+    if num_microbatches % pp:
+        raise ValueError(f"the interleaved schedule needs the number of micro-batches ({num_microbatches}) to be a "
+                         f"multiple of the pipeline-parallel size ({pp})")
+    iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator] * v
+    if len(iterators) != v:
+        raise ValueError(f"the interleaved schedule takes one data iterator per model chunk ({v}), got {len(iterators)}")
+    shape, dtype = _boundary_shape(chunks[0], seq_length, micro_batch_size)
+    run = _Run(forward_step_func, num_microbatches, forward_only, grad_scale_func, calculate_per_token_loss,
+               deallocate_pipeline_outputs)
+    p2p = p2p_communication
+    set_chunk = parallel_state.set_virtual_pipeline_model_parallel_rank
+
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    total = num_microbatches * v
+    all_warmup = forward_only or num_microbatches == pp
+    num_warmup = total if all_warmup else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    num_steady = total - num_warmup
+
+    inputs: List[List[Optional[torch.Tensor]]] = [[] for _ in range(v)]
+    outputs: List[List[torch.Tensor]] = [[] for _ in range(v)]
+    output_grads: List[List[Optional[torch.Tensor]]] = [[] for _ in range(v)]
+
+    def chunk_of(k: int, forward: bool) -> int:
+        c = (k % (pp * v)) // pp
+        return c if forward else v - 1 - c
+
+    def microbatch_of(k: int) -> int:
+        return (k // (pp * v)) * pp + k % pp
+
+    def forward_step(k: int) -> torch.Tensor:
+        c = chunk_of(k, forward=True)
+        set_chunk(c)
+        if parallel_state.is_pipeline_first_stage() and len(inputs[c]) == len(outputs[c]):
+            inputs[c].append(None)  # the first stage reads its input from the data
+        output = run.forward(iterators[c], chunks[c], inputs[c][-1], microbatch_of(k), c)
+        outputs[c].append(output)
+        if forward_only:  # nothing is kept for a backward step
+            inputs[c].pop()
+            outputs[c].pop()
+        return output
+
+    def backward_step(k: int) -> Optional[torch.Tensor]:
+        c = chunk_of(k, forward=False)
+        set_chunk(c)
+        if parallel_state.is_pipeline_last_stage() and not output_grads[c]:
+            output_grads[c].append(None)  # the loss: no gradient comes from a next stage
+        return run.backward(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0), microbatch_of(k), c)
+
+    def where(k: int, forward: bool) -> Where:
+        return Where(microbatch_of(k) if 0 <= k < total else None,
+                     chunk_of(k, forward) if 0 <= k < total else None)
+
+    # Warm-up: forwards only; the last one also receives the first gradient (unless all warm-up).
+    set_chunk(0)
+    inputs[0].append(p2p.recv_forward(shape, dtype, where(0, True)))
+    for k in range(num_warmup):
+        output = forward_step(k)
+        c = chunk_of(k, forward=True)
+        next_c = chunk_of(k + 1, forward=True)
+        recv_prev = not (parallel_state.is_pipeline_first_stage(ignore_virtual=True) and next_c == 0)
+        if k == total - 1:
+            recv_prev = False
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and c == v - 1:
+            output = None  # the model's last stage: its output is the loss, sent nowhere
+        if k == num_warmup - 1 and not all_warmup:
+            recv_next = not parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+            input_tensor, output_grad = p2p.send_forward_backward_recv_forward_backward(
+                output, None, recv_prev, recv_next, shape, dtype, where(k + 1, True))
+            output_grads[v - 1].append(output_grad)
+        else:
+            input_tensor = p2p.send_forward_recv_forward(output, recv_prev, shape, dtype, where(k + 1, True))
+        inputs[next_c].append(input_tensor)
+        run.release(output)
+
+    # Steady state: forward step k + num_warmup, backward step k, one exchange for both.
+    for k in range(num_steady):
+        forward_k = k + num_warmup
+        output = forward_step(forward_k)
+        input_grad = backward_step(k)
+
+        set_chunk(chunk_of(forward_k, forward=True))
+        if parallel_state.is_pipeline_last_stage():
+            output = None
+        set_chunk(chunk_of(k, forward=False))
+        if parallel_state.is_pipeline_first_stage():
+            input_grad = None
+
+        # What arrives next: on the first rank the last rank's output, which lags pp - 1 steps and
+        # feeds the following chunk; on the last rank, likewise for gradients from the first.
+        recv_prev = True
+        if parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+            next_forward_c = chunk_of(forward_k - (pp - 1), forward=True)
+            if next_forward_c == v - 1:
+                recv_prev = False
+            next_forward_c += 1
+        else:
+            next_forward_c = chunk_of(forward_k + 1, forward=True)
+        recv_next = True
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            next_backward_c = chunk_of(k - (pp - 1), forward=False)
+            if next_backward_c == 0:
+                recv_next = False
+            next_backward_c -= 1
+        else:
+            next_backward_c = chunk_of(k + 1, forward=False)
+        if k == num_steady - 1:
+            recv_prev = False
+
+        input_tensor, output_grad = p2p.send_forward_backward_recv_forward_backward(
+            output, input_grad, recv_prev, recv_next, shape, dtype, where(k + 1, False))
+        run.release(output)
+        if recv_prev:
+            inputs[next_forward_c].append(input_tensor)
+        if recv_next:
+            output_grads[next_backward_c].append(output_grad)
+
+    # Cool-down: the remaining backwards.
+    if not forward_only:
+        if all_warmup:
+            set_chunk(v - 1)
+            output_grads[v - 1].append(p2p.recv_backward(shape, dtype, where(0, False)))
+        for k in range(num_steady, total):
+            input_grad = backward_step(k)
+            next_c = chunk_of(k + 1, forward=False)
+            recv_next = not (parallel_state.is_pipeline_last_stage(ignore_virtual=True) and next_c == v - 1)
+            if k == total - 1:
+                recv_next = False
+            output_grads[next_c].append(
+                p2p.send_backward_recv_backward(input_grad, recv_next, shape, dtype, where(k + 1, False)))
+    set_chunk(0)
+    run.finish(chunks, finalize_model_grads_func)
+    return run.losses
+
+
+def get_forward_backward_func(pipeline_model_parallel_size: Optional[int] = None,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> Callable[..., List[Any]]:
+    """The schedule for this rank's pipeline layout (from parallel_state unless given)."""
+    pp = (parallel_state.get_pipeline_model_parallel_world_size() if pipeline_model_parallel_size is None
+          else pipeline_model_parallel_size)
+    vpp = (parallel_state.get_virtual_pipeline_model_parallel_world_size()
+           if virtual_pipeline_model_parallel_size is None and pipeline_model_parallel_size is None
+           else virtual_pipeline_model_parallel_size)
+    if pp == 1:
         return forward_backward_no_pipelining
-    raise ValueError(f"pipeline model parallel size {pipeline_model_parallel_size}: "
-                     "pipelined schedules are not available yet")
+    if vpp is not None and vpp > 1:
+        return forward_backward_pipelining_with_interleaving
+    return forward_backward_pipelining_without_interleaving
