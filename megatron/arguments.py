@@ -246,8 +246,18 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
                        help="nccl on CUDA, gloo on CPU if not given.")
     group.add_argument("--distributed-timeout-minutes", type=int, default=10,
                        help="Timeout of the distributed collectives, in minutes.")
-    group.add_argument("--overlap-grad-reduce", action="store_true")
+    group.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="Launch each gradient bucket's data-parallel reduction as soon as its last "
+                            "gradient of the step is ready, overlapping it with the rest of backward.")
     group.add_argument("--overlap-param-gather", action="store_true")
+    group.add_argument("--ddp-bucket-size", type=int, default=None,
+                       help="Elements per gradient bucket (default with --overlap-grad-reduce: "
+                            "max(40M, 1M x data-parallel size); one bucket otherwise).")
+    group.add_argument("--ddp-average-in-collective", action="store_true",
+                       help="Average gradients in the collective (ReduceOp.AVG) instead of pre-scaling by 1/DP.")
+    group.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                       help="Every this many iterations, check that the weights are identical on all "
+                            "data-parallel replicas (a hash all-gathered over the DP group).")
     group.add_argument("--local-rank", type=int, default=int(os.getenv("LOCAL_RANK", "0")),
                        help="Local rank, from the LOCAL_RANK environment variable that torchrun sets.")
     group.add_argument("--use-cpu-initialization", action="store_true", default=None,

@@ -61,9 +61,7 @@ NOT_YET_SUPPORTED = (
     ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
     ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "expert parallelism"),
     ("num_experts", "--num-experts", None, "mixture of experts"),
-    ("data_parallel_size", "world size (WORLD_SIZE / torchrun --nproc-per-node)", 1, "data parallelism"),
     ("use_distributed_optimizer", "--use-distributed-optimizer", False, "the distributed optimizer"),
-    ("overlap_grad_reduce", "--overlap-grad-reduce", False, "overlapped gradient reduction"),
     ("overlap_param_gather", "--overlap-param-gather", False, "overlapped parameter all-gather"),
     ("recompute_granularity", "--recompute-granularity (or --recompute-activations)", None,
      "activation recompute"),
@@ -474,7 +472,8 @@ def _check_dataset_files(shown: str, prefixes: list) -> None:
 def _validate_intervals(args: Namespace) -> None:
     """Logging, evaluation and exit intervals."""
     _require_positive(args, ("log_interval", "eval_interval", "exit_interval", "exit_duration_in_mins",
-                             "tensorboard_log_interval", "tensorboard_queue_size"))
+                             "tensorboard_log_interval", "tensorboard_queue_size", "ddp_bucket_size",
+                             "check_weight_hash_across_dp_replicas_interval"))
     _require_positive(args, ("eval_iters",), allow_zero=True)
 
 

@@ -156,15 +156,29 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
             get_num_parameters(model)), flush=True)
     total = get_num_parameters_across_model_parallel(model)
     print_rank_0(f" > number of parameters in the model (every rank, replicated ones once): {total}")
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,  # always on with --bf16, as in Megatron
+        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        # Megatron's default with overlap: buckets of max(40M, 1M x DP) elements; one bucket otherwise.
+        bucket_size=(args.ddp_bucket_size if args.ddp_bucket_size is not None
+                     else max(40_000_000, 1_000_000 * args.data_parallel_size) if args.overlap_grad_reduce else None),
+        # NaN checks stay in the loop (_check_for_nan names the iteration); an fp16 overflow's inf
+        # gradients are expected there and skip the step.
+        average_in_collective=args.ddp_average_in_collective)
     wrapped = []
     for chunk in model:
         chunk.to(device.get_device())
+        config = chunk.config
         if args.fp16 or args.bf16:
-            chunk = Float16Module(chunk.config, chunk)
-            if args.accumulate_allreduce_grads_in_fp32:  # always on with --bf16, as in Megatron
-                from megatron.core.distributed import enable_fp32_grad_accumulation
-
-                enable_fp32_grad_accumulation(chunk)
+            chunk = Float16Module(config, chunk)
+        # Every data-parallel size goes through the wrapper (at DP = 1 nothing is communicated):
+        # param.main_grad views into one contiguous buffer, reduced in buckets.
+        chunk = DistributedDataParallel(config, ddp_config, chunk)
+        if not args.data_parallel_random_init:
+            chunk.broadcast_params()  # every replica starts from data-parallel rank 0's weights
         wrapped.append(chunk)
     return wrapped
 
@@ -292,17 +306,25 @@ def _iterate(loader: Any, dataloader_type: str) -> Optional[Iterator]:
 def _reduce_losses(losses: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
     """Per-token mean over the global batch for [sum, count] values; mean over micro-batches otherwise.
 
-    Only the last pipeline stage computes losses; it hands the reduced values to the other
+    Only the last pipeline stage computes losses. Its data-parallel replicas add up their sums
+    and counts (a micro-batch mean counts as a sum over 1), and it hands the result to the other
     stages, so every rank reports (and checks for NaN) the same numbers.
     """
     reduced: Dict[str, float] = {}
-    for key in (losses[0] if losses else {}):
-        values = [torch.as_tensor(x[key]).detach().float().cpu().view(-1) for x in losses]
-        if values[0].numel() == 2:
-            total = torch.stack(values).sum(dim=0)
-            reduced[key] = (total[0] / total[1].clamp(min=1)).item()
-        else:
-            reduced[key] = torch.cat(values).mean().item()
+    if losses:
+        keys = list(losses[0])
+        totals = []  # per key: [sum, count]
+        for key in keys:
+            values = torch.stack([torch.as_tensor(x[key]).detach().float().cpu().view(-1) for x in losses])
+            if values.shape[1] == 2:
+                totals.append(values.sum(dim=0))
+            else:
+                totals.append(torch.stack([values.sum(), torch.tensor(float(len(losses)))]))
+        totals = torch.stack(totals)
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(totals, group=group)  # the group's ranks are all last-stage ranks
+        reduced = {key: (total[0] / total[1].clamp(min=1)).item() for key, total in zip(keys, totals)}
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         shared = [reduced]
         torch.distributed.broadcast_object_list(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
@@ -318,13 +340,12 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     Returns (losses, skipped, grad norm, zeros in grad). An fp16 overflow skips the update and
     the scheduler step, as in Megatron.
     """
-    from megatron.core.distributed import finalize_model_grads, zero_main_grads
+    from megatron.core.distributed import finalize_model_grads
 
     args = get_args()
     timers = get_timers()
     for chunk in model:
-        chunk.zero_grad(set_to_none=True)
-        zero_main_grads(chunk)
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     forward_backward = get_forward_backward_func()
     timers("forward-backward", log_level=1).start()
@@ -344,6 +365,27 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     if update_successful:
         opt_param_scheduler.step(increment=get_num_microbatches() * args.micro_batch_size * args.data_parallel_size)
     return _reduce_losses(losses), not update_successful, grad_norm, num_zeros
+
+
+def check_weights_equal_across_data_parallel_replicas(model: List[torch.nn.Module], iteration: int) -> None:
+    """Raise if any data-parallel replica's weights differ from the others' (a hash per replica)."""
+    import hashlib
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return
+    digest = hashlib.sha256()
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            digest.update(name.encode())
+            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    hashes = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(hashes, digest.hexdigest(), group=group)
+    if len(set(hashes)) > 1:
+        ranks = torch.distributed.get_process_group_ranks(group)
+        raise RuntimeError(f"iteration {iteration}: the weights differ across data-parallel replicas "
+                           f"(global ranks {ranks}: {[h[:12] for h in hashes]}) "
+                           "(--check-weight-hash-across-dp-replicas-interval)")
 
 
 def _check_for_nan(iteration: int, losses: Dict[str, float], grad_norm: Optional[float], skipped: bool) -> None:
@@ -405,6 +447,9 @@ class _Loop:
             self.result.num_floating_point_operations_so_far += num_floating_point_operations(args, batch_size)
             if args.check_for_nan_in_loss_and_grad:
                 _check_for_nan(iteration, losses, grad_norm, skipped)
+            interval = args.check_weight_hash_across_dp_replicas_interval
+            if interval and iteration % interval == 0:
+                check_weights_equal_across_data_parallel_replicas(self.model, iteration)
             if self.record_history:
                 self.result.history.append(IterationRecord(
                     iteration, dict(losses), skipped, grad_norm, self.optimizer.param_groups[0]["lr"],
@@ -470,10 +515,20 @@ class _Loop:
                           args.consumed_train_samples)
 
     def _params_norm(self) -> Optional[float]:
+        """L2 norm of the whole model's parameters: each counted once over the TP/PP ranks."""
         if not get_args().log_params_norm:
             return None
-        squares = [p.detach().float().pow(2).sum() for chunk in self.model for p in chunk.parameters()]
-        return math.sqrt(sum(s.item() for s in squares))
+        from megatron.core.optimizer.optimizer import param_is_not_shared, param_is_not_tensor_parallel_duplicate
+
+        squares = torch.zeros((), dtype=torch.float64, device=device.get_device())
+        for chunk in self.model:
+            for p in chunk.parameters():
+                if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                    squares += p.detach().double().pow(2).sum()
+        group = parallel_state.get_model_parallel_group()
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(squares, group=group)
+        return math.sqrt(squares.item())
 
     # -------------------------------------------------------------- evaluation
     def evaluate(self, data_iterator: Iterator) -> Dict[str, float]:

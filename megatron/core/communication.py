@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,20 +104,24 @@ def record(op: str, group: dist.ProcessGroup | None, tensor: torch.Tensor) -> No
         counter.record(event)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: dist.ReduceOp = SUM) -> torch.Tensor:
-    """Reduce `tensor` in place over `group` (None: the world); returns it."""
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: dist.ReduceOp = SUM,
+               async_op: bool = False) -> Any:
+    """Reduce `tensor` in place over `group` (None: the world); returns it (async_op: the Work to wait on)."""
     record("all_reduce", group, tensor)
-    dist.all_reduce(tensor, op=op, group=group)
-    return tensor
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else tensor
 
 
 def all_gather_into_tensor(
-    output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """output [t * n, ...] = the ranks' input_ [n, ...] concatenated along dim 0 in rank order."""
+    output: torch.Tensor, input_: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> Any:
+    """output [t * n, ...] = the ranks' input_ [n, ...] concatenated along dim 0 in rank order.
+
+    Returns output (async_op: the Work to wait on). input_ may be a view of output.
+    """
     record("all_gather", group, output)
-    _all_gather_single(output, input_, group=group)
-    return output
+    work = _all_gather_single(output, input_, group=group, async_op=async_op)
+    return work if async_op else output
 
 
 def reduce_scatter_tensor(
@@ -124,11 +129,15 @@ def reduce_scatter_tensor(
     input_: torch.Tensor,
     group: dist.ProcessGroup | None = None,
     op: dist.ReduceOp = SUM,
-) -> torch.Tensor:
-    """output [n, ...] = this rank's dim-0 chunk of the sum over ranks of input_ [t * n, ...]."""
+    async_op: bool = False,
+) -> Any:
+    """output [n, ...] = this rank's dim-0 chunk of the sum over ranks of input_ [t * n, ...].
+
+    Returns output (async_op: the Work to wait on). output may be a view of input_.
+    """
     record("reduce_scatter", group, input_)
-    _reduce_scatter_single(output, input_, op=op, group=group)
-    return output
+    work = _reduce_scatter_single(output, input_, op=op, group=group, async_op=async_op)
+    return work if async_op else output
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -82,13 +82,13 @@ def _forward_step(per_token: bool):
     return forward_step
 
 
-def _run(chunks, num_microbatches: int, per_token: bool, func=None):
+def _run(chunks, num_microbatches: int, per_token: bool, func=None, finalize=finalize_model_grads):
     batches = _microbatches(num_microbatches)
     func = func or schedules.get_forward_backward_func()
     iterators = [iter(batches) for _ in chunks]
     losses = func(forward_step_func=_forward_step(per_token), data_iterator=iterators if len(chunks) > 1 else iterators[0],
                   model=chunks, num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MBS,
-                  calculate_per_token_loss=per_token, finalize_model_grads_func=finalize_model_grads)
+                  calculate_per_token_loss=per_token, finalize_model_grads_func=finalize)
     return [{k: v.tolist() for k, v in entry.items()} for entry in losses]
 
 
@@ -115,7 +115,9 @@ def _compare_with_serial(tp: int, pp: int, vpp, m: int, sp: bool = False, untied
                          per_token: bool = False):
     init_parallel(tp=1)
     (serial,), _ = _build_chunks(1, 1, None, untied=untied)
-    serial_losses = _run([serial], m, per_token, schedules.forward_backward_no_pipelining)
+    # no finalize: in this 4-rank world the serial layout has DP = 4, whose token-count reduction
+    # would count the replicas' (identical) tokens 4 times; one rank needs no reduction at all
+    serial_losses = _run([serial], m, per_token, schedules.forward_backward_no_pipelining, finalize=None)
     serial_params = dict(serial.named_parameters())
     parallel_state.destroy_model_parallel()
 
@@ -154,7 +156,7 @@ CASES = {
     "pp4-v2": dict(tp=1, pp=4, vpp=2, m=8),
     "pp4-v2-all-warmup": dict(tp=1, pp=4, vpp=2, m=4),
     "pp2-v4-tp2": dict(tp=2, pp=2, vpp=4, m=4),
-    "pp2-per-token": dict(tp=1, pp=2, vpp=None, m=4, per_token=True),
+    "pp2-tp2-per-token": dict(tp=2, pp=2, vpp=None, m=4, per_token=True),  # DP = 1: no DDP here
 }
 
 

@@ -140,7 +140,7 @@ BAD = [
      "--global-batch-size 6", ["--num-layers", "--global-batch-size"], {"WORLD_SIZE": "2"},
      "the interleaved schedule needs the number of micro-batches (3 = batch 6 / (--micro-batch-size 2 x "
      "data-parallel size 1)) to be a multiple of --pipeline-model-parallel-size (2)"),
-    ("dp", "", [], {"WORLD_SIZE": "2"}, "world size (WORLD_SIZE / torchrun --nproc-per-node) 2: data parallelism"),
+    ("ddp-bucket-size", "--ddp-bucket-size 0", [], {}, "--ddp-bucket-size must be > 0, got 0"),
     ("recompute-activations", "--recompute-activations", [], {},
      "--recompute-granularity (or --recompute-activations) selective: activation recompute is not supported"),
     ("recompute-method", "--recompute-method uniform", [], {}, "--recompute-method uniform: activation recompute"),

@@ -1,17 +1,22 @@
 """finalize_model_grads: the gradient reductions between the last backward and the optimizer step.
 
-    1. sequence-parallel reduction: parameters replicated on every tensor-parallel rank but fed
+In this order (Megatron's):
+    1. data-parallel reduction: DistributedDataParallel.finish_grad_sync on each chunk waits for
+       (or runs) every bucket's all-reduce, or reduce-scatter with the distributed optimizer.
+    2. sequence-parallel reduction: parameters replicated on every tensor-parallel rank but fed
        only this rank's s/t tokens under --sequence-parallel (layer norms, row-parallel biases,
        marked `param.sequence_parallel`) hold partial gradients; they are summed over the TP
        group in one flat all-reduce.
-    2. per-token normalisation (--calculate-per-token-loss): gradients divided by the number of
-       tokens of the global batch.
-
     3. embedding-group reduction (pipeline parallelism with tied input/output embeddings): the
        first stage's word embedding and the last stage's copy of it are one logical weight; their
        gradients are summed over the embedding group, so both copies take the same step.
+    4. per-token normalisation (--calculate-per-token-loss): gradients divided by the number of
+       tokens of the global batch.
 
-The data-parallel reduction joins here with its issue.
+Steps 2 and 3 are sums, so they commute with the data-parallel sum. With the distributed
+optimizer only this rank's shard of each bucket holds the reduced gradient; TP ranks share one
+buffer layout, and the pipeline-shared embedding sits in a bucket of its own on both stages, so
+the shard ranges match across the groups summed in steps 2 and 3.
 """
 
 from __future__ import annotations
@@ -80,8 +85,22 @@ def scale_gradients(model_chunks: List[nn.Module], factor: float) -> None:
 
 
 def finalize_model_grads(model_chunks: List[nn.Module], num_tokens: Optional[torch.Tensor] = None) -> None:
-    """Run the reductions above; num_tokens (per-token loss only) is the global batch's token count."""
+    """Run the reductions above; num_tokens (per-token loss only) is this replica's token count.
+
+    Order as in Megatron: the data-parallel reduction first (DistributedDataParallel chunks: wait
+    for, or run, every bucket's all-reduce / reduce-scatter), then the tensor-parallel and
+    pipeline reductions on the data-parallel result, then the per-token division by the global
+    batch's token count (summed over the data-parallel ranks).
+    """
+    for chunk in model_chunks:
+        finish = getattr(chunk, "finish_grad_sync", None)
+        if finish is not None:
+            finish()
     allreduce_sequence_parallel_grads(model_chunks)
     allreduce_embedding_grads(model_chunks)
     if num_tokens is not None:
-        scale_gradients(model_chunks, 1.0 / max(int(num_tokens), 1))
+        total = torch.as_tensor(num_tokens, dtype=torch.int64).reshape(1).clone()
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            communication.all_reduce(total, group=group)
+        scale_gradients(model_chunks, 1.0 / max(int(total.item()), 1))

@@ -37,6 +37,7 @@ Every forward and backward step is reported to the schedule tracer (tracer.py) w
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -103,10 +104,17 @@ class _Run:
         return output_tensor
 
     def backward(self, input_tensor: Optional[torch.Tensor], output_tensor: torch.Tensor,
-                 output_tensor_grad: Optional[torch.Tensor], microbatch: int,
-                 virtual_stage: int) -> Optional[torch.Tensor]:
-        """One backward step; returns the gradient of the stage's input (None on the first stage)."""
-        with tracer.step("B", microbatch, virtual_stage):
+                 output_tensor_grad: Optional[torch.Tensor], microbatch: int, virtual_stage: int,
+                 model: torch.nn.Module) -> Optional[torch.Tensor]:
+        """One backward step; returns the gradient of the stage's input (None on the first stage).
+
+        Every micro-batch but the last runs under the chunk's no_sync() (DistributedDataParallel):
+        gradients accumulate, and only the last micro-batch's backward may launch reductions.
+        """
+        no_sync = getattr(model, "no_sync", None)
+        last = microbatch == self.num_microbatches - 1
+        with (contextlib.nullcontext() if last or no_sync is None else no_sync()), \
+                tracer.step("B", microbatch, virtual_stage):
             if input_tensor is not None:
                 input_tensor.retain_grad()
             if output_tensor_grad is None:  # the last stage: output_tensor is the loss
@@ -206,7 +214,7 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     for i in range(num_microbatches):
         output_tensor = run.forward(data_iterator, chunks[0], None, i, 0)
         if not forward_only:
-            run.backward(None, output_tensor, None, i, 0)
+            run.backward(None, output_tensor, None, i, 0, chunks[0])
     run.finish(chunks, finalize_model_grads_func)
     return run.losses
 
@@ -253,7 +261,7 @@ def forward_backward_pipelining_without_interleaving(
 
     def backward(output_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         nonlocal next_backward
-        grad = run.backward(inputs.pop(0), outputs.pop(0), output_grad, next_backward, 0)
+        grad = run.backward(inputs.pop(0), outputs.pop(0), output_grad, next_backward, 0, model_chunk)
         next_backward += 1
         return grad
 
@@ -367,7 +375,8 @@ def forward_backward_pipelining_with_interleaving(
         set_chunk(c)
         if parallel_state.is_pipeline_last_stage() and not output_grads[c]:
             output_grads[c].append(None)  # the loss: no gradient comes from a next stage
-        return run.backward(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0), microbatch_of(k), c)
+        return run.backward(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0), microbatch_of(k), c,
+                            chunks[c])
 
     def where(k: int, forward: bool) -> Where:
         return Where(microbatch_of(k) if 0 <= k < total else None,

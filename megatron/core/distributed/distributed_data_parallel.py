@@ -1,0 +1,137 @@
+"""DistributedDataParallel: Megatron's data-parallel wrapper around one model chunk.
+
+    model = DistributedDataParallel(config, ddp_config, chunk)
+    with model.no_sync():            # every micro-batch but the last: accumulate only
+        loss.backward()
+    loss.backward()                  # last micro-batch: with overlap, buckets launch as they fill
+    model.finish_grad_sync()         # (finalize_model_grads) wait; main_grad holds the DP mean
+    model.zero_grad_buffer()         # before the next global batch
+
+Every trainable parameter gets a `main_grad` view into a contiguous buffer (one per
+(param dtype, grad dtype); grads in fp32 with grad_reduce_in_fp32). A hook run after each
+backward adds the fresh `.grad` into `main_grad` and frees `.grad`. With overlap_grad_reduce the
+hook also reports the parameter ready during the last micro-batch, and a bucket whose
+parameters are all ready starts its asynchronous all-reduce (reduce-scatter with the
+distributed optimizer) while backward continues through earlier layers.
+
+The wrapper is used at every data-parallel size (at 1 no collective runs), as in Megatron, so
+the optimizer always reads `main_grad`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+from megatron.core import communication, parallel_state
+from megatron.core.distributed.param_and_grad_buffer import DistributedDataParallelConfig, ParamAndGradBuffer
+from megatron.core.utils import unwrap_model
+
+
+class DistributedDataParallel(nn.Module):
+    def __init__(self, config: Any, ddp_config: DistributedDataParallelConfig, module: nn.Module,
+                 data_parallel_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
+        super().__init__()
+        self.config = config
+        self.module = module
+        self.ddp_config = ddp_config
+        if data_parallel_group is None and parallel_state.model_parallel_is_initialized():
+            data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.data_parallel_group = data_parallel_group
+        world = torch.distributed.get_world_size(data_parallel_group) if data_parallel_group is not None else 1
+        self.data_parallel_world_size = world
+        # Gradients are the mean over data-parallel ranks; with per-token loss they are summed here
+        # and divided by the global token count in finalize_model_grads.
+        calculate_per_token_loss = getattr(config, "calculate_per_token_loss", False)
+        scaling = 1.0 if calculate_per_token_loss else 1.0 / world
+        if ddp_config.average_in_collective and calculate_per_token_loss:
+            raise ValueError("--ddp-average-in-collective cannot be used with --calculate-per-token-loss")
+
+        own_bucket = self._pipeline_shared_embedding() if ddp_config.use_distributed_optimizer else []
+        by_dtype: Dict[tuple, List[nn.Parameter]] = {}
+        for param in module.parameters():
+            if not param.requires_grad:
+                continue
+            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
+            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+        self.buffers = [ParamAndGradBuffer(ddp_config, param_dtype, grad_dtype, params, data_parallel_group,
+                                           scaling, own_bucket=[p for p in own_bucket if p in set(params)])
+                        for (param_dtype, grad_dtype), params in by_dtype.items()]
+        self.param_to_bucket = {}
+        for buffer in self.buffers:
+            self.param_to_bucket.update(buffer.param_to_bucket)
+        self.is_last_microbatch = True
+        self._hooks = [param.register_post_accumulate_grad_hook(self._grad_hook) for param in self.param_to_bucket]
+
+    def _pipeline_shared_embedding(self) -> List[nn.Parameter]:
+        """The tied embedding weight on the first / last pipeline stage (if any)."""
+        inner = unwrap_model(self.module)
+        if (parallel_state.get_pipeline_model_parallel_world_size() == 1
+                or not getattr(inner, "share_embeddings_and_output_weights", False)
+                or not (getattr(inner, "pre_process", False) or getattr(inner, "post_process", False))):
+            return []
+        return [inner.shared_embedding_or_output_weight()]
+
+    def _grad_hook(self, param: nn.Parameter) -> None:
+        if param.grad is None:
+            return
+        param.main_grad.add_(param.grad)  # in the buffer's dtype (fp32 += half, computed in fp32)
+        param.grad = None
+        if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
+            self.param_to_bucket[param].register_grad_ready(param)
+
+    # ------------------------------------------------------------------ Megatron's interface
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients without launching any reduction."""
+        previous, self.is_last_microbatch = self.is_last_microbatch, False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = previous
+
+    def start_grad_sync(self) -> None:
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                bucket.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Wait for (or run) every bucket's reduction: main_grad then holds the data-parallel result."""
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                bucket.finish_grad_sync()
+
+    def start_param_sync(self) -> None:
+        """Distributed optimizer: gather every rank's updated parameter slices."""
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                bucket.start_param_sync()
+
+    def zero_grad_buffer(self) -> None:
+        for param in self.param_to_bucket:
+            param.grad = None
+        for buffer in self.buffers:
+            buffer.reset()
+
+    def broadcast_params(self) -> None:
+        """Make every data-parallel replica start from data-parallel rank 0's weights."""
+        if self.data_parallel_world_size == 1:
+            return
+        src = torch.distributed.get_global_rank(self.data_parallel_group, 0)
+        for param in self.module.parameters():
+            communication.broadcast(param.data, src=src, group=self.data_parallel_group)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        unwrap_model(self.module).set_input_tensor(input_tensor)
