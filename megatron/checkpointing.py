@@ -260,10 +260,13 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
         iteration, save_dir))
 
 
-def _load_base_checkpoint(load_dir: str, rank0: bool = False
+def _load_base_checkpoint(load_dir: str, rank0: bool = False,
+                          args: Optional[argparse.Namespace] = None
                           ) -> Tuple[Optional[Dict[str, Any]], str, bool]:
     """(state_dict, checkpoint file, release); state_dict is None when there is no tracker.
-    rank0=True reads the rank-0 file whatever the layout (for args, before parallel init)."""
+    rank0=True reads the rank-0 file whatever the layout (for args, before parallel init).
+    With `args`, a missing file of a checkpoint saved at other parallel sizes is refused
+    naming the flag that differs."""
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
         _print_rank_0("WARNING: could not find the metadata file {} ".format(tracker))
@@ -282,6 +285,7 @@ def _load_base_checkpoint(load_dir: str, rank0: bool = False
         base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
         saved = sorted(d for d in os.listdir(base_dir) if d.startswith("mp_rank_")) if os.path.isdir(base_dir) else []
         if saved:
+            _refuse_other_layout(load_dir, iteration, release, args)
             raise CheckpointError(
                 f"{base_dir} has no file for this rank ({os.path.relpath(name, base_dir)}): it holds {', '.join(saved)}, "
                 f"but this run has tensor-parallel size {parallel_state.get_tensor_model_parallel_world_size()} and "
@@ -298,6 +302,21 @@ def _load_base_checkpoint(load_dir: str, rank0: bool = False
         raise CheckpointError(f"checkpoint file {name} does not hold a dict "
                               f"(found {type(state_dict).__name__})")
     return state_dict, name, release
+
+
+def _refuse_other_layout(load_dir: str, iteration: int, release: bool,
+                         args: Optional[argparse.Namespace]) -> None:
+    # This rank's file is missing (e.g. a PP=2 checkpoint has mp_rank_00_000, a PP=1 run looks
+    # for mp_rank_00): read the saved args from the rank-0 file so the error names the flag.
+    rank0_name = find_checkpoint_rank_0(load_dir, iteration, release)
+    if args is None or rank0_name is None:
+        return
+    try:
+        checkpoint_args = torch.load(rank0_name, map_location="cpu", weights_only=False).get("args")
+    except Exception:  # unreadable: the caller's message about the missing file still stands
+        return
+    if checkpoint_args is not None:
+        check_parallel_layout(checkpoint_args, args, rank0_name)
 
 
 def _handle_missing(args: argparse.Namespace, load_dir: Optional[str]) -> None:
@@ -342,13 +361,18 @@ def check_parallel_layout(checkpoint_args: argparse.Namespace, args: argparse.Na
     (The padded vocabulary also depends on the TP size, so this check comes first, with the
     message that says what actually differs.)
     """
+    # (virtual_pipeline_model_parallel_size is derived from either virtual-stage flag; None means
+    # no interleaving, and the message then says "no --num-virtual-stages-per-pipeline-rank")
     for attr, label, default in (("tensor_model_parallel_size", "--tensor-model-parallel-size", 1),
                                  ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1),
-                                 ("virtual_pipeline_model_parallel_size", "virtual pipeline stages per rank", None)):
+                                 ("virtual_pipeline_model_parallel_size", "--num-virtual-stages-per-pipeline-rank",
+                                  None)):
         saved, current = getattr(checkpoint_args, attr, default), getattr(args, attr, default)
         if saved != current:
-            raise CheckpointError(f"checkpoint at {checkpoint_name} was saved with {label} {saved} but this run "
-                                  f"has {label} {current}; a legacy checkpoint loads only at the tensor/pipeline "
+            saved_text = f"no {label}" if saved is None else f"{label} {saved}"
+            current_text = f"no {label}" if current is None else f"{label} {current}"
+            raise CheckpointError(f"checkpoint at {checkpoint_name} was saved with {saved_text} but this run "
+                                  f"has {current_text}; a legacy checkpoint loads only at the tensor/pipeline "
                                   "sizes it was saved with (resharding is the checkpoint converter's job)")
 
 
@@ -449,7 +473,7 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
     if load_dir is None:
         _handle_missing(args, load_dir)
         return 0, 0
-    state_dict, checkpoint_name, release = _load_base_checkpoint(load_dir)
+    state_dict, checkpoint_name, release = _load_base_checkpoint(load_dir, args=args)
     if state_dict is None:
         _handle_missing(args, load_dir)
         return 0, 0
