@@ -180,6 +180,8 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
         if not args.data_parallel_random_init:
             chunk.broadcast_params()  # every replica starts from data-parallel rank 0's weights
         wrapped.append(chunk)
+    if args.check_weight_hash_across_dp_replicas_interval and not args.data_parallel_random_init:
+        check_weights_equal_across_data_parallel_replicas(wrapped, 0)  # the debug check, at start-up too
     return wrapped
 
 

@@ -151,3 +151,26 @@ def test_overlap_launches_bucket_reductions_during_backward(dist_pool):
     assert with_overlap["seen"][0] == 0 and 0 < with_overlap["seen"][1] < with_overlap["total"]
     # without overlap every reduction waits for finalize_model_grads
     assert without["seen"] == [0, 0] and without["total"] == without["buckets"]
+
+
+def _replicas_start_equal():
+    from megatron.training import check_weights_equal_across_data_parallel_replicas
+
+    init_parallel(tp=1)
+    torch.manual_seed(dist.get_rank())  # a different draw on every rank ...
+    model = GPTModel(TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4),
+                     vocab_size=VOCAB, max_sequence_length=SEQ)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    try:
+        check_weights_equal_across_data_parallel_replicas([ddp], 0)
+        before = "equal"
+    except RuntimeError as error:
+        before = str(error)
+    ddp.broadcast_params()  # ... until data-parallel rank 0's weights are broadcast
+    check_weights_equal_across_data_parallel_replicas([ddp], 0)
+    return before
+
+
+def test_replicas_start_from_data_parallel_rank_0_weights(dist_pool):
+    for before in dist_pool.run(_replicas_start_equal):
+        assert "iteration 0: the weights differ across data-parallel replicas (global ranks [0, 1, 2, 3]" in before
