@@ -58,8 +58,9 @@ def get_p2p_timeout() -> Optional[float]:
 class Where:
     """What the schedule is doing when it communicates, for the timeout message."""
 
-    microbatch: Optional[int] = None
+    microbatch: Optional[int] = None      # the micro-batch whose tensor is awaited (or sent)
     virtual_stage: Optional[int] = None
+    sending: Optional[int] = None         # in a combined exchange: the micro-batch sent meanwhile
 
     def describe(self) -> str:
         parts = []
@@ -67,6 +68,8 @@ class Where:
             parts.append(f"virtual stage {self.virtual_stage}")
         if self.microbatch is not None:
             parts.append(f"micro-batch {self.microbatch}")
+        if self.sending is not None and self.sending != self.microbatch:
+            parts.append(f"while sending micro-batch {self.sending}")
         return ", ".join(parts)
 
 

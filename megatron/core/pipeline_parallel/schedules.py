@@ -283,7 +283,8 @@ def forward_backward_pipelining_without_interleaving(
             if not last:
                 input_tensor = p2p.recv_forward(shape, dtype, Where(next_forward))
             continue
-        output_grad = p2p.send_forward_recv_backward(output, shape, dtype, Where(next_backward))
+        output_grad = p2p.send_forward_recv_backward(output, shape, dtype,
+                                                     Where(next_backward, sending=next_forward - 1))
         inputs.append(input_tensor)
         outputs.append(output)
         run.release(output if sends else None)
@@ -292,7 +293,8 @@ def forward_backward_pipelining_without_interleaving(
             input_tensor = None
             p2p.send_backward(input_grad, shape, dtype, Where(next_backward - 1))
         else:
-            input_tensor = p2p.send_backward_recv_forward(input_grad, shape, dtype, Where(next_forward))
+            input_tensor = p2p.send_backward_recv_forward(input_grad, shape, dtype,
+                                                          Where(next_forward, sending=next_backward - 1))
 
     if not forward_only:
         for _ in range(num_warmup):
