@@ -61,7 +61,6 @@ NOT_YET_SUPPORTED = (
     ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
     ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "expert parallelism"),
     ("num_experts", "--num-experts", None, "mixture of experts"),
-    ("use_distributed_optimizer", "--use-distributed-optimizer", False, "the distributed optimizer"),
     ("overlap_param_gather", "--overlap-param-gather", False, "overlapped parameter all-gather"),
     ("recompute_granularity", "--recompute-granularity (or --recompute-activations)", None,
      "activation recompute"),

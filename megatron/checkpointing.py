@@ -5,6 +5,10 @@
       iter_0000010/                       'iter_{:07d}', or 'release/' for release checkpoints
         mp_rank_00/model_optim_rng.pt     TP rank 00 (PP = 1, EP = 1)
         mp_rank_01_003/...                TP 01, PP 003 when PP > 1; '_{ep:03d}' added when EP > 1
+        mp_rank_00/distrib_optim.pt       --use-distributed-optimizer: the fp32 main params and Adam
+                                          moments of every parameter of this (TP, PP) rank, gathered
+                                          from the data-parallel shards and stored unpadded, so a run
+                                          may resume at another data-parallel size
 
 `model_optim_rng.pt` is one torch.save'd dict:
 
@@ -251,6 +255,11 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
         state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
                                          iteration, num_floating_point_operations_so_far)
         atomic_write(checkpoint_name, lambda f: torch.save(state_dict, f))
+    if getattr(optimizer, "save_parameter_state", None) is not None and not _flag(args, "no_save_optim"):
+        # Distributed optimizer: its shards are gathered (a collective over the data-parallel
+        # group) and DP rank 0 writes them, unpadded per parameter, next to the model file.
+        ensure_directory_exists(checkpoint_name)
+        optimizer.save_parameter_state(get_distributed_optimizer_checkpoint_name(checkpoint_name))
     _barrier()  # every rank's file is complete before the tracker names it
     if not dist.is_initialized() or dist.get_rank() == 0:
         tracker = get_checkpoint_tracker_filename(save_dir)
@@ -412,13 +421,33 @@ def _load_model(chunks: List[nn.Module], state_dict: Dict[str, Any], checkpoint_
                 f"cannot load the model from {checkpoint_name}: {error}") from error
 
 
+def get_distributed_optimizer_checkpoint_name(model_checkpoint_name: str) -> str:
+    """distrib_optim.pt, next to model_optim_rng.pt (Megatron's name)."""
+    return os.path.join(os.path.dirname(model_checkpoint_name), "distrib_optim.pt")
+
+
 def _load_optimizer(optimizer: Any, opt_param_scheduler: Any, state_dict: Dict[str, Any],
                     checkpoint_name: str) -> None:
     if optimizer is not None:
         if "optimizer" not in state_dict:
             raise CheckpointError(f"checkpoint {checkpoint_name} has no optimizer state (saved "
                                   "with --no-save-optim?); pass --no-load-optim or --finetune")
+        saved_args = state_dict.get("args")
+        saved_dist = bool(getattr(saved_args, "use_distributed_optimizer", False))
+        current_dist = getattr(optimizer, "load_parameter_state", None) is not None
+        if saved_args is not None and saved_dist != current_dist:
+            raise CheckpointError(
+                f"checkpoint {checkpoint_name} was saved {'with' if saved_dist else 'without'} "
+                f"--use-distributed-optimizer but this run is {'with' if current_dist else 'without'} it; "
+                "the optimizer states are laid out differently (pass --no-load-optim to start a fresh optimizer)")
         optimizer.load_state_dict(state_dict["optimizer"])
+        if current_dist:
+            path = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path} is missing: the distributed optimizer's parameter state "
+                                      "(pass --no-load-optim to start a fresh optimizer)")
+            # collective: DP rank 0 reads the unpadded state and scatters it to the current DP layout
+            optimizer.load_parameter_state(path)
     if opt_param_scheduler is not None:
         # 'lr_scheduler' is the name very old checkpoints used
         key = "lr_scheduler" if "lr_scheduler" in state_dict else "opt_param_scheduler"

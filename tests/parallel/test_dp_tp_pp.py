@@ -53,7 +53,7 @@ def _train(chunks, optimizer, share: slice, ddp: bool):
 
 def _optimizer(chunks, use_distributed_optimizer: bool):
     config = OptimizerConfig(optimizer="sgd", lr=1e-2, clip_grad=1.0)  # SGD: see test_data_parallel.py
-    return get_megatron_optimizer(config, chunks)
+    return get_megatron_optimizer(config, chunks, use_distributed_optimizer=use_distributed_optimizer)
 
 
 def _compare(use_distributed_optimizer: bool):
@@ -93,7 +93,7 @@ def pool8():
     pool.close()
 
 
-@pytest.mark.parametrize("use_distributed_optimizer", [False], ids=["ddp"])
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True], ids=["ddp", "distributed-optimizer"])
 def test_dp2_tp2_pp2_equals_the_serial_model(pool8, use_distributed_optimizer):
     results = pool8.run(_compare, use_distributed_optimizer)
     for rank, result in enumerate(results):

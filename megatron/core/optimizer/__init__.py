@@ -3,7 +3,9 @@
 get_megatron_optimizer(config, model_chunks) is the entry point: it splits the params into
 groups (no weight decay on biases and 1-D params such as norm weights), builds torch AdamW/Adam
 or SGD on them, and wraps that in FP32Optimizer or, for --fp16/--bf16,
-Float16OptimizerWithFloat16Params with the matching loss scaler.
+Float16OptimizerWithFloat16Params with the matching loss scaler. Model chunks wrapped in
+DistributedDataParallel with use_distributed_optimizer get a DistributedOptimizer instead (any
+precision), which steps only this data-parallel rank's shards.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from megatron.core.optimizer.clip_grads import (
     count_zeros_fp32,
     get_grad_norm_fp32,
 )
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.grad_scaler import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -32,10 +35,12 @@ from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
     MixedPrecisionOptimizer,
 )
+from megatron.core.optimizer.memory import optimizer_memory_per_parameter
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 __all__ = [
     "ConstantGradScaler",
+    "DistributedOptimizer",
     "DynamicGradScaler",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
@@ -49,6 +54,7 @@ __all__ = [
     "get_grad_norm_fp32",
     "get_megatron_optimizer",
     "get_param_groups",
+    "optimizer_memory_per_parameter",
 ]
 
 ParamCond = Callable[[str, nn.Parameter], bool]
@@ -109,18 +115,41 @@ def _build_grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
     return None
 
 
+def _chunks_use_distributed_optimizer(model_chunks: Sequence[nn.Module]) -> bool:
+    """Whether the chunks were wrapped in DistributedDataParallel(use_distributed_optimizer=True)."""
+    flags = [bool(getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False))
+             for chunk in model_chunks]
+    if any(flags) and not all(flags):
+        raise ValueError("some model chunks use the distributed optimizer's buffers and some do not")
+    return bool(flags) and all(flags)
+
+
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: nn.Module | Sequence[nn.Module],
                            no_weight_decay_cond: ParamCond | None = None,
                            scale_lr_cond: ParamCond | None = None,
-                           lr_mult: float = 1.0) -> MegatronOptimizer:
-    """Build the optimizer for a model given as a list of chunks (a bare module is accepted)."""
+                           lr_mult: float = 1.0,
+                           use_distributed_optimizer: bool | None = None) -> MegatronOptimizer:
+    """Build the optimizer for a model given as a list of chunks (a bare module is accepted).
+
+    use_distributed_optimizer: None follows the chunks (DistributedDataParallel built with
+    use_distributed_optimizer=True gets a DistributedOptimizer); True/False must agree with them,
+    since the sharded buffers and the plain optimizers cannot be mixed.
+    """
     if isinstance(model_chunks, nn.Module):
         model_chunks = [model_chunks]
+    sharded = _chunks_use_distributed_optimizer(model_chunks)
+    if use_distributed_optimizer is not None and use_distributed_optimizer != sharded:
+        raise ValueError(f"use_distributed_optimizer={use_distributed_optimizer}, but the model chunks were "
+                         f"{'' if sharded else 'not '}wrapped in DistributedDataParallel with "
+                         "use_distributed_optimizer=True")
     lr = config.lr if config.lr is not None else 0.0
     param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
                                     lr=lr, weight_decay=config.weight_decay)
     optimizer = _build_torch_optimizer(config, param_groups)
     model_parallel_group = parallel_state.get_model_parallel_group()
+    if sharded:
+        return DistributedOptimizer(optimizer, config, _build_grad_scaler(config), model_chunks,
+                                    model_parallel_group)
     if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(optimizer, config, _build_grad_scaler(config),
                                                  model_parallel_group)
