@@ -36,10 +36,11 @@ def _model(bf16: bool = False):
     return Float16Module(config, model) if bf16 else model
 
 
-def _microbatches(step: int):
+def _microbatches(step: int, count: int = GLOBAL):
+    """The global batch of a step: `count` (tokens, labels) micro-batches."""
     generator = torch.Generator().manual_seed(100 + step)
     return [(torch.randint(0, VOCAB, (MBS, SEQ), generator=generator),
-             torch.randint(0, VOCAB, (MBS, SEQ), generator=generator)) for _ in range(GLOBAL)]
+             torch.randint(0, VOCAB, (MBS, SEQ), generator=generator)) for _ in range(count)]
 
 
 def _forward_step(data_iterator, model):

@@ -30,6 +30,8 @@ from megatron.core.optimizer import (
 from megatron.core.pipeline_parallel import schedules
 from megatron.model import Float16Module, GPTModel, TransformerConfig
 from tests.parallel.harness import init_parallel
+from tests.parallel.test_data_parallel import _forward_step  # noqa: F401 (used by the tasks below)
+from tests.parallel.test_data_parallel import _microbatches as data_parallel_batches
 
 VOCAB, SEQ, MBS, HIDDEN, SEED, GLOBAL = 256, 8, 2, 32, 1234, 4
 WORLD = 4
@@ -85,21 +87,7 @@ def _optimizer(ddp, precision: str = "fp32", clip_grad: float = 0.1, **kwargs):
 
 
 def _microbatches(step: int):
-    generator = torch.Generator().manual_seed(100 + step)
-    return [(torch.randint(0, VOCAB, (MBS, SEQ), generator=generator),
-             torch.randint(0, VOCAB, (MBS, SEQ), generator=generator)) for _ in range(GLOBAL)]
-
-
-def _forward_step(data_iterator, model):
-    tokens, labels = next(data_iterator)
-    positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
-    output = model(tokens, positions, None, labels=labels)
-
-    def loss_func(losses):
-        loss = losses.float().mean()
-        return loss, {"lm loss": loss.detach()}
-
-    return output, loss_func
+    return data_parallel_batches(step, GLOBAL)
 
 
 def _backward(ddp, optimizer, step: int):
