@@ -60,7 +60,8 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
     device.set_device()
     launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     if launched and not dist.is_initialized():
-        print_rank_0("> initializing torch distributed ...")
+        if args.rank == 0:  # the process group does not exist yet: print_rank_0 cannot tell the ranks apart
+            print("> initializing torch distributed ...", flush=True)
         dist.init_process_group(backend=device.get_backend(), world_size=args.world_size, rank=args.rank,
                                 timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
         # Tear the groups down before the interpreter does: a gloo group still alive at exit

@@ -162,9 +162,10 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,  # always on with --bf16, as in Megatron
         overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        # Megatron's default with overlap: buckets of max(40M, 1M x DP) elements; one bucket otherwise.
-        bucket_size=(args.ddp_bucket_size if args.ddp_bucket_size is not None
-                     else max(40_000_000, 1_000_000 * args.data_parallel_size) if args.overlap_grad_reduce else None),
+        # Megatron's default with overlap: buckets of max(40M, 1M x DP) elements.
+        # Without overlap one bucket per buffer (Megatron ignores --ddp-bucket-size then).
+        bucket_size=(None if not args.overlap_grad_reduce else args.ddp_bucket_size if args.ddp_bucket_size is not None
+                     else max(40_000_000, 1_000_000 * args.data_parallel_size)),
         # NaN checks stay in the loop (_check_for_nan names the iteration); an fp16 overflow's inf
         # gradients are expected there and skip the step.
         average_in_collective=args.ddp_average_in_collective)
@@ -325,7 +326,7 @@ def _reduce_losses(losses: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
         totals = torch.stack(totals)
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         if group is not None and torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(totals, group=group)  # the group's ranks are all last-stage ranks
+            communication.all_reduce(totals, group=group)  # the group's ranks are all last-stage ranks
         reduced = {key: (total[0] / total[1].clamp(min=1)).item() for key, total in zip(keys, totals)}
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         shared = [reduced]
@@ -529,7 +530,7 @@ class _Loop:
                     squares += p.detach().double().pow(2).sum()
         group = parallel_state.get_model_parallel_group()
         if group is not None and torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(squares, group=group)
+            communication.all_reduce(squares, group=group)
         return math.sqrt(squares.item())
 
     # -------------------------------------------------------------- evaluation

@@ -19,16 +19,22 @@ def is_last_rank() -> bool:
     return get_rank_safe() == get_world_size_safe() - 1
 
 
+def _print_line(message: str) -> None:
+    # One write per line: unbuffered stdout would write the text and the newline separately,
+    # and another rank's line could land between them.
+    print(message + "\n", end="", flush=True)
+
+
 def print_rank_0(message: str) -> None:
     """Print on global rank 0 only."""
     if get_rank_safe() == 0:
-        print(message, flush=True)
+        _print_line(message)
 
 
 def print_rank_last(message: str) -> None:
     """Print on the last global rank (the one that holds the loss under pipeline parallelism)."""
     if is_last_rank():
-        print(message, flush=True)
+        _print_line(message)
 
 
 def print_datetime(string: str) -> None:
