@@ -4,8 +4,14 @@
 #   examples/pretrain_gpt.sh [DATA_PREFIX] [VOCAB_FILE] [MERGE_FILE] [CHECKPOINT_DIR]
 #
 # With no arguments it uses what `make run` builds under data/default. Run it again and it
-# resumes from the last checkpoint. Set TENSORBOARD_DIR to log TensorBoard scalars, NPROC to
-# train on several processes once data parallelism lands, and pass more flags via EXTRA_ARGS.
+# resumes from the last checkpoint. Set TENSORBOARD_DIR to log TensorBoard scalars and pass more
+# flags via EXTRA_ARGS. Parallel layouts: NPROC processes split as TP x PP x DP, e.g.
+#
+#   NPROC=8 TP=2 PP=2 DISTRIBUTED_OPTIMIZER=1 examples/pretrain_gpt.sh     # DP = 8 / (2 x 2) = 2
+#   NPROC=2 PP=2 VPP=2 examples/pretrain_gpt.sh                            # interleaved 1F1B
+#
+# (TP adds --sequence-parallel; a checkpoint loads back only at the TP/PP it was saved with, at
+# any DP size.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -15,6 +21,13 @@ VOCAB_FILE=${2:-data/default/tokenizer/vocab.json}
 MERGE_FILE=${3:-data/default/tokenizer/merges.txt}
 CHECKPOINT_PATH=${4:-data/default/checkpoints/gpt-tiny}
 NPROC=${NPROC:-1}
+TP=${TP:-1}
+PP=${PP:-1}
+
+PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
+if [ -n "${VPP:-}" ]; then PARALLEL_ARGS+=(--num-virtual-stages-per-pipeline-rank "$VPP"); fi
+if [ -n "${DISTRIBUTED_OPTIMIZER:-}" ]; then PARALLEL_ARGS+=(--use-distributed-optimizer --overlap-grad-reduce); fi
 
 DISTRIBUTED_ARGS=(--nproc-per-node "$NPROC" --nnodes 1 --master-addr localhost --master-port "${MASTER_PORT:-29517}")
 
@@ -60,4 +73,4 @@ if [ -n "${TENSORBOARD_DIR:-}" ]; then
 fi
 
 "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_gpt.py \
-    "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" ${EXTRA_ARGS:-}
+    "${GPT_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" ${EXTRA_ARGS:-}
