@@ -1,0 +1,146 @@
+"""CPU time of each fused op: reference vs compiled fast path vs the plain autograd code it replaces.
+
+For every op of megatron.fused_kernels, at small-model shapes (b=8, np=8, s=256, h=256,
+ffn=1024, V=8192), times forward + backward (median of --repeats runs, after warm-up runs that
+also pay torch.compile) of
+    torch       the unfused PyTorch the model runs today (autograd through torch ops)
+    reference   the op's plain-PyTorch reference (impl="reference")
+    compiled    torch.compile of the reference's math (impl="compiled")
+and prints the speed-up of compiled over reference, which decides each op's CPU fast path.
+It prints figures and asserts nothing.
+
+    python bench/fused_ops.py [--repeats 20] [--ops layer_norm,...] [--threads N] [--clock wall|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron import fused_kernels as fk  # noqa: E402
+
+B, HEADS, S, H, FFN, VOCAB = 8, 8, 256, 256, 1024, 8192
+
+
+def _leaf(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).requires_grad_()
+
+
+def _softmax_case():
+    scores = _leaf(B, HEADS, S, S)  # [b, np, sq, sk]
+    causal = torch.ones(S, S, dtype=torch.bool).triu_(1)
+
+    def torch_path():
+        return torch.softmax(scores.masked_fill(causal, -10000.0) * 1.0, dim=-1)
+
+    return f"[b={B}, np={HEADS}, s={S}, s] causal", scores, torch_path, \
+        lambda impl: fk.scale_mask_softmax(scores, None, 1.0, causal=True, impl=impl)
+
+
+def _layer_norm_case():
+    x, weight, bias = _leaf(S, B, H), _leaf(H), _leaf(H)
+    return f"[s={S}, b={B}, h={H}]", x, lambda: F.layer_norm(x, (H,), weight, bias, 1e-5), \
+        lambda impl: fk.layer_norm(x, weight, bias, 1e-5, impl=impl)
+
+
+def _rms_norm_case():
+    x, weight = _leaf(S, B, H), _leaf(H)
+    return f"[s={S}, b={B}, h={H}]", x, lambda: F.rms_norm(x, (H,), weight, 1e-5), \
+        lambda impl: fk.rms_norm(x, weight, 1e-5, impl=impl)
+
+
+def _bias_gelu_case():
+    x, bias = _leaf(S, B, FFN), _leaf(FFN)
+    return f"[s={S}, b={B}, ffn={FFN}]", x, lambda: F.gelu(x + bias, approximate="tanh"), \
+        lambda impl: fk.bias_gelu(x, bias, impl=impl)
+
+
+def _bias_dropout_add_case():
+    x, bias, residual = _leaf(S, B, H), _leaf(H), _leaf(S, B, H)
+    return f"[s={S}, b={B}, h={H}] p=0.1", x, lambda: residual + F.dropout(x + bias, 0.1, True), \
+        lambda impl: fk.bias_dropout_add(x, bias, residual, 0.1, True, impl=impl)
+
+
+def _cross_entropy_case():
+    logits, labels = _leaf(S * B, VOCAB), torch.randint(0, VOCAB, (S * B,))
+    return f"[n={S * B}, V={VOCAB}]", logits, lambda: F.cross_entropy(logits, labels, reduction="none"), \
+        lambda impl: fk.cross_entropy(logits, labels, impl=impl)
+
+
+CASES: dict[str, Callable] = {
+    "scale_mask_softmax": _softmax_case,
+    "layer_norm": _layer_norm_case,
+    "rms_norm": _rms_norm_case,
+    "bias_gelu": _bias_gelu_case,
+    "bias_dropout_add": _bias_dropout_add_case,
+    "cross_entropy": _cross_entropy_case,
+}
+
+
+def median_ms(steps: dict[str, Callable[[], torch.Tensor]], leaf: torch.Tensor, repeats: int,
+              clock: Callable[[], float] = time.perf_counter, warmup: int = 3,
+              sample_s: float = 0.02) -> dict[str, float]:
+    """Median time (ms, by `clock`) of one forward + backward (of the output's sum) of each step.
+
+    Each sample times enough back-to-back calls to last about sample_s (short ops are
+    otherwise all timer and scheduler noise), and the steps take turns within each repeat,
+    so a busy machine slows them alike and the ratios hold.
+    """
+    def sample(step: Callable[[], torch.Tensor], calls: int) -> float:
+        start = clock()
+        for _ in range(calls):
+            leaf.grad = None
+            step().sum().backward()
+        return (clock() - start) / calls
+
+    calls = {}
+    for name, step in steps.items():
+        for _ in range(warmup):  # the first calls also compile
+            sample(step, 1)
+        calls[name] = max(1, round(sample_s / sample(step, 1)))
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            times[name].append(sample(step, calls[name]))
+    return {name: 1e3 * statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--ops", default=",".join(CASES), help="comma-separated op names")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this thread's CPU time, which other processes on a shared machine do not "
+                             "inflate (needs --threads 1: with more, work runs on other threads)")
+    args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu needs --threads 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, triton {fk.triton_version()}, "
+          f"{args.clock} clock, median of {args.repeats} samples of forward+backward (ms per call)")
+    print(f"{'op':<20s} {'shape':<30s} {'torch':>9s} {'reference':>10s} {'compiled':>9s} "
+          f"{'ref/compiled':>13s}  CPU fast path")
+    for name in args.ops.split(","):
+        shape, leaf, torch_path, fused = CASES[name]()
+        ms = median_ms({"torch": torch_path, "reference": lambda: fused("reference"),
+                        "compiled": lambda: fused("compiled")}, leaf, args.repeats, clock)
+        t_torch, t_ref, t_comp = ms["torch"], ms["reference"], ms["compiled"]
+        print(f"{name:<20s} {shape:<30s} {t_torch:9.2f} {t_ref:10.2f} {t_comp:9.2f} {t_ref / t_comp:12.2f}x  "
+              f"{fk.OPS[name].cpu_fast_path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
