@@ -112,9 +112,21 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="<start> <increment> <ramp-samples>: grow the global batch size.")
     group.add_argument("--recompute-activations", action="store_true",
                        help="Selective activation recompute (--recompute-granularity selective).")
-    group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"])
-    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"])
-    group.add_argument("--recompute-num-layers", type=int, default=None)
+    group.add_argument("--recompute-granularity", type=str, default=None, choices=["full", "selective"],
+                       help="Recompute activations in backward: full = whole transformer layers "
+                       "(with --recompute-method), selective = the core attention only.")
+    group.add_argument("--distribute-saved-activations", action="store_true",
+                       help="With full recompute and tensor parallelism, keep 1/TP of each saved layer "
+                       "input per rank (all-gathered before recomputing).")
+    group.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"],
+                       help="Full recompute: uniform = every group of --recompute-num-layers layers keeps "
+                       "only its input; block = only the first --recompute-num-layers layers of each "
+                       "pipeline stage are recomputed, one by one.")
+    group.add_argument("--recompute-num-layers", type=int, default=None,
+                       help="uniform: layers per recomputed group; block: layers recomputed per pipeline stage.")
+    group.add_argument("--use-flash-attn", action="store_true",
+                       help="Fused attention: flash-attn on CUDA when installed, else torch's "
+                       "scaled_dot_product_attention.")
     group.add_argument("--checkpoint-activations", action="store_true",
                        help="No longer valid: use --recompute-activations.")
     group.add_argument("--train-iters", type=int, default=None, help="Total iterations to train.")
@@ -395,6 +407,11 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         masked_softmax_fusion=args.masked_softmax_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
         deterministic_mode=args.deterministic_mode,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        distribute_saved_activations=args.distribute_saved_activations,
+        use_flash_attn=args.use_flash_attn,
     )
 
 

@@ -13,6 +13,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 6 | _validate_precision | params_dtype, attention_softmax_in_fp32, bf16 fp32 grad accumulation |
 | 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints |
 | 7b | _validate_pipeline_parallel | virtual_pipeline_model_parallel_size |
+| 7c | _validate_recompute | (granularity, method, layers per stage, distributed saved inputs) |
 | 8 | _validate_train_length | (iteration- or sample-based consistency) |
 | 9 | _validate_lr | start/end_weight_decay for the constant style |
 | 10 | _validate_checkpointing | |
@@ -62,10 +63,6 @@ NOT_YET_SUPPORTED = (
     ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "expert parallelism"),
     ("num_experts", "--num-experts", None, "mixture of experts"),
     ("overlap_param_gather", "--overlap-param-gather", False, "overlapped parameter all-gather"),
-    ("recompute_granularity", "--recompute-granularity (or --recompute-activations)", None,
-     "activation recompute"),
-    ("recompute_method", "--recompute-method", None, "activation recompute"),
-    ("recompute_num_layers", "--recompute-num-layers", None, "activation recompute"),
     ("position_embedding_type", "--position-embedding-type", "learned_absolute",
      "position embeddings other than learned_absolute"),
     ("normalization", "--normalization", "LayerNorm", "RMSNorm"),
@@ -344,6 +341,41 @@ def _validate_pipeline_parallel(args: Namespace) -> None:
                             f"{args.data_parallel_size})) to be a multiple of --pipeline-model-parallel-size ({pp})")
 
 
+def _validate_recompute(args: Namespace) -> None:
+    """Activation recompute (Megatron's rules): full needs a method and a layer count that fits
+    each pipeline stage (model chunk); selective takes neither; distributed saved inputs need
+    full recompute over TP > 1 without sequence parallelism."""
+    granularity, method, size = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    if granularity == "selective" and method is not None:
+        raise ArgsError("--recompute-method: recompute method is not yet supported for selective recomputing "
+                        "granularity (--recompute-granularity selective, or --recompute-activations)")
+    if granularity != "full":
+        for dest in ("recompute_method", "recompute_num_layers"):
+            if getattr(args, dest) is not None:
+                raise ArgsError(f"{flag(dest)} needs --recompute-granularity full")
+    else:
+        if method is None:
+            raise ArgsError('--recompute-granularity full needs --recompute-method "uniform" or "block"')
+        chunks = args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1)
+        per_stage = args.num_layers // chunks
+        if size is None or not 1 <= size <= per_stage:
+            raise ArgsError(f"--recompute-granularity full needs --recompute-num-layers between 1 and the "
+                            f"{per_stage} layers of each pipeline stage (model chunk), got {size}")
+        if method == "uniform" and per_stage % size:
+            raise ArgsError(f"--recompute-num-layers ({size}) must divide the {per_stage} layers of each pipeline "
+                            "stage (model chunk) with --recompute-method uniform")
+    if args.distribute_saved_activations:
+        if args.tensor_model_parallel_size == 1:
+            raise ArgsError("--distribute-saved-activations: can distribute recomputed activations only across "
+                            "tensor model parallel groups (needs --tensor-model-parallel-size > 1)")
+        if granularity != "full":
+            raise ArgsError("--distribute-saved-activations: distributed recompute activations is only applicable "
+                            "to full recompute granularity (--recompute-granularity full)")
+        if args.sequence_parallel:
+            raise ArgsError("--distribute-saved-activations cannot be combined with --sequence-parallel: the saved "
+                            "layer inputs are already split over the tensor-parallel ranks")
+
+
 def _validate_train_length(args: Namespace) -> None:
     """Exactly one of --train-iters / --train-samples, and no mixing of iteration and sample flags."""
     if args.train_iters is not None and args.train_samples is not None:
@@ -500,6 +532,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_precision(args)
     _validate_batch(args)
     _validate_pipeline_parallel(args)
+    _validate_recompute(args)
     _validate_train_length(args)
     _validate_lr(args)
     _validate_checkpointing(args)

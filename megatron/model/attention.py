@@ -4,21 +4,34 @@ Notation: s sequence, b batch, h hidden, np attention heads, hn head dim (kv_cha
 tensor-parallel size. Each tensor-parallel rank holds np/t whole heads: its rows of linear_qkv
 (column parallel) and its columns of linear_proj (row parallel, whose output is summed over the
 ranks). Under sequence parallelism the layer's input and output are [s/t, b, h].
+
+Two core attentions compute softmax(q k^T / sqrt(hn) + mask) v:
+    DotProductAttention       unfused, Megatron's (the default; the reference)
+    FlashDotProductAttention  --use-flash-attn: flash-attn's kernel on CUDA when the package is
+                              importable, else torch's scaled_dot_product_attention
+With recompute_granularity "selective" the core attention is rerun in backward
+(tensor_parallel.checkpoint): its s^2 activations (scores, probabilities, dropout mask) are not kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
-from torch import nn
+import torch.nn.functional as F
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide
-from megatron.model.layers import tensor_parallel_dropout_context
+from megatron.model.layers import Dropout, tensor_parallel_dropout_context
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.utils import attention_mask_func
+
+try:  # optional: never required, used on CUDA when importable
+    from flash_attn import flash_attn_func
+except (ImportError, OSError):  # not installed, or built for another CUDA / torch
+    flash_attn_func = None
 
 
 class DotProductAttention(MegatronModule):
@@ -37,7 +50,7 @@ class DotProductAttention(MegatronModule):
         if config.apply_query_key_layer_scaling:
             self.softmax_scale = float(self.layer_number)
             self.norm_factor *= self.softmax_scale
-        self.attention_dropout = nn.Dropout(config.attention_dropout)
+        self.attention_dropout = Dropout(config.attention_dropout)
 
     def scale_mask_softmax(self, scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Softmax over the last dim of scores [b, np, sq, sk]; mask True = masked out."""
@@ -57,7 +70,9 @@ class DotProductAttention(MegatronModule):
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
+        is_causal: bool = False,
     ) -> torch.Tensor:
+        """q, k, v [s, b, np/t, hn] -> context [s, b, np/t * hn]; is_causal is a hint this class ignores."""
         sq, b, np_, hn = query.shape  # [sq, b, np/t, hn]
         q = query.permute(1, 2, 0, 3)  # [sq, b, np, hn] -> [b, np, sq, hn]
         k = key.permute(1, 2, 3, 0)  # [sk, b, np, hn] -> [b, np, hn, sk]
@@ -70,6 +85,69 @@ class DotProductAttention(MegatronModule):
         context = torch.matmul(probs, v)  # [b, np, sq, hn]
         context = context.permute(2, 0, 1, 3)  # [b, np, sq, hn] -> [sq, b, np, hn]
         return context.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
+
+
+class FlashDotProductAttention(MegatronModule):
+    """DotProductAttention's function through a fused kernel (--use-flash-attn). Has no parameters.
+
+    flash-attn's flash_attn_func when the package imports, the tensors are fp16/bf16 on CUDA and
+    the mask is the causal one (is_causal) or none; otherwise torch.nn.functional.
+    scaled_dot_product_attention, which takes any mask. Equal to DotProductAttention within
+    rounding with attention dropout 0, including rows whose keys are all masked: Megatron's
+    -10000 fill makes those average the values, and so does this class (SDPA alone gives 0).
+
+    Attention dropout > 0 is accepted and applied by the kernel, drawing from the device's
+    generator in the tensor-parallel rank's own stream, as DotProductAttention does; a seed
+    reproduces it and recompute restores it. The mask is the kernel's own: on CUDA (flash-attn,
+    SDPA's flash / efficient kernels) not the unfused path's, so the same seed gives the same
+    distribution but other numbers; on CPU torch's math backend happens to draw the same mask
+    (docs/memory.md).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+        super().__init__(config)
+        self.layer_number = max(1, layer_number)
+        # Query-key layer scaling divides and multiplies back by the same coefficient: no effect here.
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+        self.attention_dropout_p = config.attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        is_causal: bool = False,
+    ) -> torch.Tensor:
+        """q, k, v [s, b, np/t, hn] -> [s, b, np/t * hn]; is_causal: attention_mask is the causal mask."""
+        sq, b, np_, hn = query.shape  # [sq, b, np/t, hn]
+        dropout_p = self.attention_dropout_p if self.training else 0.0
+        rng = tensor_parallel_dropout_context(partitioned=True) if dropout_p > 0 else contextlib.nullcontext()
+        with rng:  # this rank's heads only
+            if _flash_attn_applies(query, attention_mask, is_causal):
+                q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [s, b, np, hn] -> [b, s, np, hn]
+                context = flash_attn_func(q, k, v, dropout_p, softmax_scale=self.softmax_scale, causal=is_causal)
+                context = context.transpose(0, 1)  # [b, sq, np, hn] -> [sq, b, np, hn]
+            else:
+                context = self._sdpa(query, key, value, attention_mask, is_causal, dropout_p)  # [sq, b, np, hn]
+        return context.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
+
+    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+              is_causal: bool, dropout_p: float) -> torch.Tensor:
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, np, hn] -> [b, np, s, hn]
+        keep = None if is_causal or attention_mask is None else ~attention_mask  # SDPA: True = takes part
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal,
+                                                 scale=self.softmax_scale)  # [b, np, sq, hn]
+        if keep is not None:
+            fully_masked = attention_mask.all(dim=-1, keepdim=True)  # [b or 1, 1, sq, 1]
+            context = torch.where(fully_masked, v.mean(dim=-2, keepdim=True), context)  # [b, np, sq, hn]
+        return context.permute(2, 0, 1, 3)  # [b, np, sq, hn] -> [sq, b, np, hn]
+
+
+def _flash_attn_applies(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool) -> bool:
+    """flash_attn_func can compute this call: installed, CUDA, half precision, causal or unmasked."""
+    return (flash_attn_func is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and (is_causal or attention_mask is None))
 
 
 class SelfAttention(MegatronModule):
@@ -90,17 +168,25 @@ class SelfAttention(MegatronModule):
         bias = config.add_bias_linear
         self.linear_qkv = ColumnParallelLinear(config.hidden_size, 3 * projection_size, config=config,
                                                init_method=config.init_method, bias=bias, gather_output=False)
-        self.core_attention = DotProductAttention(config, layer_number)
+        core_attention_class = FlashDotProductAttention if config.use_flash_attn else DotProductAttention
+        self.core_attention = core_attention_class(config, layer_number)
+        self.checkpoint_core_attention = config.recompute_granularity == "selective"
         self.linear_proj = RowParallelLinear(projection_size, config.hidden_size, config=config,
                                              init_method=config.output_layer_init_method, bias=bias,
                                              input_is_parallel=True)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                is_causal: bool = False) -> torch.Tensor:
         np_, hn = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
         mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, np/t * 3 * hn] (s whole, also under SP)
         s, b, _ = mixed_qkv.shape
         mixed_qkv = mixed_qkv.view(s, b, np_, 3 * hn)  # [s, b, np/t, 3 * hn]
         query, key, value = torch.split(mixed_qkv, hn, dim=-1)  # 3 x [s, b, np/t, hn]
-        context = self.core_attention(query, key, value, attention_mask)  # [s, b, np/t * hn]
+        if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
+            # Selective recompute: keep q, k, v (views of mixed_qkv), rerun the attention in backward.
+            context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask,
+                                                 is_causal)  # [s, b, np/t * hn]
+        else:
+            context = self.core_attention(query, key, value, attention_mask, is_causal)  # [s, b, np/t * hn]
         output, _ = self.linear_proj(context)  # [s, b, h], or [s/t, b, h] under SP
         return output

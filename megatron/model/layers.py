@@ -1,4 +1,4 @@
-"""LayerNorm, and the dropout rule of the tensor-parallel model.
+"""LayerNorm, Dropout, and the dropout rule of the tensor-parallel model.
 
 The linear layers are megatron.core.tensor_parallel's ColumnParallelLinear / RowParallelLinear.
 """
@@ -36,6 +36,41 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight.to(x.dtype), self.bias.to(x.dtype)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps).to(self.weight.dtype)
+
+
+class _DropoutKeepingBoolMask(torch.autograd.Function):
+    """F.dropout as it runs on CPU -- noise = empty_like(x).bernoulli_(1 - p) / (1 - p), out = x * noise,
+    the same draws and the same bits -- but saving a 1-byte mask for backward, not the noise."""
+
+    @staticmethod
+    def forward(ctx, x, p):
+        noise = torch.empty_like(x).bernoulli_(1.0 - p)
+        mask = noise.bool()
+        ctx.p = p
+        ctx.save_for_backward(mask)
+        return x * noise.div_(1.0 - p)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (mask,) = ctx.saved_tensors
+        return grad_output * mask.to(grad_output.dtype).div_(1.0 - ctx.p), None  # the forward's noise, rebuilt
+
+
+class Dropout(nn.Dropout):
+    """nn.Dropout whose backward keeps a bool mask (1 byte per element) on CPU too.
+
+    On CUDA torch's fused dropout already saves a bool mask; on CPU F.dropout saves its noise
+    in the input's dtype (2 bytes in bf16, 4 in fp32). Same masks and outputs as nn.Dropout
+    (it draws exactly as F.dropout does), only the memory held for backward differs; that is
+    the 1-byte mask the activation-memory formulas assume (docs/memory.md).
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        p = self.p
+        if (not self.training or p in (0.0, 1.0) or self.inplace or input.device.type != "cpu"
+                or not (torch.is_grad_enabled() and input.requires_grad)):
+            return F.dropout(input, p, self.training, self.inplace)
+        return _DropoutKeepingBoolMask.apply(input, p)
 
 
 def tensor_parallel_dropout_context(partitioned: bool) -> contextlib.AbstractContextManager:

@@ -10,6 +10,11 @@ Derived in __post_init__ (as Megatron does):
     attention_softmax_in_fp32 forced True when apply_query_key_layer_scaling
     init_method               None -> normal(0, init_method_std)
     output_layer_init_method  None -> normal(0, init_method_std / sqrt(2 * num_layers))
+
+Activation recompute (docs/memory.md): recompute_granularity "selective" reruns the core
+attention in backward; "full" with recompute_method "uniform" (groups of recompute_num_layers
+layers) or "block" (the first recompute_num_layers layers of each stage) reruns whole layers.
+use_flash_attn: the core attention runs in flash-attn (CUDA) or torch's scaled_dot_product_attention.
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ class TransformerConfig:
     masked_softmax_fusion: bool = True
     bias_dropout_fusion: bool = True
     deterministic_mode: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    distribute_saved_activations: bool = False
+    use_flash_attn: bool = False
     init_method: InitMethod | None = None
     output_layer_init_method: InitMethod | None = None
 
@@ -103,7 +113,31 @@ class TransformerConfig:
             # The scores are divided by layer_number before the softmax and multiplied back
             # inside it; that only helps if the softmax itself runs in fp32 (Megatron's rule).
             self.attention_softmax_in_fp32 = True
+        self._check_recompute()
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+
+    def _check_recompute(self) -> None:
+        """Megatron-Core's rules for the recompute fields (the per-stage layer count is checked by
+        TransformerBlock, which knows its stage)."""
+        granularity, method = self.recompute_granularity, self.recompute_method
+        if granularity not in (None, "full", "selective"):
+            raise ValueError(f'recompute_granularity must be "full" or "selective", got {granularity!r}')
+        if method not in (None, "uniform", "block"):
+            raise ValueError(f'recompute_method must be "uniform" or "block", got {method!r}')
+        if granularity == "full" and method is None:
+            raise ValueError('Using recompute_granularity: full so recompute_method must be "block" or "uniform"')
+        if granularity == "full" and self.recompute_num_layers is None:
+            raise ValueError("When using recompute_granularity: full recompute_num_layers must be between 1 "
+                             "and the number of layers per pipeline stage")
+        _require_positive("recompute_num_layers", self.recompute_num_layers)
+        if granularity != "full" and (method is not None or self.recompute_num_layers is not None):
+            raise ValueError("recompute_method and recompute_num_layers need recompute_granularity full "
+                             f"(got recompute_granularity {granularity!r})")
+        if self.distribute_saved_activations and granularity != "full":
+            raise ValueError("distribute_saved_activations needs recompute_granularity full")
+        if self.distribute_saved_activations and self.sequence_parallel:
+            raise ValueError("distribute_saved_activations must be false when sequence parallel is enabled: "
+                             "the saved layer input is already split over the tensor-parallel ranks")

@@ -9,6 +9,12 @@ BERT-era Megatron); fp32_residual_connection keeps x in fp32 while the layers ru
 Under sequence parallelism (config.sequence_parallel) everything outside the attention and MLP
 linears -- layer norms, dropout, residual adds -- runs on this rank's s/t tokens: the block's
 input and output are [s/t, b, h], and the column-parallel linears gather the sequence.
+
+Full recompute (config.recompute_granularity "full", Megatron's): while training, the block keeps
+only the inputs of checkpointed units and reruns them in backward (tensor_parallel.checkpoint):
+    uniform  this stage's (chunk's) layers in consecutive groups of recompute_num_layers, each one unit
+    block    each of the first recompute_num_layers layers of the stage (chunk) its own unit; the
+             rest run normally
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ import torch
 from torch import nn
 
 from megatron.model.attention import SelfAttention
-from megatron.core import parallel_state
-from megatron.model.layers import LayerNorm, tensor_parallel_dropout_context
+from megatron.core import parallel_state, tensor_parallel
+from megatron.model.layers import Dropout, LayerNorm, tensor_parallel_dropout_context
 from megatron.model.mlp import MLP
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
@@ -39,13 +45,15 @@ class TransformerLayer(MegatronModule):
         self.pre_mlp_layernorm = LayerNorm(config.hidden_size, config)
         self.mlp = MLP(config)
         # Applied to each branch's output before the residual add (Megatron's bias-dropout-add).
-        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        self.hidden_dropout = Dropout(config.hidden_dropout)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                is_causal: bool = False) -> torch.Tensor:
+        """is_causal: attention_mask is the causal mask (a hint for the fused attention)."""
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
 
         layernorm_output = self.input_layernorm(hidden_states)  # [s, b, h]
-        attention_output = self.self_attention(layernorm_output, attention_mask)  # [s, b, h]
+        attention_output = self.self_attention(layernorm_output, attention_mask, is_causal)  # [s, b, h]
         residual = layernorm_output if post_ln_residual else hidden_states
         with tensor_parallel_dropout_context(partitioned=self.config.sequence_parallel):
             hidden_states = residual + self.hidden_dropout(attention_output)  # [s, b, h]
@@ -103,6 +111,7 @@ class TransformerBlock(MegatronModule):
                 layers.append(TransformerLayer(config, offset + i + 1))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = LayerNorm(config.hidden_size, config) if post_process else None
+        _check_recompute_num_layers(config, len(self.layers))
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """Pipeline hook: the activations [s, b, h] received from the previous stage."""
@@ -113,15 +122,57 @@ class TransformerBlock(MegatronModule):
             hidden_states = self.input_tensor
         if hidden_states is None:
             raise ValueError("TransformerBlock got no input: pass hidden_states or call set_input_tensor()")
-        if attention_mask is None:
+        is_causal = attention_mask is None
+        if is_causal:
             seq_length = hidden_states.shape[0]  # s, or s/t under sequence parallelism
             if self.config.sequence_parallel:
                 seq_length *= parallel_state.get_tensor_model_parallel_world_size()
             attention_mask = get_causal_attention_mask(seq_length, hidden_states.device)  # [1, 1, s, s]
         elif attention_mask.dtype != torch.bool:
             raise TypeError(f"attention_mask must be a bool tensor (True = masked out), got {attention_mask.dtype}")
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask)  # [s, b, h]
+        if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
+            hidden_states = self._checkpointed_forward(hidden_states, attention_mask, is_causal)  # [s, b, h]
+        else:
+            hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, is_causal)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
+
+    def _run_layers(self, start: int, end: int):
+        """A function running layers [start, end) (a unit for tensor_parallel.checkpoint)."""
+
+        def run(hidden_states: torch.Tensor, attention_mask: torch.Tensor, is_causal: bool) -> torch.Tensor:
+            for layer in self.layers[start:end]:
+                hidden_states = layer(hidden_states, attention_mask, is_causal)  # [s, b, h]
+            return hidden_states
+
+        return run
+
+    def _checkpointed_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor,
+                              is_causal: bool) -> torch.Tensor:
+        config = self.config
+        count, size = len(self.layers), config.recompute_num_layers
+        if config.recompute_method == "uniform":
+            units = [(start, start + size, True) for start in range(0, count, size)]
+        else:  # "block": the first `size` layers one by one, the rest without recompute
+            units = [(i, i + 1, i < size) for i in range(count)]
+        for start, end, recompute in units:
+            run = self._run_layers(start, end)
+            if recompute:
+                hidden_states = tensor_parallel.checkpoint(run, config.distribute_saved_activations,
+                                                           hidden_states, attention_mask, is_causal)
+            else:
+                hidden_states = run(hidden_states, attention_mask, is_causal)
+        return hidden_states  # [s, b, h]
+
+
+def _check_recompute_num_layers(config: TransformerConfig, num_layers: int) -> None:
+    """recompute_num_layers against this stage's (chunk's) layers: uniform groups must tile them,
+    block cannot recompute more layers than there are."""
+    if config.recompute_granularity != "full":
+        return
+    size, method = config.recompute_num_layers, config.recompute_method
+    if size > num_layers or (method == "uniform" and num_layers % size):
+        rule = "divide" if method == "uniform" else "be at most"
+        raise ValueError(f"recompute_num_layers ({size}) must {rule} the {num_layers} layers of each pipeline "
+                         f"stage (model chunk) with recompute_method {method}")

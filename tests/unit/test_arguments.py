@@ -141,9 +141,33 @@ BAD = [
      "the interleaved schedule needs the number of micro-batches (3 = batch 6 / (--micro-batch-size 2 x "
      "data-parallel size 1)) to be a multiple of --pipeline-model-parallel-size (2)"),
     ("ddp-bucket-size", "--ddp-bucket-size 0", [], {}, "--ddp-bucket-size must be > 0, got 0"),
-    ("recompute-activations", "--recompute-activations", [], {},
-     "--recompute-granularity (or --recompute-activations) selective: activation recompute is not supported"),
-    ("recompute-method", "--recompute-method uniform", [], {}, "--recompute-method uniform: activation recompute"),
+    ("recompute-full-no-method", "--recompute-granularity full --recompute-num-layers 1", [], {},
+     '--recompute-granularity full needs --recompute-method "uniform" or "block"'),
+    ("recompute-full-no-layers", "--recompute-granularity full --recompute-method uniform", [], {},
+     "--recompute-granularity full needs --recompute-num-layers between 1 and the 2 layers of each pipeline stage"),
+    ("recompute-too-many-layers", "--recompute-granularity full --recompute-method block --recompute-num-layers 3",
+     [], {}, "needs --recompute-num-layers between 1 and the 2 layers of each pipeline stage (model chunk), got 3"),
+    ("recompute-layers-per-stage", "--pipeline-model-parallel-size 2 --num-layers 4 --recompute-granularity full "
+     "--recompute-method uniform --recompute-num-layers 3", ["--num-layers"], {"WORLD_SIZE": "2"},
+     "between 1 and the 2 layers of each pipeline stage (model chunk), got 3"),
+    ("recompute-uniform-divides", "--num-layers 3 --recompute-granularity full --recompute-method uniform "
+     "--recompute-num-layers 2", ["--num-layers"], {},
+     "--recompute-num-layers (2) must divide the 3 layers of each pipeline stage (model chunk) with "
+     "--recompute-method uniform"),
+    ("recompute-selective-method", "--recompute-activations --recompute-method uniform", [], {},
+     "--recompute-method: recompute method is not yet supported for selective recomputing granularity"),
+    ("recompute-method-alone", "--recompute-method block", [], {},
+     "--recompute-method needs --recompute-granularity full"),
+    ("recompute-layers-selective", "--recompute-granularity selective --recompute-num-layers 1", [], {},
+     "--recompute-num-layers needs --recompute-granularity full"),
+    ("distribute-tp1", "--distribute-saved-activations --recompute-granularity full --recompute-method uniform "
+     "--recompute-num-layers 1", [], {}, "--distribute-saved-activations: can distribute recomputed activations "
+     "only across tensor model parallel groups"),
+    ("distribute-selective", "--distribute-saved-activations --recompute-activations --tensor-model-parallel-size 2",
+     [], {"WORLD_SIZE": "2"}, "distributed recompute activations is only applicable to full recompute granularity"),
+    ("distribute-sp", "--distribute-saved-activations --recompute-granularity full --recompute-method block "
+     "--recompute-num-layers 1 --tensor-model-parallel-size 2 --sequence-parallel", [], {"WORLD_SIZE": "2"},
+     "--distribute-saved-activations cannot be combined with --sequence-parallel"),
     ("rope", "--position-embedding-type rope", [], {}, "--position-embedding-type rope: position embeddings"),
     ("rotary-alias", "--use-rotary-position-embeddings", [], {}, "--position-embedding-type rope"),
     ("ckpt-format", "--ckpt-format torch_dist", [], {}, "--ckpt-format torch_dist: checkpoint formats other"),
@@ -185,6 +209,23 @@ def test_sequence_parallel_needs_tensor_parallelism(monkeypatch, capsys):
 
     config = core_transformer_config_from_args(args)
     assert config.tensor_model_parallel_size == 2 and config.sequence_parallel is True
+
+
+def test_recompute_and_flash_attention_flags_reach_the_config(monkeypatch):
+    from megatron.arguments import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(run("--recompute-activations", "--use-flash-attn"))
+    assert (config.recompute_granularity, config.recompute_method, config.use_flash_attn) == ("selective", None, True)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = run("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --num-layers 8 "
+               "--num-layers-per-virtual-pipeline-stage 2 --global-batch-size 4 --recompute-granularity full "
+               "--recompute-method uniform --recompute-num-layers 2 --distribute-saved-activations",
+               drop=["--num-layers"])
+    config = core_transformer_config_from_args(args)  # 2 layers per model chunk: groups of 2 tile it
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "uniform", 2)
+    assert config.distribute_saved_activations and not config.use_flash_attn
+    args = run("--tensor-model-parallel-size 2 --sequence-parallel --recompute-activations")  # selective + SP is fine
+    assert args.recompute_granularity == "selective" and args.sequence_parallel
 
 
 def test_nccl_without_cuda_is_refused(monkeypatch):

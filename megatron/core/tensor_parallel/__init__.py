@@ -1,4 +1,5 @@
-"""Tensor (and sequence) parallelism: split layers, region mappings, vocab-parallel loss, RNG streams."""
+"""Tensor (and sequence) parallelism: split layers, region mappings, vocab-parallel loss, RNG streams,
+activation recompute (checkpoint)."""
 
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.data import broadcast_data
@@ -23,6 +24,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.random import (
     CudaRNGStatesTracker,
     RNGStatesTracker,
+    checkpoint,
     get_cuda_rng_tracker,
     get_rng_tracker,
     model_parallel_cuda_manual_seed,
@@ -41,6 +43,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "VocabUtility",
     "broadcast_data",
+    "checkpoint",
     "copy_tensor_model_parallel_attributes",
     "copy_to_tensor_model_parallel_region",
     "divide",
