@@ -21,6 +21,7 @@ from megatron.core.pipeline_parallel import schedules, tracer
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.transformer_layer import get_layer_offset
 from tests.parallel.harness import init_parallel
+from tests.parallel.test_tensor_parallel_gpt import _gather
 
 VOCAB, SEQ, MBS, HIDDEN, LAYERS, SEED = 300, 8, 2, 32, 8, 1234
 
@@ -90,15 +91,6 @@ def _run(chunks, num_microbatches: int, per_token: bool, func=None, finalize=fin
                   model=chunks, num_microbatches=num_microbatches, seq_length=SEQ, micro_batch_size=MBS,
                   calculate_per_token_loss=per_token, finalize_model_grads_func=finalize)
     return [{k: v.tolist() for k, v in entry.items()} for entry in losses]
-
-
-def _gather(param, tensor):
-    if not getattr(param, "tensor_model_parallel", False):
-        return tensor
-    world = parallel_state.get_tensor_model_parallel_world_size()
-    shards = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(shards, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(shards, dim=param.partition_dim)
 
 
 def _serial_name(name: str, offset: int, untied: bool) -> str:

@@ -320,14 +320,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self._loaded_step = float(max((g.get("step", 0) for g in saved), default=0))
             for shard in self.shards():  # Megatron's init_state_fn: state exists before the tensors load
                 self._init_state(shard.main)["step"] = torch.tensor(self._loaded_step, dtype=torch.float32)
-        if "grad_scaler" not in state_dict:
-            if self.config.fp16:
-                print("***WARNING*** found an old checkpoint, will not load grad scaler ...", flush=True)
-        elif self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        else:
-            print("***WARNING*** found the grad scaler in the checkpoint but it is None in the "
-                  "class. Skipping loading grad scaler ...", flush=True)
+        self._load_grad_scaler(state_dict)
 
     def _init_state(self, main: torch.Tensor) -> dict[str, Any]:
         """main's inner-optimizer state, created as a fresh optimizer would (zeros) when missing."""

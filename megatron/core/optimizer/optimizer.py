@@ -195,6 +195,17 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
             communication.all_reduce(found_inf, group=group, op=dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
 
+    def _load_grad_scaler(self, state_dict: dict[str, Any]) -> None:
+        """Restore the loss scaler from a checkpoint's optimizer state (Megatron's warnings when absent)."""
+        if "grad_scaler" not in state_dict:
+            if self.config.fp16:
+                print("***WARNING*** found an old checkpoint, will not load grad scaler ...", flush=True)
+        elif self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        else:
+            print("***WARNING*** found the grad scaler in the checkpoint but it is None in the "
+                  "class. Skipping loading grad scaler ...", flush=True)
+
     def prepare_grads(self) -> bool:
         """Copy grads to the main grads and unscale them; True when the step must be skipped."""
         self._copy_model_grads_to_main_grads()
@@ -307,14 +318,7 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
         # Older Megatron checkpoints used 'optimizer_state_dict' and 'fp32_from_fp16'.
         optimizer_key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
         self.optimizer.load_state_dict(state_dict[optimizer_key])
-        if "grad_scaler" not in state_dict:
-            if self.config.fp16:
-                print("***WARNING*** found an old checkpoint, will not load grad scaler ...", flush=True)
-        elif self.grad_scaler is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        else:
-            print("***WARNING*** found the grad scaler in the checkpoint but it is None in the "
-                  "class. Skipping loading grad scaler ...", flush=True)
+        self._load_grad_scaler(state_dict)
         main_key = "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
         saved_groups = state_dict[main_key]
         if [len(g) for g in saved_groups] != [len(g) for g in self.fp32_from_float16_groups]:
