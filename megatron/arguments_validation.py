@@ -13,6 +13,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 6 | _validate_precision | params_dtype, attention_softmax_in_fp32, bf16 fp32 grad accumulation |
 | 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints |
 | 7b | _validate_pipeline_parallel | virtual_pipeline_model_parallel_size |
+| 7c | _validate_data_parallel | |
 | 7c | _validate_recompute | (granularity, method, layers per stage, distributed saved inputs) |
 | 8 | _validate_train_length | (iteration- or sample-based consistency) |
 | 9 | _validate_lr | start/end_weight_decay for the constant style |
@@ -62,7 +63,6 @@ NOT_YET_SUPPORTED = (
     ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
     ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "expert parallelism"),
     ("num_experts", "--num-experts", None, "mixture of experts"),
-    ("overlap_param_gather", "--overlap-param-gather", False, "overlapped parameter all-gather"),
     ("position_embedding_type", "--position-embedding-type", "learned_absolute",
      "position embeddings other than learned_absolute"),
     ("normalization", "--normalization", "LayerNorm", "RMSNorm"),
@@ -306,6 +306,16 @@ def _validate_batch(args: Namespace) -> None:
                         f"({args.data_parallel_size}), so that every ramp-up batch splits into micro-batches")
 
 
+def _validate_data_parallel(args: Namespace) -> None:
+    """--overlap-param-gather overlaps the distributed optimizer's all-gather (Megatron's requirements)."""
+    if args.overlap_param_gather:
+        if not args.use_distributed_optimizer:
+            raise ArgsError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
+                            "distributed optimizer's parameter all-gather with the next forward)")
+        if not args.overlap_grad_reduce:
+            raise ArgsError("--overlap-param-gather needs --overlap-grad-reduce")
+
+
 def _validate_pipeline_parallel(args: Namespace) -> None:
     """Layers split evenly over the stages (and virtual stages); the interleaved schedule's batches."""
     pp = args.pipeline_model_parallel_size
@@ -532,6 +542,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_precision(args)
     _validate_batch(args)
     _validate_pipeline_parallel(args)
+    _validate_data_parallel(args)
     _validate_recompute(args)
     _validate_train_length(args)
     _validate_lr(args)

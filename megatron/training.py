@@ -379,6 +379,7 @@ def check_weights_equal_across_data_parallel_replicas(model: List[torch.nn.Modul
         return
     digest = hashlib.sha256()
     for chunk in model:
+        chunk.finish_param_sync()  # --overlap-param-gather: the weights may still be arriving
         for name, param in chunk.named_parameters():
             digest.update(name.encode())
             digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
@@ -525,6 +526,7 @@ class _Loop:
 
         squares = torch.zeros((), dtype=torch.float64, device=device.get_device())
         for chunk in self.model:
+            chunk.finish_param_sync()  # --overlap-param-gather: the weights may still be arriving
             for p in chunk.parameters():
                 if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
                     squares += p.detach().double().pow(2).sum()

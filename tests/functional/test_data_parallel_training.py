@@ -11,7 +11,8 @@ launches cover it:
     dp4           1..5    --ddp-average-in-collective, saves at 5 (--exit-interval 5)
     dp2 resumed   6..10   loads dp4's checkpoint: another DP size continues the same sample order
     serial resumed 6..10  loads it too, in one process
-    dp4 dist-opt  1..5    --use-distributed-optimizer, saves at 5 (model file + distrib_optim.pt)
+    dp4 dist-opt  1..5    --use-distributed-optimizer --overlap-param-gather, saves at 5 (model file +
+                          distrib_optim.pt)
     dp2 dist-opt  6..10   loads it at DP=2: the optimizer shards are re-cut for 2 ranks
 
 Only data-parallel rank 0 writes, so the checkpoint holds one file, mp_rank_00, whatever DP is.
@@ -53,6 +54,7 @@ def runs(default_pipeline, tmp_path_factory):  # noqa: F811
         "dp2_resumed": _torchrun(2, [*flags, "--load", str(ckpt)]),
         "serial_resumed": run_cli(["pretrain_gpt.py", *flags, "--load", str(ckpt)]),
         "dp4_distopt": _torchrun(4, [*flags, "--use-distributed-optimizer", "--overlap-grad-reduce",
+                                     "--overlap-param-gather",
                                      "--exit-interval", "5", "--save", str(ckpt_distopt), "--save-interval", "1000"]),
         "dp2_distopt_resumed": _torchrun(2, [*flags, "--use-distributed-optimizer", "--load", str(ckpt_distopt)]),
     }

@@ -149,9 +149,8 @@ def test_parameter_state_round_trip_and_refusal(tmp_path):
 
 
 def test_distributed_optimizer_refuses_what_it_cannot_do():
-    ddp = _ddp(torch.float32, True, True, overlap_param_gather=True)
-    with pytest.raises(NotImplementedError, match="--overlap-param-gather is not supported yet"):
-        _optimizer(ddp, torch.float32)
+    with pytest.raises(ValueError, match="overlap_param_gather needs use_distributed_optimizer"):
+        _ddp(torch.float32, True, False, overlap_param_gather=True)
     with pytest.raises(ValueError, match="use_distributed_optimizer=True"):
         get_megatron_optimizer(OptimizerConfig(lr=0.01), [_ddp(torch.float32, True, False)],
                                use_distributed_optimizer=True)

@@ -65,6 +65,16 @@ class DistributedDataParallel(nn.Module):
             self.param_to_bucket.update(buffer.param_to_bucket)
         self.is_last_microbatch = True
         self._hooks = [param.register_post_accumulate_grad_hook(self._grad_hook) for param in self.param_to_bucket]
+        if ddp_config.overlap_param_gather:
+            if not ddp_config.use_distributed_optimizer:
+                raise ValueError("overlap_param_gather needs use_distributed_optimizer (--use-distributed-optimizer)")
+            # Each module waits, just before its forward, for the all-gathers of the buckets that
+            # hold its own parameters: the gather of later layers overlaps earlier layers' compute.
+            for module in self.module.modules():
+                buckets = {id(b): b for p in module.parameters(recurse=False) if p in self.param_to_bucket
+                           for b in [self.param_to_bucket[p]]}
+                if buckets:
+                    module.register_forward_pre_hook(self._make_param_sync_hook(list(buckets.values())))
 
     def _pipeline_shared_embedding(self) -> List[nn.Parameter]:
         """The tied embedding weight on the first / last pipeline stage (if any)."""
@@ -108,10 +118,24 @@ class DistributedDataParallel(nn.Module):
                 bucket.finish_grad_sync()
 
     def start_param_sync(self) -> None:
-        """Distributed optimizer: gather every rank's updated parameter slices."""
+        """Distributed optimizer: gather every rank's updated parameter slices (asynchronously with
+        overlap_param_gather: the next forward waits bucket by bucket)."""
         for buffer in self.buffers:
             for bucket in buffer.buckets:
                 bucket.start_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every in-flight parameter all-gather (before reading the weights outside forward)."""
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                bucket.finish_param_sync()
+
+    @staticmethod
+    def _make_param_sync_hook(buckets: List[Any]) -> Any:
+        def wait_for_params(module: nn.Module, args: Any) -> None:
+            for bucket in buckets:
+                bucket.finish_param_sync()
+        return wait_for_params
 
     def zero_grad_buffer(self) -> None:
         for param in self.param_to_bucket:
@@ -128,6 +152,7 @@ class DistributedDataParallel(nn.Module):
             communication.broadcast(param.data, src=src, group=self.data_parallel_group)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:

@@ -33,7 +33,7 @@ class DistributedDataParallelConfig:
 
     grad_reduce_in_fp32: bool = False        # --accumulate-allreduce-grads-in-fp32
     overlap_grad_reduce: bool = False        # --overlap-grad-reduce
-    overlap_param_gather: bool = False       # --overlap-param-gather
+    overlap_param_gather: bool = False       # --overlap-param-gather (distributed optimizer)
     use_distributed_optimizer: bool = False  # --use-distributed-optimizer
     bucket_size: Optional[int] = None        # --ddp-bucket-size, in elements; None: one bucket per buffer
     average_in_collective: bool = False      # --ddp-average-in-collective
@@ -57,6 +57,7 @@ class Bucket:
         self.world = dist.get_world_size(data_parallel_group) if data_parallel_group is not None else 1
         self.rank = dist.get_rank(data_parallel_group) if data_parallel_group is not None else 0
         self.gradient_scaling_factor = gradient_scaling_factor
+        self.param_gather: Any = None  # the in-flight parameter all-gather (overlap_param_gather)
         self.reset()
 
     def reset(self) -> None:
@@ -112,10 +113,23 @@ class Bucket:
             self.start_grad_sync()
 
     def start_param_sync(self) -> None:
-        """All-gather the updated parameter slices of every data-parallel rank (distributed optimizer)."""
+        """All-gather the updated parameter slices of every data-parallel rank (distributed optimizer).
+
+        With overlap_param_gather the all-gather is asynchronous; finish_param_sync waits for it
+        (the DDP wrapper's forward pre-hooks call it before a module first uses these params).
+        """
         if self.param_data is None or self.world == 1:
             return
-        communication.all_gather_into_tensor(self.param_data, self.shard(self.param_data), group=self.group)
+        self.param_gather = communication.all_gather_into_tensor(
+            self.param_data, self.shard(self.param_data), group=self.group, async_op=self.config.overlap_param_gather)
+        if not self.config.overlap_param_gather:
+            self.param_gather = None
+
+    def finish_param_sync(self) -> None:
+        """Wait for this bucket's parameter all-gather, if one is in flight."""
+        if self.param_gather is not None:
+            self.param_gather.wait()
+            self.param_gather = None
 
 
 class ParamAndGradBuffer:

@@ -26,7 +26,8 @@ step():
      the norm equals the non-distributed one; clip;
   4. inner step; updated fp32 shards copied (cast) into the param buffer's owned range;
   5. DistributedDataParallel.start_param_sync() on every chunk: every bucket's param slices are
-     all-gathered, so every rank holds every updated param.
+     all-gathered, so every rank holds every updated param (with overlap_param_gather the
+     gathers run in the background and the next forward waits for each bucket before use).
 
 zero_grad() drops the main shards' grads only; the grad buffers themselves are zeroed by
 DistributedDataParallel.zero_grad_buffer(), which train_step calls before every global batch.
@@ -117,9 +118,6 @@ def _buffers_of(model_chunks: Sequence[nn.Module]) -> list["ParamAndGradBuffer"]
         if not ddp_config.use_distributed_optimizer:
             raise ValueError(f"model chunk {index} was wrapped with use_distributed_optimizer=False: its "
                              "gradients are all-reduced and its params are not in a param buffer")
-        if ddp_config.overlap_param_gather:
-            raise NotImplementedError("--overlap-param-gather is not supported yet: the distributed "
-                                      "optimizer all-gathers the updated params inside step()")
         groups.add(id(chunk.data_parallel_group))
         buffers.extend(chunk.buffers)
     if len(groups) > 1:
@@ -263,6 +261,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 shard.main.copy_(self.buffers[shard.buffer_index].param_data[shard.start:shard.end])
 
     def step_with_ready_grads(self) -> bool:
+        for chunk in self.model_chunks:
+            # A gather still in flight (a bucket whose params no forward used) must land before
+            # the step writes this rank's slice of the param buffer.
+            chunk.finish_param_sync()
         self.optimizer.step()
         self._copy_main_params_to_model_params()
         for chunk in self.model_chunks:
@@ -271,6 +273,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def reload_model_params(self) -> None:
         """The fp32 main shards follow the model's (just loaded) weights."""
+        for chunk in self.model_chunks:
+            chunk.finish_param_sync()
         self._copy_model_params_to_main_params()
 
     # ------------------------------------------------------------------ non-param state
