@@ -139,9 +139,23 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--exit-signal-handler", action="store_true",
                        help="Save a checkpoint and exit on SIGTERM.")
     group.add_argument("--tensorboard-dir", type=str, default=None, help="Write tensorboard logs here.")
-    group.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion")
-    group.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion")
-    group.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion")
+    # Fused ops (docs/fused_kernels.md, "Using them in the model"): on unless switched off, as in Megatron.
+    group.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                       help="Attention softmax in plain PyTorch ops, not fused_kernels.scale_mask_softmax.")
+    group.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
+                       help="Bias add and GeLU unfused; the GeLU is then the erf one (or tanh with "
+                       "--openai-gelu). Fused, it is always the tanh approximation, as in Megatron.")
+    group.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
+                       help="Bias + dropout + residual add of each branch in plain PyTorch ops.")
+    group.add_argument("--no-persist-layer-norm", action="store_false", dest="persist_layer_norm",
+                       help="No effect: Megatron picks between two apex LayerNorm kernels; here "
+                       "fused_kernels.layer_norm always runs.")
+    group.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
+                       default=False, help="Accepted; gradient-accumulation fusion is not implemented (off "
+                       "whatever the flags say): weight gradients go through .grad and the DDP hook.")
+    group.add_argument("--fused-kernels-cpu-impl", type=str, default="reference", choices=["reference", "compiled"],
+                       help="Fused ops on CPU tensors: the plain PyTorch reference, or torch.compile'd "
+                       "(faster per step, 5-25 s of compile start-up per process). On CUDA: Triton.")
     group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"])
     group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic", "external"],
                        help="Single pass vs multiple pass data loader ('single' if not given).")
@@ -405,7 +419,9 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         use_cpu_initialization=bool(args.use_cpu_initialization),
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         masked_softmax_fusion=args.masked_softmax_fusion,
+        bias_gelu_fusion=args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
+        fused_kernels_cpu_impl=args.fused_kernels_cpu_impl,
         deterministic_mode=args.deterministic_mode,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,

@@ -6,7 +6,9 @@ tensor-parallel size. Each tensor-parallel rank holds np/t whole heads: its rows
 ranks). Under sequence parallelism the layer's input and output are [s/t, b, h].
 
 Two core attentions compute softmax(q k^T / sqrt(hn) + mask) v:
-    DotProductAttention       unfused, Megatron's (the default; the reference)
+    DotProductAttention       Megatron's: two matmuls around a scale-mask-softmax, which is
+                              fused_kernels.scale_mask_softmax with masked_softmax_fusion (the
+                              default), else plain PyTorch ops (the reference)
     FlashDotProductAttention  --use-flash-attn: flash-attn's kernel on CUDA when the package is
                               importable, else torch's scaled_dot_product_attention
 With recompute_granularity "selective" the core attention is rerun in backward
@@ -21,9 +23,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from megatron import fused_kernels
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide
-from megatron.model.layers import Dropout, tensor_parallel_dropout_context
+from megatron.model.layers import Dropout, fused_impl, tensor_parallel_dropout_context
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.utils import attention_mask_func
@@ -52,8 +55,19 @@ class DotProductAttention(MegatronModule):
             self.norm_factor *= self.softmax_scale
         self.attention_dropout = Dropout(config.attention_dropout)
 
-    def scale_mask_softmax(self, scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Softmax over the last dim of scores [b, np, sq, sk]; mask True = masked out."""
+    def scale_mask_softmax(self, scores: torch.Tensor, mask: torch.Tensor | None,
+                           is_causal: bool = False) -> torch.Tensor:
+        """Softmax over the last dim of scores [b, np, sq, sk]; mask True = masked out.
+
+        With masked_softmax_fusion: fused_kernels.scale_mask_softmax, in fp32 whatever
+        attention_softmax_in_fp32 says and with all-zero rows where every key is masked (as
+        Megatron's fused kernel); is_causal (mask is the plain causal mask) lets it skip reading
+        the mask. Otherwise Megatron's unfused path (fully masked rows: 1/sk).
+        """
+        if self.config.masked_softmax_fusion:
+            scale = self.softmax_scale or 1.0  # the 1/sqrt(hn) is already in the scores
+            return fused_kernels.scale_mask_softmax(scores, None if is_causal else mask, scale, causal=is_causal,
+                                                    impl=fused_impl(self.config, scores))
         input_dtype = scores.dtype
         if self.config.attention_softmax_in_fp32:
             scores = scores.float()
@@ -72,14 +86,14 @@ class DotProductAttention(MegatronModule):
         attention_mask: torch.Tensor | None,
         is_causal: bool = False,
     ) -> torch.Tensor:
-        """q, k, v [s, b, np/t, hn] -> context [s, b, np/t * hn]; is_causal is a hint this class ignores."""
+        """q, k, v [s, b, np/t, hn] -> context [s, b, np/t * hn]; is_causal: attention_mask is the causal mask."""
         sq, b, np_, hn = query.shape  # [sq, b, np/t, hn]
         q = query.permute(1, 2, 0, 3)  # [sq, b, np, hn] -> [b, np, sq, hn]
         k = key.permute(1, 2, 3, 0)  # [sk, b, np, hn] -> [b, np, hn, sk]
         v = value.permute(1, 2, 0, 3)  # [sk, b, np, hn] -> [b, np, sk, hn]
         scores = torch.matmul(q, k) * (1.0 / self.norm_factor)  # [b, np, sq, sk]
         # attention_mask [b or 1, 1, sq, sk] broadcasts over the heads.
-        probs = self.scale_mask_softmax(scores, attention_mask)  # [b, np, sq, sk]
+        probs = self.scale_mask_softmax(scores, attention_mask, is_causal)  # [b, np, sq, sk]
         with tensor_parallel_dropout_context(partitioned=True):  # this rank's heads only
             probs = self.attention_dropout(probs)
         context = torch.matmul(probs, v)  # [b, np, sq, hn]
@@ -151,7 +165,11 @@ def _flash_attn_applies(query: torch.Tensor, attention_mask: torch.Tensor | None
 
 
 class SelfAttention(MegatronModule):
-    """[s, b, h] -> [s, b, h]. State-dict keys: linear_qkv.{weight,bias}, linear_proj.{weight,bias}.
+    """[s, b, h] -> ([s, b, h], bias). State-dict keys: linear_qkv.{weight,bias}, linear_proj.{weight,bias}.
+
+    As Megatron's, forward returns linear_proj's (output, bias): with bias_dropout_fusion the
+    projection skips its bias add (bias is linear_proj.bias, or None without biases) and the
+    layer's fused bias-dropout-add adds it; otherwise the output includes it and bias is None.
 
     linear_qkv rows are in [np, 3, hn] order (for each head its q, k and v blocks), Megatron's
     checkpoint_version >= 2.0 layout: a tensor-parallel shard of whole heads is then one
@@ -173,10 +191,10 @@ class SelfAttention(MegatronModule):
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
         self.linear_proj = RowParallelLinear(projection_size, config.hidden_size, config=config,
                                              init_method=config.output_layer_init_method, bias=bias,
-                                             input_is_parallel=True)
+                                             input_is_parallel=True, skip_bias_add=config.bias_dropout_fusion)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                is_causal: bool = False) -> torch.Tensor:
+                is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         np_, hn = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
         mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, np/t * 3 * hn] (s whole, also under SP)
         s, b, _ = mixed_qkv.shape
@@ -188,5 +206,4 @@ class SelfAttention(MegatronModule):
                                                  is_causal)  # [s, b, np/t * hn]
         else:
             context = self.core_attention(query, key, value, attention_mask, is_causal)  # [s, b, np/t * hn]
-        output, _ = self.linear_proj(context)  # [s, b, h], or [s/t, b, h] under SP
-        return output
+        return self.linear_proj(context)  # ([s, b, h] or [s/t, b, h] under SP, bias [h] or None)

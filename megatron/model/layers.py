@@ -1,4 +1,5 @@
-"""LayerNorm, Dropout, and the dropout rule of the tensor-parallel model.
+"""LayerNorm, Dropout, the dropout rule of the tensor-parallel model, and which fused-op
+implementation the model asks for.
 
 The linear layers are megatron.core.tensor_parallel's ColumnParallelLinear / RowParallelLinear.
 """
@@ -11,17 +12,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron import fused_kernels
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.model.transformer_config import TransformerConfig
 
 
+def fused_impl(config: TransformerConfig, tensor: torch.Tensor) -> str | None:
+    """The impl= the model passes to a fused op on `tensor`: config.fused_kernels_cpu_impl on CPU
+    (so tests and tiny runs skip torch.compile's start-up unless asked for it), None elsewhere:
+    the package's own choice (Triton on CUDA), which force_implementation / MEGATRON_FUSED_IMPL
+    can still override."""
+    return config.fused_kernels_cpu_impl if tensor.device.type == "cpu" else None
+
+
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm that normalises in the input's dtype and returns the parameters' dtype.
+    """nn.LayerNorm through fused_kernels.layer_norm: statistics in fp32, output in the parameters' dtype.
 
     With fp32_residual_connection the residual stream is fp32 while the weights are fp16/bf16:
-    the statistics are then taken in fp32 and the output handed to the half-precision layer
-    that follows (the mixed-dtype behaviour of apex's MixedFusedLayerNorm in Megatron).
+    the input is normalised in fp32 and the output handed to the half-precision layer that
+    follows (the mixed-dtype behaviour of apex's MixedFusedLayerNorm in Megatron). The CPU
+    reference is F.layer_norm's own kernel in fp32 (the same bits as F.layer_norm for fp32
+    inputs); Megatron's --no-persist-layer-norm picks between two apex kernels and changes
+    nothing here.
 
     Under sequence parallelism each tensor-parallel rank normalises its own s/t tokens, so the
     weight and bias gradients are partial sums: they carry `sequence_parallel = True` and are
@@ -32,10 +45,11 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(hidden_size, eps=config.layernorm_epsilon, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
         self.bias.sequence_parallel = config.sequence_parallel
+        self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight.to(x.dtype), self.bias.to(x.dtype)
-        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps).to(self.weight.dtype)
+        y = fused_kernels.layer_norm(x, self.weight, self.bias, self.eps, impl=fused_impl(self.config, x))
+        return y.to(self.weight.dtype)  # [..., h], x's dtype -> the parameters'
 
 
 class _DropoutKeepingBoolMask(torch.autograd.Function):

@@ -15,6 +15,13 @@ Activation recompute (docs/memory.md): recompute_granularity "selective" reruns 
 attention in backward; "full" with recompute_method "uniform" (groups of recompute_num_layers
 layers) or "block" (the first recompute_num_layers layers of each stage) reruns whole layers.
 use_flash_attn: the core attention runs in flash-attn (CUDA) or torch's scaled_dot_product_attention.
+
+Fused ops (megatron.fused_kernels; docs/fused_kernels.md, "Using them in the model"), on by
+default as in Megatron's flags: masked_softmax_fusion (the attention softmax), bias_gelu_fusion
+(bias + tanh-approximation GeLU), bias_dropout_fusion (bias + dropout + residual). LayerNorm
+always runs fused_kernels.layer_norm. fused_kernels_cpu_impl: the implementation used for CPU
+tensors, "reference" (no compile start-up) or "compiled" (torch.compile); on CUDA the package's
+automatic choice (Triton) applies.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import torch
 from megatron.model.utils import init_method_normal, scaled_init_method_normal
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
+# Implementations of the fused ops the model may force on CPU (megatron.fused_kernels.dispatch).
+FUSED_KERNELS_CPU_IMPLS = ("reference", "compiled")
 
 
 def _require_positive(name: str, value: int | None) -> None:
@@ -43,10 +52,9 @@ def _require_probability(name: str, value: float) -> None:
 class TransformerConfig:
     """Configuration of a GPT-style transformer (Megatron-Core field names and defaults).
 
-    Accepted for compatibility, with the plain PyTorch path always used: masked_softmax_fusion,
-    bias_dropout_fusion, deterministic_mode, use_cpu_initialization (parameters are always
-    created and initialised on the CPU, so an initialisation is the same on every device; the
-    trainer moves the model to the device).
+    Accepted for compatibility, with no effect: deterministic_mode, use_cpu_initialization
+    (parameters are always created and initialised on the CPU, so an initialisation is the same
+    on every device; the trainer moves the model to the device).
     """
 
     num_layers: int
@@ -77,7 +85,9 @@ class TransformerConfig:
     use_cpu_initialization: bool = False
     fp16_lm_cross_entropy: bool = False
     masked_softmax_fusion: bool = True
+    bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True
+    fused_kernels_cpu_impl: str = "reference"
     deterministic_mode: bool = False
     recompute_granularity: str | None = None
     recompute_method: str | None = None
@@ -107,6 +117,9 @@ class TransformerConfig:
             raise ValueError(f"init_method_std must be >= 0, got {self.init_method_std!r}")
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon!r}")
+        if self.fused_kernels_cpu_impl not in FUSED_KERNELS_CPU_IMPLS:
+            raise ValueError(f"fused_kernels_cpu_impl must be one of {FUSED_KERNELS_CPU_IMPLS}, "
+                             f"got {self.fused_kernels_cpu_impl!r}")
         if not self.params_dtype.is_floating_point:
             raise ValueError(f"params_dtype must be a floating-point dtype, got {self.params_dtype}")
         if self.apply_query_key_layer_scaling:

@@ -3,6 +3,10 @@
 Read as nanoGPT's Block, with activations [s, b, h]:
     x = x + dropout(attn(ln_1(x)))
     x = x + dropout(mlp(ln_2(x)))
+The "x + dropout(out + bias)" of each branch is Megatron's bias-dropout-add: with
+bias_dropout_fusion (the default) one fused_kernels.bias_dropout_add, given the branch's output
+and the bias its last linear skipped; otherwise PyTorch ops. Both draw the dropout mask from the
+same stream (tensor_parallel_dropout_context), and on CPU the same mask: the same bits either way.
 apply_residual_connection_post_layernorm takes the residual from ln(x) instead of x (as in
 BERT-era Megatron); fp32_residual_connection keeps x in fp32 while the layers run in half.
 
@@ -22,9 +26,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megatron import fused_kernels
 from megatron.model.attention import SelfAttention
 from megatron.core import parallel_state, tensor_parallel
-from megatron.model.layers import Dropout, LayerNorm, tensor_parallel_dropout_context
+from megatron.model.layers import Dropout, LayerNorm, fused_impl, tensor_parallel_dropout_context
 from megatron.model.mlp import MLP
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
@@ -53,16 +58,22 @@ class TransformerLayer(MegatronModule):
         post_ln_residual = self.config.apply_residual_connection_post_layernorm
 
         layernorm_output = self.input_layernorm(hidden_states)  # [s, b, h]
-        attention_output = self.self_attention(layernorm_output, attention_mask, is_causal)  # [s, b, h]
+        attention_output, bias = self.self_attention(layernorm_output, attention_mask, is_causal)  # [s, b, h]
         residual = layernorm_output if post_ln_residual else hidden_states
-        with tensor_parallel_dropout_context(partitioned=self.config.sequence_parallel):
-            hidden_states = residual + self.hidden_dropout(attention_output)  # [s, b, h]
+        hidden_states = self.bias_dropout_add(attention_output, bias, residual)  # [s, b, h]
 
         layernorm_output = self.pre_mlp_layernorm(hidden_states)  # [s, b, h]
-        mlp_output = self.mlp(layernorm_output)  # [s, b, h]
+        mlp_output, bias = self.mlp(layernorm_output)  # [s, b, h]
         residual = layernorm_output if post_ln_residual else hidden_states
+        return self.bias_dropout_add(mlp_output, bias, residual)  # [s, b, h]
+
+    def bias_dropout_add(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        """residual + dropout(x + bias), [s, b, h] ([s/t, b, h] under SP: each rank's own mask)."""
         with tensor_parallel_dropout_context(partitioned=self.config.sequence_parallel):
-            return residual + self.hidden_dropout(mlp_output)  # [s, b, h]
+            if self.config.bias_dropout_fusion:
+                return fused_kernels.bias_dropout_add(x, bias, residual, self.config.hidden_dropout, self.training,
+                                                      impl=fused_impl(self.config, x))
+            return residual + self.hidden_dropout(x if bias is None else x + bias)
 
 
 def get_num_layers_to_build(config: TransformerConfig) -> int:

@@ -109,7 +109,10 @@ def _assert_stage_holds_serial_weights(stage_models, first_layer, serial_model):
         expected = serial_model[name]
         if name == "embedding.word_embeddings.weight":
             expected = expected[:VOCAB]
-        torch.testing.assert_close(tensor, expected, rtol=1e-4, atol=1e-6, msg=name)
+        # the attention key bias has a zero true gradient: after 5 Adam steps it is ~1e-6 of
+        # layout-dependent rounding noise, hence its looser absolute tolerance
+        atol = 1e-5 if name.endswith("linear_qkv.bias") else 1e-6
+        torch.testing.assert_close(tensor, expected, rtol=1e-4, atol=atol, msg=name)
 
 
 def _layer_indices(model):

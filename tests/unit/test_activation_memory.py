@@ -19,7 +19,7 @@ from megatron.model.layers import Dropout
 
 S, B, H, A = 128, 2, 512, 8
 SBH = S * B * H
-NORM_STATISTICS = 2 * 2 * S * B * 2  # 2 layer norms x (mean, 1/std) x [s, b] x 2 bytes (bf16 on CPU)
+NORM_STATISTICS = 2 * 2 * S * B * 4  # 2 layer norms x (mean, 1/std) x [s, b] x 4 bytes (fp32 statistics)
 
 
 def test_saved_bytes_count_each_storage_once_and_skip_excluded_tensors():

@@ -355,7 +355,8 @@ def test_dropout_active_in_train_mode_only(which):
 
 def test_dropout_sites():
     # Embeddings, attention probabilities and both residual branches (Megatron's placement).
-    model = make_model(hidden_dropout=0.1, attention_dropout=0.1)
+    # unfused bias-dropout-add: the residual dropouts run as modules the hook below can see
+    model = make_model(hidden_dropout=0.1, attention_dropout=0.1, bias_dropout_fusion=False)
     calls = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Dropout):

@@ -197,10 +197,17 @@ def test_pretrain_gpt_trains_to_the_same_losses_with_the_recompute_flags(capsys)
 
     argv = [*TINY, *MOCK, "--eval-iters", "0", "--train-iters", "3"]  # dropout 0.1 (the default)
     runs = {}
-    for name, flags in {"none": [], "selective": ["--recompute-activations"],
-                        "uniform": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
-                        "block": "--recompute-granularity full --recompute-method block --recompute-num-layers 1"}.items():
-        result = pretrain_gpt.main(argv + (flags.split() if isinstance(flags, str) else flags), record_history=True)
-        runs[name] = [record.losses["lm loss"] for record in result.history]
+    try:
+        for name, flags in {"none": [], "selective": ["--recompute-activations"],
+                            "uniform": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 2",
+                            "block": "--recompute-granularity full --recompute-method block --recompute-num-layers 1"
+                            }.items():
+            result = pretrain_gpt.main(argv + (flags.split() if isinstance(flags, str) else flags),
+                                       record_history=True)
+            runs[name] = [record.losses["lm loss"] for record in result.history]
+    finally:
+        from megatron.initialize import _destroy_distributed
+
+        _destroy_distributed()  # in-process runs leave the (1-rank) process group for the next tests otherwise
     capsys.readouterr()
     assert len(runs["none"]) == 3 and all(losses == runs["none"] for losses in runs.values()), runs

@@ -30,8 +30,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def _config(**overrides) -> TransformerConfig:
+    # the unfused softmax is the reference: its fully masked rows give 1/sk, as SDPA's path does
     kwargs = dict(num_layers=2, hidden_size=NP * HN, num_attention_heads=NP, hidden_dropout=0.0,
-                  attention_dropout=0.0)
+                  attention_dropout=0.0, masked_softmax_fusion=False)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
