@@ -151,8 +151,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="No effect: Megatron picks between two apex LayerNorm kernels; here "
                        "fused_kernels.layer_norm always runs.")
     group.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
-                       default=False, help="Accepted; gradient-accumulation fusion is not implemented (off "
-                       "whatever the flags say): weight gradients go through .grad and the DDP hook.")
+                       help="Linear layers return their weight gradients through .grad for the DDP hook to "
+                       "add into main_grad, instead of adding them into main_grad in backward.")
     group.add_argument("--fused-kernels-cpu-impl", type=str, default="reference", choices=["reference", "compiled"],
                        help="Fused ops on CPU tensors: the plain PyTorch reference, or torch.compile'd "
                        "(faster per step, 5-25 s of compile start-up per process). On CUDA: Triton.")
@@ -421,6 +421,7 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         masked_softmax_fusion=args.masked_softmax_fusion,
         bias_gelu_fusion=args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         fused_kernels_cpu_impl=args.fused_kernels_cpu_impl,
         deterministic_mode=args.deterministic_mode,
         recompute_granularity=args.recompute_granularity,

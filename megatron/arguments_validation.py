@@ -73,8 +73,6 @@ NOT_YET_SUPPORTED = (
     ("transformer_impl", "--transformer-impl", "local", "Transformer Engine layers"),
     ("fp8", "--fp8-format", None, "FP8 training"),
     ("ckpt_format", "--ckpt-format", "torch", "checkpoint formats other than 'torch'"),
-    # Only a program can set it (the flag just switches it off): do not let it pass as done.
-    ("gradient_accumulation_fusion", "--gradient-accumulation-fusion", False, "gradient-accumulation fusion"),
 )
 
 # The GPT model's required shape flags (Megatron's required_args).

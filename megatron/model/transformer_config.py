@@ -21,7 +21,9 @@ default as in Megatron's flags: masked_softmax_fusion (the attention softmax), b
 (bias + tanh-approximation GeLU), bias_dropout_fusion (bias + dropout + residual). LayerNorm
 always runs fused_kernels.layer_norm. fused_kernels_cpu_impl: the implementation used for CPU
 tensors, "reference" (no compile start-up) or "compiled" (torch.compile); on CUDA the package's
-automatic choice (Triton) applies.
+automatic choice (Triton) applies. gradient_accumulation_fusion (off here as in Megatron's
+ModelParallelConfig; the flags turn it on): the linear layers add their weight gradients straight
+into DistributedDataParallel's `main_grad` (megatron/core/tensor_parallel/layers.py).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class TransformerConfig:
     masked_softmax_fusion: bool = True
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True
+    gradient_accumulation_fusion: bool = False
     fused_kernels_cpu_impl: str = "reference"
     deterministic_mode: bool = False
     recompute_granularity: str | None = None

@@ -277,7 +277,7 @@ def test_defaults_match_megatron():
         "weight_decay_incr_style": "constant", "position_embedding_type": "learned_absolute",
         "add_bias_linear": True, "mmap_bin_files": True, "create_attention_mask_in_dataloader": True,
         "masked_softmax_fusion": True, "bias_gelu_fusion": True, "bias_dropout_fusion": True,
-        "no_load_optim": None, "no_save_optim": None, "no_load_rng": None, "no_save_rng": None,
+        "gradient_accumulation_fusion": True, "no_load_optim": None, "no_save_optim": None, "no_load_rng": None, "no_save_rng": None,
         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "sequence_parallel": False,
         "global_batch_size": None, "rampup_batch_size": None, "split": None, "dataloader_type": None,
         "timing_log_level": 0, "empty_unused_memory_level": 0, "check_for_nan_in_loss_and_grad": True,

@@ -206,11 +206,12 @@ def test_fusion_flags_parse_into_the_config(single_process):
     config = core_transformer_config_from_args(args)
     assert not any(getattr(config, name) for name in FUSIONS) and config.fused_kernels_cpu_impl == "compiled"
     assert args.persist_layer_norm is False and args.gradient_accumulation_fusion is False
+    assert config.gradient_accumulation_fusion is False
 
 
 def test_persist_layer_norm_and_gradient_accumulation_fusion_defaults(single_process):
     args = parse_args(argv=TINY_RUN)
     assert args.persist_layer_norm is True  # Megatron's default; no effect here
-    assert args.gradient_accumulation_fusion is False  # not implemented: off whatever the flags say
+    assert args.gradient_accumulation_fusion is True  # Megatron's default
     with pytest.raises(SystemExit):
         parse_args(argv=TINY_RUN + ["--fused-kernels-cpu-impl", "triton"])

@@ -9,7 +9,8 @@
 
 Every trainable parameter gets a `main_grad` view into a contiguous buffer (one per
 (param dtype, grad dtype); grads in fp32 with grad_reduce_in_fp32). A hook run after each
-backward adds the fresh `.grad` into `main_grad` and frees `.grad`. With overlap_grad_reduce the
+backward adds the fresh `.grad` into `main_grad` and frees `.grad` (with gradient-accumulation
+fusion a linear layer's backward has added its weight gradient already). With overlap_grad_reduce the
 hook also reports the parameter ready during the last micro-batch, and a bucket whose
 parameters are all ready starts its asynchronous all-reduce (reduce-scatter with the
 distributed optimizer) while backward continues through earlier layers.
@@ -88,7 +89,12 @@ class DistributedDataParallel(nn.Module):
     def _grad_hook(self, param: nn.Parameter) -> None:
         if param.grad is None:
             return
-        param.main_grad.add_(param.grad)  # in the buffer's dtype (fp32 += half, computed in fp32)
+        if getattr(param, "grad_added_to_main_grad", False):
+            # Gradient-accumulation fusion: the linear layer's backward already added the weight
+            # gradient into main_grad; .grad is its placeholder (see layers._fused_weight_grad).
+            param.grad_added_to_main_grad = False
+        else:
+            param.main_grad.add_(param.grad)  # in the buffer's dtype (fp32 += half, computed in fp32)
         param.grad = None
         if self.ddp_config.overlap_grad_reduce and self.is_last_microbatch:
             self.param_to_bucket[param].register_grad_ready(param)
@@ -140,6 +146,7 @@ class DistributedDataParallel(nn.Module):
     def zero_grad_buffer(self) -> None:
         for param in self.param_to_bucket:
             param.grad = None
+            param.grad_added_to_main_grad = False
         for buffer in self.buffers:
             buffer.reset()
 

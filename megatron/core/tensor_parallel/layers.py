@@ -16,6 +16,9 @@ generator ends in the same state on every rank whatever t is.
 Sequence parallelism (config.sequence_parallel): activations outside the TP regions are split
 along the sequence, [s/t, b, h]. A column layer then all-gathers its input (and re-gathers it in
 backward rather than keeping the gathered copy), and a row layer reduce-scatters its output.
+
+Gradient-accumulation fusion (config.gradient_accumulation_fusion): backward adds a layer's
+weight gradient straight into the weight's DDP `main_grad` instead of returning it.
 """
 
 from __future__ import annotations
@@ -100,36 +103,72 @@ def _new_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype))
 
 
-class _LinearWithSequenceParallelInput(torch.autograd.Function):
-    """y = all-gather(x) W^T + b for x [s/t, b, in], keeping only x (not the gathered input).
+class _LinearWithGradAccumulation(torch.autograd.Function):
+    """y = x W^T + b, with two options Megatron's LinearWithGradAccumulationAndAsyncCommunication has.
 
-    Backward re-gathers x for the weight gradient and reduce-scatters the input gradient back
-    to [s/t, b, in]: activation memory stays s*b*in/t at the price of a second all-gather.
+    sequence_parallel: x is [s/t, b, in] and is all-gathered to [s, b, in] here, keeping only x
+    (not the gathered input). Backward re-gathers x for the weight gradient and reduce-scatters
+    the input gradient back to [s/t, b, in]: activation memory stays s*b*in/t at the price of a
+    second all-gather.
+
+    gradient_accumulation_fusion: when the weight has a `main_grad` (DistributedDataParallel gave
+    it one), backward adds grad_output^T @ x straight into main_grad, in main_grad's dtype, and
+    sets weight.grad_added_to_main_grad instead of returning the weight gradient. The DDP hook
+    then sees the flag, skips its add and resets it. See _fused_weight_grad for the
+    placeholder gradient returned in its place.
     """
 
     @staticmethod
-    def forward(ctx, input_, weight, bias):
-        total_input = _gather_along_first_dim(input_)  # [s/t, b, in] -> [s, b, in]
+    def forward(ctx, input_, weight, bias, sequence_parallel, gradient_accumulation_fusion):
+        total_input = _gather_along_first_dim(input_) if sequence_parallel else input_  # [s, b, in]
         ctx.save_for_backward(input_, weight)
         ctx.has_bias = bias is not None
-        return F.linear(total_input, weight, bias)  # [s, b, out/t]
+        ctx.sequence_parallel = sequence_parallel
+        ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
+        return F.linear(total_input, weight, bias)  # [s, b, out]
 
     @staticmethod
-    def backward(ctx, grad_output):  # grad_output [s, b, out/t]
+    def backward(ctx, grad_output):  # grad_output [s, b, out]
         input_, weight = ctx.saved_tensors
         grad_input = grad_weight = grad_bias = None
+        total_input = input_
         # The re-gather is issued first, as Megatron does, so that an asynchronous version can
         # overlap it with the input-gradient matmul.
-        total_input = _gather_along_first_dim(input_) if ctx.needs_input_grad[1] else None  # [s, b, in]
+        if ctx.sequence_parallel and ctx.needs_input_grad[1]:
+            total_input = _gather_along_first_dim(input_)  # [s/t, b, in] -> [s, b, in]
         if ctx.needs_input_grad[0]:
-            grad_total_input = grad_output.matmul(weight)  # [s, b, in], partial over the TP ranks
-            grad_input = _reduce_scatter_along_first_dim(grad_total_input)  # [s/t, b, in]
-        if total_input is not None:
-            grad_2d = grad_output.reshape(-1, grad_output.size(-1))  # [s*b, out/t]
-            grad_weight = grad_2d.t().matmul(total_input.reshape(-1, total_input.size(-1)))  # [out/t, in]
+            grad_input = grad_output.matmul(weight)  # [s, b, in], partial over the TP ranks
+            if ctx.sequence_parallel:
+                grad_input = _reduce_scatter_along_first_dim(grad_input)  # [s/t, b, in]
+        if ctx.needs_input_grad[1]:
+            grad_2d = grad_output.reshape(-1, grad_output.size(-1))  # [s*b, out]
+            input_2d = total_input.reshape(-1, total_input.size(-1))  # [s*b, in]
+            if ctx.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
+                grad_weight = _fused_weight_grad(weight, grad_2d, input_2d)
+            else:
+                grad_weight = grad_2d.t().matmul(input_2d)  # [out, in]
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0)  # [out/t]
-        return grad_input, grad_weight, grad_bias
+            grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0)  # [out]
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def _fused_weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
+    """main_grad += grad_2d^T @ input_2d in main_grad's dtype; returns the placeholder gradient.
+
+    The placeholder is an uninitialised tensor shaped and strided like the weight (Megatron's
+    torch.empty). It must be a gradient, not None, so that the weight's AccumulateGrad node runs
+    and with it the DDP hook (which reports the parameter ready for an overlapped reduction). It
+    is the cheapest tensor that reaches the hook without a copy: AccumulateGrad stores it as
+    .grad as is, where a stride-0 expanded zero would be cloned into a full dense tensor (the
+    gradient layout contract) and another dtype cast. Nothing writes or reads it; the hook drops
+    it at once, so at most one such buffer is alive, briefly, per backward step.
+    """
+    main_grad = weight.main_grad
+    # [out, in] += [out, s*b] @ [s*b, in]: one GEMM with beta = 1 (bf16 inputs are cast first,
+    # so the products are summed in fp32 rather than rounded to bf16 before the add).
+    main_grad.addmm_(grad_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -163,6 +202,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel
+        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
         if self.sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel")
 
@@ -192,10 +232,17 @@ class ColumnParallelLinear(nn.Module):
                 f"({self.output_size_per_partition}, {self.input_size}) on this tensor-parallel rank"
             )
         bias = None if self.skip_bias_add else self.bias
+        # Fused only into the layer's own weight: a weight passed in (the tied embedding) may get
+        # a second gradient elsewhere, which autograd would sum with the placeholder.
+        fuse = self.gradient_accumulation_fusion and weight is self.weight
         if self.sequence_parallel:
-            output_parallel = _LinearWithSequenceParallelInput.apply(input_, weight, bias)  # [s, b, out/t]
+            input_parallel = input_  # [s/t, b, in], all-gathered inside the linear
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_)  # [s, b, in]
+        if self.sequence_parallel or fuse:
+            output_parallel = _LinearWithGradAccumulation.apply(
+                input_parallel, weight, bias, self.sequence_parallel, fuse)  # [s, b, out/t]
+        else:
             output_parallel = F.linear(input_parallel, weight, bias)  # [s, b, out/t]
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel)  # [s, b, out]
@@ -239,6 +286,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel
+        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
 
@@ -257,7 +305,11 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_  # [s, b, in/t]
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_)  # [s, b, in] -> [s, b, in/t]
-        output_parallel = F.linear(input_parallel, self.weight)  # [s, b, out], partial sum
+        if self.gradient_accumulation_fusion:
+            output_parallel = _LinearWithGradAccumulation.apply(
+                input_parallel, self.weight, None, False, True)  # [s, b, out], partial sum
+        else:
+            output_parallel = F.linear(input_parallel, self.weight)  # [s, b, out], partial sum
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)  # [s/t, b, out]
         else:
