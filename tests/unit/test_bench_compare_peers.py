@@ -1,0 +1,137 @@
+"""bench/compare_peers.py and bench/peak.py: the FLOPs formula, MFU, the ratio lines and how a
+framework that cannot run is reported. No timings are asserted."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import pytest
+
+from bench import compare_peers as cp
+from bench import peak
+from megatron.training_log import num_floating_point_operations
+
+RATIO_LINE = re.compile(r"^(fp32|bf16): ratio vs transformers (\d+\.\d\dx|missing \(.+\)) "
+                        r"\| ratio vs megatron-core (\d+\.\d\dx|missing \(.+\))$")
+
+
+def measured(framework: str, ms: float | None, missing: str | None = None) -> cp.Measured:
+    return cp.Measured(framework, "fp32", step_ms=[] if ms is None else [ms, ms * 0.9, ms * 1.1], missing=missing)
+
+
+def test_flops_formula_is_megatrons():
+    s = cp.SHAPE
+    assert cp.matmul_params() == 12 * 4 * 256 ** 2 + 8192 * 256 == 5_242_880
+    args = argparse.Namespace(seq_length=s.seq, num_layers=s.layers, hidden_size=s.hidden,
+                              num_attention_heads=s.heads, kv_channels=s.hidden // s.heads,
+                              ffn_hidden_size=4 * s.hidden, padded_vocab_size=s.vocab)
+    assert cp.flops_per_step() == pytest.approx(num_floating_point_operations(args, s.micro_batch), rel=1e-12)
+    # 72 B s L h^2 (1 + s/6h + V/12Lh), the paper's closed form.
+    closed = 72 * 8 * 256 * 4 * 256 ** 2 * (1 + 256 / (6 * 256) + 8192 / (12 * 4 * 256))
+    assert cp.flops_per_step() == pytest.approx(closed, rel=1e-12)
+
+
+def test_mfu_is_model_flops_over_the_measured_ceiling():
+    assert cp.mfu(step_seconds=0.5, flops=70e9, peak_gflops=200.0) == pytest.approx(0.7)
+    assert cp.mfu(1.0, 1e9, 1.0) == pytest.approx(1.0)
+
+
+def test_tokens_per_s_uses_the_median_step():
+    m = measured("ours", 1000.0)  # steps 900, 1000, 1100 ms
+    assert m.median_ms == 1000.0
+    assert m.tokens_per_s == pytest.approx(cp.SHAPE.tokens_per_step)
+
+
+def test_ratio_line_is_ours_tokens_per_s_over_the_peers():
+    results = {"ours": measured("ours", 500.0), "transformers": measured("transformers", 1000.0),
+               "megatron-core": measured("megatron-core", 400.0)}
+    line = cp.ratio_line("fp32", results)
+    assert line == "fp32: ratio vs transformers 2.00x | ratio vs megatron-core 0.80x"
+    assert RATIO_LINE.match(line)
+
+
+def test_a_missing_peer_is_named_with_its_reason_never_a_number():
+    results = {"ours": measured("ours", 500.0), "transformers": measured("transformers", 1000.0),
+               "megatron-core": measured("megatron-core", None, missing="ImportError: no module named x")}
+    line = cp.ratio_line("bf16", results)
+    assert line == "bf16: ratio vs transformers 2.00x | ratio vs megatron-core missing (ImportError: no module named x)"
+    assert RATIO_LINE.match(line)
+    results["ours"] = measured("ours", None, missing="RuntimeError: boom")
+    line = cp.ratio_line("bf16", results)
+    assert "ratio vs transformers missing (ours: RuntimeError: boom)" in line
+    assert RATIO_LINE.match(line)
+
+
+def test_missing_reason_is_one_short_line():
+    assert cp.missing_reason(ImportError("No module named 'megatron.core.models'\nmore")) == \
+        "ImportError: No module named 'megatron.core.models'"
+    long = cp.missing_reason(RuntimeError("x" * 500), limit=40)
+    assert len(long) == 40 and long.endswith("...")
+    assert cp.missing_reason(KeyError()) == "KeyError"
+
+
+def test_table_shows_mfu_and_missing_rows():
+    peaks = {"fp32": 100.0, "bf16": 200.0}
+    results = {("fp32", "ours"): measured("ours", 1000.0),
+               ("fp32", "megatron-core"): measured("megatron-core", None, missing="ImportError: gone")}
+    rows = cp.table_rows(results, peaks)
+    gflops = cp.flops_per_step() / 1e9  # per second at 1 s/step
+    assert f"{gflops:.1f}" in rows[1] and f"{gflops / 100 * 100:.1f}%" in rows[1]
+    assert rows[2].split()[:3] == ["fp32", "megatron-core", "missing"] and "(ImportError: gone)" in rows[2]
+
+
+def test_worker_output_parsing_and_crashes_become_missing():
+    out = "noise\n" + cp.RESULT_TAG + '{"step_ms": [1.0], "cpu_share": [0.99], "loss": 9.0, "notes": {}}\n'
+    assert cp.parse_worker_output(out, "", 0)["step_ms"] == [1.0]
+    crashed = cp.parse_worker_output("noise", "Traceback\nSegfault-ish: died", -11)
+    assert crashed == {"missing": "worker exited -11: Segfault-ish: died"}
+
+
+def test_steps_that_shared_their_cores_are_dropped():
+    assert cp.clean_steps([500.0, 900.0, 510.0], [0.99, 0.5, 0.95], min_share=0.9) == [500.0, 510.0]
+    assert cp.clean_steps([500.0, 900.0], None, min_share=0.9) == [500.0, 900.0]  # accelerator: no shares
+    assert peak.uncontended([(1.0, 0.99), (3.0, 0.4)], 0.9) == [1.0]
+    assert peak.uncontended([(1.0, 0.5), (3.0, 0.4)], 0.9) == []
+
+
+def test_megatron_core_absent_is_reported_without_starting_a_process(tmp_path):
+    args = cp.parse_args(["--mcore-path", str(tmp_path / "nowhere")])
+    out = cp.spawn("megatron-core", "fp32", args)
+    assert out["missing"].startswith("megatron-core not found at")
+
+
+def test_this_projects_megatron_is_never_taken_for_megatron_core(monkeypatch):
+    import megatron.core  # noqa: F401  (this project's, as in every test process)
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # _import_mcore edits sys.path
+    with pytest.raises(ImportError, match="megatron-core is not installed"):
+        cp._import_mcore()
+
+
+def test_peak_helpers():
+    assert peak.matmul_flops(3) == 54
+    assert peak.available_cores() >= 1
+    table = peak.format_peaks({"fp32": 90.0, "bf16": 300.0, "device": "cpu", "threads": 2,
+                               "by_size": {"fp32": {256: 50.0, 512: 90.0}, "bf16": {256: 300.0, 512: 250.0}}})
+    assert table.splitlines()[-1].split() == ["peak", "90.0", "300.0"]
+    marked = peak.format_peaks({"fp32": 90.0, "device": "cpu", "threads": 2, "by_size": {"fp32": {256: 9.0, 512: 90.0}},
+                                "contended": {"fp32": [256]}})
+    assert "9.0*" in marked and "shared the cores" in marked.splitlines()[-1]
+
+
+def test_peak_measures_something_positive_for_a_tiny_size():
+    peaks = peak.measure_peaks(sizes=[32], repeats=1, precisions=("fp32",), threads=1)
+    assert peaks["fp32"] > 0 and peaks["threads"] == 1 and set(peaks["by_size"]) == {"fp32"}
+
+
+def test_best_peaks_prefers_uncontended_measurements():
+    def measurement(value: float, contended: list[int]) -> dict:
+        return {"fp32": value, "by_size": {"fp32": {256: value, 512: value}}, "contended": {"fp32": contended},
+                "device": "cpu", "threads": 2}
+
+    best = cp.best_peaks([measurement(150.0, []), measurement(400.0, [256, 512])], ["fp32"])
+    assert best["fp32"] == 150.0 and best["clean"]["fp32"] and best["threads"] == 2
+    best = cp.best_peaks([measurement(150.0, [256, 512]), measurement(120.0, [256, 512])], ["fp32"])
+    assert best["fp32"] == 150.0 and not best["clean"]["fp32"]
