@@ -1,7 +1,8 @@
-"""bf16 gradients of several micro-batches are summed in fp32 (param.main_grad), as in Megatron."""
+"""bf16 gradients of several micro-batches are summed in fp32 (param.main_grad, a view into the
+DistributedDataParallel grad buffer with grad_reduce_in_fp32), as in Megatron."""
 import torch
 
-from megatron.core.distributed import enable_fp32_grad_accumulation, zero_main_grads
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.model import Float16Module, GPTModel, TransformerConfig
 
 
@@ -32,11 +33,12 @@ def test_main_grad_is_the_fp32_sum_of_the_micro_batch_grads():
         per_micro_batch.append({n: p.grad.float().clone() for n, p in reference.named_parameters()})
     expected = {n: sum(g[n] for g in per_micro_batch) for n in per_micro_batch[0]}
 
-    model = make_model()
-    assert enable_fp32_grad_accumulation(model) == len(expected)
+    inner = make_model()
+    model = DistributedDataParallel(inner.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), inner)
+    assert len(model.param_to_bucket) == len(expected)
     for tokens, labels in batches():
         backward(model, tokens, labels)
-    for name, param in model.named_parameters():
+    for name, param in inner.named_parameters():
         assert param.grad is None and param.main_grad.dtype == torch.float32
         torch.testing.assert_close(param.main_grad, expected[name], rtol=0, atol=0, msg=name)
 
@@ -45,5 +47,5 @@ def test_main_grad_is_the_fp32_sum_of_the_micro_batch_grads():
                 for n in expected}
     assert any(not torch.equal(bf16_sum[n].float(), expected[n]) for n in expected)
 
-    zero_main_grads(model)
+    model.zero_grad_buffer()
     assert all(torch.count_nonzero(p.main_grad) == 0 for p in model.parameters())

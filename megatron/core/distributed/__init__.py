@@ -7,8 +7,6 @@ after the last micro-batch.
 """
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.distributed.fp32_grad_accumulation import enable_fp32_grad_accumulation, zero_main_grads
 from megatron.core.distributed.param_and_grad_buffer import DistributedDataParallelConfig, ParamAndGradBuffer
 
-__all__ = ["DistributedDataParallel", "DistributedDataParallelConfig", "ParamAndGradBuffer",
-           "enable_fp32_grad_accumulation", "finalize_model_grads", "zero_main_grads"]
+__all__ = ["DistributedDataParallel", "DistributedDataParallelConfig", "ParamAndGradBuffer", "finalize_model_grads"]
