@@ -153,9 +153,10 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion",
                        help="Linear layers return their weight gradients through .grad for the DDP hook to "
                        "add into main_grad, instead of adding them into main_grad in backward.")
-    group.add_argument("--fused-kernels-cpu-impl", type=str, default="reference", choices=["reference", "compiled"],
-                       help="Fused ops on CPU tensors: the plain PyTorch reference, or torch.compile'd "
-                       "(faster per step, 5-25 s of compile start-up per process). On CUDA: Triton.")
+    group.add_argument("--fused-kernels-cpu-impl", type=str, default="native", choices=["native", "reference", "compiled"],
+                       help="Fused ops on CPU tensors: ATen's own kernels and the one-node attention core "
+                       "(native, the fast path), the formulas op by op (reference, the plain path), or "
+                       "torch.compile'd formulas (compiled: 5-25 s of compile start-up per process). On CUDA: Triton.")
     group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"])
     group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic", "external"],
                        help="Single pass vs multiple pass data loader ('single' if not given).")
@@ -288,6 +289,13 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
                        help="Local rank, from the LOCAL_RANK environment variable that torchrun sets.")
     group.add_argument("--use-cpu-initialization", action="store_true", default=None,
                        help="Initialize the weights on the CPU.")
+    # CPU runs (megatron/core/cpu_runtime.py): threads per process and the allocator.
+    group.add_argument("--cpu-threads", type=int, default=None,
+                       help="Intra-op threads per process on CPU (default: OMP_NUM_THREADS if set, else the "
+                            "cores this process may use divided by the processes on this node).")
+    group.add_argument("--no-cpu-malloc-tuning", action="store_false", dest="cpu_malloc_tuning",
+                       help="Leave glibc malloc's defaults: freed activations go back to the kernel and are "
+                            "faulted in again every step (tuned by default on CPU: memory kept for reuse).")
 
 
 def _add_validation_args(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import global_vars
-from megatron.core import device, parallel_state
+from megatron.core import cpu_runtime, device, parallel_state
 from megatron.core.pipeline_parallel import p2p_communication
 from megatron.utils import print_rank_0
 
@@ -43,6 +43,8 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None, args_def
     device.set_backend_override(args.distributed_backend)
     global_vars.set_global_variables(args)
     _initialize_distributed(args)
+    if device.get_device().type == "cpu":
+        print_rank_0("> " + cpu_runtime.configure(args.cpu_threads, args.cpu_malloc_tuning).describe())
     _set_random_seed(args.seed)
     if args.deterministic_mode:
         _set_deterministic_mode()

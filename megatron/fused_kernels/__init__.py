@@ -5,6 +5,9 @@
     bias_gelu(x, bias)                                                 fused_bias_gelu.py
     bias_dropout_add(x, bias, residual, prob, training)                fused_bias_dropout.py
     cross_entropy(logits, labels, ignore_index, loss_mask, vocab_size) fused_cross_entropy.py
+    core_attention(q, k, v, scale, heads, mask, causal)                fused_core_attention.py
+                   (CPU only: one autograd node around ATen's GEMMs and softmax; no Triton
+                    kernel -- on CUDA the model uses flash attention)
 
 (module names are Megatron-LM's, and differ from the functions' so both stay importable)
 
@@ -22,6 +25,7 @@ from megatron.fused_kernels import fused_layer_norm as _norm
 from megatron.fused_kernels import fused_softmax as _softmax
 from megatron.fused_kernels.fused_bias_dropout import bias_dropout_add
 from megatron.fused_kernels.fused_bias_gelu import bias_gelu
+from megatron.fused_kernels.fused_core_attention import core_attention
 from megatron.fused_kernels.fused_cross_entropy import cross_entropy
 from megatron.fused_kernels.dispatch import (
     IMPLEMENTATIONS,
@@ -46,7 +50,7 @@ OPS: dict[str, FusedOp] = {
 
 
 def select_implementation(op: str, device, impl: str | None = None) -> str:
-    """The implementation `op` would run for inputs on `device` ("triton", "compiled", "reference")."""
+    """The implementation `op` would run for inputs on `device` (one of IMPLEMENTATIONS)."""
     import torch
 
     return OPS[op].select(torch.device(device), impl)
@@ -57,6 +61,7 @@ __all__ = [
     "OPS",
     "bias_dropout_add",
     "bias_gelu",
+    "core_attention",
     "cross_entropy",
     "force_implementation",
     "layer_norm",

@@ -1,17 +1,20 @@
 """Which implementation of a fused op runs: the one seam for Triton and torch.compile.
 
-Every op in this package has three implementations with the same semantics:
+Every op in this package has four implementations with the same semantics:
 
     "triton"     a Triton kernel (forward and backward); runs on CUDA, or on CPU under the
                  Triton interpreter (TRITON_INTERPRET=1, slow: for tests only)
     "compiled"   torch.compile of the op's forward and backward math written in PyTorch ops
-    "reference"  plain PyTorch, always available (the semantics; the default where nothing beats it)
+    "native"     ATen's own fused kernels where one computes the op (F.gelu's tanh GeLU,
+                 torch.softmax and its backward), in the input dtype with fp32 arithmetic
+                 inside; the reference itself where the reference already is one ATen kernel
+    "reference"  plain PyTorch, always available (the semantics, written out formula by formula)
 
 Automatic choice, per call, from the input's device:
 
     cuda + Triton importable -> "triton"
-    cpu                      -> the op's CPU fast path ("compiled" or "reference", measured by
-                                bench/fused_ops.py; each op module says which and why)
+    cpu                      -> the op's CPU fast path ("native", "compiled" or "reference",
+                                measured by bench/fused_ops.py; each op module says which and why)
     anything else            -> "reference"
 
 Forcing, strongest first: the `impl=` argument of each op; `force_implementation(name)` (a
@@ -37,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-IMPLEMENTATIONS = ("triton", "compiled", "reference")
+IMPLEMENTATIONS = ("triton", "compiled", "native", "reference")
 _ENV_VAR = "MEGATRON_FUSED_IMPL"
 _forced: str | None = None
 
@@ -125,8 +128,13 @@ class FusedOp:
     """The implementations of one op, and the rule that picks one of them."""
 
     name: str
-    cpu_fast_path: str  # "compiled" or "reference", measured by bench/fused_ops.py
+    cpu_fast_path: str  # "native", "compiled" or "reference", measured by bench/fused_ops.py
     implementations: dict[str, Kernels]
+
+    def __post_init__(self) -> None:
+        missing = set(IMPLEMENTATIONS) - set(self.implementations)
+        if missing:
+            raise ValueError(f"fused op {self.name} lacks implementations {sorted(missing)}")
 
     def select(self, device: torch.device, impl: str | None = None) -> str:
         """The implementation a call on `device` runs (see the module docstring for the order)."""

@@ -207,6 +207,8 @@ OP = FusedOp(
     cpu_fast_path="reference",
     implementations={
         "reference": Kernels(_eager_forward(_apply_noise), _eager_backward(_noise_grad)),
+        # the reference already is ATen's add and bernoulli kernels: nothing more native to call
+        "native": Kernels(_eager_forward(_apply_noise), _eager_backward(_noise_grad)),
         "compiled": Kernels(_eager_forward(compiled(_apply_noise)), _eager_backward(compiled(_noise_grad))),
         "triton": Kernels(_forward_triton, _backward_triton),
     },

@@ -135,6 +135,7 @@ OP = FusedOp(
     cpu_fast_path="compiled",
     implementations={
         "reference": Kernels(_forward_reference, _backward_reference),
+        "native": Kernels(_forward_reference, _backward_reference),  # logsumexp, gather, exp: ATen's own
         "compiled": Kernels(compiled(_forward_reference), compiled(_backward_reference)),
         "triton": Kernels(_forward_triton, _backward_triton),
     },

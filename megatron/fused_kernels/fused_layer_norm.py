@@ -199,12 +199,14 @@ _TRITON = Kernels(_forward_triton, _backward_triton)
 LAYER_NORM = FusedOp(
     name="layer_norm",
     cpu_fast_path="compiled",
-    implementations={"reference": Kernels(_forward_aten, _backward_aten), "compiled": _COMPILED, "triton": _TRITON},
+    implementations={"reference": Kernels(_forward_aten, _backward_aten),
+                     "native": Kernels(_forward_aten, _backward_aten), "compiled": _COMPILED, "triton": _TRITON},
 )
 RMS_NORM = FusedOp(
     name="rms_norm",
     cpu_fast_path="compiled",
-    implementations={"reference": Kernels(_forward_reference, _backward_reference), "compiled": _COMPILED,
+    implementations={"reference": Kernels(_forward_reference, _backward_reference),
+                     "native": Kernels(_forward_reference, _backward_reference), "compiled": _COMPILED,
                      "triton": _TRITON},
 )
 

@@ -13,10 +13,11 @@
   rows are padding queries, whose outputs the loss mask drops, so training is the same.
 - Backward: d scores = scale * probs * (d probs - sum(d probs * probs)), from the saved probs.
 
-CPU fast path: "compiled" -- torch.compile of the forward and backward math fuses the
-scale, mask fill, max, exp, sum and division into one pass over the scores; measured 4.04x
-faster than the reference, forward + backward, at b=8, np=8, s=256 causal
-(bench/fused_ops.py --threads 1 --clock cpu).
+CPU fast path: "native" -- the scale and mask fill in place on one copy of the scores, then
+ATen's softmax and softmax-backward kernels in the scores' dtype (fp32 arithmetic inside for
+bf16, the probabilities rounded once, as Megatron's fused kernel does; the reference casts the
+scores to fp32 and back). "compiled" fuses the same into one pass with torch.compile.
+Timings: bench/fused_ops.py. The model's CPU attention goes further (fused_core_attention.py).
 
 Triton: one program per row of sk scores (a power-of-two block of at least sk, so up to
 sk = 32768); the mask is read through its broadcast strides, the causal mask computed.
@@ -135,10 +136,30 @@ def _backward_triton(grad_probs: torch.Tensor, probs: torch.Tensor, scale: float
     return grad
 
 
+def _forward_native(scores: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    causal: bool) -> torch.Tensor:
+    """torch.softmax in scores' dtype (ATen computes fp16/bf16 rows in fp32 and rounds the result)."""
+    sq, sk = scores.shape[-2:]
+    x = scores * scale if scale != 1.0 else scores
+    masked = _combined_mask(mask, causal, sq, sk, scores.device)
+    if masked is not None:  # in place only on our own product
+        x = x.masked_fill_(masked, MASK_FILL_VALUE) if x is not scores else x.masked_fill(masked, MASK_FILL_VALUE)
+    probs = torch.softmax(x, dim=-1)
+    if masked is not None and (not causal or sq > sk or mask is not None):  # causal alone, sq <= sk: no empty row
+        probs.masked_fill_(masked.all(dim=-1, keepdim=True), 0.0)
+    return probs
+
+
+def _backward_native(grad_probs: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    grad = torch._softmax_backward_data(grad_probs.to(probs.dtype), probs, -1, probs.dtype)
+    return grad.mul_(scale) if scale != 1.0 else grad
+
+
 OP = FusedOp(
     name="scale_mask_softmax",
-    cpu_fast_path="compiled",
+    cpu_fast_path="native",
     implementations={
+        "native": Kernels(_forward_native, _backward_native),
         "reference": Kernels(_forward_reference, _backward_reference),
         "compiled": Kernels(compiled(_forward_reference), compiled(_backward_reference)),
         "triton": Kernels(_forward_triton, _backward_triton),

@@ -88,6 +88,8 @@ class DotProductAttention(MegatronModule):
     ) -> torch.Tensor:
         """q, k, v [s, b, np/t, hn] -> context [s, b, np/t * hn]; is_causal: attention_mask is the causal mask."""
         sq, b, np_, hn = query.shape  # [sq, b, np/t, hn]
+        if self._fused_cpu_core(query):
+            return self._cpu_core(query, key, value, attention_mask, is_causal)
         q = query.permute(1, 2, 0, 3)  # [sq, b, np, hn] -> [b, np, sq, hn]
         k = key.permute(1, 2, 3, 0)  # [sk, b, np, hn] -> [b, np, hn, sk]
         v = value.permute(1, 2, 0, 3)  # [sk, b, np, hn] -> [b, np, sk, hn]
@@ -99,6 +101,25 @@ class DotProductAttention(MegatronModule):
         context = torch.matmul(probs, v)  # [b, np, sq, hn]
         context = context.permute(2, 0, 1, 3)  # [b, np, sq, hn] -> [sq, b, np, hn]
         return context.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
+
+
+    def _fused_cpu_core(self, query: torch.Tensor) -> bool:
+        """The CPU fast path applies: fused softmax with the "native" CPU implementation, no active dropout."""
+        return (self.config.masked_softmax_fusion and fused_impl(self.config, query) == "native"
+                and not (self.training and self.attention_dropout.p > 0))
+
+    def _cpu_core(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        """The same function on CPU as one autograd node around ATen's GEMMs and softmax, causal
+        attention block by block of queries (fused_kernels.core_attention; measured faster than
+        this class's composed path and than SDPA's CPU flash kernel, fp32 and bf16)."""
+        sq, b, np_, hn = query.shape
+        scale = 1.0 / math.sqrt(hn)  # = softmax_scale / norm_factor: layer scaling cancels
+        # [b*np, s, hn], contiguous: as views of mixed_qkv their transposes would be copied inside each bmm
+        q, k, v = (x.permute(1, 2, 0, 3).reshape(b * np_, -1, hn).contiguous() for x in (query, key, value))
+        context = fused_kernels.core_attention(q, k, v, scale=scale, heads=np_,
+                                               mask=None if is_causal else attention_mask, causal=is_causal)
+        return context.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
 
 
 class FlashDotProductAttention(MegatronModule):

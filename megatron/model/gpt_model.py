@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from megatron.model.embedding import LanguageModelEmbedding
+from megatron.model.layers import fused_impl
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.transformer_layer import TransformerBlock
@@ -157,8 +158,10 @@ class GPTModel(MegatronModule):
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy: labels [b, s], logits [s, b, vocab/t] -> losses [b, s]."""
-        if not self.config.fp16_lm_cross_entropy:
-            logits = logits.float()
+        # fp32 softmax unless --fp16-lm-cross-entropy; the cast happens inside (no fp32 copy of the logits here).
+        compute_dtype = logits.dtype if self.config.fp16_lm_cross_entropy else torch.float32
         labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
-        losses = vocab_parallel_cross_entropy(logits, labels, unpadded_vocab_size=self.num_tokens)  # [s, b]
+        fast = fused_impl(self.config, logits) != "reference"  # the plain path keeps the general CE
+        losses = vocab_parallel_cross_entropy(logits, labels, unpadded_vocab_size=self.num_tokens,
+                                              compute_dtype=compute_dtype, one_rank_fast_path=fast)  # [s, b]
         return losses.transpose(0, 1).contiguous()  # [s, b] -> [b, s]

@@ -20,8 +20,9 @@ Fused ops (megatron.fused_kernels; docs/fused_kernels.md, "Using them in the mod
 default as in Megatron's flags: masked_softmax_fusion (the attention softmax), bias_gelu_fusion
 (bias + tanh-approximation GeLU), bias_dropout_fusion (bias + dropout + residual). LayerNorm
 always runs fused_kernels.layer_norm. fused_kernels_cpu_impl: the implementation used for CPU
-tensors, "reference" (no compile start-up) or "compiled" (torch.compile); on CUDA the package's
-automatic choice (Triton) applies. gradient_accumulation_fusion (off here as in Megatron's
+tensors, "native" (ATen's own kernels; the attention core as one node, fused_core_attention.py:
+the fast CPU path), "reference" (the formulas op by op: the plain path) or "compiled"
+(torch.compile); on CUDA the package's automatic choice (Triton) applies. gradient_accumulation_fusion (off here as in Megatron's
 ModelParallelConfig; the flags turn it on): the linear layers add their weight gradients straight
 into DistributedDataParallel's `main_grad` (megatron/core/tensor_parallel/layers.py).
 """
@@ -37,7 +38,7 @@ from megatron.model.utils import init_method_normal, scaled_init_method_normal
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 # Implementations of the fused ops the model may force on CPU (megatron.fused_kernels.dispatch).
-FUSED_KERNELS_CPU_IMPLS = ("reference", "compiled")
+FUSED_KERNELS_CPU_IMPLS = ("native", "reference", "compiled")
 
 
 def _require_positive(name: str, value: int | None) -> None:
@@ -90,7 +91,7 @@ class TransformerConfig:
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True
     gradient_accumulation_fusion: bool = False
-    fused_kernels_cpu_impl: str = "reference"
+    fused_kernels_cpu_impl: str = "native"
     deterministic_mode: bool = False
     recompute_granularity: str | None = None
     recompute_method: str | None = None

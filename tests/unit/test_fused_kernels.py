@@ -281,25 +281,97 @@ def test_cross_entropy_reference_is_f_cross_entropy():
     assert ours[1][:, 937:].abs().max() == 0 and ours[1][1].abs().max() == 0  # padding and the ignored token
 
 
-# ---------------------------------------------------------------- CPU fast paths (torch.compile)
+# ---------------------------------------------------------------- CPU fast paths (native, torch.compile)
+
+
+FAST_PATH_CASES = {
+    "scale_mask_softmax": [softmax_case((2, 3, 5, 7), True, True), softmax_case((2, 3, 6, 6), False, True, scale=1.0),
+                           softmax_case((2, 3, 7, 5), True, True), softmax_case((1, 2, 4, 9), True, False)],
+    "layer_norm": [layer_norm_case((3, 5, 7), True, True)],
+    "rms_norm": [rms_norm_case((4, 33), True)],
+    "bias_gelu": [bias_gelu_case((3, 5, 7), True), bias_gelu_case((4, 9), False, scale=4.0)],
+    "bias_dropout_add": [dropout_case(0.3, True)],
+    "cross_entropy": [ce_case((5, 1000), 937, True)],
+}
+
+
+def test_native_implementations_match_reference():
+    """Every op's "native" implementation (ATen's own kernels), forward and backward, fp32, incl.
+    fully masked softmax rows (causal with sq > sk) and the KV-cache causal convention."""
+    assert set(FAST_PATH_CASES) == set(fk.OPS)
+    for name, cases in FAST_PATH_CASES.items():
+        for case in cases:
+            assert_same_results(case("native"), case("reference"))
 
 
 def test_cpu_fast_paths_match_reference():
     """Each op whose CPU fast path is "compiled", on one case, forward and backward (compiling is slow)."""
-    cases = {
-        "scale_mask_softmax": softmax_case((2, 3, 5, 7), True, True),
-        "layer_norm": layer_norm_case((3, 5, 7), True, True),
-        "rms_norm": rms_norm_case((4, 33), True),
-        "bias_gelu": bias_gelu_case((3, 5, 7), True),
-        "bias_dropout_add": dropout_case(0.3, True),
-        "cross_entropy": ce_case((5, 1000), 937, True),
-    }
-    assert set(cases) == set(fk.OPS)
-    for name, case in cases.items():
+    for name, cases in FAST_PATH_CASES.items():
         fast = fk.OPS[name].cpu_fast_path  # not select(): MEGATRON_FUSED_IMPL may be set
-        assert fast in ("compiled", "reference")
+        assert fast in ("native", "compiled", "reference")
         if fast == "compiled":
-            assert_same_results(case("compiled"), case("reference"))
+            assert_same_results(cases[0]("compiled"), cases[0]("reference"))
+
+
+def test_native_bf16_within_bf16_rounding_of_the_fp32_reference():
+    """bf16 inputs: softmax and GeLU computed in fp32 inside ATen, rounded once to bf16."""
+    scores = leaf(2, 3, 6, 6, seed=3).bfloat16()
+    native = fk.scale_mask_softmax(scores, None, 0.5, causal=True, impl="native")
+    exact = fk.scale_mask_softmax(scores.double(), None, 0.5, causal=True, impl="reference")
+    assert native.dtype == torch.bfloat16 and (native.double() - exact).abs().max() <= 2 ** -8
+    x, bias = leaf(4, 16, seed=4).bfloat16(), leaf(16, seed=5).bfloat16()
+    native = fk.bias_gelu(x, bias, impl="native")
+    exact = fk.bias_gelu((x + bias).double(), None, impl="reference")  # Megatron's jit adds in bf16 too
+    assert native.dtype == torch.bfloat16
+    assert_rel_close(native.double(), exact, rel=2 ** -7)
+
+
+# ---------------------------------------------------------------- the CPU attention core
+
+
+def _composed_attention(q, k, v, heads, mask, causal, scale):
+    """softmax(q k^T * scale, masked) v from the reference softmax, in fp64."""
+    b = q.shape[0] // heads
+    q4, k4, v4 = (x.double().view(b, heads, *x.shape[1:]) for x in (q, k, v))
+    probs = fk.scale_mask_softmax(q4 @ k4.transpose(-1, -2), mask, scale, causal=causal, impl="reference")
+    return (probs @ v4).view(q.shape)
+
+
+@pytest.mark.parametrize("query_block", [64, 3, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_core_attention_matches_the_composed_reference(query_block, dtype, monkeypatch):
+    """fused_kernels.core_attention, forward and backward, against the reference softmax between two
+    matmuls in fp64: causal (block by block of queries; sq = sk, sq > sk with queries that see no
+    key, sq < sk), a padding mask with fully masked rows, both, and none."""
+    from megatron.fused_kernels import fused_core_attention
+
+    monkeypatch.setattr(fused_core_attention, "QUERY_BLOCK", query_block)
+    tol = REL if dtype == torch.float32 else 3e-2
+    heads, hn = 3, 4
+    for sq, sk in ((8, 8), (9, 7), (7, 9), (1, 5)):
+        mask = padding_mask(2, sq, sk)
+        for causal, m in ((True, None), (False, None), (False, mask), (True, mask)):
+            q, k, v = (leaf(2 * heads, n, hn, seed=seed).to(dtype).detach().requires_grad_()
+                       for seed, n in ((1, sq), (2, sk), (3, sk)))
+            out = fk.core_attention(q, k, v, scale=0.3, heads=heads, mask=m, causal=causal)
+            grad = leaf(*out.shape, seed=4).to(dtype)
+            grads = torch.autograd.grad(out, (q, k, v), grad)
+            q2, k2, v2 = (x.detach().double().requires_grad_() for x in (q, k, v))
+            expected = _composed_attention(q2, k2, v2, heads, m, causal, 0.3)
+            expected_grads = torch.autograd.grad(expected, (q2, k2, v2), grad.double())
+            for actual, wanted in zip((out, *grads), (expected, *expected_grads)):
+                assert actual.dtype == dtype
+                assert_rel_close(actual.double(), wanted, rel=tol)
+
+
+def test_core_attention_checks_its_inputs():
+    q = torch.zeros(6, 4, 8)
+    with pytest.raises(ValueError, match="not a multiple of heads"):
+        fk.core_attention(q, q, q, scale=1.0, heads=4)
+    with pytest.raises(ValueError, match=r"q \[B, sq, hn\]"):
+        fk.core_attention(q, q[:, :, :4], q[:, :, :4], scale=1.0, heads=3)
+    with pytest.raises(TypeError, match="bool"):
+        fk.core_attention(q, q, q, scale=1.0, heads=3, mask=torch.zeros(2, 1, 4, 4))
 
 
 # ---------------------------------------------------------------- dispatch

@@ -152,7 +152,7 @@ def test_each_fused_op_runs_only_when_its_flag_is_on(fusion, monkeypatch):
         others = [OPS_OF[name] for name in FUSIONS if name != fusion]
         assert all(not calls[op] for op in others)
         assert len(calls["layer_norm"]) == 2 * LAYERS + 1  # always: input, pre-MLP and final norms
-        assert set(sum(calls.values(), [])) == {"reference"}  # config.fused_kernels_cpu_impl on CPU
+        assert set(sum(calls.values(), [])) == {"native"}  # config.fused_kernels_cpu_impl on CPU (its default)
         monkeypatch.undo()
 
 
@@ -170,6 +170,31 @@ def test_the_block_built_causal_mask_reaches_the_fused_softmax_as_causal_true(mo
     seen.clear()
     _step(_config(masked_softmax_fusion=True), _document_mask())  # a mask given: passed as it is
     assert seen == [(False, False)] * LAYERS
+
+
+@pytest.mark.parametrize("mask", ["causal-hint", "document-mask"])
+def test_native_cpu_attention_core_matches_unfused_without_attention_dropout(mask, monkeypatch):
+    """--fused-kernels-cpu-impl native (the default), attention dropout 0: the fused softmax runs as
+    fused_kernels.core_attention (causal given as causal=True, a mask passed as it is) and the step
+    equals the unfused model's; with "reference" the composed matmul + scale_mask_softmax runs."""
+    attention_mask = None if mask == "causal-hint" else _document_mask()
+    seen = []
+    original = fused_kernels.core_attention
+
+    def spy(q, k, v, *, scale, heads, mask=None, causal=False):
+        seen.append((mask is None, causal))
+        return original(q, k, v, scale=scale, heads=heads, mask=mask, causal=causal)
+
+    monkeypatch.setattr(fused_kernels, "core_attention", spy)
+    unfused = _step(_config(attention_dropout=0.0), attention_mask)
+    native = _step(_config(masked_softmax_fusion=True, attention_dropout=0.0), attention_mask)
+    assert seen == [(attention_mask is None, attention_mask is None)] * LAYERS
+    _assert_same_step(native, unfused, exact=False)
+    seen.clear()
+    reference = _step(_config(masked_softmax_fusion=True, attention_dropout=0.0, fused_kernels_cpu_impl="reference"),
+                      attention_mask)
+    assert not seen
+    _assert_same_step(reference, unfused, exact=False)
 
 
 def test_the_cpu_implementation_comes_from_the_config_and_other_devices_choose_their_own():
@@ -199,7 +224,7 @@ def test_compiled_cpu_impl_matches_reference():
 
 def test_fusion_flags_parse_into_the_config(single_process):
     config = core_transformer_config_from_args(parse_and_validate_args(argv=TINY_RUN))
-    assert all(getattr(config, name) for name in FUSIONS) and config.fused_kernels_cpu_impl == "reference"
+    assert all(getattr(config, name) for name in FUSIONS) and config.fused_kernels_cpu_impl == "native"
     flags = ("--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-persist-layer-norm "
              "--no-gradient-accumulation-fusion --fused-kernels-cpu-impl compiled").split()
     args = parse_and_validate_args(argv=TINY_RUN + flags)

@@ -92,12 +92,22 @@ def get_param_groups(model_chunks: Sequence[nn.Module], no_weight_decay_cond: Pa
             for (wd_mult, group_lr_mult, is_expert_parallel), params in groups.items()]
 
 
+def _fused_adam_applies(param_groups: list[dict[str, Any]]) -> bool:
+    """torch's fused Adam kernel (one pass per tensor over param, grad and both moments; Megatron
+    uses apex's FusedAdam on GPUs) takes floating-point params on CPU or CUDA (the wrappers swap
+    half-precision ones for their fp32 main copies afterwards). Same update as torch's default,
+    to rounding; on CPU that default is a Python loop of ~10 ops per tensor."""
+    params = [p for group in param_groups for p in group["params"]]
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+
+
 def _build_torch_optimizer(config: OptimizerConfig, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     lr = config.lr if config.lr is not None else 0.0
     if config.optimizer == "adam":
         adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
         return adam_cls(param_groups, lr=lr, weight_decay=config.weight_decay,
-                        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+                        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                        fused=_fused_adam_applies(param_groups) or None)
     if config.optimizer == "sgd":
         return torch.optim.SGD(param_groups, lr=lr, weight_decay=config.weight_decay,
                                momentum=config.sgd_momentum)

@@ -295,9 +295,11 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
                     model_param.grad = model_param.main_grad
 
     def _copy_main_params_to_model_params(self) -> None:
-        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for model_param, main_param in zip(model_group, main_group):
-                model_param.data.copy_(main_param.data)
+        # One for-each copy (cast to the model's dtype) over all params rather than a copy_ per param.
+        model = [p.data for group in self.float16_groups for p in group]
+        main = [p.data for group in self.fp32_from_float16_groups for p in group]
+        if model:
+            torch._foreach_copy_(model, main)
 
     def _copy_model_params_to_main_params(self) -> None:
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):

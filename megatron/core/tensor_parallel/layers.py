@@ -164,9 +164,18 @@ def _fused_weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: to
     it at once, so at most one such buffer is alive, briefly, per backward step.
     """
     main_grad = weight.main_grad
-    # [out, in] += [out, s*b] @ [s*b, in]: one GEMM with beta = 1 (bf16 inputs are cast first,
-    # so the products are summed in fp32 rather than rounded to bf16 before the add).
-    main_grad.addmm_(grad_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
+    if grad_2d.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_2d.t(), input_2d)  # [out, in] += [out, s*b] @ [s*b, in], one GEMM with beta = 1
+    elif grad_2d.device.type == "cpu":
+        # bf16/fp16 activations, fp32 main_grad. The CPU has no GEMM with half-precision inputs and an
+        # fp32 output; casting both inputs to fp32 would run this GEMM at the fp32 ceiling (half the
+        # bf16 one here) after two activation-sized casts. So: a half-precision GEMM (fp32
+        # accumulation inside, one rounding of the weight-sized product), added into main_grad --
+        # what Megatron does without gradient-accumulation fusion.
+        main_grad.add_(torch.mm(grad_2d.t(), input_2d))
+    else:
+        # [out, in] += [out, s*b] @ [s*b, in] in fp32: the sum over tokens is not rounded to half precision.
+        main_grad.addmm_(grad_2d.t().to(main_grad.dtype), input_2d.to(main_grad.dtype))
     weight.grad_added_to_main_grad = True
     return torch.empty_like(weight)
 
