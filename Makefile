@@ -11,7 +11,7 @@ VOCAB_SIZE ?= 8192
 WORKERS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: run test setup setup-test bench clean-data
+.PHONY: run test setup setup-test bench compare-peers clean-data
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
@@ -57,6 +57,17 @@ bench: $(DATA)/python_text_document.idx
 	$(PY) bench/preprocess.py
 	$(PY) bench/dataset_index.py
 	$(PY) bench/train_gpt.py
+
+# ours vs HF transformers (the test extra) vs megatron-core from PyPI, fp32 and bf16 (docs/PERFORMANCE.md).
+# megatron-core goes beside the venv's site-packages, not into it: its `megatron` package has our
+# package's name, so bench/compare_peers.py runs it in its own processes with its own PYTHONPATH.
+MCORE_SPEC ?= megatron-core
+$(VENV)/peers/megatron_core/.installed: | $(VENV)/.installed-test
+	$(PY) -m pip install -q --no-deps --target $(VENV)/peers/megatron_core "$(MCORE_SPEC)"
+	touch $@
+
+compare-peers: $(VENV)/.installed-test $(VENV)/peers/megatron_core/.installed
+	$(PY) bench/compare_peers.py
 
 clean-data:
 	rm -rf $(DATA)

@@ -345,7 +345,12 @@ def run_ours(precision: str, warmup: int, steps: int, extra_flags: list[str]) ->
         losses, _, _, _ = train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler)
         return losses["lm loss"]
 
-    attention = "sdpa (--use-flash-attn)" if "--use-flash-attn" in extra_flags else "unfused (default)"
+    if "--use-flash-attn" in extra_flags:
+        attention = "sdpa (--use-flash-attn)"
+    elif "reference" in extra_flags or "--no-masked-softmax-fusion" in extra_flags:
+        attention = "composed matmul + softmax + matmul"
+    else:
+        attention = "fused_kernels.core_attention, causal by query blocks (default)"
     return _timed_steps(step, warmup, steps, device), {"attention": attention, "flags": " ".join(extra_flags)}
 
 

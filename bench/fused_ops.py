@@ -1,15 +1,19 @@
-"""CPU time of each fused op: reference vs compiled fast path vs the plain autograd code it replaces.
+"""CPU time of each fused op: reference vs native vs compiled vs the plain autograd code it replaces.
 
 For every op of megatron.fused_kernels, at small-model shapes (b=8, np=8, s=256, h=256,
 ffn=1024, V=8192), times forward + backward (median of --repeats runs, after warm-up runs that
 also pay torch.compile) of
-    torch       the unfused PyTorch the model runs today (autograd through torch ops)
+    torch       the unfused PyTorch the model runs with the fusion switched off
     reference   the op's plain-PyTorch reference (impl="reference")
+    native      ATen's own kernels (impl="native"; the reference itself where it already is one)
     compiled    torch.compile of the reference's math (impl="compiled")
-and prints the speed-up of compiled over reference, which decides each op's CPU fast path.
+and prints the speed-ups over the reference, which decide each op's CPU fast path. Then the
+attention core at the same shapes (hn = 32, causal): the composed matmul + reference softmax +
+matmul, torch's scaled_dot_product_attention, and fused_kernels.core_attention, in --dtype.
 It prints figures and asserts nothing.
 
     python bench/fused_ops.py [--repeats 20] [--ops layer_norm,...] [--threads N] [--clock wall|cpu]
+                              [--dtype fp32|bf16]
 """
 
 from __future__ import annotations
@@ -119,6 +123,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--ops", default=",".join(CASES), help="comma-separated op names")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="of the attention core's inputs")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this thread's CPU time, which other processes on a shared machine do not "
                              "inflate (needs --threads 1: with more, work runs on other threads)")
@@ -131,15 +136,41 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, triton {fk.triton_version()}, "
           f"{args.clock} clock, median of {args.repeats} samples of forward+backward (ms per call)")
-    print(f"{'op':<20s} {'shape':<30s} {'torch':>9s} {'reference':>10s} {'compiled':>9s} "
-          f"{'ref/compiled':>13s}  CPU fast path")
+    print(f"{'op':<20s} {'shape':<30s} {'torch':>9s} {'reference':>10s} {'native':>9s} {'compiled':>9s} "
+          f"{'ref/native':>11s} {'ref/compiled':>13s}  CPU fast path")
     for name in args.ops.split(","):
         shape, leaf, torch_path, fused = CASES[name]()
-        ms = median_ms({"torch": torch_path, "reference": lambda: fused("reference"),
+        ms = median_ms({"torch": torch_path, "reference": lambda: fused("reference"), "native": lambda: fused("native"),
                         "compiled": lambda: fused("compiled")}, leaf, args.repeats, clock)
-        t_torch, t_ref, t_comp = ms["torch"], ms["reference"], ms["compiled"]
-        print(f"{name:<20s} {shape:<30s} {t_torch:9.2f} {t_ref:10.2f} {t_comp:9.2f} {t_ref / t_comp:12.2f}x  "
-              f"{fk.OPS[name].cpu_fast_path}", flush=True)
+        t_torch, t_ref, t_nat, t_comp = ms["torch"], ms["reference"], ms["native"], ms["compiled"]
+        print(f"{name:<20s} {shape:<30s} {t_torch:9.2f} {t_ref:10.2f} {t_nat:9.2f} {t_comp:9.2f} "
+              f"{t_ref / t_nat:10.2f}x {t_ref / t_comp:12.2f}x  {fk.OPS[name].cpu_fast_path}", flush=True)
+    attention_core(args.repeats, clock, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+
+
+def attention_core(repeats: int, clock: Callable[[], float], dtype: torch.dtype) -> None:
+    """The model's three ways to the attention core on CPU, causal, forward + backward."""
+    hn = H // HEADS
+    q, k, v = (torch.randn(B * HEADS, S, hn, dtype=dtype).requires_grad_() for _ in range(3))
+    by_head = [x.detach().view(B, HEADS, S, hn).requires_grad_() for x in (q, k, v)]
+    scale = hn ** -0.5
+
+    def composed():  # DotProductAttention with --fused-kernels-cpu-impl reference
+        scores = torch.matmul(by_head[0], by_head[1].transpose(-1, -2)) * scale
+        return torch.matmul(fk.scale_mask_softmax(scores, None, 1.0, causal=True, impl="reference"), by_head[2])
+
+    def sdpa():  # FlashDotProductAttention on CPU (--use-flash-attn)
+        return F.scaled_dot_product_attention(*by_head, is_causal=True)
+
+    def core():  # the default CPU path
+        return fk.core_attention(q, k, v, scale=scale, heads=HEADS, causal=True)
+
+    times = {}
+    for name, step, leaf in (("composed reference", composed, by_head[0]), ("sdpa", sdpa, by_head[0]),
+                             ("core_attention", core, q)):
+        times[name] = median_ms({name: step}, leaf, repeats, clock)[name]
+    print(f"attention core, causal, [b={B}, np={HEADS}, s={S}, hn={hn}] {str(dtype).replace('torch.', '')}: "
+          + ", ".join(f"{name} {ms:.2f} ms" for name, ms in times.items()), flush=True)
 
 
 if __name__ == "__main__":

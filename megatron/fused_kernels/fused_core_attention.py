@@ -99,13 +99,15 @@ class _CausalCoreAttention(torch.autograd.Function):
                 grad_q[:, start:end] = 0.0
                 continue
             probs, grad = next(saved), grad_context[:, start:end]  # [B, rows, keys], [B, rows, hn]
-            grad_v[:, :keys].baddbmm_(probs.transpose(1, 2), grad)
+            # (a GEMM into a fresh tensor, then an add: baddbmm_ into this strided view of grad_v
+            # would loop over the batch in ATen, one small GEMM per head)
+            grad_v[:, :keys] += torch.bmm(probs.transpose(1, 2), grad)
             grad_scores = torch._softmax_backward_data(torch.bmm(grad, v[:, :keys].transpose(1, 2)), probs, -1,
                                                        probs.dtype)
             if ctx.scale != 1.0:
                 grad_scores.mul_(ctx.scale)
             grad_q[:, start:end] = torch.bmm(grad_scores, k[:, :keys])
-            grad_k[:, :keys].baddbmm_(grad_scores.transpose(1, 2), q[:, start:end])
+            grad_k[:, :keys] += torch.bmm(grad_scores.transpose(1, 2), q[:, start:end])
         return grad_q, grad_k, grad_v, None
 
 

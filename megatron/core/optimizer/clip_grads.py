@@ -59,8 +59,9 @@ def get_grad_norm_fp32(grads_for_norm: TensorOrTensors, norm_type: float = 2,
         _all_reduce(total, dist.ReduceOp.MAX, model_parallel_group)
         return float(total.item())
     total = torch.zeros(1, dtype=torch.float32, device=device)
-    for grad in grads:
-        total += torch.linalg.vector_norm(grad.float(), ord=norm_type) ** norm_type
+    if grads:  # one for-each kernel over all the tensors, not a norm op per parameter
+        norms = torch._foreach_norm([g.float() for g in grads], norm_type)
+        total += torch.stack(norms).pow(norm_type).sum()
     _all_reduce(total, dist.ReduceOp.SUM, model_parallel_group)
     return float(total.item()) ** (1.0 / norm_type)
 
@@ -70,8 +71,9 @@ def clip_grad_by_total_norm_fp32(params_or_grads: TensorOrTensors, max_norm: flo
     """Scale the gradients in place by max_norm / (total_norm + 1e-6) when that is below 1."""
     clip_coeff = float(max_norm) / (total_norm + 1.0e-6)
     if clip_coeff < 1.0:
-        for grad in _grads_of(params_or_grads):
-            grad.mul_(clip_coeff)
+        grads = _grads_of(params_or_grads)
+        if grads:
+            torch._foreach_mul_(grads, clip_coeff)
 
 
 def clip_grad_norm_fp32(params_or_grads: TensorOrTensors, max_norm: float, norm_type: float = 2,
