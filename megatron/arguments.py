@@ -157,6 +157,10 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="Fused ops on CPU tensors: ATen's own kernels and the one-node attention core "
                        "(native, the fast path), the formulas op by op (reference, the plain path), or "
                        "torch.compile'd formulas (compiled: 5-25 s of compile start-up per process). On CUDA: Triton.")
+    group.add_argument("--torch-compile", action="store_true",
+                       help="torch.compile each transformer layer's forward. Off by default: on the CPU "
+                       "benchmark GPT it was slower than the eager fast path (docs/PERFORMANCE.md), and it "
+                       "compiles for tens of seconds per process.")
     group.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"])
     group.add_argument("--dataloader-type", type=str, default=None, choices=["single", "cyclic", "external"],
                        help="Single pass vs multiple pass data loader ('single' if not given).")

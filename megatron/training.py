@@ -126,6 +126,18 @@ def _finish(result: TrainingResult) -> TrainingResult:
 
 # ------------------------------------------------------------------------ model and optimizer
 
+def _compile_transformer_layers(model: List[torch.nn.Module]) -> None:
+    """--torch-compile: each TransformerLayer's forward through torch.compile (Inductor; compiled
+    on its first call, once per input shape). The linears' custom autograd functions, the RNG
+    tracker and the fused ops stay inside the graph or break it where Dynamo cannot trace."""
+    from megatron.model.transformer_layer import TransformerLayer
+
+    layers = [module for chunk in model for module in chunk.modules() if isinstance(module, TransformerLayer)]
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    print_rank_0(f"> torch.compile: {len(layers)} transformer layers (compiled on their first call)")
+
+
 def get_model(model_provider: Callable, model_type: ModelType = ModelType.encoder_or_decoder) -> List[torch.nn.Module]:
     """The model chunks of this rank, on the device, wrapped in Float16Module under --fp16/--bf16.
 
@@ -150,6 +162,8 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
         model.append(chunk)
     if virtual is not None:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    if args.torch_compile:
+        _compile_transformer_layers(model)
     if parallel_state.get_data_parallel_rank() == 0:
         print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
             parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),

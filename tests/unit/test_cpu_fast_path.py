@@ -1,7 +1,8 @@
 """The fast CPU training path (issue 8) gives the plain path's numbers.
 
 The fast path is the default: fused ops in ATen's own kernels and the one-node attention core
-(--fused-kernels-cpu-impl native), the one-rank cross entropy, gradient-accumulation fusion with
+(--fused-kernels-cpu-impl native), oneDNN's fp32 GEMMs in the linear layers' forward and
+input gradient, the one-rank cross entropy, gradient-accumulation fusion with
 bf16 weight-gradient GEMMs, torch's fused AdamW, one for-each copy of the main params into the
 model, the CPU runtime (threads from the cores, glibc malloc keeping freed memory). The plain
 path is --fused-kernels-cpu-impl reference --no-gradient-accumulation-fusion
@@ -79,6 +80,45 @@ def test_one_rank_cross_entropy_without_grad_and_twice_through_one_graph():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
+
+
+# ---------------------------------------------------------------- oneDNN fp32 GEMMs in the linear layers
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_onednn_linear_layers_equal_f_linear(fusion, monkeypatch):
+    """ColumnParallelLinear (with bias) and RowParallelLinear, fp32 on CPU: the "native" impl runs the
+    forward and input-gradient GEMMs through oneDNN, "reference" through F.linear; same outputs and
+    gradients to fp32 rounding, with and without gradient-accumulation fusion's main_grad."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, layers
+    from megatron.model.transformer_config import TransformerConfig
+
+    if not layers._ONEDNN:
+        pytest.skip("torch built without oneDNN")
+    calls = []
+    original = layers._linear
+    monkeypatch.setattr(layers, "_linear", lambda *args: calls.append(args[-1]) or original(*args))
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 3, 48, generator=generator)
+    grad = torch.randn(12, 3, 40, generator=generator)
+    results = {}
+    for impl in ("native", "reference"):
+        config = TransformerConfig(num_layers=1, hidden_size=48, num_attention_heads=4, fused_kernels_cpu_impl=impl,
+                                   gradient_accumulation_fusion=fusion)
+        torch.manual_seed(0)
+        column = ColumnParallelLinear(48, 64, config=config, init_method=torch.nn.init.normal_, bias=True)
+        row = RowParallelLinear(64, 40, config=config, init_method=torch.nn.init.normal_, bias=True)
+        if fusion:
+            for param in (column.weight, row.weight):
+                param.main_grad = torch.zeros_like(param)
+        inputs = x.clone().requires_grad_()
+        out, _ = row(column(inputs)[0])
+        out.backward(grad)
+        weight_grads = [p.main_grad if fusion else p.grad for p in (column.weight, row.weight)]
+        results[impl] = [out.detach(), inputs.grad, *weight_grads, column.bias.grad, row.bias.grad]
+    assert calls.count(True) == 4  # native: 2 forward + 2 input-gradient GEMMs through oneDNN; reference: none
+    for a, b in zip(results["native"], results["reference"]):
+        assert _relative(a, b) < 1e-5
 
 
 # ---------------------------------------------------------------- optimizer
@@ -214,3 +254,22 @@ def test_fast_path_and_plain_path_train_to_the_same_losses(precision, capsys):
     for a, b in zip(fast, plain):
         assert abs(a - b) <= tolerance * abs(b), (fast, plain)
     assert fast[-1] < fast[0]  # it trains
+
+
+@pytest.mark.slow
+def test_torch_compile_flag_trains_to_the_same_losses(capsys):
+    """--torch-compile (each transformer layer through torch.compile): the eager losses, fp32."""
+    from tests.functional.test_pretrain_gpt import MOCK, TINY
+
+    argv = [*TINY, *MOCK, "--eval-iters", "0", "--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    threads = torch.get_num_threads()
+    try:
+        eager = _losses(argv)
+        compiled = _losses(argv + ["--torch-compile"])
+    finally:
+        from megatron.initialize import _destroy_distributed
+
+        _destroy_distributed()
+        torch.set_num_threads(threads)
+    assert "> torch.compile: 2 transformer layers" in capsys.readouterr().out
+    assert len(eager) == 3 and all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(compiled, eager)), (compiled, eager)

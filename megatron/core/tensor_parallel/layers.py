@@ -19,6 +19,13 @@ backward rather than keeping the gathered copy), and a row layer reduce-scatters
 
 Gradient-accumulation fusion (config.gradient_accumulation_fusion): backward adds a layer's
 weight gradient straight into the weight's DDP `main_grad` instead of returning it.
+
+fp32 GEMMs on CPU: torch runs fp32 matmuls through MKL; oneDNN's fp32 inner-product kernel
+(torch.ops.mkldnn._linear_pointwise, full fp32 arithmetic) is 7 to 20% faster here for the
+forward (x W^T + b, bias fused) and the input gradient (g W), and slower for the weight
+gradient, which stays with MKL (measured at the benchmark GPT's shapes: docs/PERFORMANCE.md).
+The layers use it when config.fused_kernels_cpu_impl is "native" (the default), the operands
+are fp32 CPU tensors and torch has oneDNN; "reference" keeps F.linear (the plain path).
 """
 
 from __future__ import annotations
@@ -99,6 +106,29 @@ def _init_partition(
         weight.copy_(torch.cat(blocks[rank::world_size], dim=partition_dim))
 
 
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+_ONEDNN = _onednn_available()
+
+
+def _use_onednn(config, *tensors: torch.Tensor) -> bool:
+    """oneDNN's fp32 GEMM for this call: the fast CPU path is on and every operand is an fp32 CPU tensor.
+    Not inside torch.compile (Inductor lowers this op only for frozen, constant weights)."""
+    return (_ONEDNN and getattr(config, "fused_kernels_cpu_impl", "reference") == "native"
+            and not torch.compiler.is_compiling()
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors))
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> torch.Tensor:
+    """x [..., in] @ weight[out, in]^T + bias -> [..., out]; weight may be a transposed view."""
+    if not onednn:
+        return F.linear(x, weight, bias)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _new_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype))
 
@@ -119,13 +149,14 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, sequence_parallel, gradient_accumulation_fusion):
+    def forward(ctx, input_, weight, bias, sequence_parallel, gradient_accumulation_fusion, onednn=False):
         total_input = _gather_along_first_dim(input_) if sequence_parallel else input_  # [s, b, in]
         ctx.save_for_backward(input_, weight)
         ctx.has_bias = bias is not None
         ctx.sequence_parallel = sequence_parallel
         ctx.gradient_accumulation_fusion = gradient_accumulation_fusion
-        return F.linear(total_input, weight, bias)  # [s, b, out]
+        ctx.onednn = onednn
+        return _linear(total_input, weight, bias, onednn)  # [s, b, out]
 
     @staticmethod
     def backward(ctx, grad_output):  # grad_output [s, b, out]
@@ -137,7 +168,8 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
         if ctx.sequence_parallel and ctx.needs_input_grad[1]:
             total_input = _gather_along_first_dim(input_)  # [s/t, b, in] -> [s, b, in]
         if ctx.needs_input_grad[0]:
-            grad_input = grad_output.matmul(weight)  # [s, b, in], partial over the TP ranks
+            # [s, b, in], partial over the TP ranks
+            grad_input = _linear(grad_output, weight.t(), None, True) if ctx.onednn else grad_output.matmul(weight)
             if ctx.sequence_parallel:
                 grad_input = _reduce_scatter_along_first_dim(grad_input)  # [s/t, b, in]
         if ctx.needs_input_grad[1]:
@@ -149,7 +181,7 @@ class _LinearWithGradAccumulation(torch.autograd.Function):
                 grad_weight = grad_2d.t().matmul(input_2d)  # [out, in]
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.size(-1)).sum(dim=0)  # [out]
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def _fused_weight_grad(weight: torch.Tensor, grad_2d: torch.Tensor, input_2d: torch.Tensor) -> torch.Tensor:
@@ -212,6 +244,7 @@ class ColumnParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel
         self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
+        self.fused_kernels_cpu_impl = getattr(config, "fused_kernels_cpu_impl", "reference")  # oneDNN fp32 GEMMs
         if self.sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel")
 
@@ -248,9 +281,10 @@ class ColumnParallelLinear(nn.Module):
             input_parallel = input_  # [s/t, b, in], all-gathered inside the linear
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_)  # [s, b, in]
-        if self.sequence_parallel or fuse:
+        onednn = _use_onednn(self, input_parallel, weight)
+        if self.sequence_parallel or fuse or onednn:
             output_parallel = _LinearWithGradAccumulation.apply(
-                input_parallel, weight, bias, self.sequence_parallel, fuse)  # [s, b, out/t]
+                input_parallel, weight, bias, self.sequence_parallel, fuse, onednn)  # [s, b, out/t]
         else:
             output_parallel = F.linear(input_parallel, weight, bias)  # [s, b, out/t]
         if self.gather_output:
@@ -296,6 +330,7 @@ class RowParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel
         self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
+        self.fused_kernels_cpu_impl = getattr(config, "fused_kernels_cpu_impl", "reference")  # oneDNN fp32 GEMMs
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
 
@@ -314,9 +349,10 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_  # [s, b, in/t]
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_)  # [s, b, in] -> [s, b, in/t]
-        if self.gradient_accumulation_fusion:
+        onednn = _use_onednn(self, input_parallel, self.weight)
+        if self.gradient_accumulation_fusion or onednn:
             output_parallel = _LinearWithGradAccumulation.apply(
-                input_parallel, self.weight, None, False, True)  # [s, b, out], partial sum
+                input_parallel, self.weight, None, False, self.gradient_accumulation_fusion, onednn)  # [s, b, out]
         else:
             output_parallel = F.linear(input_parallel, self.weight)  # [s, b, out], partial sum
         if self.sequence_parallel:
