@@ -59,9 +59,11 @@ def get_grad_norm_fp32(grads_for_norm: TensorOrTensors, norm_type: float = 2,
         _all_reduce(total, dist.ReduceOp.MAX, model_parallel_group)
         return float(total.item())
     total = torch.zeros(1, dtype=torch.float32, device=device)
-    if grads:  # one for-each kernel over all the tensors, not a norm op per parameter
-        norms = torch._foreach_norm([g.float() for g in grads], norm_type)
-        total += torch.stack(norms).pow(norm_type).sum()
+    # A norm op per tensor: torch._foreach_norm would save about 2 ms a step on the benchmark GPT
+    # but sums less accurately, and the distributed optimizer's shards then drift from the plain
+    # optimizer's whole tensors by 3e-6 after three Adam steps (tests/unit/test_optimizer_memory.py).
+    for grad in grads:
+        total += torch.linalg.vector_norm(grad.float(), ord=norm_type) ** norm_type
     _all_reduce(total, dist.ReduceOp.SUM, model_parallel_group)
     return float(total.item()) ** (1.0 / norm_type)
 
