@@ -5,7 +5,8 @@ and linear_fc2 row parallel (the partial outputs are summed over the ranks), so 
 on the local columns with no communication in between.
 
 With bias_gelu_fusion (Megatron's default) linear_fc1 skips its bias add and
-fused_kernels.bias_gelu computes gelu(x + bias) with the tanh approximation -- whichever GeLU
+fused_kernels.bias_gelu computes gelu(x + bias) with the tanh approximation (on CPU with the
+"native" implementation the bias joins fc1's GEMM and bias_gelu gets the sum) -- whichever GeLU
 openai_gelu names, as Megatron does: the erf GeLU (the default activation) runs only with
 --no-bias-gelu-fusion. The two GeLUs differ by up to ~5e-4 (docs/fused_kernels.md).
 """
@@ -42,7 +43,10 @@ class MLP(MegatronModule):
                                             input_is_parallel=True, skip_bias_add=config.bias_dropout_fusion)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        intermediate, fc1_bias = self.linear_fc1(hidden_states)  # [s, b, ffn/t], bias [ffn/t] or None
+        # The CPU fast path adds fc1's bias inside its GEMM and hands bias_gelu the sum (bias None):
+        # no separate add forward, no recomputed x + bias in backward (the same function).
+        add_bias = True if self.bias_gelu_fusion and fused_impl(self.config, hidden_states) == "native" else None
+        intermediate, fc1_bias = self.linear_fc1(hidden_states, add_bias=add_bias)  # [s, b, ffn/t], bias or None
         if self.bias_gelu_fusion:
             intermediate = fused_kernels.bias_gelu(intermediate, fc1_bias, impl=fused_impl(self.config, intermediate))
         else:

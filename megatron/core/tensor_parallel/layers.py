@@ -262,8 +262,10 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(
-        self, input_: torch.Tensor, weight: torch.Tensor | None = None
+        self, input_: torch.Tensor, weight: torch.Tensor | None = None, *, add_bias: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """add_bias overrides skip_bias_add for this call (True: the bias joins the GEMM, None is returned)."""
+        skip_bias_add = self.skip_bias_add if add_bias is None else not add_bias
         if weight is None:
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear built with skip_weight_param_allocation needs forward(..., weight=)")
@@ -273,7 +275,7 @@ class ColumnParallelLinear(nn.Module):
                 f"weight has shape {tuple(weight.shape)}, expected "
                 f"({self.output_size_per_partition}, {self.input_size}) on this tensor-parallel rank"
             )
-        bias = None if self.skip_bias_add else self.bias
+        bias = None if skip_bias_add else self.bias
         # Fused only into the layer's own weight: a weight passed in (the tied embedding) may get
         # a second gradient elsewhere, which autograd would sum with the placeholder.
         fuse = self.gradient_accumulation_fusion and weight is self.weight
@@ -291,7 +293,7 @@ class ColumnParallelLinear(nn.Module):
             output = gather_from_tensor_model_parallel_region(output_parallel)  # [s, b, out]
         else:
             output = output_parallel
-        return output, (self.bias if self.skip_bias_add else None)
+        return output, (self.bias if skip_bias_add else None)
 
     def extra_repr(self) -> str:
         return (f"input_size={self.input_size}, output_size_per_partition={self.output_size_per_partition}, "
