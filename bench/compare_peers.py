@@ -1,7 +1,7 @@
 """Training speed of one GPT in this project and in two peers, fp32 and bf16, with MFU.
 
-    python bench/compare_peers.py                        # defaults: 3 rounds x 4 timed steps
-    python bench/compare_peers.py --steps 8 --rounds 5 --precisions bf16
+    python bench/compare_peers.py                        # defaults: 5 rounds x 4 timed steps
+    python bench/compare_peers.py --steps 8 --rounds 7 --precisions bf16
     python bench/compare_peers.py --profile ours --precisions fp32   # torch.profiler, one step
 
 The same model and step everywhere: GPT, 4 layers, hidden 256, 8 heads (ffn 1024), vocab 8192,
@@ -659,7 +659,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first in every run (default 2)")
-    parser.add_argument("--rounds", type=int, default=3, help="A B C repetitions (default 3)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="A B C repetitions (default 5: a neighbour slowing one run shifts the median less)")
     parser.add_argument("--precisions", type=lambda s: s.split(","), default=list(PRECISIONS),
                         help="comma-separated, of fp32,bf16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: available cores)")
