@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -324,6 +325,45 @@ def test_native_bf16_within_bf16_rounding_of_the_fp32_reference():
     exact = fk.bias_gelu((x + bias).double(), None, impl="reference")  # Megatron's jit adds in bf16 too
     assert native.dtype == torch.bfloat16
     assert_rel_close(native.double(), exact, rel=2 ** -7)
+
+
+def test_native_bias_gelu_compiles_the_sigmoid_form_for_large_tensors(monkeypatch):
+    """From COMPILE_MIN_NUMEL elements the native bias-GeLU runs gelu through sigmoid, compiled: the
+    same function as the reference (fp32, forward and backward, with and without bias; bf16 within
+    its rounding). The threshold is lowered so that small tensors take the path here."""
+    from megatron.fused_kernels import fused_bias_gelu
+
+    monkeypatch.setattr(fused_bias_gelu, "COMPILE_MIN_NUMEL", 64)
+    calls = []
+    original = fused_bias_gelu._LARGE_FORWARD
+    monkeypatch.setattr(fused_bias_gelu, "_LARGE_FORWARD", lambda *args: calls.append(1) or original(*args))
+    for case in (bias_gelu_case((3, 5, 7), True, scale=3.0), bias_gelu_case((4, 33), False)):
+        assert_same_results(case("native"), case("reference"))
+    assert len(calls) == 2
+    x, bias = leaf(8, 16, seed=4).bfloat16(), leaf(16, seed=5).bfloat16()
+    exact = fk.bias_gelu((x + bias).double(), None, impl="reference")
+    assert_rel_close(fk.bias_gelu(x, bias, impl="native").double(), exact, rel=2 ** -7)
+
+
+def test_native_bias_gelu_runs_aten_when_compiling_fails(monkeypatch):
+    from megatron.fused_kernels import fused_bias_gelu
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(fused_bias_gelu, "COMPILE_MIN_NUMEL", 64)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(fused_bias_gelu, "_LARGE_FORWARD", fused_bias_gelu._compiled_or_none(
+        fused_bias_gelu._sigmoid_form_forward))
+    x, bias = leaf(8, 16, seed=4), leaf(16, seed=5)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+        y = fk.bias_gelu(x, bias, impl="native")
+    assert torch.equal(y, F.gelu(x + bias, approximate="tanh"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        assert torch.equal(fk.bias_gelu(x, bias, impl="native"), y)
 
 
 # ---------------------------------------------------------------- the CPU attention core
