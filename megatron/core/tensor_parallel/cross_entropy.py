@@ -59,7 +59,9 @@ class _CrossEntropyOneRank(torch.autograd.Function):
         needs_grad = ctx.needs_input_grad[0]
         # softmax - one_hot(target), the gradient up to grad_output's per-token factor, in the logits' dtype
         grad = torch.empty_like(rows) if needs_grad else None
-        step = max(1, _ROWS_PER_CHUNK_BYTES // (4 * num_real))
+        # CPU: chunks whose fp32 probabilities stay in cache. Elsewhere one chunk: the check for
+        # underflowing probabilities below synchronises with the device once per chunk.
+        step = max(1, _ROWS_PER_CHUNK_BYTES // (4 * num_real)) if logits.device.type == "cpu" else rows.size(0)
         for start in range(0, rows.size(0), step):
             end = min(start + step, rows.size(0))
             chunk, chunk_labels = rows[start:end, :num_real], labels[start:end]  # padding excluded
