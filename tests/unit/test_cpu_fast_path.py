@@ -261,7 +261,8 @@ def test_torch_compile_flag_trains_to_the_same_losses(capsys):
     """--torch-compile (each transformer layer through torch.compile): the eager losses, fp32."""
     from tests.functional.test_pretrain_gpt import MOCK, TINY
 
-    argv = [*TINY, *MOCK, "--eval-iters", "0", "--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    argv = [*TINY, *MOCK, "--eval-iters", "0", "--train-iters", "3", "--hidden-dropout", "0",
+            "--attention-dropout", "0"]
     threads = torch.get_num_threads()
     try:
         eager = _losses(argv)
