@@ -102,7 +102,6 @@ class DotProductAttention(MegatronModule):
         context = context.permute(2, 0, 1, 3)  # [b, np, sq, hn] -> [sq, b, np, hn]
         return context.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
 
-
     def _fused_cpu_core(self, query: torch.Tensor) -> bool:
         """The CPU fast path applies: fused softmax with the "native" CPU implementation, no active dropout."""
         return (self.config.masked_softmax_fusion and fused_impl(self.config, query) == "native"

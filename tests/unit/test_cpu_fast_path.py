@@ -69,6 +69,16 @@ def test_one_rank_cross_entropy_in_bf16_computes_in_fp32_and_returns_a_bf16_grad
     assert _relative(fast_grad, grad) < 2 ** -7  # the gradient rounded to bf16 twice instead of once
 
 
+def test_half_precision_cross_entropy_keeps_the_general_path():
+    """--fp16-lm-cross-entropy (compute in fp16/bf16): -log p would overflow where an fp16 softmax
+    underflows, so such losses take the general logsumexp - logit path, finite for a hopeless token."""
+    logits = torch.zeros(2, 1, 50, dtype=torch.float16)
+    logits[0, 0, 7] = 30.0  # the target (0) gets probability e^-30 < fp16's smallest subnormal
+    target = torch.zeros(2, 1, dtype=torch.long)
+    loss = ce.vocab_parallel_cross_entropy(logits, target, compute_dtype=torch.float16)
+    assert loss.dtype == torch.float16 and torch.isfinite(loss).all() and abs(float(loss[0, 0]) - 30.0) < 0.1
+
+
 def test_one_rank_cross_entropy_without_grad_and_twice_through_one_graph():
     logits, target = torch.randn(4, 2, 50), torch.randint(0, 50, (4, 2))
     with torch.no_grad():

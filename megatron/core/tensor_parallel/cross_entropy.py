@@ -14,7 +14,7 @@ compute_dtype: the softmax runs in this dtype (fp32 for half-precision logits un
 logits' own dtype: no [s, b, v] fp32 copy of the logits is made outside it, nor cast back
 after it.
 
-One rank (t = 1) without label smoothing takes a shorter path, a few thousand tokens at a time
+One rank (t = 1) without label smoothing, computing in fp32 (or fp64), takes a shorter path, a few thousand tokens at a time
 so that the fp32 temporaries stay in cache: ATen's softmax (one exp per logit), the loss as
 -log of the target's probability (logsumexp - logit, exactly, for the rare token whose
 probability is below 1e-30), and -- when the logits need a gradient -- softmax -
@@ -176,7 +176,9 @@ def vocab_parallel_cross_entropy(
             f"unpadded_vocab_size ({unpadded_vocab_size}) must be in [1, padded vocabulary ({total_vocab})]"
         )
     compute_dtype = compute_dtype or vocab_parallel_logits.dtype
-    if one_rank_fast_path and label_smoothing == 0.0 and parallel_state.get_tensor_model_parallel_world_size() == 1:
+    # The short path takes -log p, which needs fp32's range (an fp16 softmax underflows at 6e-8).
+    if (one_rank_fast_path and label_smoothing == 0.0 and compute_dtype in (torch.float32, torch.float64)
+            and parallel_state.get_tensor_model_parallel_world_size() == 1):
         return _CrossEntropyOneRank.apply(vocab_parallel_logits, target, unpadded_vocab_size, compute_dtype)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, unpadded_vocab_size,
                                             compute_dtype)
