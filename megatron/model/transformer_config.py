@@ -20,8 +20,8 @@ Fused ops (megatron.fused_kernels; docs/fused_kernels.md, "Using them in the mod
 default as in Megatron's flags: masked_softmax_fusion (the attention softmax), bias_gelu_fusion
 (bias + tanh-approximation GeLU), bias_dropout_fusion (bias + dropout + residual). LayerNorm
 always runs fused_kernels.layer_norm. fused_kernels_cpu_impl: the implementation used for CPU
-tensors, "native" (ATen's own kernels; the attention core as one node, fused_core_attention.py:
-the fast CPU path), "reference" (the formulas op by op: the plain path) or "compiled"
+tensors, "native" (ATen's own kernels, the GeLU of large tensors compiled; the attention core as
+one node, fused_core_attention.py; oneDNN fp32 GEMMs in the linears: the fast CPU path), "reference" (the formulas op by op: the plain path) or "compiled"
 (torch.compile); on CUDA the package's automatic choice (Triton) applies. gradient_accumulation_fusion (off here as in Megatron's
 ModelParallelConfig; the flags turn it on): the linear layers add their weight gradients straight
 into DistributedDataParallel's `main_grad` (megatron/core/tensor_parallel/layers.py).
