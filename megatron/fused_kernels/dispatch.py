@@ -159,25 +159,26 @@ class FusedOp:
         return self.implementations[self.select(device, impl)]
 
 
-def compiled(fn: Callable) -> Callable:
+def compiled(fn: Callable, fallback: Callable | None = None) -> Callable:
     """torch.compile(fn), built at the first call. If the compiled call fails where `fn` itself
-    succeeds (no C++ compiler, an unsupported platform), warn once and run `fn` from then on;
-    an error of the inputs raises from `fn` as usual."""
+    succeeds (no C++ compiler, an unsupported platform), warn once and run `fallback` (default:
+    `fn` uncompiled) from then on; an error of the inputs raises from `fn` as usual."""
     state: dict[str, Any] = {}
+    instead = fallback or fn
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if "fn" not in state:
             state["fn"] = torch.compile(fn)
-        if state["fn"] is fn:
-            return fn(*args, **kwargs)
+        if state["fn"] is instead:
+            return instead(*args, **kwargs)
         try:
             return state["fn"](*args, **kwargs)
         except Exception as error:  # noqa: BLE001 -- decided by whether fn fails too
             result = fn(*args, **kwargs)
             warnings.warn(f"torch.compile of {fn.__qualname__} failed ({type(error).__name__}: {error}); "
-                          "running it uncompiled from now on", RuntimeWarning, stacklevel=2)
-            state["fn"] = fn
-            return result
+                          f"running {instead.__qualname__} uncompiled from now on", RuntimeWarning, stacklevel=2)
+            state["fn"] = instead
+            return result if instead is fn else instead(*args, **kwargs)
 
     return wrapper

@@ -27,8 +27,6 @@ Triton's interpreter and every GPU back-end have); dbias is summed by PyTorch fr
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from megatron.fused_kernels.dispatch import FusedOp, Kernels, cdiv, compiled, kernel, tl
@@ -121,28 +119,17 @@ def _sigmoid_form_backward(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Te
     return (grad_y.float() * slope).to(x.dtype)
 
 
-def _compiled_or_none(fn):
-    """torch.compile(fn), or None from the first failure on (no C++ compiler, an unsupported platform)."""
-    state = {"fn": None, "failed": False}
-
-    def call(*args):
-        if state["failed"]:
-            return None
-        if state["fn"] is None:
-            state["fn"] = torch.compile(fn, dynamic=False)
-        try:
-            return state["fn"](*args)
-        except Exception as error:  # noqa: BLE001 -- the caller runs ATen's kernel instead, and says so
-            state["failed"] = True
-            warnings.warn(f"bias_gelu: torch.compile of the large-tensor CPU path failed ({type(error).__name__}: "
-                          f"{error}); ATen's F.gelu runs instead", RuntimeWarning, stacklevel=3)
-            return None
-
-    return call
+def _aten_forward(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.gelu(x if bias is None else x + bias, approximate="tanh")
 
 
-_LARGE_FORWARD = _compiled_or_none(_sigmoid_form_forward)
-_LARGE_BACKWARD = _compiled_or_none(_sigmoid_form_backward)
+def _aten_backward(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(grad_y, x if bias is None else x + bias, approximate="tanh")
+
+
+# Compiled on first use; where compiling fails (no C++ compiler) ATen's kernels run instead, warned once.
+_LARGE_FORWARD = compiled(_sigmoid_form_forward, fallback=_aten_forward)
+_LARGE_BACKWARD = compiled(_sigmoid_form_backward, fallback=_aten_backward)
 
 
 def _large_cpu(x: torch.Tensor) -> bool:
@@ -150,19 +137,11 @@ def _large_cpu(x: torch.Tensor) -> bool:
 
 
 def _forward_native(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if _large_cpu(x):
-        y = _LARGE_FORWARD(x, bias)
-        if y is not None:
-            return y
-    t = x if bias is None else x + bias
-    return torch.nn.functional.gelu(t, approximate="tanh")
+    return (_LARGE_FORWARD if _large_cpu(x) else _aten_forward)(x, bias)
 
 
 def _backward_native(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None):
-    dx = _LARGE_BACKWARD(grad_y, x, bias) if _large_cpu(x) else None
-    if dx is None:
-        t = x if bias is None else x + bias
-        dx = torch.ops.aten.gelu_backward(grad_y, t, approximate="tanh")
+    dx = (_LARGE_BACKWARD if _large_cpu(x) else _aten_backward)(grad_y, x, bias)
     dbias = None if bias is None else dx.reshape(-1, x.shape[-1]).sum(dim=0, dtype=torch.float32)
     return dx, dbias
 

@@ -355,8 +355,8 @@ def test_native_bias_gelu_runs_aten_when_compiling_fails(monkeypatch):
 
     monkeypatch.setattr(fused_bias_gelu, "COMPILE_MIN_NUMEL", 64)
     monkeypatch.setattr(torch, "compile", broken_compile)
-    monkeypatch.setattr(fused_bias_gelu, "_LARGE_FORWARD", fused_bias_gelu._compiled_or_none(
-        fused_bias_gelu._sigmoid_form_forward))
+    monkeypatch.setattr(fused_bias_gelu, "_LARGE_FORWARD", dispatch.compiled(
+        fused_bias_gelu._sigmoid_form_forward, fallback=fused_bias_gelu._aten_forward))
     x, bias = leaf(8, 16, seed=4), leaf(16, seed=5)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
         y = fk.bias_gelu(x, bias, impl="native")
