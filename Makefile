@@ -22,7 +22,10 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PY) -m pip install -q -e ".[tokenizers]"
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
+# The test extra, and megatron-core from PyPI beside the venv (the numerical reference some
+# tests compare with; its `megatron` package has our package's name, so it lives in its own
+# folder and tests run it in subprocesses with PYTHONPATH pointing there: tests/mcore_reference.py).
+$(VENV)/.installed-test: $(VENV)/.installed $(VENV)/peers/megatron_core/.installed
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
@@ -61,8 +64,8 @@ bench: $(DATA)/python_text_document.idx
 # ours vs HF transformers (the test extra) vs megatron-core from PyPI, fp32 and bf16 (docs/PERFORMANCE.md).
 # megatron-core goes beside the venv's site-packages, not into it: its `megatron` package has our
 # package's name, so bench/compare_peers.py runs it in its own processes with its own PYTHONPATH.
-MCORE_SPEC ?= megatron-core
-$(VENV)/peers/megatron_core/.installed: | $(VENV)/.installed-test
+MCORE_SPEC ?= megatron-core==0.16.1
+$(VENV)/peers/megatron_core/.installed: | $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps --target $(VENV)/peers/megatron_core "$(MCORE_SPEC)"
 	touch $@
 
