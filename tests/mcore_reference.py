@@ -39,9 +39,9 @@ INSTALL_HINT = (f"{sys.executable} -m pip install --no-deps --target {MCORE_PATH
 _PRELUDE = '''
 import json, os, sys, warnings
 warnings.filterwarnings("ignore")
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != {root!r}]
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != {root!r}]
 import megatron.core
-assert os.path.abspath(megatron.core.__file__).startswith({mcore!r}), megatron.core.__file__
+assert os.path.realpath(megatron.core.__file__).startswith({mcore!r}), megatron.core.__file__
 
 def emit(obj):
     print("\\n@@MCORE@@" + json.dumps(obj), flush=True)
@@ -95,7 +95,7 @@ def run_mcore(code: str, timeout: float = 300.0, cwd: Optional[Path] = None,
     snippet fails.
     """
     require_mcore()
-    script = _PRELUDE.format(root=str(ROOT), mcore=str(MCORE_PATH)) + textwrap.dedent(code)
+    script = _PRELUDE.format(root=os.path.realpath(ROOT), mcore=os.path.realpath(MCORE_PATH)) + textwrap.dedent(code)
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE",
                                                                   "LOCAL_RANK", "MASTER_PORT")}
     child_env.update({"PYTHONPATH": str(MCORE_PATH), "OMP_NUM_THREADS": "1"})
