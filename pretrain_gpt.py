@@ -35,7 +35,12 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
-    return GPTModel(config, vocab_size=args.padded_vocab_size, num_tokens=get_tokenizer().vocab_size,
+    num_tokens, padded = get_tokenizer().vocab_size, args.padded_vocab_size
+    print_rank_0(f" > loss over all {padded} ids, the {padded - num_tokens} padding ids included (Megatron's loss, "
+                 "--include-padded-vocab-in-loss)" if args.include_padded_vocab_in_loss else
+                 f" > loss over the tokenizer's {num_tokens} ids, the {padded - num_tokens} padding ids excluded "
+                 f"(--include-padded-vocab-in-loss for Megatron's loss over all {padded})")
+    return GPTModel(config, vocab_size=padded, num_tokens=num_tokens,
                     max_sequence_length=args.max_position_embeddings,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type,

@@ -167,6 +167,10 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--calculate-per-token-loss", action="store_true",
                        help="Divide the loss by the number of tokens of the whole global batch.")
+    group.add_argument("--include-padded-vocab-in-loss", action="store_true",
+                       help="Megatron's loss: the softmax over the whole padded vocabulary, the padding "
+                       "rows of the embedding drawn like the others. Default: over the tokenizer's ids "
+                       "only, the same loss at every tensor-parallel size (docs/training.md).")
     group.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
                        help="Empty the accelerator's cache: 1 after each iteration, 2 also after eval.")
     group.add_argument("--deterministic-mode", action="store_true", help="Use deterministic algorithms.")
@@ -430,6 +434,7 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         perform_initialization=args.perform_initialization,
         use_cpu_initialization=bool(args.use_cpu_initialization),
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        include_padded_vocab_in_loss=args.include_padded_vocab_in_loss,
         masked_softmax_fusion=args.masked_softmax_fusion,
         bias_gelu_fusion=args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,

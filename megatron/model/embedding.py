@@ -20,7 +20,10 @@ class LanguageModelEmbedding(MegatronModule):
 
     vocab_size is the padded size; num_tokens (the tokenizer's vocabulary, default vocab_size)
     is how many rows are drawn at initialisation -- the padding rows start at zero, so the
-    initial model, and the random stream after it, are the same for every padding.
+    initial model, and the random stream after it, are the same for every padding. With
+    config.include_padded_vocab_in_loss the whole padded [vocab, h] table is drawn by
+    init_method, as Megatron draws its master weight (use_cpu_initialization) before splitting
+    it: the padding rows then take part in the softmax as Megatron's do.
     Under sequence parallelism the output is this rank's [s/t, b, h] chunk.
     """
 
@@ -30,8 +33,9 @@ class LanguageModelEmbedding(MegatronModule):
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         h, dtype = config.hidden_size, config.params_dtype
+        drawn_rows = vocab_size if config.include_padded_vocab_in_loss else num_tokens
         self.word_embeddings = VocabParallelEmbedding(vocab_size, h, init_method=config.init_method, config=config,
-                                                      num_initialized_embeddings=num_tokens)
+                                                      num_initialized_embeddings=drawn_rows)
         self.position_embeddings = nn.Embedding(max_sequence_length, h, dtype=dtype)
         if config.perform_initialization:
             with torch.no_grad():

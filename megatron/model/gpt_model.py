@@ -46,7 +46,10 @@ class GPTModel(MegatronModule):
     vocab_size is the padded vocabulary (a multiple of --make-vocab-size-divisible-by x t);
     num_tokens is the tokenizer's (default: vocab_size). Ids from num_tokens up are padding:
     their rows start at zero and their logits take no part in the loss, so the loss and the
-    gradients do not depend on how much padding the tensor-parallel size asked for.
+    gradients do not depend on how much padding the tensor-parallel size asked for (nor differ
+    from a HuggingFace model's). config.include_padded_vocab_in_loss gives Megatron's loss
+    instead: the padding rows are drawn like the others and the softmax runs over all
+    vocab_size ids, so the loss depends on t. loss_vocab_size says which of the two is in use.
     """
 
     def __init__(
@@ -71,6 +74,8 @@ class GPTModel(MegatronModule):
             )
         self.vocab_size = vocab_size
         self.num_tokens = num_tokens if num_tokens is not None else vocab_size
+        # The ids the softmax of the loss runs over: [0, loss_vocab_size).
+        self.loss_vocab_size = vocab_size if config.include_padded_vocab_in_loss else self.num_tokens
         self.parallel_output = parallel_output
         self.max_sequence_length = max_sequence_length
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
@@ -92,6 +97,8 @@ class GPTModel(MegatronModule):
             # Tied on a stage that has the embedding: the layer multiplies by the embedding's
             # weight and owns none (no output_layer.* key in the state dict).
             tied_here = share_embeddings_and_output_weights and pre_process
+            # Untied, it draws the whole padded [vocab, h] matrix and keeps its rows, as Megatron
+            # does; the padding rows matter only with include_padded_vocab_in_loss.
             with init_rng(init_seed, config.num_layers + 1):
                 self.output_layer = ColumnParallelLinear(config.hidden_size, vocab_size, config=config,
                                                          init_method=config.init_method, bias=False,
@@ -162,6 +169,6 @@ class GPTModel(MegatronModule):
         compute_dtype = logits.dtype if self.config.fp16_lm_cross_entropy else torch.float32
         labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
         fast = fused_impl(self.config, logits) != "reference"  # the plain path keeps the general CE
-        losses = vocab_parallel_cross_entropy(logits, labels, unpadded_vocab_size=self.num_tokens,
+        losses = vocab_parallel_cross_entropy(logits, labels, unpadded_vocab_size=self.loss_vocab_size,
                                               compute_dtype=compute_dtype, one_rank_fast_path=fast)  # [s, b]
         return losses.transpose(0, 1).contiguous()  # [s, b] -> [b, s]

@@ -25,6 +25,11 @@ one node, fused_core_attention.py; oneDNN fp32 GEMMs in the linears: the fast CP
 (torch.compile); on CUDA the package's automatic choice (Triton) applies. gradient_accumulation_fusion (off here as in Megatron's
 ModelParallelConfig; the flags turn it on): the linear layers add their weight gradients straight
 into DistributedDataParallel's `main_grad` (megatron/core/tensor_parallel/layers.py).
+
+Not a Megatron-Core field: include_padded_vocab_in_loss (--include-padded-vocab-in-loss). Off, the
+ids the vocabulary padding adds start with zero embedding rows and take no part in the softmax, so
+the loss is the same at every tensor-parallel size (GPTModel); on, they are drawn like the real rows
+and the softmax runs over the whole padded vocabulary, as in Megatron (docs/training.md).
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class TransformerConfig:
     perform_initialization: bool = True
     use_cpu_initialization: bool = False
     fp16_lm_cross_entropy: bool = False
+    include_padded_vocab_in_loss: bool = False
     masked_softmax_fusion: bool = True
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True

@@ -6,8 +6,10 @@ by one rank), and the sum of exps -- each an all-reduce of [s, b] (a fourth, the
 log-probabilities, with label smoothing). With t = 1 no collective is issued.
 
 Padding: the padded vocabulary (a multiple of make_vocab_size_divisible_by x t) has ids the
-tokenizer never produces. Their logits are set to -inf here, so they take no probability and
-get no gradient: the loss is the same for any padding, i.e. for any t.
+tokenizer never produces. With unpadded_vocab_size = the tokenizer's size their logits are set
+to -inf here, so they take no probability and get no gradient: the loss is the same for any
+padding, i.e. for any t. With None (or the padded size) every id takes part: Megatron's loss,
+which GPTModel computes under --include-padded-vocab-in-loss. Both paths below honour it.
 
 compute_dtype: the softmax runs in this dtype (fp32 for half-precision logits unless Megatron's
 --fp16-lm-cross-entropy), cast inside the function, and the gradient is returned in the
