@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from megatron.core import parallel_state
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     clip_grad_norm_fp32,
@@ -127,7 +128,7 @@ def _build_grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
 
 def _chunks_use_distributed_optimizer(model_chunks: Sequence[nn.Module]) -> bool:
     """Whether the chunks were wrapped in DistributedDataParallel(use_distributed_optimizer=True)."""
-    flags = [bool(getattr(getattr(chunk, "ddp_config", None), "use_distributed_optimizer", False))
+    flags = [isinstance(chunk, DistributedDataParallel) and chunk.ddp_config.use_distributed_optimizer
              for chunk in model_chunks]
     if any(flags) and not all(flags):
         raise ValueError("some model chunks use the distributed optimizer's buffers and some do not")

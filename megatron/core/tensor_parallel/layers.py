@@ -31,6 +31,7 @@ are fp32 CPU tensors and torch has oneDNN; "reference" keeps F.linear (the plain
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,16 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.utils import VocabUtility, divide
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ParallelLayerConfig(Protocol):
+    """The config fields these layers read (megatron.model.TransformerConfig has them all)."""
+
+    sequence_parallel: bool
+    params_dtype: torch.dtype
+    perform_initialization: bool
+    gradient_accumulation_fusion: bool
+    fused_kernels_cpu_impl: str
 
 # What a parameter's TP attributes mean when a layer did not set them: replicated on every rank.
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {"tensor_model_parallel": False, "partition_dim": -1, "partition_stride": 1}
@@ -113,10 +124,10 @@ def _onednn_available() -> bool:
 _ONEDNN = _onednn_available()
 
 
-def _use_onednn(config, *tensors: torch.Tensor) -> bool:
-    """oneDNN's fp32 GEMM for this call: the fast CPU path is on and every operand is an fp32 CPU tensor.
-    Not inside torch.compile (Inductor lowers this op only for frozen, constant weights)."""
-    return (_ONEDNN and getattr(config, "fused_kernels_cpu_impl", "reference") == "native"
+def _use_onednn(fused_kernels_cpu_impl: str, *tensors: torch.Tensor) -> bool:
+    """oneDNN's fp32 GEMM for this call: the fast CPU path ("native") is on and every operand is an
+    fp32 CPU tensor. Not inside torch.compile (Inductor lowers this op only for frozen, constant weights)."""
+    return (_ONEDNN and fused_kernels_cpu_impl == "native"
             and not torch.compiler.is_compiling()
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors))
 
@@ -227,7 +238,7 @@ class ColumnParallelLinear(nn.Module):
         input_size: int,
         output_size: int,
         *,
-        config,
+        config: ParallelLayerConfig,
         init_method: InitMethod,
         bias: bool = True,
         gather_output: bool = False,
@@ -243,8 +254,8 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel
-        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
-        self.fused_kernels_cpu_impl = getattr(config, "fused_kernels_cpu_impl", "reference")  # oneDNN fp32 GEMMs
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.fused_kernels_cpu_impl = config.fused_kernels_cpu_impl  # "native": oneDNN fp32 GEMMs
         if self.sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel")
 
@@ -283,7 +294,7 @@ class ColumnParallelLinear(nn.Module):
             input_parallel = input_  # [s/t, b, in], all-gathered inside the linear
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_)  # [s, b, in]
-        onednn = _use_onednn(self, input_parallel, weight)
+        onednn = _use_onednn(self.fused_kernels_cpu_impl, input_parallel, weight)
         if self.sequence_parallel or fuse or onednn:
             output_parallel = _LinearWithGradAccumulation.apply(
                 input_parallel, weight, bias, self.sequence_parallel, fuse, onednn)  # [s, b, out/t]
@@ -316,7 +327,7 @@ class RowParallelLinear(nn.Module):
         input_size: int,
         output_size: int,
         *,
-        config,
+        config: ParallelLayerConfig,
         init_method: InitMethod,
         bias: bool = True,
         input_is_parallel: bool = True,
@@ -331,8 +342,8 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel
-        self.gradient_accumulation_fusion = getattr(config, "gradient_accumulation_fusion", False)
-        self.fused_kernels_cpu_impl = getattr(config, "fused_kernels_cpu_impl", "reference")  # oneDNN fp32 GEMMs
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.fused_kernels_cpu_impl = config.fused_kernels_cpu_impl  # "native": oneDNN fp32 GEMMs
         if self.sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
 
@@ -351,7 +362,7 @@ class RowParallelLinear(nn.Module):
             input_parallel = input_  # [s, b, in/t]
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(input_)  # [s, b, in] -> [s, b, in/t]
-        onednn = _use_onednn(self, input_parallel, self.weight)
+        onednn = _use_onednn(self.fused_kernels_cpu_impl, input_parallel, self.weight)
         if self.gradient_accumulation_fusion or onednn:
             output_parallel = _LinearWithGradAccumulation.apply(
                 input_parallel, self.weight, None, False, self.gradient_accumulation_fusion, onednn)  # [s, b, out]
@@ -388,7 +399,7 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         init_method: InitMethod,
-        config,
+        config: ParallelLayerConfig,
         reduce_scatter_embeddings: bool = False,
         num_initialized_embeddings: int | None = None,
     ) -> None:
