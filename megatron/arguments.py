@@ -441,6 +441,7 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         fused_kernels_cpu_impl=args.fused_kernels_cpu_impl,
         deterministic_mode=args.deterministic_mode,
+        calculate_per_token_loss=args.calculate_per_token_loss,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,

@@ -307,7 +307,11 @@ def _validate_batch(args: Namespace) -> None:
 
 
 def _validate_data_parallel(args: Namespace) -> None:
-    """--overlap-param-gather overlaps the distributed optimizer's all-gather (Megatron's requirements)."""
+    """--overlap-param-gather overlaps the distributed optimizer's all-gather (Megatron's requirements);
+    per-token gradients are summed over the replicas, so they cannot be averaged in the collective."""
+    if args.calculate_per_token_loss and args.ddp_average_in_collective:
+        raise ArgsError("--ddp-average-in-collective cannot be used with --calculate-per-token-loss: per-token "
+                        "gradients are summed over the data-parallel ranks and divided by the global token count")
     if args.overlap_param_gather:
         if not args.use_distributed_optimizer:
             raise ArgsError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "

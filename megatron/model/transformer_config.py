@@ -26,6 +26,10 @@ one node, fused_core_attention.py; oneDNN fp32 GEMMs in the linears: the fast CP
 ModelParallelConfig; the flags turn it on): the linear layers add their weight gradients straight
 into DistributedDataParallel's `main_grad` (megatron/core/tensor_parallel/layers.py).
 
+calculate_per_token_loss (--calculate-per-token-loss): the loss is the sum over the global batch's
+loss tokens divided by their count; DistributedDataParallel then sums gradients over the
+data-parallel ranks instead of averaging them, and finalize_model_grads divides by the global count.
+
 Not a Megatron-Core field: include_padded_vocab_in_loss (--include-padded-vocab-in-loss). Off, the
 ids the vocabulary padding adds start with zero embedding rows and take no part in the softmax, so
 the loss is the same at every tensor-parallel size (GPTModel); on, they are drawn like the real rows
@@ -99,6 +103,7 @@ class TransformerConfig:
     gradient_accumulation_fusion: bool = False
     fused_kernels_cpu_impl: str = "native"
     deterministic_mode: bool = False
+    calculate_per_token_loss: bool = False
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None

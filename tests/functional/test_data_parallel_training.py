@@ -13,7 +13,9 @@ launches cover it:
     serial resumed 6..10  loads it too, in one process
     dp4 dist-opt  1..5    --use-distributed-optimizer --overlap-param-gather, saves at 5 (model file +
                           distrib_optim.pt)
-    dp2 dist-opt  6..10   loads it at DP=2: the optimizer shards are re-cut for 2 ranks
+    dp2 dist-opt  6..10   loads it at DP=2: the optimizer shards are re-cut for 2 ranks; with
+                          --calculate-per-token-loss (full loss masks: the same numbers, but
+                          gradients summed over the replicas, divided by the global token count)
 
 Only data-parallel rank 0 writes, so the checkpoint holds one file, mp_rank_00, whatever DP is.
 """
@@ -56,7 +58,8 @@ def runs(default_pipeline, tmp_path_factory):  # noqa: F811
         "dp4_distopt": _torchrun(4, [*flags, "--use-distributed-optimizer", "--overlap-grad-reduce",
                                      "--overlap-param-gather",
                                      "--exit-interval", "5", "--save", str(ckpt_distopt), "--save-interval", "1000"]),
-        "dp2_distopt_resumed": _torchrun(2, [*flags, "--use-distributed-optimizer", "--load", str(ckpt_distopt)]),
+        "dp2_distopt_resumed": _torchrun(2, [*flags, "--use-distributed-optimizer", "--load", str(ckpt_distopt),
+                                             "--calculate-per-token-loss"]),
     }
     for name, proc in procs.items():
         worker_lines = [line for line in proc.stderr.splitlines()  # without progress and torchrun's log lines

@@ -4,7 +4,7 @@
     with model.no_sync():            # every micro-batch but the last: accumulate only
         loss.backward()
     loss.backward()                  # last micro-batch: with overlap, buckets launch as they fill
-    model.finish_grad_sync()         # (finalize_model_grads) wait; main_grad holds the DP mean
+    model.finish_grad_sync()         # (finalize_model_grads) wait; main_grad holds the DP mean (sum)
     model.zero_grad_buffer()         # before the next global batch
 
 Every trainable parameter gets a `main_grad` view into a contiguous buffer (one per
@@ -17,12 +17,17 @@ distributed optimizer) while backward continues through earlier layers.
 
 The wrapper is used at every data-parallel size (at 1 no collective runs), as in Megatron, so
 the optimizer always reads `main_grad`.
+
+Normalisation over the data-parallel ranks follows config.calculate_per_token_loss (Megatron's):
+    False  each bucket is pre-scaled by 1/d (or reduced with AVG): main_grad is the replicas' mean
+    True   buckets are summed unscaled; finalize_model_grads then divides by the global batch's
+           loss-token count, itself summed over the same data-parallel group
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Protocol
 
 import torch
 from torch import nn
@@ -32,8 +37,14 @@ from megatron.core.distributed.param_and_grad_buffer import DistributedDataParal
 from megatron.core.utils import unwrap_model
 
 
+class DDPModelConfig(Protocol):
+    """What DistributedDataParallel reads from the model's config (megatron.model.TransformerConfig)."""
+
+    calculate_per_token_loss: bool
+
+
 class DistributedDataParallel(nn.Module):
-    def __init__(self, config: Any, ddp_config: DistributedDataParallelConfig, module: nn.Module,
+    def __init__(self, config: DDPModelConfig, ddp_config: DistributedDataParallelConfig, module: nn.Module,
                  data_parallel_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
         super().__init__()
         self.config = config
@@ -46,10 +57,10 @@ class DistributedDataParallel(nn.Module):
         self.data_parallel_world_size = world
         # Gradients are the mean over data-parallel ranks; with per-token loss they are summed here
         # and divided by the global token count in finalize_model_grads.
-        calculate_per_token_loss = getattr(config, "calculate_per_token_loss", False)
-        scaling = 1.0 if calculate_per_token_loss else 1.0 / world
-        if ddp_config.average_in_collective and calculate_per_token_loss:
-            raise ValueError("--ddp-average-in-collective cannot be used with --calculate-per-token-loss")
+        if ddp_config.average_in_collective and config.calculate_per_token_loss:
+            raise ValueError("--ddp-average-in-collective cannot be used with --calculate-per-token-loss: "
+                             "per-token gradients are summed over the data-parallel ranks, not averaged")
+        scaling = 1.0 if config.calculate_per_token_loss else 1.0 / world
 
         own_bucket = self._pipeline_shared_embedding() if ddp_config.use_distributed_optimizer else []
         by_dtype: Dict[tuple, List[nn.Parameter]] = {}

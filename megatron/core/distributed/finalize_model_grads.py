@@ -11,7 +11,8 @@ In this order (Megatron's):
        first stage's word embedding and the last stage's copy of it are one logical weight; their
        gradients are summed over the embedding group, so both copies take the same step.
     4. per-token normalisation (--calculate-per-token-loss): gradients divided by the number of
-       tokens of the global batch.
+       loss tokens of the global batch (each replica's count summed over the data-parallel group;
+       DistributedDataParallel summed, not averaged, the replicas' gradients).
 
 Steps 2 and 3 are sums, so they commute with the data-parallel sum. With the distributed
 optimizer only this rank's shard of each bucket holds the reduced gradient; TP ranks share one
@@ -26,7 +27,8 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from megatron.core import communication, parallel_state
+from megatron.core import communication, device, parallel_state
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
 from megatron.core.utils import unwrap_model
 
 
@@ -84,14 +86,54 @@ def scale_gradients(model_chunks: List[nn.Module], factor: float) -> None:
                 grad.mul_(factor)
 
 
+def _check_normalisation(model_chunks: List[nn.Module], per_token: bool) -> None:
+    """The schedule's normalisation must be the one each DistributedDataParallel chunk was built for:
+    DDP sums per-token gradients over the replicas but pre-scales the others by 1/d, so a mismatch
+    would divide by the data-parallel size twice (or not at all)."""
+    for chunk in model_chunks:
+        if isinstance(chunk, DistributedDataParallel) and chunk.config.calculate_per_token_loss != per_token:
+            raise ValueError(
+                f"the schedule ran with calculate_per_token_loss={per_token} but DistributedDataParallel was "
+                f"built with config.calculate_per_token_loss={chunk.config.calculate_per_token_loss}: set the "
+                "model config's field to the schedule's (core_transformer_config_from_args does)")
+
+
+def _token_count_group(model_chunks: List[nn.Module]) -> Optional[torch.distributed.ProcessGroup]:
+    """The group the chunks' gradients were summed over: DistributedDataParallel's (it may have been
+    given one), else parallel_state's data-parallel group (with context parallelism)."""
+    groups = [chunk.data_parallel_group for chunk in model_chunks if isinstance(chunk, DistributedDataParallel)]
+    if not groups:
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if any(group is not groups[0] for group in groups):
+        raise ValueError("the model chunks reduce their gradients over different data-parallel groups")
+    return groups[0]
+
+
+def divide_by_global_token_count(model_chunks: List[nn.Module], num_tokens: torch.Tensor) -> None:
+    """Divide every gradient by num_tokens summed over the data-parallel group (per-token loss).
+
+    Every replica's gradient is a sum over its own loss tokens and DDP summed them, so this makes
+    the gradient of (sum of all loss tokens' losses) / (their count) over the global batch.
+    """
+    # [1] int64, on the device: NCCL reduces only accelerator tensors
+    total = torch.as_tensor(num_tokens).to(device=device.get_device(), dtype=torch.int64).reshape(1).clone()
+    group = _token_count_group(model_chunks)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        communication.all_reduce(total, group=group)
+    count = int(total.item())
+    if count > 0:  # no loss token anywhere: the gradients are zero already (Megatron skips too)
+        scale_gradients(model_chunks, 1.0 / count)
+
+
 def finalize_model_grads(model_chunks: List[nn.Module], num_tokens: Optional[torch.Tensor] = None) -> None:
     """Run the reductions above; num_tokens (per-token loss only) is this replica's token count.
 
     Order as in Megatron: the data-parallel reduction first (DistributedDataParallel chunks: wait
     for, or run, every bucket's all-reduce / reduce-scatter), then the tensor-parallel and
     pipeline reductions on the data-parallel result, then the per-token division by the global
-    batch's token count (summed over the data-parallel ranks).
+    batch's token count (summed over the data-parallel group the gradients were summed over).
     """
+    _check_normalisation(model_chunks, per_token=num_tokens is not None)
     for chunk in model_chunks:
         finish = getattr(chunk, "finish_grad_sync", None)
         if finish is not None:
@@ -99,8 +141,4 @@ def finalize_model_grads(model_chunks: List[nn.Module], num_tokens: Optional[tor
     allreduce_sequence_parallel_grads(model_chunks)
     allreduce_embedding_grads(model_chunks)
     if num_tokens is not None:
-        total = torch.as_tensor(num_tokens, dtype=torch.int64).reshape(1).clone()
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        if group is not None and torch.distributed.get_world_size(group) > 1:
-            communication.all_reduce(total, group=group)
-        scale_gradients(model_chunks, 1.0 / max(int(total.item()), 1))
+        divide_by_global_token_count(model_chunks, num_tokens)

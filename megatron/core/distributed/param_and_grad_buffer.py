@@ -13,7 +13,8 @@ data-parallel rank r owns the r-th 1/d slice of every bucket: gradients are redu
 that slice, the optimizer updates it, and the updated slices are all-gathered back.
 
 A bucket's collective runs on its whole grad slice, pre-scaled by gradient_scaling_factor
-(1/d: the mean over data-parallel ranks) unless average_in_collective reduces with AVG.
+(1/d: the mean over data-parallel ranks; 1 with per-token loss, a sum that finalize_model_grads
+divides by the global token count) unless average_in_collective reduces with AVG.
 """
 
 from __future__ import annotations

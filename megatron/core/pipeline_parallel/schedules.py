@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from megatron.core import parallel_state
+from megatron.core import device, parallel_state
 from megatron.core.distributed.finalize_model_grads import scale_gradients
 from megatron.core.pipeline_parallel import p2p_communication, tracer
 from megatron.core.pipeline_parallel.p2p_communication import Where
@@ -85,7 +85,8 @@ class _Run:
         self.calculate_per_token_loss = calculate_per_token_loss
         self.deallocate = deallocate_pipeline_outputs and not forward_only
         self.losses: List[LossDict] = []
-        self.total_num_tokens = torch.zeros((), dtype=torch.int64)
+        # On the device: the pipeline broadcast and the data-parallel sum of it must work with NCCL.
+        self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=device.get_device())
 
     def forward(self, data_iterator: Optional[Iterator], model: torch.nn.Module,
                 input_tensor: Optional[torch.Tensor], microbatch: int, virtual_stage: int) -> torch.Tensor:
@@ -96,7 +97,7 @@ class _Run:
             if parallel_state.is_pipeline_last_stage():
                 loss, num_tokens, reported = _run_loss_func(loss_func, output_tensor, self.num_microbatches,
                                                             self.calculate_per_token_loss)
-                self.total_num_tokens += num_tokens.to(torch.int64).cpu()
+                self.total_num_tokens += num_tokens.to(device=self.total_num_tokens.device, dtype=torch.int64)
                 self.losses.append(reported)
                 output_tensor = loss
         if self.forward_only:
