@@ -44,7 +44,7 @@ from megatron.training_log import (
     num_floating_point_operations,
     write_scalars,
 )
-from megatron.utils import print_datetime, print_rank_0, print_rank_last
+from megatron.utils import print_datetime, print_line, print_rank_0, print_rank_last
 
 _TRAIN_START_TIME: float = time.time()
 
@@ -165,9 +165,9 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
     if args.torch_compile:
         _compile_transformer_layers(model)
     if parallel_state.get_data_parallel_rank() == 0:
-        print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
+        print_line(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
             parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
-            get_num_parameters(model)), flush=True)
+            get_num_parameters(model)))
     total = get_num_parameters_across_model_parallel(model)
     print_rank_0(f" > number of parameters in the model (every rank, replicated ones once): {total}")
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -287,7 +287,8 @@ def build_train_valid_test_data_iterators(provider: Callable) -> Tuple[Optional[
         dataset, consumed, micro_batch_size=args.micro_batch_size,
         data_parallel_rank=parallel_state.get_data_parallel_rank(),
         data_parallel_size=parallel_state.get_data_parallel_world_size(),
-        dataloader_type=args.dataloader_type, num_workers=args.num_workers, seed=args.seed)
+        dataloader_type=args.dataloader_type, num_workers=args.num_workers, seed=args.seed,
+        workers_ignore_sigterm=args.exit_signal_handler)
         for dataset, consumed in zip(datasets, (args.consumed_train_samples, args.consumed_valid_samples, 0))]
     # Only the ranks that read data (tensor-parallel rank 0) have loaders; the others take
     # their batches by broadcast, and learn from here which splits exist.
@@ -501,6 +502,7 @@ class _Loop:
             global_batch_size=batch_size, losses=self.stats.averages(), loss_scale=loss_scale,
             grad_norm=grad_norm, num_zeros_in_grad=num_zeros, params_norm=self._params_norm(),
             skipped=self.stats.skipped, nan=self.stats.nan))
+        progress.report(iteration)  # the same (last) rank, right after its log line
         self._log_timers_and_memory(iteration, max(self.stats.iterations, 1))
         if args.log_communication_stats:
             counter = communication.get_global_counter()
@@ -509,8 +511,6 @@ class _Loop:
         if writer is not None or wandb is not None:
             write_scalars(writer, wandb, {"iteration-time": seconds, "throughput": tflops}, iteration,
                           args.consumed_train_samples)
-        if parallel_state.get_data_parallel_rank() == 0:
-            progress.report(iteration)
         self.stats = IntervalStats()
 
     def _log_timers_and_memory(self, iteration: int, iterations: int) -> None:

@@ -1,16 +1,21 @@
 """What the training loop reports: Megatron's log line, TensorBoard/W&B scalars, progress, FLOPs.
 
 The log line (stdout of the last rank, every --log-interval iterations) is Megatron's, field for
-field, e.g.
+field, with its local-time prefix (as Megatron-LM core_v0.13 prints it), e.g.
 
-     iteration       10/     100 | consumed samples:           80 | elapsed time per iteration (ms): 123.4 |
-     throughput per GPU (TFLOP/s/GPU): 1.2 | learning rate: 1.000000E-03 | global batch size:     8 |
-     lm loss: 5.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |
+     [2025-06-01 12:00:00] iteration       10/     100 | consumed samples:           80 |
+     elapsed time per iteration (ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 1.2 |
+     learning rate: 1.000000E-03 | global batch size:     8 | lm loss: 5.123456E+00 |
+     loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |
      number of nan iterations:   0 |
 
 (one line in the real output). Losses are averaged over the iterations of the interval whose
 update was applied; skipped iterations (fp16 overflow) are counted instead, and iterations whose
 loss is inf/nan are counted as nan iterations.
+
+The progress line (iterations, rate, ETA) goes to stderr of the same rank, right after the log
+line, as one complete line written at once, so that merged output (`2>&1 | tee log`) keeps every
+line whole and parsers can skip lines starting with `progress:`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
-from megatron.utils import print_rank_last
+from megatron.utils import print_rank_last, timestamp
 
 
 def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
@@ -81,9 +86,10 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, 
                     tflops_per_gpu: float, learning_rate: float, global_batch_size: int,
                     losses: Dict[str, float], loss_scale: float, grad_norm: Optional[float],
                     num_zeros_in_grad: Optional[int], params_norm: Optional[float],
-                    skipped: int, nan: int) -> str:
-    """Megatron's training log line."""
-    line = " iteration {:8d}/{:8d} |".format(iteration, train_iters)
+                    skipped: int, nan: int, now: Optional[str] = None) -> str:
+    """Megatron's training log line; now is its ' [YYYY-MM-DD HH:MM:SS]' prefix (default: the local time)."""
+    line = " [{}]".format(now if now is not None else timestamp())
+    line += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
     line += " consumed samples: {:12d} |".format(consumed_samples)
     line += " elapsed time per iteration (ms): {:.1f} |".format(ms_per_iteration)
     line += " throughput per GPU (TFLOP/s/GPU): {:.1f} |".format(tflops_per_gpu)
@@ -129,13 +135,17 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    """Iterations done, rate and ETA, printed to stderr at each log line for a person watching."""
+    """Iterations done, rate and ETA, for a person watching: one line on the last rank's stderr.
+
+    report() is called right after the log line on every rank; only the last rank (the one that
+    prints the log line) writes, terminal or not, the whole line in one write.
+    """
 
     def __init__(self, start_iteration: int, train_iters: int, stream: Any = None) -> None:
         self.start_iteration = start_iteration
         self.train_iters = train_iters
         self.start_time = time.time()
-        self.stream = stream or sys.stderr
+        self.stream = stream  # None: sys.stderr at the time of the report
 
     def line(self, iteration: int) -> str:
         elapsed = time.time() - self.start_time
@@ -148,7 +158,7 @@ class Progress:
                 f"elapsed {_clock(elapsed)} | ETA {eta_text} | {rate:.2f} it/s")
 
     def report(self, iteration: int) -> None:
-        print(self.line(iteration), file=self.stream, flush=True)
+        print_rank_last(self.line(iteration), stream=self.stream or sys.stderr)
 
 
 def write_scalars(writer: Any, wandb: Any, scalars: Dict[str, float], iteration: int,

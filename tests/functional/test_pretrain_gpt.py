@@ -19,7 +19,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255"]
 
 LOG_LINE = re.compile(
-    r"^ iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): [\d.]+ \| "
+    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] "  # Megatron's local-time prefix
+    r"iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): [\d.]+ \| "
     r"throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| learning rate: (\S+) \| global batch size: +(\d+) \| "
     r"(?:lm loss: (\S+) \| )?loss scale: ([\d.]+) \| (?:grad norm: ([\d.]+|nan|inf) \| )?"
     r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$")
@@ -32,7 +33,7 @@ def log_lines(out):
     """
     rows = []
     for line in out.splitlines():
-        if line.startswith(" iteration "):
+        if "| consumed samples:" in line:  # a log line must match whole: a garbled one fails here
             m = LOG_LINE.match(line)
             assert m, f"log line not in Megatron's format: {line!r}"
             rows.append({"iteration": int(m[1]), "train_iters": int(m[2]), "consumed": int(m[3]),
