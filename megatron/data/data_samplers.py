@@ -11,6 +11,7 @@ The dataset itself is already shuffled (GPTDataset's shuffle index), so 'single'
 
 from __future__ import annotations
 
+import signal
 from typing import Iterator, List, Optional
 
 import torch
@@ -92,11 +93,26 @@ class MegatronPretrainingRandomSampler:
             yield order[i:i + self.micro_batch_size]
 
 
+def _ignore_sigterm(worker_id: int) -> None:
+    """worker_init_fn under --exit-signal-handler: the worker outlives a SIGTERM meant for the job.
+
+    A scheduler (and torchrun, which signals each training process's group) sends SIGTERM to the
+    loader's workers too. PyTorch's worker handler dies of it, and the training process then fails
+    with 'DataLoader worker ... is killed by signal' before it can save. Ignored here, the workers
+    keep serving batches until the loop saves and exits; they stop when the loader shuts them down.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def build_pretraining_data_loader(dataset: Optional[Dataset], consumed_samples: int, *, micro_batch_size: int,
                                   data_parallel_rank: int, data_parallel_size: int,
                                   dataloader_type: str = "single", num_workers: int = 2,
-                                  seed: int = 1234) -> Optional[DataLoader]:
-    """A DataLoader over dataset whose first batch follows the consumed_samples already trained on."""
+                                  seed: int = 1234, workers_ignore_sigterm: bool = False) -> Optional[DataLoader]:
+    """A DataLoader over dataset whose first batch follows the consumed_samples already trained on.
+
+    workers_ignore_sigterm (--exit-signal-handler): the worker processes ignore SIGTERM, so that
+    a SIGTERM sent to every process of the job reaches only the training loop's handler.
+    """
     if dataset is None:
         return None
     if dataloader_type == "single":
@@ -113,4 +129,5 @@ def build_pretraining_data_loader(dataset: Optional[Dataset], consumed_samples: 
     generator.manual_seed(seed)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                       pin_memory=device.get_device().type == "cuda",
-                      persistent_workers=num_workers > 0, generator=generator)
+                      persistent_workers=num_workers > 0, generator=generator,
+                      worker_init_fn=_ignore_sigterm if workers_ignore_sigterm and num_workers > 0 else None)

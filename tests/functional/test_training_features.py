@@ -159,15 +159,18 @@ def test_bad_flags_fail_fast_on_the_command_line():
 
 
 def test_sigterm_with_exit_signal_handler_saves_and_exits(tmp_path):
+    """SIGTERM to the whole process group, DataLoader workers included (as a scheduler sends it)."""
     ckpt = tmp_path / "ckpt"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "pretrain_gpt.py", *TINY, *MOCK, *QUIET, "--train-iters", "100000",
-                             "--exit-signal-handler", "--save", str(ckpt), "--save-interval", "100000"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--exit-signal-handler", "--save", str(ckpt), "--save-interval", "100000",
+                             "--num-workers", "2"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         for line in proc.stdout:
-            if line.startswith(" iteration        3/"):
-                proc.send_signal(signal.SIGTERM)
+            if " iteration        3/" in line:
+                os.killpg(proc.pid, signal.SIGTERM)
                 break
         out, err = proc.communicate(timeout=120)
     finally:
