@@ -70,8 +70,10 @@ def _run_until_sigterm(ckpt, status_dir):
     command = [*_torchrun(2), "tests/functional/record_exit_status.py", "pretrain_gpt.py", *FLAGS,
                "--num-workers", "2", "--train-iters", "200", "--exit-signal-handler", "--save", str(ckpt),
                "--save-interval", "100000"]
-    proc = subprocess.Popen(command, cwd=ROOT, env=_env(EXIT_STATUS_DIR=str(status_dir)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # torchrun's grace period before it kills the ranks (30 s by default): ample on a loaded machine
+    env = _env(EXIT_STATUS_DIR=str(status_dir), TORCH_ELASTIC_SHUTDOWN_TIMEOUT="120")
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     lines, logged = [], threading.Event()
 
     def read():
@@ -92,12 +94,15 @@ def _run_until_sigterm(ckpt, status_dir):
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        proc.wait(timeout=120)
+        proc.wait(timeout=180)
         reader.join(timeout=10)
     finally:
         if proc.poll() is None:
             for pid in _process_tree(proc.pid):
-                os.kill(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             proc.wait()
     return proc.returncode, "".join(lines), tree
 
@@ -111,7 +116,7 @@ def runs(tmp_path_factory):
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     saved = int(tracker.read_text()) if tracker.is_file() else None
     resumed = None
-    if saved is not None:
+    if saved is not None:  # 4 more iterations, on the schedule of the checkpoint (--train-iters changes)
         resumed = subprocess.run([*_torchrun(4), "pretrain_gpt.py", *FLAGS, "--num-workers", "0", "--load",
                                   str(ckpt), "--train-iters", str(saved + 4),
                                   "--use-checkpoint-opt_param-scheduler"],
