@@ -136,18 +136,7 @@ def main(argv: Optional[List[str]] = None, record_history: bool = False):
                     record_history=record_history)
 
 
-def user_input_errors() -> tuple:
-    """Errors that mean bad flags or files: reported as one line, without a traceback."""
-    from megatron.arguments import ArgsError
-    from megatron.checkpointing import CheckpointError
-    from megatron.data.indexed_dataset import IndexedDatasetError
-    from megatron.tokenizer import TokenizerConfigError
-
-    return (ArgsError, CheckpointError, IndexedDatasetError, TokenizerConfigError, FileNotFoundError)
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    except user_input_errors() as exc:
-        sys.exit(f"pretrain_gpt.py: error: {exc}")
+    from megatron.cli import run_cli  # noqa: E402
+
+    run_cli(main, "pretrain_gpt.py")  # bad input: one line and exit status 1 (MEGATRON_DEBUG=1: traceback)

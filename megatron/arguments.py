@@ -31,6 +31,7 @@ from megatron.arguments_validation import (
     print_args,
     validate_args,
 )
+from megatron.arguments_megatron import add_megatron_flags
 from megatron.tokenizer.arguments import add_tokenizer_args
 
 __all__ = [
@@ -44,12 +45,17 @@ __all__ = [
     "validate_args",
 ]
 
+# Megatron-core's AttnBackend names (megatron/core/transformer/enums.py).
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None]
 
 
 def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="network size")
     group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
+    group.add_argument("--encoder-num-layers", type=int, default=None,
+                       help="Megatron's other name of --num-layers (give one of the two).")
     group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
     group.add_argument("--ffn-hidden-size", type=int, default=None,
                        help="Transformer feed-forward hidden size; 4 x hidden-size if not given.")
@@ -65,6 +71,14 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
                        help="Position embedding type (only learned_absolute is supported yet).")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="Legacy alias of --position-embedding-type rope.")
+    group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                       help="Deprecated in Megatron: an error unless with rope; use --position-embedding-type.")
+    group.add_argument("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS,
+                       help="Megatron's choice of core attention, mapped onto this framework's: local and "
+                            "unfused = the unfused core attention (on CPU with the fused core of "
+                            "--fused-kernels-cpu-impl native), flash and fused = the fused-kernel core "
+                            "(--use-flash-attn: flash-attn on CUDA when installed, else torch's "
+                            "scaled_dot_product_attention), auto = --use-flash-attn decides.")
     group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
     group.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5,
                        help="Epsilon of the normalization layers.")
@@ -124,6 +138,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                        "pipeline stage are recomputed, one by one.")
     group.add_argument("--recompute-num-layers", type=int, default=None,
                        help="uniform: layers per recomputed group; block: layers recomputed per pipeline stage.")
+    group.add_argument("--recompute-modules", nargs="*", type=str, default=None,
+                       help="Submodules of selective recompute: only core_attn (the default) is supported yet.")
+    group.add_argument("--add-qkv-bias", action="store_true", dest="add_qkv_bias",
+                       help="No effect with the linear biases on (the QKV projection has one); refused "
+                            "with --disable-bias-linear (not supported yet).")
     group.add_argument("--use-flash-attn", action="store_true",
                        help="Fused attention: flash-attn on CUDA when installed, else torch's "
                        "scaled_dot_product_attention.")
@@ -275,6 +294,10 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                        help="Model chunks per pipeline rank (the interleaved schedule); alternative to "
                             "--num-layers-per-virtual-pipeline-stage.")
+    group.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                       dest="microbatch_group_size_per_vp_stage",
+                       help="Interleaved schedule: micro-batches per group; only the default "
+                            "(--pipeline-model-parallel-size) is supported yet.")
     group.add_argument("--context-parallel-size", type=int, default=1)
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
@@ -327,6 +350,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
                        help="Read the .bin files without memory mapping.")
     group.add_argument("--mock-data", action="store_true", help="Synthetic data instead of --data-path.")
     group.add_argument("--seq-length", type=int, default=None, help="Maximum sequence length to process.")
+    group.add_argument("--encoder-seq-length", type=int, default=None,
+                       help="Megatron's other name of --seq-length (give one of the two).")
     group.add_argument("--num-workers", type=int, default=2, help="Dataloader worker processes.")
     group.add_argument("--reset-position-ids", action="store_true",
                        help="Restart position ids after each end-of-document token.")
@@ -373,7 +398,8 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
     for add_group in (_add_network_size_args, _add_regularization_args, _add_training_args,
                       _add_initialization_args, _add_learning_rate_args, _add_checkpointing_args,
                       _add_mixed_precision_args, _add_distributed_args, _add_validation_args,
-                      _add_data_args, add_tokenizer_args, _add_logging_args, _add_moe_args):
+                      _add_data_args, add_tokenizer_args, _add_logging_args, _add_moe_args,
+                      add_megatron_flags):
         add_group(parser)
     if extra_args_provider is not None:
         # Megatron's providers return the parser; accept one that only adds to it, too.

@@ -6,6 +6,7 @@ Order (each step may rely on the values the earlier ones derived):
 |---|---|---|
 | 1 | _apply_defaults | values from args_defaults that the user left at None |
 | 2 | _apply_flag_aliases | exits/raises for dead flags; recompute/rope aliases |
+| 2b | validate_megatron_flags (arguments_megatron.py) | num_layers / seq_length from Megatron's encoder_* names, use_flash_attn from --attention-backend |
 | 3 | _validate_parallel | rank, world_size, data_parallel_size, distributed_backend |
 | 4 | _validate_not_yet_supported | (nothing: features of later issues raise) |
 | 5 | _validate_model | ffn_hidden_size (4h), kv_channels (h / heads) |
@@ -17,6 +18,8 @@ Order (each step may rely on the values the earlier ones derived):
 | 7c | _validate_recompute | (granularity, method, layers per stage, distributed saved inputs) |
 | 8 | _validate_train_length | (iteration- or sample-based consistency) |
 | 9 | _validate_lr | start/end_weight_decay for the constant style |
+| 9b | _validate_optimizer | (Adam betas and eps, momentum, clipping: the ranges torch accepts) |
+| 9c | _validate_seed | (a positive seed that numpy accepts on every pipeline stage) |
 | 10 | _validate_checkpointing | |
 | 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' |
 | 12 | _validate_intervals | |
@@ -27,6 +30,7 @@ Every error is an ArgsError naming the flag(s) and what to do.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from argparse import Namespace
@@ -34,6 +38,7 @@ from typing import Any
 
 import torch
 
+from megatron.arguments_megatron import refusal_rows, validate_megatron_flags
 from megatron.core import device
 from megatron.data.utils import parse_and_normalize_split, parse_data_path
 
@@ -57,8 +62,10 @@ FLAG_ALIASES: dict[str, tuple] = {
     "use_rotary_position_embeddings": ("set", ("position_embedding_type", "rope")),
 }
 
-# Features that later issues add. A row: (dest, flag as the user sees it, supported value, feature).
-# A value other than the supported one raises "not supported yet"; delete the row when it lands.
+# The refusal table: features that later issues add. A row: (dest, flag as the user sees it,
+# supported value, feature). A value other than the supported one raises "not supported yet";
+# delete the row when it lands. Megatron-LM's flags of features we lack are its last rows
+# (megatron/arguments_megatron.py REFUSED).
 NOT_YET_SUPPORTED = (
     ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
     ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "expert parallelism"),
@@ -73,7 +80,7 @@ NOT_YET_SUPPORTED = (
     ("transformer_impl", "--transformer-impl", "local", "Transformer Engine layers"),
     ("fp8", "--fp8-format", None, "FP8 training"),
     ("ckpt_format", "--ckpt-format", "torch", "checkpoint formats other than 'torch'"),
-)
+) + refusal_rows()
 
 # The GPT model's required shape flags (Megatron's required_args).
 REQUIRED_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
@@ -106,11 +113,13 @@ def env_rank_and_world_size() -> tuple:
 
 
 def _require_positive(args: Namespace, dests: tuple, allow_zero: bool = False) -> None:
-    """Each given (non-None) value must be > 0 (>= 0 with allow_zero)."""
+    """Each given (non-None) value must be a finite number > 0 (>= 0 with allow_zero)."""
     for dest in dests:
         value = getattr(args, dest, None)
         if value is None:
             continue
+        if not math.isfinite(value):
+            raise ArgsError(f"{flag(dest)} must be a finite number, got {value}")
         if value < 0 or (value == 0 and not allow_zero):
             bound = ">= 0" if allow_zero else "> 0"
             raise ArgsError(f"{flag(dest)} must be {bound}, got {value}")
@@ -188,8 +197,9 @@ def _validate_not_yet_supported(args: Namespace) -> None:
         value = getattr(args, dest, supported)
         if value == supported:
             continue
-        given = "" if isinstance(value, bool) else f" {value}"
-        keep = "remove it" if supported in (None, False) else f"use {supported}"
+        given = "" if isinstance(value, bool) else " " + (" ".join(map(str, value)) if isinstance(value, list)
+                                                           else str(value))
+        keep = "remove it" if supported in (None, False, True, []) else f"use {shown} {supported}"
         raise ArgsError(f"{shown}{given}: {feature} is not supported yet; {keep}")
 
 
@@ -452,6 +462,28 @@ def _validate_lr(args: Namespace) -> None:
         _require_positive(args, ("start_weight_decay", "end_weight_decay"), allow_zero=True)
 
 
+def _validate_optimizer(args: Namespace) -> None:
+    """Adam and SGD hyper-parameters and gradient clipping, in the ranges torch accepts (torch would
+    only say so once the model is built)."""
+    for dest in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+        value = getattr(args, dest)
+        if not 0.0 <= value < 1.0:  # also refuses NaN
+            raise ArgsError(f"{flag(dest)} must be in [0, 1), got {value}")
+    _require_positive(args, ("adam_eps",))
+    _require_positive(args, ("clip_grad",), allow_zero=True)  # 0: no clipping
+
+
+# numpy seeds are below 2**32; each pipeline stage adds 100 x its rank (megatron/initialize.py).
+_MAX_SEED = 2**32 - 1
+
+
+def _validate_seed(args: Namespace) -> None:
+    """A positive seed (as Megatron requires) that stays a valid numpy seed on the last pipeline stage."""
+    highest = _MAX_SEED - 100 * (args.pipeline_model_parallel_size - 1)
+    if not 1 <= args.seed <= highest:
+        raise ArgsError(f"--seed must be an integer in [1, {highest}], got {args.seed}")
+
+
 # ----------------------------------------------------------------------------- steps 10-13
 
 
@@ -539,6 +571,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     """
     _apply_defaults(args, defaults)
     _apply_flag_aliases(args)
+    validate_megatron_flags(args)
     _validate_parallel(args)
     _validate_not_yet_supported(args)
     _validate_model(args)
@@ -550,6 +583,8 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_recompute(args)
     _validate_train_length(args)
     _validate_lr(args)
+    _validate_optimizer(args)
+    _validate_seed(args)
     _validate_checkpointing(args)
     _validate_data(args)
     _validate_intervals(args)

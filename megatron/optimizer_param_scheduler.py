@@ -15,6 +15,12 @@ iteration, and the warmup/decay lengths are given in samples too.
 
 Weight decay goes from start_wd to end_wd over wd_incr_steps (constant | linear | cosine).
 Each param group gets lr * group['lr_mult'] and wd * group['wd_mult'].
+
+Resuming (load_state_dict) follows Megatron: --override-opt_param-scheduler keeps this run's
+values, --use-checkpoint-opt_param-scheduler takes the checkpoint's, and with neither the two
+must agree; when they do not (typically a longer --train-iters, which moves the LR decay end),
+SchedulerMismatchError lists every difference and the flags that resolve it. Unlike Megatron,
+wd_incr_steps may differ under the constant weight-decay style, where it has no effect.
 """
 
 from __future__ import annotations
@@ -27,6 +33,28 @@ import torch.distributed as dist
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 _WD_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+class SchedulerMismatchError(ValueError):
+    """The checkpoint's schedule differs from this run's and no flag says which one to use."""
+
+
+# Fields load_state_dict compares: (attribute, Megatron's name in its log lines, the flags that set it
+# in iteration-based and in sample-based training).
+_FIELDS = (
+    ("max_lr", "learning rate", "--lr", "--lr"),
+    ("min_lr", "minimum learning rate", "--min-lr", "--min-lr"),
+    ("lr_warmup_steps", "warmup iterations", "--lr-warmup-iters or --lr-warmup-fraction",
+     "--lr-warmup-samples or --lr-warmup-fraction"),
+    ("lr_decay_steps", "total number of iterations", "--lr-decay-iters, which defaults to --train-iters",
+     "--lr-decay-samples, which defaults to --train-samples"),
+    ("lr_decay_style", "learning rate decay style", "--lr-decay-style", "--lr-decay-style"),
+    ("start_wd", "start weight decay", "--start-weight-decay", "--start-weight-decay"),
+    ("end_wd", "end weight decay", "--end-weight-decay", "--end-weight-decay"),
+    ("wd_incr_steps", "total number of weight decay iterations", "--train-iters", "--train-samples"),
+    ("wd_incr_style", "weight decay incr style", "--weight-decay-incr-style", "--weight-decay-incr-style"),
+)
+_STEP_FIELDS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 
 
 def _print_rank_0(message: str) -> None:
@@ -43,7 +71,10 @@ class OptimizerParamScheduler:
                  use_checkpoint_opt_param_scheduler: bool = True,
                  override_opt_param_scheduler: bool = False,
                  wsd_decay_steps: int | None = None,
-                 lr_wsd_decay_style: str | None = None) -> None:
+                 lr_wsd_decay_style: str | None = None,
+                 samples_per_iteration: int | None = None) -> None:
+        """Lengths are in samples. samples_per_iteration: the global batch size of iteration-based
+        training (None: sample-based), used only to word the resume errors in iterations."""
         self.optimizer = optimizer
         self.init_lr = init_lr
         self.max_lr = float(max_lr)
@@ -60,6 +91,7 @@ class OptimizerParamScheduler:
         self.wd_incr_style = wd_incr_style
         self.override_opt_param_scheduler = override_opt_param_scheduler
         self.use_checkpoint_opt_param_scheduler = use_checkpoint_opt_param_scheduler
+        self.samples_per_iteration = samples_per_iteration
         self._validate()
         # Set the learning rate for step 0.
         self.step(0)
@@ -168,39 +200,73 @@ class OptimizerParamScheduler:
         }
 
     def _check_and_set(self, cls_value: Any, sd_value: Any, name: str) -> Any:
-        """Megatron's rule: --override-opt_param-scheduler keeps the class (command-line) value;
-        otherwise the checkpoint's value is used, and unless --use-checkpoint-opt_param-scheduler
-        is set the two must agree."""
+        """Megatron's rule: --override-opt_param-scheduler keeps the class (command-line) value,
+        otherwise the checkpoint's value is used (load_state_dict has checked that they agree
+        unless --use-checkpoint-opt_param-scheduler is set)."""
         if self.override_opt_param_scheduler:
             _print_rank_0(f" > overriding {name} value to {cls_value}")
             return cls_value
-        if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
-            raise ValueError(
-                f"OptimizerParamScheduler: class input value {cls_value} and checkpoint value "
-                f"{sd_value} for {name} do not match (use --override-opt_param-scheduler or "
-                f"--use-checkpoint-opt_param-scheduler to choose)")
         _print_rank_0(f" > using checkpoint value {sd_value} for {name}")
         return sd_value
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore from a checkpoint (also reads the keys of older Megatron versions)."""
-        sd = state_dict
-        max_lr = sd["start_lr"] if "start_lr" in sd else sd["max_lr"]
-        self.max_lr = self._check_and_set(self.max_lr, max_lr, "learning rate")
-        self.min_lr = self._check_and_set(self.min_lr, sd["min_lr"], "minimum learning rate")
-        warmup = sd.get("warmup_iter", sd.get("warmup_steps", sd.get("lr_warmup_steps")))
-        self.lr_warmup_steps = self._check_and_set(self.lr_warmup_steps, warmup, "warmup iterations")
-        decay = sd.get("end_iter", sd.get("decay_steps", sd.get("lr_decay_steps")))
-        self.lr_decay_steps = self._check_and_set(self.lr_decay_steps, decay, "total number of iterations")
-        style = sd["decay_style"] if "decay_style" in sd else sd["lr_decay_style"]
-        self.lr_decay_style = self._check_and_set(self.lr_decay_style, style, "learning rate decay style")
+    @staticmethod
+    def _saved_values(sd: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's schedule by attribute name (also from the keys of older Megatron versions)."""
+        saved = {
+            "max_lr": sd["start_lr"] if "start_lr" in sd else sd["max_lr"],
+            "min_lr": sd["min_lr"],
+            "lr_warmup_steps": sd.get("warmup_iter", sd.get("warmup_steps", sd.get("lr_warmup_steps"))),
+            "lr_decay_steps": sd.get("end_iter", sd.get("decay_steps", sd.get("lr_decay_steps"))),
+            "lr_decay_style": sd["decay_style"] if "decay_style" in sd else sd["lr_decay_style"],
+        }
         if "start_wd" in sd:
-            self.start_wd = self._check_and_set(self.start_wd, sd["start_wd"], "start weight decay")
-            self.end_wd = self._check_and_set(self.end_wd, sd["end_wd"], "end weight decay")
-            self.wd_incr_steps = self._check_and_set(self.wd_incr_steps, sd["wd_incr_steps"],
-                                                     "total number of weight decay iterations")
-            self.wd_incr_style = self._check_and_set(self.wd_incr_style, sd["wd_incr_style"],
-                                                     "weight decay incr style")
+            saved.update({key: sd[key] for key in ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")})
+        return saved
+
+    def _mismatches(self, saved: dict[str, Any]) -> list:
+        """(attribute, this run's value, the checkpoint's) of every field that differs and matters."""
+        constant_wd = self.wd_incr_style == saved.get("wd_incr_style", self.wd_incr_style) == "constant"
+        return [(attr, getattr(self, attr), value) for attr, value in saved.items()
+                if getattr(self, attr) != value and not (attr == "wd_incr_steps" and constant_wd)]
+
+    def _steps(self, samples: Any) -> str:
+        per_iteration = self.samples_per_iteration
+        if per_iteration and isinstance(samples, (int, float)) and samples % per_iteration == 0:
+            return f"{int(samples // per_iteration)} iterations ({samples} samples)"
+        return f"{samples} samples"
+
+    def _mismatch_message(self, mismatches: list) -> str:
+        by_iterations = self.samples_per_iteration is not None
+        parts, fixes = [], ["--use-checkpoint-opt_param-scheduler"]
+        for attr, ours, theirs in mismatches:
+            name, iteration_flags, sample_flags = next(row[1:] for row in _FIELDS if row[0] == attr)
+            shown = self._steps if attr in _STEP_FIELDS else repr
+            parts.append(f"{name}: {shown(theirs)} in the checkpoint, {shown(ours)} in this run "
+                         f"({iteration_flags if by_iterations else sample_flags})")
+            if attr == "lr_decay_steps":
+                if by_iterations and theirs % self.samples_per_iteration == 0:
+                    fixes.append(f"--lr-decay-iters {int(theirs // self.samples_per_iteration)}")
+                elif not by_iterations:
+                    fixes.append(f"--lr-decay-samples {theirs}")
+        return ("the checkpoint's learning-rate schedule differs from this run's: " + "; ".join(parts)
+                + f". To continue the checkpoint's schedule pass {' or '.join(fixes)}; to switch to this run's "
+                "values from the checkpoint's step on, pass --override-opt_param-scheduler")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore from a checkpoint (also reads the keys of older Megatron versions).
+
+        Raises SchedulerMismatchError when a value differs and neither --override-opt_param-scheduler
+        nor --use-checkpoint-opt_param-scheduler is set.
+        """
+        saved = self._saved_values(state_dict)
+        if not (self.override_opt_param_scheduler or self.use_checkpoint_opt_param_scheduler):
+            mismatches = self._mismatches(saved)
+            if mismatches:
+                raise SchedulerMismatchError(self._mismatch_message(mismatches))
+        for attr, value in saved.items():
+            name = next(row[1] for row in _FIELDS if row[0] == attr)
+            setattr(self, attr, self._check_and_set(getattr(self, attr), value, name))
+        sd = state_dict
         num_steps = sd["num_iters"] if "num_iters" in sd else sd["num_steps"]
         # Replay from 0 so the groups get the lr/wd of the restored step.
         self.num_steps = 0

@@ -228,7 +228,8 @@ def get_optimizer_param_scheduler(optimizer: Any) -> Any:
         end_wd=args.end_weight_decay, wd_incr_steps=wd_incr_steps, wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
-        wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=args.lr_wsd_decay_style)
+        wsd_decay_steps=wsd_decay_steps, lr_wsd_decay_style=args.lr_wsd_decay_style,
+        samples_per_iteration=args.global_batch_size if args.train_samples is None else None)
 
 
 def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType) -> Tuple[List[torch.nn.Module], Any, Any]:

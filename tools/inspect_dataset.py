@@ -21,8 +21,9 @@ import numpy as np
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.cli import run_cli
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError, get_bin_path
-from megatron.tokenizer import TokenizerConfigError, add_tokenizer_args, build_tokenizer
+from megatron.tokenizer import add_tokenizer_args, build_tokenizer
 
 
 def describe(dataset: IndexedDataset) -> str:
@@ -79,8 +80,4 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (IndexedDatasetError, TokenizerConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_cli(main, "inspect_dataset.py")

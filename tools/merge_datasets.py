@@ -17,6 +17,7 @@ from typing import List, Optional
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.cli import run_cli
 from megatron.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -82,8 +83,4 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (IndexedDatasetError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_cli(main, "merge_datasets.py")

@@ -11,8 +11,9 @@ where each sentence is one sequence). Files with a `.gz` suffix are read through
 Differences from Megatron-LM's script, all in the direction of safety:
   * the output never exists half-written: every file is written under a temporary name and
     renamed when complete; a failure or Ctrl-C removes the temporaries;
-  * a malformed JSON line or a missing key stops the run with `FILE:LINE: reason`
-    (--skip-bad-lines skips such lines and reports how many); blank lines are skipped;
+  * a malformed JSON line, a line that is not UTF-8 or a missing key stops the run with
+    `FILE:LINE: reason` (--skip-bad-lines skips such lines and reports how many); blank lines
+    are skipped; an input with no document at all is an error, and writes nothing;
   * --partitions cuts the input into contiguous line ranges, so the merged output is
     byte-identical to a single-partition run whatever --workers and --partitions are
     (Megatron cuts round-robin unless --keep-sequential-samples); partition files live in a
@@ -36,8 +37,9 @@ from typing import Iterator, List, Optional, Tuple
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.cli import run_cli
 from megatron.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
-from megatron.tokenizer import TokenizerConfigError, add_tokenizer_args, build_tokenizer
+from megatron.tokenizer import add_tokenizer_args, build_tokenizer
 
 
 class PreprocessError(RuntimeError):
@@ -172,9 +174,14 @@ class Encoder:
             SentenceSplitter(self.args.lang, self.args.keep_newlines) if self.args.split_sentences else None
         )
 
-    def encode(self, numbered_line: Tuple[int, str]) -> EncodedLine:
-        line_number, line = numbered_line
-        result = EncodedLine(line_number, len(line.encode("utf-8")))
+    def encode(self, numbered_line: Tuple[int, bytes]) -> EncodedLine:
+        line_number, raw = numbered_line
+        result = EncodedLine(line_number, len(raw))
+        try:  # decoded line by line (not by the file object) so that the error names its line
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            result.error = f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)"
+            return result
         if not line.strip():
             result.blank = True
             return result
@@ -219,14 +226,15 @@ class Encoder:
 # ----------------------------------------------------------------------------- one partition
 
 
-def _open_text(path: str):
+def _open_lines(path: str):
+    """The input as binary lines; the encoder decodes each line, naming the one that is not UTF-8."""
     if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
+        return gzip.open(path, "rb")
+    return open(path, "rb")
 
 
-def _numbered_lines(path: str, first_line_number: int) -> Iterator[Tuple[int, str]]:
-    with _open_text(path) as f:
+def _numbered_lines(path: str, first_line_number: int) -> Iterator[Tuple[int, bytes]]:
+    with _open_lines(path) as f:
         for i, line in enumerate(f):
             yield first_line_number + i, line
 
@@ -248,8 +256,12 @@ def process_partition(
     output_prefix: str,
     workers: int,
     display_name: str,
+    allow_empty: bool = False,
 ) -> PartitionResult:
-    """Tokenize one input file into `{output_prefix}_{key}_{level}` datasets."""
+    """Tokenize one input file into `{output_prefix}_{key}_{level}` datasets.
+
+    Without allow_empty an input with no document raises PreprocessError and writes nothing.
+    """
     encoder = Encoder(args)
     encoder.initializer()
     dtype = DType.optimal_dtype(encoder.tokenizer.vocab_size)
@@ -265,6 +277,8 @@ def process_partition(
         else:
             encoded = map(encoder.encode, lines)
         result = _write_encoded(args, encoded, builders, display_name)
+        if not allow_empty:
+            check_not_empty(result, display_name)
         for key, prefix in output_prefixes(args, output_prefix).items():
             builders[key].finalize(get_idx_path(prefix))
         return result
@@ -311,14 +325,14 @@ def _write_encoded(args, encoded, builders, display_name: str) -> PartitionResul
 
 def split_input(input_path: str, partitions: int, work_dir: str) -> List[Tuple[str, int]]:
     """Cut the input into contiguous line ranges: [(partition file, its first line number)]."""
-    with _open_text(input_path) as f:
+    with _open_lines(input_path) as f:
         num_lines = sum(1 for _ in f)
     per_partition = -(-num_lines // partitions)  # ceil
     parts = []
-    with _open_text(input_path) as f:
+    with _open_lines(input_path) as f:
         for p in range(partitions):
             path = os.path.join(work_dir, f"partition_{p}.jsonl")
-            with open(path, "w", encoding="utf-8") as out:
+            with open(path, "wb") as out:
                 for _ in range(per_partition):
                     line = f.readline()
                     if not line:
@@ -328,10 +342,21 @@ def split_input(input_path: str, partitions: int, work_dir: str) -> List[Tuple[s
     return parts
 
 
+def check_not_empty(result: PartitionResult, display_name: str) -> None:
+    """An input without a single document is a mistake (wrong file, wrong --json-keys, all lines
+    skipped): say so rather than write a 0-document dataset over a good one."""
+    if result.documents:
+        return
+    seen = [f"{count} {what}" for count, what in ((result.blank_lines, "blank lines"),
+                                                   (result.skipped_lines, "bad lines skipped")) if count]
+    found = f"only {' and '.join(seen)}" if seen else "the file is empty"
+    raise PreprocessError(f"--input {display_name}: no documents to write ({found}); nothing was written")
+
+
 def _partition_entry(queue, *partition_args) -> None:
     """Body of one partition process: report a result or the error text, never hang."""
     try:
-        queue.put(("ok", process_partition(*partition_args)))
+        queue.put(("ok", process_partition(*partition_args, allow_empty=True)))
     except PreprocessError as e:
         queue.put(("error", str(e)))
     except BaseException as e:  # noqa: BLE001 - report anything to the parent, then fail
@@ -369,6 +394,7 @@ def _run_partitions(args: argparse.Namespace, work_dir: str) -> PartitionResult:
             setattr(total, name, getattr(total, name) + getattr(part, name))
         total.skipped_examples.extend(part.skipped_examples)
     total.skipped_examples = sorted(total.skipped_examples)[:5]
+    check_not_empty(total, args.input)
     _merge_partitions(args, [os.path.join(work_dir, f"part_{p}") for p in range(len(parts))])
     return total
 
@@ -424,11 +450,4 @@ def _print_summary(args: argparse.Namespace, result: PartitionResult, elapsed: f
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (PreprocessError, TokenizerConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        print("interrupted: no output was written", file=sys.stderr)
-        sys.exit(130)
+    run_cli(main, "preprocess_data.py", errors=(PreprocessError,), interrupted="interrupted: no output was written")

@@ -29,6 +29,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # runnable as `python tools/train_tokenizer.py` from a checkout
     sys.path.insert(0, _ROOT)
 
+from megatron.cli import run_cli  # noqa: E402
 from megatron.tokenizer import build_tokenizer  # noqa: E402
 
 TYPES = (
@@ -40,7 +41,12 @@ SP_MAX_LINE_BYTES = 4000
 
 
 class InputError(ValueError):
-    """An input file is missing or has a bad line; the message names file and line."""
+    """An input file is missing or has a bad line, or a flag a bad value; the message names
+    the file and line, or the flag."""
+
+
+class MissingPackageError(ImportError):
+    """An optional package the chosen trainer needs is not installed; the message says how to install it."""
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -59,20 +65,41 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 # --- reading ----------------------------------------------------------------------------
-def _json_texts(path: str, keys: List[str]) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+def _decoded_lines(path: str) -> Iterator[Tuple[int, str]]:
+    """(line number, text) of each line; a file that is not UTF-8 is an InputError naming the line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            yield from enumerate(f, 1)
+    except UnicodeDecodeError:
+        raise InputError(_first_non_utf8_line(path)) from None
+
+
+def _first_non_utf8_line(path: str) -> str:
+    """`FILE:LINE: not valid UTF-8 ...` for the first bad line (a text-mode file fails somewhere
+    in the chunk it was decoding, so the line is found again byte by byte)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise InputError(f"{path}:{lineno}: bad JSON line ({err.msg})") from None
-            for key in keys:
-                value = record.get(key) if isinstance(record, dict) else None
-                if not isinstance(value, str):
-                    raise InputError(f"{path}:{lineno}: no string under JSON key {key!r}")
-                yield value
+                raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return (f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte "
+                        f"{err.start + 1} of the line)")
+    return f"{path}: not valid UTF-8"
+
+
+def _json_texts(path: str, keys: List[str]) -> Iterator[str]:
+    for lineno, line in _decoded_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{path}:{lineno}: bad JSON line ({err.msg})") from None
+        for key in keys:
+            value = record.get(key) if isinstance(record, dict) else None
+            if not isinstance(value, str):
+                raise InputError(f"{path}:{lineno}: no string under JSON key {key!r}")
+            yield value
 
 
 def iter_texts(paths: List[str], keys: List[str]) -> Iterator[str]:
@@ -81,8 +108,7 @@ def iter_texts(paths: List[str], keys: List[str]) -> Iterator[str]:
         if path.endswith((".json", ".jsonl")):
             yield from _json_texts(path, keys)
         else:
-            with open(path, encoding="utf-8") as f:
-                yield from f
+            yield from (line for _, line in _decoded_lines(path))
 
 
 class _Guarded:
@@ -122,7 +148,7 @@ def _import_tokenizers():
     try:
         import tokenizers
     except ImportError as err:
-        raise ImportError("training BPE/WordPiece vocabularies needs the 'tokenizers' package: "
+        raise MissingPackageError("training BPE/WordPiece vocabularies needs the 'tokenizers' package: "
                           "pip install -e .[tokenizers]") from err
     return tokenizers
 
@@ -136,7 +162,7 @@ def train_gpt2_bpe(texts: Iterator[str], args: argparse.Namespace, out: str) -> 
     specials = [GPT2_EOD] + [t for t in args.special_tokens if t != GPT2_EOD]
     alphabet = tk.pre_tokenizers.ByteLevel.alphabet()
     if args.vocab_size < len(alphabet) + len(specials):
-        raise ValueError(f"--vocab-size {args.vocab_size} is below the 256 bytes + special tokens")
+        raise InputError(f"--vocab-size {args.vocab_size} is below the 256 bytes + special tokens")
     tokenizer = tk.Tokenizer(tk.models.BPE())
     # GPT-2 pre-tokenization: its regex, no space added in front of the text.
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -250,4 +276,4 @@ def main(argv: Optional[List[str]] = None) -> List[str]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "train_tokenizer.py", errors=(InputError, MissingPackageError))

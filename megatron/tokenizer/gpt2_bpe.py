@@ -12,6 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 import regex
 
 from megatron.tokenizer.base import MegatronTokenizer
+from megatron.tokenizer.tokenizer import TokenizerConfigError
 
 # GPT-2's pre-tokenization pattern: contractions, letter runs, number runs, other symbol
 # runs (each with an optional leading space), then whitespace not followed by a word.
@@ -39,13 +40,61 @@ def bytes_to_unicode() -> Dict[int, str]:
     return dict(sorted(table.items()))
 
 
+_SWAPPED = "are --vocab-file and --merge-file swapped?"
+
+
+def _read_text(path: str, shown: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise TokenizerConfigError(f"{shown} {path} is not a text file (not UTF-8)") from None
+
+
+def _looks_like_merges(text: str) -> bool:
+    lines = [line for line in text.split("\n")[:5] if line.strip()]
+    return bool(lines) and (lines[0].startswith("#version") or all(len(line.split(" ")) == 2 for line in lines))
+
+
+def read_vocab(vocab_file: str) -> Dict[str, int]:
+    """Read vocab.json ({token: id}); a merges file, or anything else, is a TokenizerConfigError
+    saying what the file looks like."""
+    text = _read_text(vocab_file, "--vocab-file")
+    try:
+        vocab = json.loads(text)
+    except json.JSONDecodeError as error:
+        if _looks_like_merges(text):
+            raise TokenizerConfigError(f"--vocab-file {vocab_file} looks like a BPE merges file (merges.txt: "
+                                       f"'#version' and 'left right' lines), not GPT-2's vocab.json; {_SWAPPED}") from None
+        raise TokenizerConfigError(f"--vocab-file {vocab_file} is not GPT-2's vocab.json (a JSON object of "
+                                   f"token ids): {error}") from None
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise TokenizerConfigError(f"--vocab-file {vocab_file} is JSON but not GPT-2's vocab.json "
+                                   "(an object mapping each token to its integer id)")
+    return vocab
+
+
 def read_merges(merge_file: str) -> List[Tuple[str, str]]:
-    """Read merges.txt: one 'left right' pair per line, after an optional '#version' line."""
-    with open(merge_file, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    """Read merges.txt: one 'left right' pair per line, after an optional '#version' line; a
+    JSON vocabulary, or a line that is not a pair, is a TokenizerConfigError."""
+    text = _read_text(merge_file, "--merge-file")
+    if text.lstrip().startswith("{"):
+        raise TokenizerConfigError(f"--merge-file {merge_file} looks like a JSON vocabulary (vocab.json), not "
+                                   f"GPT-2's merges.txt; {_SWAPPED}")
+    lines = text.split("\n")
+    first = 1
     if lines and lines[0].startswith("#version"):
-        lines = lines[1:]
-    return [tuple(line.split(" ")) for line in lines if line.strip()]
+        lines, first = lines[1:], 2
+    merges = []
+    for number, line in enumerate(lines, first):
+        if not line.strip():
+            continue
+        pair = tuple(line.split(" "))
+        if len(pair) != 2:
+            raise TokenizerConfigError(f"--merge-file {merge_file}:{number}: expected a merge 'left right', "
+                                       f"got {line[:60]!r}")
+        merges.append(pair)
+    return merges
 
 
 def bpe_merge(word: str, ranks: Dict[Tuple[str, str], int]) -> List[str]:
@@ -77,8 +126,7 @@ class GPT2BPETokenizer(MegatronTokenizer):
 
     def __init__(self, vocab_file: str, merge_file: str):
         super().__init__("GPT2 BPE")
-        with open(vocab_file, encoding="utf-8") as f:
-            self.encoder: Dict[str, int] = json.load(f)
+        self.encoder: Dict[str, int] = read_vocab(vocab_file)
         self.decoder: Dict[int, str] = {v: k for k, v in self.encoder.items()}
         self._vocab, self._inv_vocab = self.encoder, self.decoder
         self.bpe_ranks = {pair: i for i, pair in enumerate(read_merges(merge_file))}
@@ -90,7 +138,8 @@ class GPT2BPETokenizer(MegatronTokenizer):
         self._cache: Dict[str, List[int]] = {}
         self._id_bytes: Dict[int, bytes] = {}
         if EOD_TOKEN not in self.encoder:
-            raise ValueError(f"{vocab_file} has no {EOD_TOKEN!r} token (needed as end of document)")
+            raise TokenizerConfigError(f"--vocab-file {vocab_file} has no {EOD_TOKEN!r} token (needed as end "
+                                       "of document)")
         self.eod_id = self.encoder[EOD_TOKEN]
 
     def _word_ids(self, word: str) -> List[int]:
