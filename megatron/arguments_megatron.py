@@ -72,6 +72,7 @@ DIST_CKPT = "only used with --ckpt-format torch_dist, which is not supported yet
 OFFLOAD = "the optimizer's state stays where its parameters are (CPU on a CPU run)"
 PROFILE = "no profiler is started; use torch.profiler or bench/ (docs/PERFORMANCE.md)"
 OTHER_MODEL = "a BERT / T5 / retrieval flag: no effect on GPT"
+CROSS_ENTROPY = "the cross entropy is computed one way here (the vocab-parallel cross entropy)"
 
 NO_EFFECT = (
     # network size
@@ -105,7 +106,7 @@ NO_EFFECT = (
     _true("--reuse-grad-buf-for-mxfp8-param-ag", FP8),
     _true("--te-rng-tracker", TE),
     _true("--inference-rng-tracker", "inference only"),
-    _true("--tp-comm-overlap", PERF + " (TE userbuffers)"),
+    _true("--tp-comm-overlap", TE),
     _value("--tp-comm-overlap-cfg", str, None, TE),
     _false("--disable-tp-comm-overlap-ag", "tp_comm_overlap_ag", TE),
     _false("--disable-tp-comm-overlap-rs", "tp_comm_overlap_rs", TE),
@@ -130,10 +131,8 @@ NO_EFFECT = (
     _false("--disable-gloo-process-groups", "enable_gloo_process_groups",
            "no extra gloo groups are made beside NCCL's (CPU runs use gloo for everything)"),
     _value("--train-sync-interval", int, None, PERF),
-    _true("--cross-entropy-loss-fusion", "the cross entropy is computed the same way with or without it",
-          dest="cross_entropy_loss_fusion"),
-    _value("--cross-entropy-fusion-impl", str, "native", "the cross entropy is computed the same way",
-           choices=["native", "te"]),
+    _true("--cross-entropy-loss-fusion", CROSS_ENTROPY, dest="cross_entropy_loss_fusion"),
+    _value("--cross-entropy-fusion-impl", str, "native", CROSS_ENTROPY, choices=["native", "te"]),
     _true("--optimizer-cpu-offload", OFFLOAD),
     _value("--optimizer-offload-fraction", float, 1.0, OFFLOAD),
     _true("--use-torch-optimizer-for-cpu-offload", OFFLOAD),
@@ -278,7 +277,7 @@ REFUSED = (
     _value("--decoupled-lr", float, None, "a separate learning rate for the embedding and output layers"),
     _value("--decoupled-min-lr", float, None, "a separate learning rate for the embedding and output layers"),
     _value("--non-persistent-save-interval", int, None, "non-persistent (local) checkpoints"),
-    _value("--pretrained-checkpoint", str, None, "--pretrained-checkpoint (use --load with --finetune)"),
+    _value("--pretrained-checkpoint", str, None, "a separate pretrained checkpoint (use --load with --finetune)"),
     _value("--ckpt-step", int, None, "loading a chosen iteration (point the tracker file at it)"),
     _true("--use-mp-args-from-checkpoint-args", "taking the parallel sizes from the checkpoint"),
     _value("--ckpt-convert-format", str, None, "converting checkpoints while training (use tools/checkpoint)",
@@ -304,7 +303,7 @@ REFUSED = (
     _true("--replication", "checkpoint replication"),
     _value("--data-args-path", str, None, "reading --data-path from a file"),
     _value("--per-split-data-args-path", str, None, "reading the per-split data paths from a file"),
-    _value("--mid-level-dataset-surplus", float, 0.005, "another blend surplus"),
+    _value("--mid-level-dataset-surplus", float, 0.005, "a blend surplus other than 0.005"),
     _value("--spec", str, None, "layer specs chosen by module path", nargs="*"),
     _value("--yaml-cfg", str, None, "YAML configuration files"),
     _true("--is-hybrid-model", "hybrid Mamba models"),

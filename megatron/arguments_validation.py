@@ -410,8 +410,8 @@ def _validate_train_length(args: Namespace) -> None:
     _require_positive(args, ("train_iters", "train_samples"))
     if args.train_iters is not None:
         if args.rampup_batch_size is not None:
-            raise ArgsError("--rampup-batch-size needs sample-based training: "
-                            "use --train-samples instead of --train-iters")
+            raise ArgsError("--rampup-batch-size needs sample-based training (Megatron-LM refuses it with "
+                            "--train-iters too): use --train-samples instead of --train-iters")
         mixed = [d for d in ("lr_decay_samples", "lr_wsd_decay_samples") if getattr(args, d) is not None]
         mixed += ["lr_warmup_samples"] if args.lr_warmup_samples else []
         unit, other, kind = "iters", "samples", "iteration"
