@@ -137,6 +137,6 @@ def main(argv: Optional[List[str]] = None, record_history: bool = False):
 
 
 if __name__ == "__main__":
-    from megatron.cli import run_cli  # noqa: E402
+    from megatron.cli import run_cli
 
     run_cli(main, "pretrain_gpt.py")  # bad input: one line and exit status 1 (MEGATRON_DEBUG=1: traceback)

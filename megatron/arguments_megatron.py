@@ -4,10 +4,12 @@ Megatron's scripts (examples/gpt3, examples/llama, examples/mixtral) pass flags 
 CUDA kernels, Transformer Engine, NCCL, profiling or features this framework does not have.
 Each one parses here, with Megatron's name, dest and default, and is one of:
 
-| table | meaning | what happens when the flag is given |
+| table | the flag | when it is given |
 |---|---|---|
-| NO_EFFECT | runs the same without it: a GPU/TE/NCCL performance knob, a tool we lack, or a flag that only matters with a refused one | one warning line lists the flags given (validate_args) |
-| REFUSED | it would change what is trained or saved | ArgsError "FLAG: FEATURE is not supported yet" (rows of arguments_validation.NOT_YET_SUPPORTED) |
+| NO_EFFECT | a GPU/TE/NCCL performance knob, a tool we lack, or only used with a refused flag | one warning names it |
+| REFUSED | would change what is trained or saved | ArgsError "FLAG: FEATURE is not supported yet" |
+
+REFUSED's rows are the last rows of arguments_validation.NOT_YET_SUPPORTED (the refusal table).
 
 A flag given with its default value passes either way (scripts often spell out defaults).
 The Megatron flags that work here are in megatron/arguments.py; validate_megatron_flags (below)
@@ -272,7 +274,8 @@ REFUSED = (
     _true("--check-for-large-grads", "the rerun engine's large-gradient check", dest="check_for_large_grads"),
     _value("--iterations-to-skip", int, [], "skipping iterations", nargs="+"),
     _value("--error-injection-rate", int, 0, "the rerun engine's error injection"),
-    _value("--rerun-mode", str, "disabled", "the rerun engine", choices=["disabled", "validate_results", "report_stats"]),
+    _value("--rerun-mode", str, "disabled", "the rerun engine",
+           choices=["disabled", "validate_results", "report_stats"]),
     _true("--init-method-xavier-uniform", "Xavier-uniform initialization"),
     _value("--decoupled-lr", float, None, "a separate learning rate for the embedding and output layers"),
     _value("--decoupled-min-lr", float, None, "a separate learning rate for the embedding and output layers"),

@@ -6,7 +6,7 @@ Order (each step may rely on the values the earlier ones derived):
 |---|---|---|
 | 1 | _apply_defaults | values from args_defaults that the user left at None |
 | 2 | _apply_flag_aliases | exits/raises for dead flags; recompute/rope aliases |
-| 2b | validate_megatron_flags (arguments_megatron.py) | num_layers / seq_length from Megatron's encoder_* names, use_flash_attn from --attention-backend |
+| 2b | validate_megatron_flags | num_layers, seq_length (--encoder-*), use_flash_attn (--attention-backend) |
 | 3 | _validate_parallel | rank, world_size, data_parallel_size, distributed_backend |
 | 4 | _validate_not_yet_supported | (nothing: features of later issues raise) |
 | 5 | _validate_model | ffn_hidden_size (4h), kv_channels (h / heads) |
@@ -25,7 +25,8 @@ Order (each step may rely on the values the earlier ones derived):
 | 12 | _validate_intervals | |
 | 13 | _set_training_state | consumed/skipped sample counters, variable_seq_lengths |
 
-Every error is an ArgsError naming the flag(s) and what to do.
+Every error is an ArgsError naming the flag(s) and what to do. validate_megatron_flags is in
+megatron/arguments_megatron.py, beside its tables of Megatron-LM's flags.
 """
 
 from __future__ import annotations

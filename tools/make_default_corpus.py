@@ -15,6 +15,7 @@ Test suites, caches, `site-packages` and the machine-generated codec tables unde
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -53,6 +54,9 @@ def stdlib_sources(max_file_bytes: int) -> Iterator[Dict[str, str]]:
 
 def build_corpus(output: str, max_documents: Optional[int] = None, max_file_bytes: int = 256 * 1024) -> int:
     """Write the corpus to `output` (atomically); returns the number of documents."""
+    if os.path.isdir(output):  # found now, not by the final rename
+        raise IsADirectoryError(errno.EISDIR, "is a folder; give --output the path of the .jsonl file to write",
+                                output)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".corpus-", suffix=".tmp", dir=os.path.dirname(os.path.abspath(output)))
     count = 0

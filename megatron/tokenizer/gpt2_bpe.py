@@ -65,7 +65,8 @@ def read_vocab(vocab_file: str) -> Dict[str, int]:
     except json.JSONDecodeError as error:
         if _looks_like_merges(text):
             raise TokenizerConfigError(f"--vocab-file {vocab_file} looks like a BPE merges file (merges.txt: "
-                                       f"'#version' and 'left right' lines), not GPT-2's vocab.json; {_SWAPPED}") from None
+                                       "'#version' and 'left right' lines), not GPT-2's vocab.json; "
+                                       f"{_SWAPPED}") from None
         raise TokenizerConfigError(f"--vocab-file {vocab_file} is not GPT-2's vocab.json (a JSON object of "
                                    f"token ids): {error}") from None
     if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):

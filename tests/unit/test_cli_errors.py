@@ -13,7 +13,7 @@ import pretrain_gpt
 from megatron import cli
 from megatron.arguments_validation import ArgsError
 from tests.functional.test_pretrain_gpt import MOCK, TINY
-from tools import inspect_dataset, merge_datasets, preprocess_data, train_tokenizer
+from tools import inspect_dataset, make_default_corpus, merge_datasets, preprocess_data, train_tokenizer
 
 MODEL = [*TINY, "--num-layers", "1", "--hidden-size", "16", "--seq-length", "16", "--max-position-embeddings", "16",
          "--eval-iters", "0"]
@@ -203,6 +203,9 @@ def test_tools_report_bad_input_as_one_line(capsys, tmp_path):
     status, lines = run_entry_point(capsys, lambda: preprocess_data.main(argv), "preprocess_data.py",
                                     errors=(preprocess_data.PreprocessError,))
     assert_one_error_line(status, lines, "preprocess_data.py", "no documents to write")
+    status, lines = run_entry_point(capsys, lambda: make_default_corpus.main(["--output", str(tmp_path)]),
+                                    "make_default_corpus.py")
+    assert_one_error_line(status, lines, "make_default_corpus.py", f"{tmp_path}: is a folder; give --output the path")
 
 
 # ----------------------------------------------------------------------------- once under torchrun
