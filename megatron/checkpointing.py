@@ -20,65 +20,51 @@
     optimizer                             absent with --no-save-optim
     opt_param_scheduler                   absent with --no-save-optim (very old: 'lr_scheduler')
     rng_state                             [ {random_rng_state, np_rng_state, torch_rng_state,
-                                             cuda_rng_state, rng_tracker_states} ], absent with
-                                          --no-save-rng (very old files: those keys at top level)
+                                             cuda_rng_state, rng_tracker_states, and on CPU
+                                             cpu_rng_tracker_states} ], absent with --no-save-rng
+                                          (very old files: those keys at top level)
     num_floating_point_operations_so_far  float
 
-Every file is written to a temporary name in its final directory and renamed into place, and
-the tracker is written (by rank 0, after a barrier) only once the model files are complete, so
-a crash at any point leaves the previous checkpoint loadable and the tracker naming it.
+    rerun_state_machine                   Megatron-LM's (read, ignored; not written)
+    iter_0000010/checksums.json           size and sha256 of every file of the iteration
+                                          (megatron/checkpoint_manifest.py), verified on load
+
+Every file is written to a temporary name in its final directory and renamed into place (the
+temporaries a killed save left in a folder are removed by the next save there), and the
+manifest and then the tracker are written (by rank 0, once every rank reported its files
+complete), so a crash at any point leaves the previous checkpoint loadable and the tracker
+naming it. A failed write is reported on every rank with the file, the errno and the
+checkpoint that is still intact. Files are read with the allow-list unpickler of
+megatron/checkpoint_safety.py; the RNG entry is described in megatron/checkpoint_rng.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
-import random
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core import communication, device, parallel_state, tensor_parallel
-from megatron.core.atomic_io import atomic_write
+from megatron.checkpoint_fit import (
+    apply_checkpoint_args, check_checkpoint_args, check_parallel_layout, load_model_chunks,
+)
+from megatron.checkpoint_manifest import manifest_path, verify_file, write_manifest
+from megatron.checkpoint_rng import get_rng_state, set_rng_state
+from megatron.checkpoint_safety import CheckpointError, load_file
+from megatron.core import communication, device, parallel_state
+from megatron.core.atomic_io import Checksum, atomic_write, remove_stale_temporaries
 
 # The saved args are an argparse.Namespace; PyTorch >= 2.6 refuses it under weights_only=True
-# unless allow-listed. Megatron allow-lists it and still loads with weights_only=False, because
-# checkpoints also hold numpy RNG state and optimizer objects.
+# unless allow-listed (Megatron does this too). Our own reads use checkpoint_safety's list.
 torch.serialization.add_safe_globals([argparse.Namespace])
 
 _CHECKPOINT_VERSION = 3.0
 _TRACKER_NAME = "latest_checkpointed_iteration.txt"
 _MODEL_FILE_NAME = "model_optim_rng.pt"
-
-# Model-shape args compared on load and taken from the checkpoint by --use-checkpoint-args:
-# (attribute, how to name it in an error message).
-_SHAPE_ARGS: Tuple[Tuple[str, str], ...] = (
-    ("num_layers", "--num-layers"),
-    ("hidden_size", "--hidden-size"),
-    ("num_attention_heads", "--num-attention-heads"),
-    ("ffn_hidden_size", "--ffn-hidden-size"),
-    ("kv_channels", "--kv-channels"),
-    ("max_position_embeddings", "--max-position-embeddings"),
-    ("padded_vocab_size", "padded vocab size (tokenizer vocab and --make-vocab-size-divisible-by)"),
-    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
-    ("add_bias_linear", "--disable-bias-linear"),
-)
-# Also taken from the checkpoint by load_args_from_checkpoint, but not compared on load.
-_ARCH_ARGS: Tuple[str, ...] = (
-    "position_embedding_type", "layernorm_epsilon", "norm_epsilon",
-    "apply_residual_connection_post_layernorm", "openai_gelu", "tokenizer_type",
-    "make_vocab_size_divisible_by", "seq_length",
-)
-# Paths from the machine that saved the checkpoint: used only when this run gives none.
-_PATH_ARGS: Tuple[str, ...] = ("vocab_file", "merge_file", "tokenizer_model")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt or does not fit this run; the message names the path."""
-
 
 def _print_rank_0(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -200,17 +186,6 @@ def _as_chunks(model: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
     return [_unwrap(chunk) for chunk in chunks]
 
 
-def get_rng_state() -> List[Dict[str, Any]]:
-    """This process's RNG states in Megatron's format (a one-element list)."""
-    return [{
-        "random_rng_state": random.getstate(),
-        "np_rng_state": np.random.get_state(),
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": device.get_rng_state(),  # None on CPU
-        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }]
-
-
 def generate_state_dict(args: argparse.Namespace, model: Sequence[nn.Module], optimizer: Any,
                         opt_param_scheduler: Any, rng_state: Optional[List[Dict[str, Any]]],
                         iteration: int,
@@ -239,8 +214,10 @@ def generate_state_dict(args: argparse.Namespace, model: Sequence[nn.Module], op
 def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
                     opt_param_scheduler: Any, args: argparse.Namespace,
                     num_floating_point_operations_so_far: float = 0.0) -> None:
-    """Save model, optimizer, scheduler and RNG state to args.save at `iteration`, then point
-    the tracker at it. Data-parallel rank 0 writes this (tp, pp, ep) coordinate's file."""
+    """Save model, optimizer, scheduler and RNG state to args.save at `iteration`, then the
+    checksum manifest, then point the tracker at it. Data-parallel rank 0 writes this
+    (tp, pp, ep) coordinate's file. A failed write raises CheckpointError on every rank, naming
+    the file and the errno, with the tracker still naming the previous checkpoint."""
     save_dir = getattr(args, "save", None)
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a checkpoint directory (--save)")
@@ -250,32 +227,147 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
     _print_rank_0("saving checkpoint at iteration {:7d} to {}".format(iteration, save_dir))
     rng_state = get_rng_state()
     checkpoint_name = get_checkpoint_name(save_dir, iteration)
-    if not dist.is_initialized() or parallel_state.get_data_parallel_rank() == 0:
-        ensure_directory_exists(checkpoint_name)
+    base_dir = get_checkpoint_name(save_dir, iteration, return_base_dir=True)
+    writes_model = not dist.is_initialized() or parallel_state.get_data_parallel_rank() == 0
+    # Distributed optimizer: its shards are gathered (a collective over the data-parallel group)
+    # and DP rank 0 writes them, unpadded per parameter, next to the model file.
+    distributed = (getattr(optimizer, "save_parameter_state", None) is not None
+                   and not _flag(args, "no_save_optim"))
+    failure = _prepare_folders(save_dir, checkpoint_name, writes_model or distributed, writes_model)
+    _barrier()  # no rank writes before the stale temporaries are gone
+    files: Dict[str, Checksum] = {}
+    if writes_model and failure is None:
         state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
                                          iteration, num_floating_point_operations_so_far)
-        atomic_write(checkpoint_name, lambda f: torch.save(state_dict, f))
-    if getattr(optimizer, "save_parameter_state", None) is not None and not _flag(args, "no_save_optim"):
-        # Distributed optimizer: its shards are gathered (a collective over the data-parallel
-        # group) and DP rank 0 writes them, unpadded per parameter, next to the model file.
-        ensure_directory_exists(checkpoint_name)
-        optimizer.save_parameter_state(get_distributed_optimizer_checkpoint_name(checkpoint_name))
-    _barrier()  # every rank's file is complete before the tracker names it
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        tracker = get_checkpoint_tracker_filename(save_dir)
-        atomic_write(tracker, lambda f: f.write(str(iteration).encode("ascii")))
-    _barrier()
+        failure = _attempt(checkpoint_name, base_dir, files, lambda: atomic_write(
+            checkpoint_name, lambda f: torch.save(state_dict, f), checksum=True))
+    if distributed:  # every rank takes part in the gather, even after a failure
+        optim_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
+        failure = _attempt(optim_name, base_dir, files,
+                           lambda: optimizer.save_parameter_state(optim_name)) or failure
+    files, failures = _gather_results(files, failure)  # also waits for every rank's files
+    if not failures:
+        failure = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            tracker = get_checkpoint_tracker_filename(save_dir)
+            failure = (_attempt(manifest_path(base_dir), base_dir, None,
+                                lambda: write_manifest(base_dir, iteration, files))
+                       or _attempt(tracker, base_dir, None, lambda: atomic_write(
+                           tracker, lambda f: f.write(str(iteration).encode("ascii")))))
+        failures = _broadcast_from_rank_0(failure)
+    if failures:
+        raise CheckpointError(f"checkpoint of iteration {iteration} was not saved: "
+                              f"{'; '.join(message for message, _ in failures)}; "
+                              f"{_intact_note(save_dir)}") from _local_error(failures)
     _print_rank_0("  successfully saved checkpoint from iteration {:7d} to {}".format(
         iteration, save_dir))
 
 
+# A failed write: (one-line message, the exception on the rank that raised it, else None).
+_Failure = Tuple[str, Optional[BaseException]]
+
+
+def _describe_write_error(path: str, error: BaseException) -> str:
+    if isinstance(error, OSError):
+        code = errno.errorcode.get(error.errno, "") if error.errno else ""
+        why = f"{code} ({error.strerror})" if code and error.strerror else (error.strerror or str(error))
+    else:
+        why = f"{type(error).__name__}: {error}"
+    return f"cannot write {path}: {why}"
+
+
+def _prepare_folders(save_dir: str, checkpoint_name: str, makes_folder: bool,
+                     writes_model: bool) -> Optional[_Failure]:
+    """Create this rank's folder and remove the temporaries a killed save left there (each
+    file's writer does it for its files; a barrier follows before anything is written)."""
+    path = os.path.dirname(checkpoint_name)
+    try:
+        if makes_folder:
+            ensure_directory_exists(checkpoint_name)
+        stale = []
+        if writes_model:
+            stale += [checkpoint_name, get_distributed_optimizer_checkpoint_name(checkpoint_name)]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            base_dir = os.path.dirname(os.path.dirname(checkpoint_name))
+            stale += [get_checkpoint_tracker_filename(save_dir), manifest_path(base_dir)]
+        for path in stale:
+            remove_stale_temporaries(path)
+    except OSError as error:
+        return _describe_write_error(path, error), error
+    return None
+
+
+def _attempt(path: str, base_dir: str, files: Optional[Dict[str, Checksum]],
+             write: Callable[[], Optional[Checksum]]) -> Optional[_Failure]:
+    """Run write() (which writes `path`); record its checksum in `files` under the path
+    relative to base_dir; return the failure instead of raising it."""
+    try:
+        checksum = write()
+    except Exception as error:  # noqa: BLE001 -- reported on every rank, or the others wait forever
+        return _describe_write_error(path, error), error
+    if checksum is not None and files is not None:
+        files[os.path.relpath(path, base_dir).replace(os.sep, "/")] = checksum
+    return None
+
+
+def _gather_results(files: Dict[str, Checksum], failure: Optional[_Failure]
+                    ) -> Tuple[Dict[str, Checksum], List[_Failure]]:
+    """Every rank's checksums and failures, on every rank (a collective: it also waits until
+    every rank's files are complete)."""
+    if not dist.is_initialized():
+        return dict(files), [failure] if failure else []
+    results: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(results, (files, failure[0] if failure else None))
+    merged: Dict[str, Checksum] = {}
+    failures: List[_Failure] = []
+    for rank, (rank_files, message) in enumerate(results):
+        merged.update(rank_files)
+        if message is not None:
+            own = failure[1] if rank == dist.get_rank() and failure else None
+            failures.append((f"rank {rank}: {message}" if len(results) > 1 else message, own))
+    return merged, failures
+
+
+def _broadcast_from_rank_0(failure: Optional[_Failure]) -> List[_Failure]:
+    if not dist.is_initialized():
+        return [failure] if failure else []
+    message = [failure[0] if failure else None]
+    dist.broadcast_object_list(message, src=0)
+    if message[0] is None:
+        return []
+    return [(message[0], failure[1] if failure else None)]
+
+
+def _local_error(failures: List[_Failure]) -> Optional[BaseException]:
+    return next((error for _, error in failures if error is not None), None)
+
+
+def _intact_note(save_dir: str) -> str:
+    tracker = get_checkpoint_tracker_filename(save_dir)
+    try:
+        with open(tracker, "r") as f:
+            text = f.read().strip()
+    except OSError:
+        return f"no earlier checkpoint was recorded in {save_dir} (there is no {_TRACKER_NAME})"
+    named = "release" if text == "release" else f"iteration {text}"
+    return f"the previous checkpoint is intact: {tracker} still names {named}"
+
+
+def check_load_directory(load_dir: str, flag: str = "--load") -> None:
+    """CheckpointError when `load_dir` exists but is not a directory (a checkpoint is a folder)."""
+    if os.path.exists(load_dir) and not os.path.isdir(load_dir):
+        raise CheckpointError(f"{flag} {load_dir} is a file, not a checkpoint directory (one holding "
+                              f"{_TRACKER_NAME} and iter_*/ folders)")
+
+
 def _load_base_checkpoint(load_dir: str, rank0: bool = False,
-                          args: Optional[argparse.Namespace] = None
+                          args: Optional[argparse.Namespace] = None, flag: str = "--load"
                           ) -> Tuple[Optional[Dict[str, Any]], str, bool]:
     """(state_dict, checkpoint file, release); state_dict is None when there is no tracker.
     rank0=True reads the rank-0 file whatever the layout (for args, before parallel init).
     With `args`, a missing file of a checkpoint saved at other parallel sizes is refused
     naming the flag that differs."""
+    check_load_directory(load_dir, flag)
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):
         _print_rank_0("WARNING: could not find the metadata file {} ".format(tracker))
@@ -285,32 +377,69 @@ def _load_base_checkpoint(load_dir: str, rank0: bool = False,
     name = get_checkpoint_name(load_dir, iteration, release)
     if rank0:
         name = find_checkpoint_rank_0(load_dir, iteration, release) or name
-    what = "release" if release else f"iteration {iteration}"
     if not os.path.isfile(name):
-        base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-        if os.path.isfile(os.path.join(base_dir, "metadata.json")):
-            raise CheckpointError(f"{base_dir} is a distributed (torch_dist) checkpoint; only "
-                                  "--ckpt-format torch is supported yet")
-        base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
-        saved = sorted(d for d in os.listdir(base_dir) if d.startswith("mp_rank_")) if os.path.isdir(base_dir) else []
-        if saved:
-            _refuse_other_layout(load_dir, iteration, release, args)
-            raise CheckpointError(
-                f"{base_dir} has no file for this rank ({os.path.relpath(name, base_dir)}): it holds {', '.join(saved)}, "
-                f"but this run has tensor-parallel size {parallel_state.get_tensor_model_parallel_world_size()} and "
-                f"pipeline-parallel size {parallel_state.get_pipeline_model_parallel_world_size()}; a legacy checkpoint "
-                "loads only at the sizes it was saved with")
-        raise CheckpointError(f"tracker file {tracker} names {what} but the checkpoint file "
-                              f"{name} does not exist")
+        raise _missing_file_error(load_dir, tracker, iteration, release, name, args)
     _print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration}")
-    try:
-        state_dict = torch.load(name, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise CheckpointError(f"cannot read checkpoint file {name}: {error}") from error
+    base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    state_dict = _read_checkpoint_file(name, base_dir, args)
     if not isinstance(state_dict, dict):
         raise CheckpointError(f"checkpoint file {name} does not hold a dict "
                               f"(found {type(state_dict).__name__})")
+    saved = state_dict.get("iteration", state_dict.get("total_iters"))
+    if not release and isinstance(saved, int) and saved != iteration:
+        raise CheckpointError(f"checkpoint file {name} holds iteration {saved}, but its folder "
+                              f"{os.path.basename(base_dir)} and the tracker {tracker} say iteration "
+                              f"{iteration}: the file belongs to another checkpoint")
     return state_dict, name, release
+
+
+def _read_checkpoint_file(name: str, base_dir: str, args: Optional[argparse.Namespace]) -> Any:
+    """Verify `name` against the iteration's manifest, then read it with the safe unpickler."""
+    try:
+        if not verify_file(name, base_dir):
+            _print_rank_0(f"  {name} is not verified: {base_dir} has no checksums.json (saved by "
+                          "Megatron-LM or before checksums were written)")
+        return load_file(name, trust_pickles=_flag(args, "trust_checkpoint_pickles"),
+                         log=_print_rank_0)
+    except CheckpointError:
+        raise
+    except Exception as error:
+        raise CheckpointError(f"cannot read checkpoint file {name}: {error}") from error
+
+
+def _missing_file_error(load_dir: str, tracker: str, iteration: int, release: bool, name: str,
+                        args: Optional[argparse.Namespace]) -> CheckpointError:
+    """Why this rank's file is not there: say what is missing, or which layout was saved."""
+    what = "release" if release else f"iteration {iteration}"
+    base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    if os.path.isfile(os.path.join(base_dir, "metadata.json")):
+        return CheckpointError(f"{base_dir} is a distributed (torch_dist) checkpoint; only "
+                               "--ckpt-format torch is supported yet")
+    if os.path.isdir(name):
+        return CheckpointError(f"checkpoint file {name} is a directory, not a file written by "
+                               f"torch.save (the tracker {tracker} names {what})")
+    rank_dir = os.path.dirname(name)
+    if os.path.isdir(rank_dir):
+        held = sorted(os.listdir(rank_dir))
+        return CheckpointError(
+            f"{rank_dir} has no {os.path.basename(name)} ({'it is empty' if not held else 'it holds ' + ', '.join(held)}): "
+            f"the save of {what} did not finish writing it, or it was removed since; the tracker "
+            f"{tracker} names {what}")
+    folders = sorted(os.listdir(base_dir)) if os.path.isdir(base_dir) else []
+    saved = [d for d in folders if d.startswith("mp_rank_")
+             and os.path.isfile(os.path.join(base_dir, d, _MODEL_FILE_NAME))]
+    if saved:
+        _refuse_other_layout(load_dir, iteration, release, args)
+        return CheckpointError(
+            f"{base_dir} has no file for this rank ({os.path.relpath(name, base_dir)}): it holds {', '.join(saved)}, "
+            f"but this run has tensor-parallel size {parallel_state.get_tensor_model_parallel_world_size()} and "
+            f"pipeline-parallel size {parallel_state.get_pipeline_model_parallel_world_size()}; a legacy checkpoint "
+            "loads only at the sizes it was saved with")
+    if folders:
+        return CheckpointError(f"tracker file {tracker} names {what} but {base_dir} holds no "
+                               f"{_MODEL_FILE_NAME} in any mp_rank_* folder (it holds {', '.join(folders)})")
+    return CheckpointError(f"tracker file {tracker} names {what} but the checkpoint file "
+                           f"{name} does not exist")
 
 
 def _refuse_other_layout(load_dir: str, iteration: int, release: bool,
@@ -321,7 +450,8 @@ def _refuse_other_layout(load_dir: str, iteration: int, release: bool,
     if args is None or rank0_name is None:
         return
     try:
-        checkpoint_args = torch.load(rank0_name, map_location="cpu", weights_only=False).get("args")
+        checkpoint_args = load_file(rank0_name, trust_pickles=_flag(args, "trust_checkpoint_pickles"),
+                                    log=_print_rank_0).get("args")
     except Exception:  # unreadable: the caller's message about the missing file still stands
         return
     if checkpoint_args is not None:
@@ -337,54 +467,6 @@ def _handle_missing(args: argparse.Namespace, load_dir: Optional[str]) -> None:
                               f"in {load_dir} (no {_TRACKER_NAME})")
 
 
-def _describe(attr: str, label: str, value: Any) -> str:
-    if attr == "add_bias_linear":
-        return label if not value else f"no {label}"
-    if attr == "untie_embeddings_and_output_weights":
-        return label if value else f"no {label}"
-    return f"{label} {value}"
-
-
-def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Namespace,
-                          checkpoint_name: str) -> None:
-    """Raise CheckpointError naming every model-shape flag where the checkpoint differs from
-    this run (values that either side leaves unset are not compared)."""
-    problems = []
-    for attr, label in _SHAPE_ARGS:
-        saved, current = getattr(checkpoint_args, attr, None), getattr(args, attr, None)
-        if saved is None or current is None or saved == current:
-            continue
-        problems.append(f"checkpoint at {checkpoint_name} was saved with "
-                        f"{_describe(attr, label, saved)} but this run has "
-                        f"{_describe(attr, label, current)}")
-    if problems:
-        raise CheckpointError("; ".join(problems)
-                              + " (use --use-checkpoint-args to take the checkpoint's)")
-
-
-def check_parallel_layout(checkpoint_args: argparse.Namespace, args: argparse.Namespace,
-                          checkpoint_name: str) -> None:
-    """Raise CheckpointError when the checkpoint was saved at other tensor/pipeline sizes.
-
-    Each file holds one rank's shards; loading it at another layout would mis-assign rows.
-    (The padded vocabulary also depends on the TP size, so this check comes first, with the
-    message that says what actually differs.)
-    """
-    # (virtual_pipeline_model_parallel_size is derived from either virtual-stage flag; None means
-    # no interleaving, and the message then says "no --num-virtual-stages-per-pipeline-rank")
-    for attr, label, default in (("tensor_model_parallel_size", "--tensor-model-parallel-size", 1),
-                                 ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1),
-                                 ("virtual_pipeline_model_parallel_size", "--num-virtual-stages-per-pipeline-rank",
-                                  None)):
-        saved, current = getattr(checkpoint_args, attr, default), getattr(args, attr, default)
-        if saved != current:
-            saved_text = f"no {label}" if saved is None else f"{label} {saved}"
-            current_text = f"no {label}" if current is None else f"{label} {current}"
-            raise CheckpointError(f"checkpoint at {checkpoint_name} was saved with {saved_text} but this run "
-                                  f"has {current_text}; a legacy checkpoint loads only at the tensor/pipeline "
-                                  "sizes it was saved with (resharding is the checkpoint converter's job)")
-
-
 def _check_qkv_version(state_dict: Dict[str, Any], checkpoint_name: str) -> None:
     # Before version 2.0 fused QKV rows were [3, np, hn] or [np, hn, 3]; loading them as
     # [np, 3, hn] would silently scramble attention, so refuse instead.
@@ -398,36 +480,13 @@ def _check_qkv_version(state_dict: Dict[str, Any], checkpoint_name: str) -> None
                               "whose fused QKV layout is not [np, 3, hn]; convert it first")
 
 
-def _load_model(chunks: List[nn.Module], state_dict: Dict[str, Any], checkpoint_name: str,
-                strict: bool) -> None:
-    for i, chunk in enumerate(chunks):
-        key = "model" if len(chunks) == 1 else f"model{i}"
-        if key not in state_dict:
-            raise CheckpointError(f"checkpoint {checkpoint_name} has no '{key}' entry "
-                                  f"(this run has {len(chunks)} model chunk(s))")
-        saved, current = state_dict[key], chunk.state_dict()
-        wrong = [f"{name} is {list(tensor.shape)} in the checkpoint but "
-                 f"{list(current[name].shape)} in the model"
-                 for name, tensor in saved.items()
-                 if torch.is_tensor(tensor) and name in current
-                 and torch.is_tensor(current[name]) and tensor.shape != current[name].shape]
-        if wrong:
-            raise CheckpointError(f"checkpoint {checkpoint_name} does not fit the model: "
-                                  + "; ".join(wrong))
-        try:
-            chunk.load_state_dict(saved, strict=strict)
-        except RuntimeError as error:
-            raise CheckpointError(
-                f"cannot load the model from {checkpoint_name}: {error}") from error
-
-
 def get_distributed_optimizer_checkpoint_name(model_checkpoint_name: str) -> str:
     """distrib_optim.pt, next to model_optim_rng.pt (Megatron's name)."""
     return os.path.join(os.path.dirname(model_checkpoint_name), "distrib_optim.pt")
 
 
 def _load_optimizer(optimizer: Any, opt_param_scheduler: Any, state_dict: Dict[str, Any],
-                    checkpoint_name: str) -> None:
+                    checkpoint_name: str, args: argparse.Namespace) -> None:
     if optimizer is not None:
         if "optimizer" not in state_dict:
             raise CheckpointError(f"checkpoint {checkpoint_name} has no optimizer state (saved "
@@ -446,8 +505,14 @@ def _load_optimizer(optimizer: Any, opt_param_scheduler: Any, state_dict: Dict[s
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing: the distributed optimizer's parameter state "
                                       "(pass --no-load-optim to start a fresh optimizer)")
-            # collective: DP rank 0 reads the unpadded state and scatters it to the current DP layout
-            optimizer.load_parameter_state(path)
+            # collective: DP rank 0 reads (verified, allow-listed) the unpadded state and scatters
+            # it to the current DP layout; a bad file raises on every rank
+            base_dir = os.path.dirname(os.path.dirname(path))
+            try:
+                optimizer.load_parameter_state(
+                    path, read=lambda name: _read_checkpoint_file(name, base_dir, args))
+            except ValueError as error:
+                raise CheckpointError(str(error)) from error
     if opt_param_scheduler is not None:
         # 'lr_scheduler' is the name very old checkpoints used
         key = "lr_scheduler" if "lr_scheduler" in state_dict else "opt_param_scheduler"
@@ -456,27 +521,6 @@ def _load_optimizer(optimizer: Any, opt_param_scheduler: Any, state_dict: Dict[s
                                   "state (saved with --no-save-optim?); pass --no-load-optim or "
                                   "--finetune")
         opt_param_scheduler.load_state_dict(state_dict[key])
-
-
-def _load_rng(state_dict: Dict[str, Any], checkpoint_name: str) -> None:
-    if "rng_state" in state_dict:
-        rng_state = state_dict["rng_state"][0]
-    else:
-        rng_state = state_dict  # very old checkpoints kept the states at the top level
-    needed = ("random_rng_state", "np_rng_state", "torch_rng_state")
-    missing = [key for key in needed if key not in rng_state]
-    if missing:
-        raise CheckpointError(f"checkpoint {checkpoint_name} has no RNG state "
-                              f"({', '.join(missing)} missing; saved with --no-save-rng?); "
-                              "pass --no-load-rng or "
-                              "--finetune to skip restoring it")
-    random.setstate(rng_state["random_rng_state"])
-    np.random.set_state(rng_state["np_rng_state"])
-    torch.set_rng_state(rng_state["torch_rng_state"])
-    device.set_rng_state(rng_state.get("cuda_rng_state"))
-    tracker_states = rng_state.get("rng_tracker_states")
-    if tracker_states:
-        tensor_parallel.get_cuda_rng_tracker().set_states(tracker_states)
 
 
 def _read_iteration(state_dict: Dict[str, Any], checkpoint_name: str) -> int:
@@ -502,7 +546,8 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
     if load_dir is None:
         _handle_missing(args, load_dir)
         return 0, 0
-    state_dict, checkpoint_name, release = _load_base_checkpoint(load_dir, args=args)
+    state_dict, checkpoint_name, release = _load_base_checkpoint(
+        load_dir, args=args, flag="--" + load_arg.replace("_", "-"))
     if state_dict is None:
         _handle_missing(args, load_dir)
         return 0, 0
@@ -512,7 +557,7 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
         check_parallel_layout(checkpoint_args, args, checkpoint_name)
         check_checkpoint_args(checkpoint_args, args, checkpoint_name)
     _check_qkv_version(state_dict, checkpoint_name)
-    _load_model(_as_chunks(model), state_dict, checkpoint_name, strict)
+    load_model_chunks(_as_chunks(model), state_dict, checkpoint_name, strict)
 
     iteration = 0 if (finetune or release) else _read_iteration(state_dict, checkpoint_name)
     if checkpoint_args is not None and not finetune:
@@ -522,14 +567,14 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
         _print_rank_0("could not find arguments in the checkpoint ...")
 
     if not release and not finetune and not _flag(args, "no_load_optim"):
-        _load_optimizer(optimizer, opt_param_scheduler, state_dict, checkpoint_name)
+        _load_optimizer(optimizer, opt_param_scheduler, state_dict, checkpoint_name, args)
     elif (_flag(args, "fp16") or _flag(args, "bf16")) and optimizer is not None:
         # fresh optimizer: its fp32 main params must follow the weights just loaded
         reload = getattr(optimizer, "reload_model_params", None)
         if reload is not None:
             reload()
     if not release and not finetune and not _flag(args, "no_load_rng"):
-        _load_rng(state_dict, checkpoint_name)
+        set_rng_state(state_dict, checkpoint_name, log=_print_rank_0)
 
     _barrier()
     _print_rank_0(f"  successfully loaded checkpoint from {load_dir} "
@@ -551,7 +596,8 @@ def load_args_from_checkpoint(args: argparse.Namespace,
     if load_dir is None:
         _print_rank_0("No load directory specified, using provided arguments.")
         return args
-    state_dict, checkpoint_name, release = _load_base_checkpoint(load_dir, rank0=True)
+    state_dict, checkpoint_name, release = _load_base_checkpoint(
+        load_dir, rank0=True, args=args, flag="--" + load_arg.replace("_", "-"))
     if state_dict is None:
         _handle_missing(args, load_dir)
         _print_rank_0("Checkpoint not found to provide arguments, using provided arguments.")
@@ -561,33 +607,14 @@ def load_args_from_checkpoint(args: argparse.Namespace,
         _print_rank_0("Checkpoint provided does not have arguments saved, "
                       "using provided arguments.")
         return args
-    if hasattr(checkpoint_args, "disable_bias_linear"):  # older files stored the flag itself
-        checkpoint_args.add_bias_linear = not checkpoint_args.disable_bias_linear
     args.iteration = 0 if release else state_dict.get("iteration", state_dict.get("total_iters", 0))
-
-    def _set_arg(name: str, force: bool = True) -> None:
-        if not hasattr(checkpoint_args, name):
-            return
-        value, current = getattr(checkpoint_args, name), getattr(args, name, None)
-        if (not force and current is not None) or value == current:
-            return
-        _print_rank_0(f"  overriding {name} = {current} with {value} from the checkpoint "
-                      f"{checkpoint_name}")
-        setattr(args, name, value)
-
-    for name, _ in _SHAPE_ARGS:
-        _set_arg(name)
-    for name in _ARCH_ARGS:
-        _set_arg(name)
-    for name in _PATH_ARGS:
-        _set_arg(name, force=False)
-    if hasattr(args, "disable_bias_linear") and getattr(args, "add_bias_linear", None) is not None:
-        args.disable_bias_linear = not args.add_bias_linear
+    apply_checkpoint_args(args, checkpoint_args, checkpoint_name, log=_print_rank_0)
     return args
 
 
 __all__ = [
-    "CheckpointError", "checkpoint_exists", "check_checkpoint_args", "ensure_directory_exists",
+    "CheckpointError", "checkpoint_exists", "check_checkpoint_args", "check_load_directory",
+    "ensure_directory_exists",
     "find_checkpoint_rank_0", "generate_state_dict", "get_checkpoint_name",
     "get_checkpoint_tracker_filename", "get_rng_state", "check_parallel_layout", "load_args_from_checkpoint",
     "load_checkpoint", "read_metadata", "save_checkpoint",

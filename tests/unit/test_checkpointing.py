@@ -29,6 +29,7 @@ from megatron.checkpointing import (
     read_metadata,
     save_checkpoint,
 )
+from megatron.checkpoint_safety import load_file
 from megatron.core import device, tensor_parallel
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -153,7 +154,7 @@ def test_layout_file_names_and_tracker(ckpt, capsys):
     assert not checkpoint_exists(str(ckpt))
     save_checkpoint(10, [model], optimizer, scheduler, args)
     assert sorted(os.listdir(ckpt)) == ["iter_0000010", TRACKER]
-    assert os.listdir(ckpt / "iter_0000010") == ["mp_rank_00"]
+    assert sorted(os.listdir(ckpt / "iter_0000010")) == ["checksums.json", "mp_rank_00"]
     assert os.listdir(ckpt / "iter_0000010" / "mp_rank_00") == ["model_optim_rng.pt"]
     assert (ckpt / TRACKER).read_bytes() == b"10"  # no newline
     assert checkpoint_exists(str(ckpt)) and not checkpoint_exists(None)
@@ -197,7 +198,7 @@ def test_top_level_keys_version_and_unwrapped_model(ckpt):
     load_checkpoint([model], None, None, make_args(ckpt, no_load_optim=True))
     with tensor_parallel.get_cuda_rng_tracker().fork():
         assert torch.equal(torch.rand(3), expected_draw)
-    state = torch.load(model_file(ckpt, 10), map_location="cpu", weights_only=False)
+    state = load_file(str(model_file(ckpt, 10)))
     assert set(state) == {"args", "checkpoint_version", "iteration", "model", "optimizer",
                           "opt_param_scheduler", "rng_state",
                           "num_floating_point_operations_so_far"}
@@ -210,13 +211,14 @@ def test_top_level_keys_version_and_unwrapped_model(ckpt):
     assert "embedding.word_embeddings.weight" in state["model"]
     assert state["opt_param_scheduler"] == {"max_lr": 1e-2, "num_steps": 4}
     assert len(state["rng_state"]) == 1
+    on_cpu = device.get_rng_state() is None
     assert set(state["rng_state"][0]) == {"random_rng_state", "np_rng_state", "torch_rng_state",
-                                          "cuda_rng_state", "rng_tracker_states"}
-    saved_tracker = state["rng_state"][0]["rng_tracker_states"]
+                                          "cuda_rng_state", "rng_tracker_states"} | (
+                                              {"cpu_rng_tracker_states"} if on_cpu else set())
+    # our exact states: the CPU generator's on CPU (beside the CUDA-shaped ones Megatron reads)
+    saved_tracker = state["rng_state"][0]["cpu_rng_tracker_states" if on_cpu else "rng_tracker_states"]
     assert set(saved_tracker) == {"model-parallel-rng"} == set(tracker_states)
     assert torch.equal(saved_tracker["model-parallel-rng"], tracker_states["model-parallel-rng"])
-    if device.get_rng_state() is None:
-        assert state["rng_state"][0]["cuda_rng_state"] is None
     assert argparse.Namespace in torch.serialization.get_safe_globals()
 
 
@@ -225,7 +227,7 @@ def test_model_chunks_are_saved_as_model0_model1(ckpt):
     first, optimizer, scheduler = build(args, seed=0)
     second, _, _ = build(args, seed=1)
     save_checkpoint(4, [first, Wrapper(second)], optimizer, scheduler, args)
-    state = torch.load(model_file(ckpt, 4), map_location="cpu", weights_only=False)
+    state = load_file(str(model_file(ckpt, 4)))
     assert "model" not in state and {"model0", "model1"} <= set(state)
     fresh = [build(args, seed=5)[0], build(args, seed=6)[0]]
     load_checkpoint([fresh[0], Wrapper(fresh[1])], None, None, make_args(ckpt, no_load_rng=True))
@@ -283,7 +285,7 @@ def test_crash_during_save_keeps_previous_checkpoint(ckpt, monkeypatch):
     later, later_optimizer, later_scheduler = build(args, seed=3)
 
     monkeypatch.setattr(checkpointing.torch, "save", _partial_save)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match="ENOSPC \\(No space left on device\\)"):
         save_checkpoint(20, [later], later_optimizer, later_scheduler, args)
     monkeypatch.undo()
 
@@ -309,13 +311,13 @@ def test_crash_between_model_file_and_tracker(ckpt, monkeypatch):
         real_replace(src, dst)
 
     monkeypatch.setattr(checkpointing.os, "replace", replace_failing_on_tracker)
-    with pytest.raises(OSError, match="killed"):
+    with pytest.raises(CheckpointError, match="killed"):
         save_checkpoint(20, [model], optimizer, scheduler, args)
     monkeypatch.undo()
 
     assert (ckpt / TRACKER).read_bytes() == b"10"
     assert sorted(os.listdir(ckpt)) == ["iter_0000010", "iter_0000020", TRACKER]  # no temp
-    complete = torch.load(model_file(ckpt, 20), map_location="cpu", weights_only=False)
+    complete = load_file(str(model_file(ckpt, 20)))
     assert complete["iteration"] == 20
     iteration, _ = load_checkpoint([build(args, seed=2)[0]], None, None, make_args(ckpt))
     assert iteration == 10
@@ -425,6 +427,7 @@ def test_truncated_checkpoint_file_is_a_clear_error(ckpt):
     save_checkpoint(10, [model], optimizer, scheduler, args)
     path = model_file(ckpt, 10)
     path.write_bytes(path.read_bytes()[:200])
+    (ckpt / "iter_0000010" / "checksums.json").unlink()  # as in a Megatron checkpoint: unverified
     with pytest.raises(CheckpointError, match="cannot read checkpoint file"):
         load_checkpoint([TinyGPT(args)], None, None, args)
 
@@ -447,7 +450,7 @@ def test_no_save_optim_and_no_save_rng(ckpt):
     args = make_args(ckpt, no_save_optim=True, no_save_rng=True)
     model, optimizer, scheduler = build(args, seed=0)
     save_checkpoint(10, [model], optimizer, scheduler, args)
-    state = torch.load(model_file(ckpt, 10), map_location="cpu", weights_only=False)
+    state = load_file(str(model_file(ckpt, 10)))
     assert not {"optimizer", "opt_param_scheduler", "rng_state"} & set(state)
     assert "model" in state
 

@@ -52,14 +52,14 @@ load_parameter_state re-shards it to the current layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron.core import communication
-from megatron.core.atomic_io import atomic_write
+from megatron.core.atomic_io import Checksum, atomic_write
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer import (
@@ -408,23 +408,30 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             state[buffer_index] = {_dtype_key(buffer): world}
         return state if is_root else None
 
-    def save_parameter_state(self, filename: str) -> None:
-        """Gather the param state and write it (atomically) to `filename` on data-parallel rank 0."""
+    def save_parameter_state(self, filename: str) -> Optional[Checksum]:
+        """Gather the param state and write it (atomically) to `filename` on data-parallel rank 0;
+        returns the file's Checksum there (None on the other ranks)."""
         state = self.get_parameter_state_dp_zero()
-        if state is not None:
-            atomic_write(filename, lambda f: torch.save(state, f))
+        if state is None:
+            return None
+        return atomic_write(filename, lambda f: torch.save(state, f), checksum=True)
 
-    def load_parameter_state(self, filename: str) -> None:
+    def load_parameter_state(self, filename: str,
+                             read: Optional[Callable[[str], Any]] = None) -> None:
         """Read `filename` on data-parallel rank 0 and scatter it to this data-parallel layout.
 
-        Collective over the data-parallel group; every rank raises ValueError when the file
-        cannot be read or does not fit this model (the message names what differs).
+        `read(filename)` reads (and may verify) the file; the default is
+        torch.load(weights_only=True). Collective over the data-parallel group; every rank raises
+        ValueError when the file cannot be read or does not fit this model (the message names
+        what differs).
         """
         state, error = None, None
         if self._data_parallel_rank_and_size()[0] == 0:
             try:
-                with open(filename, "rb") as f:
-                    state = torch.load(f, map_location="cpu", weights_only=True)
+                if read is not None:
+                    state = read(filename)
+                else:
+                    state = torch.load(filename, map_location="cpu", weights_only=True)
             except Exception as exc:  # noqa: BLE001 -- reported on every rank below, or the others hang
                 error = f"cannot read the distributed-optimizer state {filename}: {exc}"
         self.load_parameter_state_from_dp_zero(state, source=filename, error=error)

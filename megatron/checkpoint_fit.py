@@ -1,0 +1,190 @@
+"""Does a checkpoint fit this run? Its args (model shape, parallel layout), the args
+--use-checkpoint-args takes from it, and its model state dict (tensor shapes and keys).
+
+Megatron-LM's checkpoints hold megatron-core's `*._extra_state` entries (None, or an empty
+tensor or BytesIO from Transformer Engine): the ones that carry no data are dropped before the
+state dict is loaded; one that carries data (FP8 scaling state) has no place in this model and
+is refused by name, like any other key the model does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from megatron.checkpoint_safety import CheckpointError
+
+# Model-shape args compared on load and taken from the checkpoint by --use-checkpoint-args:
+# (attribute, how to name it in an error message).
+_SHAPE_ARGS: Tuple[Tuple[str, str], ...] = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("kv_channels", "--kv-channels"),
+    ("max_position_embeddings", "--max-position-embeddings"),
+    ("padded_vocab_size", "padded vocab size (tokenizer vocab and --make-vocab-size-divisible-by)"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("add_bias_linear", "--disable-bias-linear"),
+)
+# Also taken from the checkpoint by load_args_from_checkpoint, but not compared on load.
+_ARCH_ARGS: Tuple[str, ...] = (
+    "position_embedding_type", "layernorm_epsilon", "norm_epsilon",
+    "apply_residual_connection_post_layernorm", "openai_gelu", "tokenizer_type",
+    "make_vocab_size_divisible_by", "seq_length", "normalization", "apply_layernorm_1p",
+    "swiglu", "squared_relu", "group_query_attention", "num_query_groups",
+)
+# Paths from the machine that saved the checkpoint: used only when this run gives none.
+_PATH_ARGS: Tuple[str, ...] = ("vocab_file", "merge_file", "tokenizer_model")
+
+
+def _describe(attr: str, label: str, value: Any) -> str:
+    if attr == "add_bias_linear":
+        return label if not value else f"no {label}"
+    if attr == "untie_embeddings_and_output_weights":
+        return label if value else f"no {label}"
+    return f"{label} {value}"
+
+
+def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Namespace,
+                          checkpoint_name: str) -> None:
+    """Raise CheckpointError naming every model-shape flag where the checkpoint differs from
+    this run (values that either side leaves unset are not compared)."""
+    problems = []
+    for attr, label in _SHAPE_ARGS:
+        saved, current = getattr(checkpoint_args, attr, None), getattr(args, attr, None)
+        if saved is None or current is None or saved == current:
+            continue
+        problems.append(f"checkpoint at {checkpoint_name} was saved with "
+                        f"{_describe(attr, label, saved)} but this run has "
+                        f"{_describe(attr, label, current)}")
+    if problems:
+        raise CheckpointError("; ".join(problems)
+                              + " (use --use-checkpoint-args to take the checkpoint's)")
+
+
+def check_parallel_layout(checkpoint_args: argparse.Namespace, args: argparse.Namespace,
+                          checkpoint_name: str) -> None:
+    """Raise CheckpointError when the checkpoint was saved at other tensor/pipeline sizes.
+
+    Each file holds one rank's shards; loading it at another layout would mis-assign rows.
+    (The padded vocabulary also depends on the TP size, so this check comes first, with the
+    message that says what actually differs.)
+    """
+    # (virtual_pipeline_model_parallel_size is derived from either virtual-stage flag; None means
+    # no interleaving, and the message then says "no --num-virtual-stages-per-pipeline-rank")
+    for attr, label, default in (("tensor_model_parallel_size", "--tensor-model-parallel-size", 1),
+                                 ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1),
+                                 ("virtual_pipeline_model_parallel_size", "--num-virtual-stages-per-pipeline-rank",
+                                  None)):
+        saved, current = getattr(checkpoint_args, attr, default), getattr(args, attr, default)
+        if saved != current:
+            saved_text = f"no {label}" if saved is None else f"{label} {saved}"
+            current_text = f"no {label}" if current is None else f"{label} {current}"
+            raise CheckpointError(f"checkpoint at {checkpoint_name} was saved with {saved_text} but this run "
+                                  f"has {current_text}; a legacy checkpoint loads only at the tensor/pipeline "
+                                  "sizes it was saved with (resharding is the checkpoint converter's job)")
+
+
+def _carries_no_data(value: Any) -> bool:
+    if value is None:
+        return True
+    if torch.is_tensor(value):
+        return value.numel() == 0
+    if isinstance(value, io.BytesIO):
+        return value.getbuffer().nbytes == 0
+    if isinstance(value, (bytes, bytearray)):
+        return len(value) == 0
+    return False
+
+
+def _listing(names: List[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def model_entries(saved: Dict[str, Any], current: Dict[str, Any], checkpoint_name: str,
+                  strict: bool) -> Dict[str, Any]:
+    """The entries of `saved` to load into a model whose state dict is `current`.
+
+    Empty `_extra_state` entries the model has no slot for are dropped; CheckpointError names
+    the extra state that carries data, the tensors whose shapes differ and (strict) the keys
+    either side lacks.
+    """
+    kept, with_data = {}, []
+    for name, value in saved.items():
+        if name.rsplit(".", 1)[-1] == "_extra_state" and name not in current:
+            if not _carries_no_data(value):
+                with_data.append(name)
+            continue
+        kept[name] = value
+    if with_data:
+        raise CheckpointError(f"checkpoint {checkpoint_name} holds extra state with data that this "
+                              f"model has no place for (Transformer Engine FP8 state?): {_listing(with_data)}")
+    wrong = [f"{name} is {list(tensor.shape)} in the checkpoint but {list(current[name].shape)} in "
+             "the model" for name, tensor in kept.items()
+             if torch.is_tensor(tensor) and name in current and torch.is_tensor(current[name])
+             and tensor.shape != current[name].shape]
+    if wrong:
+        raise CheckpointError(f"checkpoint {checkpoint_name} does not fit the model: " + "; ".join(wrong))
+    if strict:
+        problems = []
+        unexpected = [name for name in kept if name not in current]
+        missing = [name for name in current if name not in kept]
+        if unexpected:
+            problems.append(f"keys the model does not have: {_listing(unexpected)}")
+        if missing:
+            problems.append(f"model keys missing from the checkpoint: {_listing(missing)}")
+        if problems:
+            raise CheckpointError(f"checkpoint {checkpoint_name} does not fit the model: "
+                                  + "; ".join(problems))
+    return kept
+
+
+def load_model_chunks(chunks: List[nn.Module], state_dict: Dict[str, Any], checkpoint_name: str,
+                      strict: bool) -> None:
+    """Load 'model' (or 'model0', 'model1', ... with several chunks) into each chunk."""
+    for i, chunk in enumerate(chunks):
+        key = "model" if len(chunks) == 1 else f"model{i}"
+        if key not in state_dict:
+            raise CheckpointError(f"checkpoint {checkpoint_name} has no '{key}' entry "
+                                  f"(this run has {len(chunks)} model chunk(s))")
+        if not isinstance(state_dict[key], dict):
+            raise CheckpointError(f"checkpoint {checkpoint_name}: '{key}' is not a state dict "
+                                  f"(found {type(state_dict[key]).__name__})")
+        entries = model_entries(state_dict[key], chunk.state_dict(), checkpoint_name, strict)
+        try:
+            chunk.load_state_dict(entries, strict=strict)
+        except RuntimeError as error:
+            raise CheckpointError(
+                f"cannot load the model from {checkpoint_name}: {error}") from error
+
+
+def apply_checkpoint_args(args: argparse.Namespace, checkpoint_args: Any, checkpoint_name: str,
+                          log: Callable[[str], None] = print) -> None:
+    """--use-checkpoint-args: take the shape and architecture args from `checkpoint_args`
+    (printing each that changes); tokenizer paths only when this run gives none."""
+    if hasattr(checkpoint_args, "disable_bias_linear"):  # older files stored the flag itself
+        checkpoint_args.add_bias_linear = not checkpoint_args.disable_bias_linear
+
+    def _set_arg(name: str, force: bool = True) -> None:
+        if not hasattr(checkpoint_args, name):
+            return
+        value, current = getattr(checkpoint_args, name), getattr(args, name, None)
+        if (not force and current is not None) or value == current:
+            return
+        log(f"  overriding {name} = {current} with {value} from the checkpoint {checkpoint_name}")
+        setattr(args, name, value)
+
+    for name, _ in _SHAPE_ARGS:
+        _set_arg(name)
+    for name in _ARCH_ARGS:
+        _set_arg(name)
+    for name in _PATH_ARGS:
+        _set_arg(name, force=False)
+    if hasattr(args, "disable_bias_linear") and getattr(args, "add_bias_linear", None) is not None:
+        args.disable_bias_linear = not args.add_bias_linear
