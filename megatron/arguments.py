@@ -253,6 +253,9 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
                        help="Take the model-shape arguments from the checkpoint.")
     group.add_argument("--exit-on-missing-checkpoint", action="store_true",
                        help="Exit if --load is given but no checkpoint is found there.")
+    group.add_argument("--trust-checkpoint-pickles", action="store_true",
+                       help="Read checkpoint files with full unpickling (they can run code) instead of "
+                            "the allow-list; only for files from a trusted source that the allow-list refuses.")
     group.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
                        help="Do not initialize the weights (they come from a checkpoint).")
     group.add_argument("--ckpt-format", default="torch",

@@ -31,9 +31,11 @@ megatron/arguments_megatron.py, beside its tables of Megatron-LM's flags.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import sys
+import tempfile
 from argparse import Namespace
 from typing import Any
 
@@ -489,13 +491,41 @@ def _validate_seed(args: Namespace) -> None:
 
 
 def _validate_checkpointing(args: Namespace) -> None:
-    """--save needs --save-interval; loading options need --load."""
+    """--save needs --save-interval and a writable directory (created if missing); loading
+    options need --load, which must not be a file."""
     if args.save is not None and args.save_interval is None:
         raise ArgsError("--save needs --save-interval (iterations between checkpoints)")
     _require_positive(args, ("save_interval",))
     for dest in ("use_checkpoint_args", "finetune"):
         if getattr(args, dest) and args.load is None:
             raise ArgsError(f"{flag(dest)} needs --load (the checkpoint directory to read)")
+    if args.load is not None:
+        from megatron.checkpointing import check_load_directory
+
+        check_load_directory(args.load)
+    if args.save is not None:
+        _check_save_directory(args.save)
+
+
+def _check_save_directory(path: str) -> None:
+    """Create --save if missing (as Megatron does) and prove it writable, before any work."""
+    def refuse(what: str, error: OSError) -> ArgsError:
+        name = errno.errorcode.get(error.errno, "") if error.errno else ""
+        reason = f"{name} ({error.strerror})" if name and error.strerror else str(error)
+        return ArgsError(f"--save {path}: {what}: {reason}")
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ArgsError(f"--save {path} is a file, not a directory (checkpoints are folders under it)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        raise refuse("cannot create the directory", error) from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as error:
+        raise refuse("the directory is not writable", error) from None
 
 
 def _validate_data(args: Namespace) -> None:

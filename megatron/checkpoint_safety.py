@@ -18,9 +18,10 @@ checkpoints hold, ours and Megatron-LM's:
 
 A global outside the list is refused when the unpickler meets it, before anything from the file
 runs, with a CheckpointError naming the file and the global. The classes megatron-core pickles
-into a Megatron checkpoint's `args` (its AttnBackend and CudaGraphScope enums) are read as inert
-`ForeignObject` placeholders registered under their names: megatron-core is never imported (its
-package is called `megatron` too, so it could not be anyway).
+into a Megatron checkpoint (its AttnBackend and CudaGraphScope enums in `args`, the RerunMode,
+RerunState and RerunDiagnostic enums of core_v0.13's `rerun_state_machine`: FOREIGN_CLASSES) are
+read as inert `ForeignObject` placeholders registered under their names: megatron-core is never
+imported (its package is called `megatron` too, so it could not be anyway).
 
 `trust_pickles=True` (--trust-checkpoint-pickles) reads legacy files with full unpickling
 instead, for files whose origin the user trusts; the placeholders still stand in for
@@ -86,13 +87,24 @@ class ForeignObject:
         return f"<{type(self).__module__}.{cls}{self.args!r} (not imported)>"
 
 
-# megatron-core's classes found in Megatron-LM's args (core_v0.13-0.16): name -> {value: member}.
+# megatron-core's enums in Megatron-LM's torch checkpoints (core_v0.13-0.16): args.attention_backend,
+# args.cuda_graph_scope (0.16) and the rerun_state_machine entry (written by 0.13).
+# name -> {value: member name}.
+_RERUN = "megatron.core.rerun_state_machine."
 FOREIGN_CLASSES: Dict[str, Dict[Any, str]] = {
     "megatron.core.transformer.enums.AttnBackend":
         {1: "flash", 2: "fused", 3: "unfused", 4: "local", 5: "auto"},
     "megatron.core.transformer.enums.CudaGraphScope":
         {1: "full_iteration", 2: "attn", 3: "mlp", 4: "moe", 5: "moe_router",
          6: "moe_preprocess", 7: "mamba"},
+    _RERUN + "RerunMode": {"disabled": "DISABLED", "validate_results": "VALIDATE_RESULTS",
+                           "report_determinism_stats": "REPORT_DETERMINISM_STATS"},
+    _RERUN + "RerunState": {0: "NOT_RUNNING_YET", 1: "INITIAL_RUN", 2: "RERUNNING_IN_PLACE",
+                            3: "WILL_RERUN_FROM_CHECKPOINT", 4: "RERUNNING_FROM_CHECKPOINT",
+                            5: "RERUNNING_AGAIN_FROM_CHECKPOINT"},
+    _RERUN + "RerunDiagnostic": {"correct_result": "CORRECT_RESULT",
+                                 "transient_error": "TRANSIENT_ERROR",
+                                 "persistent_error": "PERSISTENT_ERROR"},
 }
 
 

@@ -23,8 +23,8 @@ Only data-parallel rank 0 writes, so the checkpoint holds one file, mp_rank_00, 
 import re
 
 import pytest
-import torch
 
+from megatron.checkpoint_safety import load_file
 from tests.functional.test_default_data import default_pipeline  # noqa: F401 (fixture)
 from tests.functional.test_pretrain_gpt import log_lines
 from tests.functional.test_tensor_parallel_training import (COMMON, COUNT, TOTAL, VALIDATION, _grad_norms, _losses,
@@ -115,9 +115,8 @@ def test_only_data_parallel_rank_0_writes_the_checkpoint(runs):
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
     files = sorted(str(p.relative_to(ckpt / "iter_0000005")) for p in (ckpt / "iter_0000005").rglob("*"))
-    assert files == ["mp_rank_00", "mp_rank_00/model_optim_rng.pt"]
-    state = torch.load(ckpt / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt", map_location="cpu",
-                       weights_only=False)
+    assert files == ["checksums.json", "mp_rank_00", "mp_rank_00/model_optim_rng.pt"]
+    state = load_file(str(ckpt / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt"))
     assert state["iteration"] == 5 and state["args"].data_parallel_size == 4
     assert state["args"].consumed_train_samples == 40 and state["args"].global_batch_size == 8
     assert isinstance(state["rng_state"], list) and len(state["rng_state"]) == 1  # Megatron's list, one entry

@@ -10,11 +10,13 @@ numbers its layers locally (decoder.layers.0, .1), as Megatron's --ckpt-format t
 """
 
 import hashlib
+import json
 import re
 
 import pytest
 import torch
 
+from megatron.checkpoint_safety import load_file
 from tests.functional.test_default_data import default_pipeline  # noqa: F401 (fixture)
 from tests.functional.test_tensor_parallel_training import COMMON, VALIDATION, _grad_norms, _losses, _torchrun
 from tests.functional.test_training_features import run_cli
@@ -31,7 +33,7 @@ SPLIT_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 
 
 
 def _load(path):
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load_file(str(path))
 
 
 def _snapshot(directory):
@@ -133,8 +135,11 @@ def test_pp2_tp2_checkpoint_has_one_file_per_tensor_and_pipeline_rank(runs):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
     iteration = ckpt / "iter_0000005"
-    assert sorted(p.name for p in iteration.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001",
+    assert sorted(p.name for p in iteration.iterdir()) == ["checksums.json", "mp_rank_00_000", "mp_rank_00_001",
                                                            "mp_rank_01_000", "mp_rank_01_001"]
+    manifest = json.loads((iteration / "checksums.json").read_text())  # rank 0 lists every rank's file
+    assert sorted(manifest["files"]) == [f"mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt"
+                                         for tp in (0, 1) for pp in (0, 1)]
     files = {(tp, pp): _load(iteration / f"mp_rank_{tp:02d}_{pp:03d}" / "model_optim_rng.pt")
              for tp in (0, 1) for pp in (0, 1)}
     for (tp, pp), state in files.items():
@@ -166,7 +171,7 @@ def test_interleaved_logs_the_serial_losses_and_resumes_exactly(runs):
 
 def test_interleaved_checkpoint_holds_one_model_per_chunk(runs):
     iteration = runs["vp_ckpt"] / "iter_0000005"
-    assert sorted(p.name for p in iteration.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(p.name for p in iteration.iterdir()) == ["checksums.json", "mp_rank_00_000", "mp_rank_00_001"]
     serial = _load(runs["serial_ckpt"] / "iter_0000005" / "mp_rank_00" / "model_optim_rng.pt")["model"]
     for pp in (0, 1):
         state = _load(iteration / f"mp_rank_00_{pp:03d}" / "model_optim_rng.pt")

@@ -84,7 +84,7 @@ def test_tp2_logs_the_serial_losses_and_resumes_exactly(runs):
 
 def test_tp2_checkpoint_has_one_file_per_tensor_rank_and_loads_back(runs):
     iteration = runs["ckpt"] / "iter_0000005"
-    assert sorted(p.name for p in iteration.iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    assert sorted(p.name for p in iteration.iterdir()) == ["checksums.json", "mp_rank_00", "mp_rank_01"]
     assert all((iteration / d / "model_optim_rng.pt").is_file() for d in ("mp_rank_00", "mp_rank_01"))
     assert "successfully loaded checkpoint from" in runs["resumed"].stdout
     assert "[ t 1/2, p 1/1 ] at iteration 5" in runs["resumed"].stdout
