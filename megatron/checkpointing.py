@@ -9,6 +9,8 @@
                                           moments of every parameter of this (TP, PP) rank, gathered
                                           from the data-parallel shards and stored unpadded, so a run
                                           may resume at another data-parallel size
+        checksums.json                    size and sha256 of every file of the iteration
+                                          (megatron/checkpoint_manifest.py), verified on load
 
 `model_optim_rng.pt` is one torch.save'd dict:
 
@@ -24,26 +26,23 @@
                                              cpu_rng_tracker_states} ], absent with --no-save-rng
                                           (very old files: those keys at top level)
     num_floating_point_operations_so_far  float
-
-    rerun_state_machine                   Megatron-LM's (read, ignored; not written)
-    iter_0000010/checksums.json           size and sha256 of every file of the iteration
-                                          (megatron/checkpoint_manifest.py), verified on load
+    rerun_state_machine                   Megatron-LM core_v0.13's (read and ignored; not written)
 
 Every file is written to a temporary name in its final directory and renamed into place (the
 temporaries a killed save left in a folder are removed by the next save there), and the
 manifest and then the tracker are written (by rank 0, once every rank reported its files
 complete), so a crash at any point leaves the previous checkpoint loadable and the tracker
 naming it. A failed write is reported on every rank with the file, the errno and the
-checkpoint that is still intact. Files are read with the allow-list unpickler of
-megatron/checkpoint_safety.py; the RNG entry is described in megatron/checkpoint_rng.py.
+checkpoint that is still intact (megatron/checkpoint_writes.py). Files are read with the
+allow-list unpickler of megatron/checkpoint_safety.py; the RNG entry is described in
+megatron/checkpoint_rng.py, the checks of a checkpoint against this run in checkpoint_fit.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import errno
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -55,6 +54,9 @@ from megatron.checkpoint_fit import (
 from megatron.checkpoint_manifest import manifest_path, verify_file, write_manifest
 from megatron.checkpoint_rng import get_rng_state, set_rng_state
 from megatron.checkpoint_safety import CheckpointError, load_file
+from megatron.checkpoint_writes import (
+    Failure, attempt, broadcast_from_rank_0, describe_write_error, gather_results, local_error,
+)
 from megatron.core import communication, device, parallel_state
 from megatron.core.atomic_io import Checksum, atomic_write, remove_stale_temporaries
 
@@ -239,45 +241,33 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
     if writes_model and failure is None:
         state_dict = generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state,
                                          iteration, num_floating_point_operations_so_far)
-        failure = _attempt(checkpoint_name, base_dir, files, lambda: atomic_write(
+        failure = attempt(checkpoint_name, base_dir, files, lambda: atomic_write(
             checkpoint_name, lambda f: torch.save(state_dict, f), checksum=True))
     if distributed:  # every rank takes part in the gather, even after a failure
         optim_name = get_distributed_optimizer_checkpoint_name(checkpoint_name)
-        failure = _attempt(optim_name, base_dir, files,
-                           lambda: optimizer.save_parameter_state(optim_name)) or failure
-    files, failures = _gather_results(files, failure)  # also waits for every rank's files
+        optim_failure = attempt(optim_name, base_dir, files,
+                                 lambda: optimizer.save_parameter_state(optim_name))
+        failure = failure or optim_failure
+    files, failures = gather_results(files, failure)  # also waits for every rank's files
     if not failures:
         failure = None
         if not dist.is_initialized() or dist.get_rank() == 0:
             tracker = get_checkpoint_tracker_filename(save_dir)
-            failure = (_attempt(manifest_path(base_dir), base_dir, None,
+            failure = (attempt(manifest_path(base_dir), base_dir, None,
                                 lambda: write_manifest(base_dir, iteration, files))
-                       or _attempt(tracker, base_dir, None, lambda: atomic_write(
+                       or attempt(tracker, base_dir, None, lambda: atomic_write(
                            tracker, lambda f: f.write(str(iteration).encode("ascii")))))
-        failures = _broadcast_from_rank_0(failure)
+        failures = broadcast_from_rank_0(failure)
     if failures:
         raise CheckpointError(f"checkpoint of iteration {iteration} was not saved: "
                               f"{'; '.join(message for message, _ in failures)}; "
-                              f"{_intact_note(save_dir)}") from _local_error(failures)
+                              f"{_intact_note(save_dir)}") from local_error(failures)
     _print_rank_0("  successfully saved checkpoint from iteration {:7d} to {}".format(
         iteration, save_dir))
 
 
-# A failed write: (one-line message, the exception on the rank that raised it, else None).
-_Failure = Tuple[str, Optional[BaseException]]
-
-
-def _describe_write_error(path: str, error: BaseException) -> str:
-    if isinstance(error, OSError):
-        code = errno.errorcode.get(error.errno, "") if error.errno else ""
-        why = f"{code} ({error.strerror})" if code and error.strerror else (error.strerror or str(error))
-    else:
-        why = f"{type(error).__name__}: {error}"
-    return f"cannot write {path}: {why}"
-
-
 def _prepare_folders(save_dir: str, checkpoint_name: str, makes_folder: bool,
-                     writes_model: bool) -> Optional[_Failure]:
+                     writes_model: bool) -> Optional[Failure]:
     """Create this rank's folder and remove the temporaries a killed save left there (each
     file's writer does it for its files; a barrier follows before anything is written)."""
     path = os.path.dirname(checkpoint_name)
@@ -293,53 +283,8 @@ def _prepare_folders(save_dir: str, checkpoint_name: str, makes_folder: bool,
         for path in stale:
             remove_stale_temporaries(path)
     except OSError as error:
-        return _describe_write_error(path, error), error
+        return describe_write_error(path, error), error
     return None
-
-
-def _attempt(path: str, base_dir: str, files: Optional[Dict[str, Checksum]],
-             write: Callable[[], Optional[Checksum]]) -> Optional[_Failure]:
-    """Run write() (which writes `path`); record its checksum in `files` under the path
-    relative to base_dir; return the failure instead of raising it."""
-    try:
-        checksum = write()
-    except Exception as error:  # noqa: BLE001 -- reported on every rank, or the others wait forever
-        return _describe_write_error(path, error), error
-    if checksum is not None and files is not None:
-        files[os.path.relpath(path, base_dir).replace(os.sep, "/")] = checksum
-    return None
-
-
-def _gather_results(files: Dict[str, Checksum], failure: Optional[_Failure]
-                    ) -> Tuple[Dict[str, Checksum], List[_Failure]]:
-    """Every rank's checksums and failures, on every rank (a collective: it also waits until
-    every rank's files are complete)."""
-    if not dist.is_initialized():
-        return dict(files), [failure] if failure else []
-    results: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(results, (files, failure[0] if failure else None))
-    merged: Dict[str, Checksum] = {}
-    failures: List[_Failure] = []
-    for rank, (rank_files, message) in enumerate(results):
-        merged.update(rank_files)
-        if message is not None:
-            own = failure[1] if rank == dist.get_rank() and failure else None
-            failures.append((f"rank {rank}: {message}" if len(results) > 1 else message, own))
-    return merged, failures
-
-
-def _broadcast_from_rank_0(failure: Optional[_Failure]) -> List[_Failure]:
-    if not dist.is_initialized():
-        return [failure] if failure else []
-    message = [failure[0] if failure else None]
-    dist.broadcast_object_list(message, src=0)
-    if message[0] is None:
-        return []
-    return [(message[0], failure[1] if failure else None)]
-
-
-def _local_error(failures: List[_Failure]) -> Optional[BaseException]:
-    return next((error for _, error in failures if error is not None), None)
 
 
 def _intact_note(save_dir: str) -> str:
@@ -421,10 +366,10 @@ def _missing_file_error(load_dir: str, tracker: str, iteration: int, release: bo
     rank_dir = os.path.dirname(name)
     if os.path.isdir(rank_dir):
         held = sorted(os.listdir(rank_dir))
+        holds = "it holds " + ", ".join(held) if held else "it is empty"
         return CheckpointError(
-            f"{rank_dir} has no {os.path.basename(name)} ({'it is empty' if not held else 'it holds ' + ', '.join(held)}): "
-            f"the save of {what} did not finish writing it, or it was removed since; the tracker "
-            f"{tracker} names {what}")
+            f"{rank_dir} has no {os.path.basename(name)} ({holds}): the save of {what} did not "
+            f"finish writing it, or it was removed since; the tracker {tracker} names {what}")
     folders = sorted(os.listdir(base_dir)) if os.path.isdir(base_dir) else []
     saved = [d for d in folders if d.startswith("mp_rank_")
              and os.path.isfile(os.path.join(base_dir, d, _MODEL_FILE_NAME))]

@@ -433,7 +433,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 else:
                     state = torch.load(filename, map_location="cpu", weights_only=True)
             except Exception as exc:  # noqa: BLE001 -- reported on every rank below, or the others hang
-                error = f"cannot read the distributed-optimizer state {filename}: {exc}"
+                error = (str(exc) if read is not None  # `read`'s errors name the file already
+                         else f"cannot read the distributed-optimizer state {filename}: {exc}")
         self.load_parameter_state_from_dp_zero(state, source=filename, error=error)
 
     def load_parameter_state_from_dp_zero(self, state: Optional[dict[Any, Any]], source: str = "the state",
