@@ -29,6 +29,8 @@ import argparse
 from argparse import Namespace
 from typing import Any, NamedTuple
 
+from megatron.utils import print_line
+
 
 class MegatronFlag(NamedTuple):
     """One Megatron flag: its spellings, the add_argument keywords and why it is here."""
@@ -412,4 +414,4 @@ def validate_megatron_flags(args: Namespace) -> None:
 
 def _print_rank_0(args: Namespace, message: str) -> None:
     if getattr(args, "rank", 0) == 0:
-        print(message, flush=True)
+        print_line(message)

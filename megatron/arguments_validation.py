@@ -44,6 +44,7 @@ import torch
 from megatron.arguments_megatron import refusal_rows, validate_megatron_flags
 from megatron.core import device
 from megatron.data.utils import parse_and_normalize_split, parse_data_path
+from megatron.utils import print_line
 
 
 class ArgsError(ValueError):
@@ -96,7 +97,7 @@ def flag(dest: str) -> str:
 
 def _print_rank_0(args: Namespace, message: str) -> None:
     if getattr(args, "rank", 0) == 0:
-        print(message, flush=True)
+        print_line(message)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -628,8 +629,8 @@ def print_args(args: Namespace, title: str = "arguments") -> None:
     """Megatron's sorted '  name .... value' block, on rank 0 only."""
     if getattr(args, "rank", 0) != 0:
         return
-    print(f"------------------------ {title} ------------------------", flush=True)
+    print_line(f"------------------------ {title} ------------------------")
     lines = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()]
     for line in sorted(lines, key=lambda x: x.lower()):
-        print(line, flush=True)
-    print(f"-------------------- end of {title} ---------------------", flush=True)
+        print_line(line)
+    print_line(f"-------------------- end of {title} ---------------------")

@@ -59,6 +59,7 @@ from megatron.checkpoint_writes import (
 )
 from megatron.core import communication, device, parallel_state
 from megatron.core.atomic_io import Checksum, atomic_write, remove_stale_temporaries
+from megatron.utils import print_line
 
 # The saved args are an argparse.Namespace; PyTorch >= 2.6 refuses it under weights_only=True
 # unless allow-listed (Megatron does this too). Our own reads use checkpoint_safety's list.
@@ -70,7 +71,7 @@ _MODEL_FILE_NAME = "model_optim_rng.pt"
 
 def _print_rank_0(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
+        print_line(message)
 
 
 def _barrier() -> None:
@@ -155,8 +156,8 @@ def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
         communication.all_reduce(iters, op=dist.ReduceOp.MAX)  # [1]
         max_iter = int(iters[0].item())
         if max_iter != iteration:
-            print(f"WARNING: on rank {dist.get_rank()} found iteration {iteration} in the tracker "
-                  f"{tracker_filename} but the maximum over ranks is {max_iter}", flush=True)
+            print_line(f"WARNING: on rank {dist.get_rank()} found iteration {iteration} in the tracker "
+                  f"{tracker_filename} but the maximum over ranks is {max_iter}")
         iteration = max_iter
     return iteration, release
 

@@ -12,6 +12,7 @@ import argparse
 from typing import Any, Optional
 
 from megatron.timers import Timers
+from megatron.utils import print_line
 
 _ARGS: Optional[argparse.Namespace] = None
 _TOKENIZER: Any = None
@@ -98,7 +99,7 @@ def _set_tensorboard_writer(args: argparse.Namespace) -> None:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
         raise RuntimeError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from exc
-    print("> setting tensorboard ...", flush=True)
+    print_line("> setting tensorboard ...")
     _TENSORBOARD_WRITER = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
 
 

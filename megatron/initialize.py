@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron import global_vars
 from megatron.core import cpu_runtime, device, parallel_state
 from megatron.core.pipeline_parallel import p2p_communication
-from megatron.utils import print_rank_0
+from megatron.utils import print_line, print_rank_0
 
 
 def initialize_megatron(extra_args_provider: Optional[Callable] = None, args_defaults: Optional[Dict] = None,
@@ -63,7 +63,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
     launched = "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
     if launched and not dist.is_initialized():
         if args.rank == 0:  # the process group does not exist yet: print_rank_0 cannot tell the ranks apart
-            print("> initializing torch distributed ...", flush=True)
+            print_line("> initializing torch distributed ...")
         dist.init_process_group(backend=device.get_backend(), world_size=args.world_size, rank=args.rank,
                                 timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
         # Tear the groups down before the interpreter does: a gloo group still alive at exit

@@ -15,6 +15,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from megatron.utils import print_line
+
 
 class NumMicroBatchesCalculator(ABC):
     """Holds the current global batch size and the number of micro-batches it makes."""
@@ -119,13 +121,13 @@ def build_num_microbatches_calculator(rank: int, rampup_batch_size: Sequence | N
         calculator: NumMicroBatchesCalculator = ConstantNumMicroBatches(
             global_batch_size, micro_batch_size, data_parallel_size)
         if rank == 0:
-            print(f"setting number of micro-batches to constant {calculator.get()}", flush=True)
+            print_line(f"setting number of micro-batches to constant {calculator.get()}")
         return calculator
     start, increment, ramp_samples = _parse_rampup(rampup_batch_size)
     if rank == 0:
-        print(f"will use batch size rampup starting from global batch size {start} to global batch "
+        print_line(f"will use batch size rampup starting from global batch size {start} to global batch "
               f"size {global_batch_size} with batch size increments {increment} over {ramp_samples} "
-              "samples.", flush=True)
+              "samples.")
     return RampupBatchsizeNumMicroBatches(start, increment, ramp_samples, global_batch_size,
                                           micro_batch_size, data_parallel_size)
 

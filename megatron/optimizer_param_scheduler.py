@@ -30,6 +30,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron.utils import print_line
+
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 _WD_INCR_STYLES = ("constant", "linear", "cosine")
@@ -59,7 +61,7 @@ _STEP_FIELDS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 
 def _print_rank_0(message: str) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-        print(message, flush=True)
+        print_line(message)
 
 
 class OptimizerParamScheduler:

@@ -339,7 +339,7 @@ def _reduce_losses(losses: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
                 totals.append(values.sum(dim=0))
             else:
                 totals.append(torch.stack([values.sum(), torch.tensor(float(len(losses)))]))
-        totals = torch.stack(totals)
+        totals = torch.stack(totals).to(device.get_device())  # [keys, 2]; on the device: NCCL reduces only those
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         if group is not None and torch.distributed.get_world_size(group) > 1:
             communication.all_reduce(totals, group=group)  # the group's ranks are all last-stage ranks

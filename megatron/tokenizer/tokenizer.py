@@ -4,6 +4,7 @@ from argparse import Namespace
 from typing import Callable, Dict
 
 from megatron.tokenizer.base import MegatronTokenizer
+from megatron.utils import print_line
 
 
 class TokenizerConfigError(ValueError):
@@ -22,8 +23,8 @@ def vocab_size_with_padding(orig_vocab_size: int, args: Namespace) -> int:
         raise TokenizerConfigError(f"--make-vocab-size-divisible-by must be >= 1, got {multiple}")
     after = -(-orig_vocab_size // multiple) * multiple
     if getattr(args, "rank", 0) == 0:
-        print(" > padded vocab (size: {}) with {} dummy tokens (new size: {})".format(
-            orig_vocab_size, after - orig_vocab_size, after), flush=True)
+        print_line(" > padded vocab (size: {}) with {} dummy tokens (new size: {})".format(
+            orig_vocab_size, after - orig_vocab_size, after))
     return after
 
 
@@ -109,7 +110,7 @@ def build_tokenizer(args: Namespace) -> MegatronTokenizer:
         raise TokenizerConfigError(f"--tokenizer-type {tokenizer_type} is not supported; "
                                    f"choose one of {', '.join(_BUILDERS)}")
     if getattr(args, "rank", 0) == 0:
-        print(f"> building {tokenizer_type} tokenizer ...", flush=True)
+        print_line(f"> building {tokenizer_type} tokenizer ...")
     tokenizer = _BUILDERS[tokenizer_type](args)
     if getattr(args, "padded_vocab_size", None) is None:
         args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
