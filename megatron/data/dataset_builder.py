@@ -3,7 +3,11 @@
     mock             -> MockGPTDataset per split (synthetic data, no files)
     blend, 1 prefix  -> GPTDataset per split, over the sequence ranges --split gives
     blend, N prefixes-> per-prefix GPTDatasets (sizes with a 0.5% margin), blended per split
-    blend_per_split  -> each split from its own prefix or blend
+    blend_per_split  -> each split from its own prefix (a GPTDataset) or blend
+
+Sizes, split boundaries and blends are Megatron-Core 0.16's (BlendedMegatronDatasetBuilder),
+so the same flags train on the same samples in the same order; tests/unit/
+test_blend_megatron_equivalence.py checks them against megatron-core itself.
 
 In a distributed run every dataset is built first on global rank 0 (which writes the index
 caches), then, after a barrier, on the other ranks (which only load them).
@@ -20,29 +24,33 @@ import torch
 from megatron.data.blended_dataset import BlendedDataset
 from megatron.data.dataset_config import GPTDatasetConfig
 from megatron.data.gpt_dataset import GPTDataset, MockGPTDataset
-from megatron.data.index_helpers import normalize_weights
-from megatron.data.utils import Split, distributed_rank, get_split_indices, log_warning
-
-# Mid-level datasets are built this much larger than their share of the blend (Megatron's
-# mid_level_dataset_surplus), so that rounding never leaves a blend short of samples.
-MID_LEVEL_SURPLUS = 0.005
+from megatron.data.indexed_dataset import IndexedDatasetError
+from megatron.data.utils import Split, distributed_rank, get_split_indices, log_warning, normalize
 
 Datasets = List[Optional[torch.utils.data.Dataset]]  # [train, valid, test]
 
 
-def _sizes_with_margin(sizes: Sequence[Optional[int]], weight: float) -> List[Optional[int]]:
-    """Samples to request from a dataset of the blend: ceil(ceil(size * weight) * 1.005)."""
-    return [s if not s else int(math.ceil(math.ceil(s * weight) * (1 + MID_LEVEL_SURPLUS))) for s in sizes]
+def sizes_per_dataset(weights: Sequence[float], sizes: Sequence[Optional[int]], surplus: float = 0.0
+                      ) -> List[List[Optional[int]]]:
+    """[dataset][split] samples to take from (surplus 0) or build for each dataset of a weighted
+    blend: ceil(ceil(size * w) * (1 + surplus)), as Megatron-Core's _get_size_per_split_per_dataset."""
+    return [[s if s is None else int(math.ceil(math.ceil(s * w) * (1 + surplus))) for s in sizes] for w in weights]
 
 
 class BlendedMegatronDatasetBuilder:
-    """Builds [train, valid, test] datasets.
+    """Builds [train, valid, test] datasets, with Megatron-Core's sizes and blends.
 
     Args:
         cls: the dataset class (GPTDataset; MockGPTDataset is used when config.mock).
-        sizes: samples wanted per split; 0 means no dataset for that split, None one epoch.
+        sizes: samples wanted per split; 0 means no dataset for that split, None one epoch
+            (None needs an unweighted blend, as in Megatron-Core).
         is_built_on_rank: whether this rank needs the datasets (others get None).
         config: the dataset configuration.
+
+    A weighted blend of n samples takes ceil(n * w_d) samples of dataset d (so it holds
+    sum_d ceil(n * w_d) >= n samples, as Megatron's) from mid-level datasets built 0.5% larger;
+    an unweighted blend takes the datasets' own lengths as weights and min(n, their total)
+    samples, or every sample once when n is None.
     """
 
     def __init__(self, cls: type, sizes: Sequence[Optional[int]], is_built_on_rank: Optional[Callable[[], bool]],
@@ -55,6 +63,11 @@ class BlendedMegatronDatasetBuilder:
         self.sizes = list(sizes)
         self.is_built_on_rank = is_built_on_rank or (lambda: True)
         self.config = config
+        for split in Split:  # Megatron-Core's rule: a weighted blend needs a number of samples
+            blend = config.blend if config.blend_per_split is None else config.blend_per_split[split.value]
+            if not config.mock and blend is not None and blend[1] is not None and sizes[split.value] is None:
+                raise ValueError(f"the {split.name} split has blend weights but no number of samples (size None); "
+                                 "give the number of samples, or no weights to take every sample once")
 
     def build(self) -> Datasets:
         """[train, valid, test]; None for a split with no data, no samples wanted, or not built here."""
@@ -63,6 +76,8 @@ class BlendedMegatronDatasetBuilder:
             return self._build_splits(None, config.split_vector, self.sizes)
         if config.blend is not None:
             prefixes, weights = config.blend
+            if len(prefixes) == 1 and weights is None:
+                return self._build_splits(prefixes[0], config.split_vector, self.sizes)
             return self._build_blend(prefixes, weights, config.split_vector, self.sizes)
         datasets: Datasets = []
         for split in Split:
@@ -76,14 +91,18 @@ class BlendedMegatronDatasetBuilder:
             only[split.value] = 1.0
             sizes = [0] * len(Split)
             sizes[split.value] = self.sizes[split.value]
-            datasets.append(self._build_blend(blend[0], blend[1], only, sizes)[split.value])
+            if len(blend[0]) == 1:  # one prefix is never blended here, weighted or not (as Megatron-Core)
+                datasets.append(self._build_splits(blend[0][0], only, sizes)[split.value])
+            else:
+                datasets.append(self._build_blend(blend[0], blend[1], only, sizes)[split.value])
         return datasets
 
     def _build_splits(self, prefix: Optional[str], split_vector: Sequence[float],
                       sizes: Sequence[Optional[int]]) -> Datasets:
         """One dataset per split of one prefix, over the sequence ranges of `split_vector`."""
         low_level = self.cls.build_low_level_dataset(prefix, self.config)
-        bounds = get_split_indices(split_vector, self.cls.numel_low_level_dataset(low_level))
+        num_elements = self.cls.numel_low_level_dataset(low_level)
+        bounds = get_split_indices(split_vector, num_elements)
         datasets: Datasets = []
         for split in Split:
             i = split.value
@@ -92,49 +111,54 @@ class BlendedMegatronDatasetBuilder:
                     log_warning(f"{sizes[i]} {split.name} samples wanted but --split gives that split no data")
                 datasets.append(None)
                 continue
+            if bounds[i + 1] <= bounds[i]:
+                raise self._empty_split_error(prefix, split, num_elements, sizes[i])
             indices = np.arange(bounds[i], bounds[i + 1], dtype=np.int32)  # sequence ids of this split
             datasets.append(self._build_generic(self.cls, self.is_built_on_rank(),
                                                 low_level, prefix, indices, sizes[i], split, self.config))
         return datasets
 
+    def _empty_split_error(self, prefix: Optional[str], split: Split, num_elements: int,
+                           size: Optional[int]) -> IndexedDatasetError:
+        wanted = "one epoch" if size is None else f"{size} samples"
+        if self.config.split is None:  # a whole dataset of blend_per_split
+            return IndexedDatasetError(f"{prefix}: the {split.name} data has no documents, but the {split.name} "
+                                       f"split needs {wanted}")
+        return IndexedDatasetError(
+            f"{prefix}: --split {self.config.split} leaves the {split.name} split no documents (the dataset has "
+            f"{num_elements}), but {wanted} of {split.name} data are needed; give that split a larger share "
+            f"or use more data")
+
     def _build_blend(self, prefixes: Sequence[str], weights: Optional[Sequence[float]],
                      split_vector: Sequence[float], sizes: Sequence[Optional[int]]) -> Datasets:
-        """Per-prefix datasets blended per split (a lone unweighted prefix is not blended)."""
-        if len(prefixes) == 1 and weights is None:
-            return self._build_splits(prefixes[0], split_vector, sizes)
-        normalized = normalize_weights(weights).tolist() if weights is not None else None
-        one_epoch = [None if s else s for s in sizes]  # unweighted: every dataset once (0 stays 0)
-        per_prefix = [self._build_splits(prefix, split_vector,
-                                         _sizes_with_margin(sizes, w) if normalized else one_epoch)
-                      for prefix, w in zip(prefixes, normalized or [None] * len(prefixes))]
+        """Per-prefix datasets blended per split, with Megatron-Core's sizes."""
+        if weights is None:
+            # every dataset once ("one epoch"); a split with no samples wanted stays unbuilt
+            per_dataset = [[None if s != 0 else 0 for s in sizes] for _ in prefixes]
+            targets = None
+        else:
+            weights = normalize(weights)
+            targets = sizes_per_dataset(weights, sizes)
+            per_dataset = sizes_per_dataset(weights, sizes, self.config.mid_level_dataset_surplus)
+        per_prefix = [self._build_splits(prefix, split_vector, wanted) for prefix, wanted in zip(prefixes, per_dataset)]
         blended: Datasets = []
         for split in Split:
-            parts = [datasets[split.value] for datasets in per_prefix]
-            if split_vector[split.value] == 0 or sizes[split.value] == 0:
+            i = split.value
+            parts = [datasets[i] for datasets in per_prefix]
+            if split_vector[i] == 0 or sizes[i] == 0:
                 blended.append(None)
                 continue
             built_here = all(p is not None for p in parts)
-            weights_i, size_i = self._blend_weights_and_size(parts, normalized, sizes[split.value]) \
-                if built_here else (None, None)
-            blended.append(self._build_generic(BlendedDataset, built_here, parts, weights_i, size_i, self.config))
+            if not built_here:
+                blended.append(self._build_generic(BlendedDataset, False))
+                continue
+            if targets is not None:  # the blend holds every sample it takes from each dataset
+                weights_i, size_i = weights, sum(target[i] for target in targets)
+            else:
+                weights_i = [len(p) for p in parts]
+                size_i = None if sizes[i] is None else min(sizes[i], sum(weights_i))
+            blended.append(self._build_generic(BlendedDataset, True, parts, weights_i, size_i, self.config))
         return blended
-
-    @staticmethod
-    def _blend_weights_and_size(parts: Sequence[torch.utils.data.Dataset], weights: Optional[List[float]],
-                                size: Optional[int]):
-        """Given weights: as given, `size` samples (None: as many as no dataset runs out of).
-        No weights: the dataset lengths, min(size, total) samples (None: every sample once)."""
-        lengths = [len(p) for p in parts]
-        if weights is not None:
-            if size is None:
-                size = min(int(n / w) for n, w in zip(lengths, weights))
-            return weights, size
-        if size is None:
-            return lengths, None
-        if size > sum(lengths):
-            log_warning(f"{size} samples wanted from an unweighted blend that holds {sum(lengths)} (one epoch of "
-                        "each dataset); give weights to draw more epochs")
-        return lengths, min(size, sum(lengths))
 
     @staticmethod
     def _build_generic(cls: type, built_here: bool, *args):

@@ -8,10 +8,11 @@ Field names follow Megatron-Core's GPTDatasetConfig; megatron/arguments.py trans
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
-from megatron.data.utils import Split, parse_and_normalize_split
+from megatron.data.utils import Split, parse_and_normalize_split, split_matrix
 
 # Megatron's --split default, used for mock data when no split is given.
 DEFAULT_MOCK_SPLIT = "969,30,1"
@@ -28,7 +29,7 @@ def _check_blend(blend: Any, what: str) -> None:
     if len(weights) != len(prefixes):
         raise ValueError(f"{what} has {len(prefixes)} dataset prefixes but {len(weights)} weights")
     for prefix, weight in zip(prefixes, weights):
-        if not isinstance(weight, (int, float)) or not weight > 0:
+        if not isinstance(weight, (int, float)) or not (weight > 0 and math.isfinite(weight)):
             raise ValueError(f"{what}: the weight of {prefix} must be a positive number, got {weight!r}")
 
 
@@ -57,8 +58,13 @@ class GPTDatasetConfig:
     eod_mask_loss: bool = False
     create_attention_mask: bool = True
     add_extra_token_to_sequence: bool = True
+    # Mid-level datasets of a weighted blend are built this much larger than their share
+    # (Megatron's mid_level_dataset_surplus), so that the greedy blend never runs out of samples.
+    mid_level_dataset_surplus: float = 0.005
     # [train, valid, test] proportions summing to 1, derived from `split`; None without a split
     split_vector: Optional[List[float]] = field(init=False, default=None)
+    # [(begin, end) or None] per split, the running sums of split_vector (Megatron's split_matrix)
+    split_matrix: Optional[List[Optional[Tuple[float, float]]]] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not isinstance(self.random_seed, int) or isinstance(self.random_seed, bool):
@@ -71,6 +77,10 @@ class GPTDatasetConfig:
             split = DEFAULT_MOCK_SPLIT
         if split is not None:
             object.__setattr__(self, "split_vector", parse_and_normalize_split(split))
+            object.__setattr__(self, "split_matrix", split_matrix(self.split_vector))
+        if not (isinstance(self.mid_level_dataset_surplus, (int, float)) and self.mid_level_dataset_surplus >= 0):
+            raise ValueError(f"mid_level_dataset_surplus must be a non-negative number, "
+                             f"got {self.mid_level_dataset_surplus!r}")
         self._check_tokenizer()
 
     def _check_sources(self) -> None:

@@ -4,6 +4,14 @@ The sequences of one split are shuffled (once per epoch) into a document index; 
 stream they make is cut into windows of sequence_length + 1 tokens that overlap by one token
 (the next sample's first input is the previous sample's last label), and the windows are
 shuffled. The three index arrays are built once, cached as .npy files and memory-mapped.
+
+The cache files are named by the md5 of a JSON description that is Megatron-Core's own
+(class, dataset_path, num_samples, index_split, random_seed, sequence_length, split,
+split_matrix, tokenizer), so the two find each other's indices when the tokenizer describes
+itself the same way (its `unique_identifiers`). Megatron's description does not say which
+data it was built from, so loaded indices are checked against the dataset's sizes, and the
+token-id range of each split is cached beside them (`...-token_range.json`) so that ids
+outside the vocabulary are refused before training without reading the data again.
 """
 
 from __future__ import annotations
@@ -13,18 +21,31 @@ import json
 import os
 import time
 from collections import OrderedDict
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 
 from megatron.data import index_helpers
 from megatron.data.dataset_config import GPTDatasetConfig
-from megatron.data.indexed_dataset import IndexedDataset
-from megatron.data.utils import (IndexCache, Split, log_rank_0, log_warning, may_build_indices,
+from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+from megatron.data.utils import (IndexCache, Split, get_split_indices, log_rank_0, log_warning, may_build_indices,
                                  writable_directory)
 
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
+_TOKEN_RANGE = "token_range.json"  # beside the indices: the split's smallest and largest token id
+
+
+def tokenizer_identifiers(tokenizer: Any) -> Any:
+    """The tokenizer's part of a dataset description: its `unique_identifiers` when it has them
+    (Megatron's tokenizers do; a tokenizer reporting Megatron's gives Megatron's cache names),
+    else its class name; None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    identifiers = getattr(tokenizer, "unique_identifiers", None)
+    if identifiers is not None:
+        return identifiers
+    return OrderedDict([("class", type(tokenizer).__name__)])
 
 
 def get_ltor_masks_and_position_ids(tokens: torch.Tensor, eod_token: Optional[int], reset_position_ids: bool,
@@ -84,6 +105,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.unique_identifiers = self._unique_identifiers()
         self.unique_description = json.dumps(self.unique_identifiers, indent=4)
         self.built_anew_on_cache_miss = False
+        self._check_token_ids()
         arrays = self._load_or_build_indices()
         self.document_index = arrays["document_index"]  # int32 [num_epochs * num_docs]
         self.sample_index = arrays["sample_index"]  # [num_samples + 1, 2] (doc position, offset)
@@ -102,27 +124,33 @@ class GPTDataset(torch.utils.data.Dataset):
         return int(low_level_dataset.sequence_lengths.shape[0])
 
     # ------------------------------------------------------------------ identity and cache
-    def _indices_identifier(self):
-        idx = self.indices
-        if len(idx) == 0:
-            return [0, 0]
-        if np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):  # a contiguous range: [begin, end)
-            return [int(idx[0]), int(idx[0]) + len(idx)]
-        return "md5:" + hashlib.md5(idx.tobytes(), usedforsecurity=False).hexdigest()
+    def _split_range(self) -> Tuple[int, int]:
+        """The sequence range the builder gives this split: [begin, end) of the --split ranges,
+        or the whole dataset (blend_per_split)."""
+        n = len(self.dataset)
+        if self.config.split_vector is None:
+            return 0, n
+        bounds = get_split_indices(self.config.split_vector, n)
+        return bounds[self.index_split.value], bounds[self.index_split.value + 1]
 
     def _unique_identifiers(self) -> "OrderedDict[str, object]":
+        """Megatron-Core's description, plus what it leaves out only where it differs from what
+        Megatron-Core would use (other sequences than the split's range, no extra token)."""
         ids: "OrderedDict[str, object]" = OrderedDict()
         ids["class"] = type(self).__name__
         ids["dataset_path"] = self.dataset_path
-        ids["num_sequences"] = int(len(self.dataset))
-        ids["indexed_indices"] = self._indices_identifier()
         ids["num_samples"] = self.num_samples
         ids["index_split"] = self.index_split.name
         ids["random_seed"] = self.config.random_seed
         ids["sequence_length"] = self.config.sequence_length
         ids["split"] = self.config.split
-        ids["split_vector"] = self.config.split_vector
-        ids["add_extra_token_to_sequence"] = self.config.add_extra_token_to_sequence
+        ids["split_matrix"] = self.config.split_matrix
+        ids["tokenizer"] = tokenizer_identifiers(self.config.tokenizer)
+        begin, end = self._split_range()
+        if not np.array_equal(self.indices, np.arange(begin, end)):
+            ids["indexed_indices"] = "md5:" + hashlib.md5(self.indices.tobytes(), usedforsecurity=False).hexdigest()
+        if not self.config.add_extra_token_to_sequence:
+            ids["add_extra_token_to_sequence"] = False
         return ids
 
     def _cache(self) -> Optional[IndexCache]:
@@ -135,12 +163,48 @@ class GPTDataset(torch.utils.data.Dataset):
             return None
         return IndexCache(directory, self.unique_description, type(self).__name__, self.index_split)
 
+    def _check_token_ids(self) -> None:
+        """Refuse token ids outside the tokenizer's vocabulary (data made with another
+        tokenizer), before they crash the embedding; the split's id range is cached."""
+        vocab_size = getattr(self.config.tokenizer, "vocab_size", None)
+        if vocab_size is None or len(self.indices) == 0:
+            return
+        begin, end = int(self.indices.min()), int(self.indices.max()) + 1  # the sequences lie in this range
+        tokens = int(np.sum(self.dataset.sequence_lengths[begin:end], dtype=np.int64))
+        cache = self._cache()
+        found = _read_token_range(None if cache is None else cache.path(_TOKEN_RANGE), begin, end, tokens)
+        if found is None:
+            found = self.dataset.token_range(begin, end)
+            if cache is not None and may_build_indices():
+                record = {"first_sequence": begin, "end_sequence": end, "tokens": tokens,
+                          "min_token_id": found[0], "max_token_id": found[1]}
+                try:
+                    cache.save_text(_TOKEN_RANGE, json.dumps(record))
+                except OSError:
+                    pass  # only a shortcut for the next run; building the indices reports an unwritable cache
+        low, high = found
+        bad = high if high >= vocab_size else (low if low < 0 else None)
+        if bad is not None:
+            raise IndexedDatasetError(
+                f"{self.dataset_path}: token id {bad} in the {self.index_split.name} split is outside the "
+                f"vocabulary of the tokenizer ({vocab_size} ids, 0 to {vocab_size - 1}); the dataset was made "
+                "with another tokenizer: preprocess it with this run's tokenizer flags, or train with the "
+                "tokenizer that made it")
+
     def _load_or_build_indices(self) -> Dict[str, np.ndarray]:
         name = f"{type(self).__name__} {self.index_split.name} indices"
         cache = self._cache()
         if cache is not None and cache.complete(_INDEX_NAMES):
             log_rank_0(f"Load the {name} from {cache.directory}")
-            return self._load_indices(cache)
+            arrays = self._load_indices(cache)
+            stale = self._stale(arrays)
+            if stale is None:
+                return arrays
+            if not may_build_indices():
+                raise IndexedDatasetError(f"{cache.path('description.txt')}: the cached indices do not fit "
+                                          f"{self.dataset_path} ({stale}); rank 0 should have rebuilt them")
+            log_warning(f"the cached {name} in {cache.directory} do not fit {self.dataset_path} ({stale}); "
+                        "the data changed since they were built: building them again")
         if cache is not None and self.config.path_to_cache is None:
             error = writable_directory(cache.directory)
             if error is not None:  # the default directory, next to the data, may be read-only
@@ -159,6 +223,24 @@ class GPTDataset(torch.utils.data.Dataset):
         self.built_anew_on_cache_miss = True
         return arrays
 
+    def _expected_lengths(self) -> Tuple[int, int]:
+        """(document index length, number of samples) that indices built now would have."""
+        tokens_per_epoch = int(np.sum(self.dataset.sequence_lengths[self.indices], dtype=np.int64))
+        if tokens_per_epoch == 0:
+            return 0, 0
+        sequence_length = self.config.sequence_length
+        num_epochs = index_helpers.get_num_epochs(tokens_per_epoch, sequence_length, self.num_samples, self._add_extra)
+        return num_epochs * len(self.indices), (num_epochs * tokens_per_epoch - self._add_extra) // sequence_length
+
+    def _stale(self, arrays: Dict[str, np.ndarray]) -> Optional[str]:
+        """Why cached indices cannot belong to this dataset, or None when their sizes fit it."""
+        documents, samples = self._expected_lengths()
+        found = (len(arrays["document_index"]), arrays["sample_index"].shape[0] - 1, len(arrays["shuffle_index"]))
+        if found != (documents, samples, samples):
+            return (f"{found[0]} documents and {found[2]} samples cached, {documents} and {samples} "
+                    "expected")
+        return None
+
     def _load_indices(self, cache: IndexCache) -> Dict[str, np.ndarray]:
         arrays = {}
         for array_name in _INDEX_NAMES:
@@ -175,8 +257,13 @@ class GPTDataset(torch.utils.data.Dataset):
         sequence_length = self.config.sequence_length
         tokens_per_epoch = int(np.sum(self.dataset.sequence_lengths[self.indices], dtype=np.int64))
         if tokens_per_epoch < sequence_length + self._add_extra:
-            raise ValueError(f"the {self.index_split.name} split of {self.dataset_path or 'mock data'} has "
-                             f"{tokens_per_epoch} tokens, too few for one sample of {sequence_length} tokens")
+            where = "" if self.config.split is None else f" (--split {self.config.split})"
+            raise IndexedDatasetError(
+                f"{self.dataset_path or 'mock data'}: the {self.index_split.name} split{where} holds "
+                f"{len(self.indices)} of the dataset's {len(self.dataset)} documents, {tokens_per_epoch} tokens, "
+                f"too few for one sample of {sequence_length + self._add_extra} tokens (--seq-length "
+                f"{sequence_length}{' and the extra label token' if self._add_extra else ''}); give that split a "
+                "larger share, use more data or a shorter --seq-length")
         num_epochs = index_helpers.get_num_epochs(tokens_per_epoch, sequence_length, self.num_samples, self._add_extra)
         separate = index_helpers.use_separate_final_epoch(tokens_per_epoch, sequence_length, self.num_samples,
                                                           num_epochs, self._add_extra)
@@ -261,6 +348,20 @@ class GPTDataset(torch.utils.data.Dataset):
         return masks
 
 
+def _read_token_range(path: Optional[str], begin: int, end: int, tokens: int) -> Optional[Tuple[int, int]]:
+    """The cached (min, max) token id of sequences [begin, end), if recorded for the same sizes."""
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        if (record["first_sequence"], record["end_sequence"], record["tokens"]) == (begin, end, tokens):
+            return int(record["min_token_id"]), int(record["max_token_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # unreadable: scan again
+    return None
+
+
 class MockIndexedDataset:
     """Synthetic sequences standing in for an IndexedDataset (deterministic from the seed).
 
@@ -304,3 +405,6 @@ class MockGPTDataset(GPTDataset):
         ids = super()._unique_identifiers()
         ids["mock_vocab_size"] = self.dataset.vocab_size
         return ids
+
+    def _check_token_ids(self) -> None:
+        """Nothing to check: the synthetic ids are drawn below the vocabulary size."""

@@ -1,7 +1,9 @@
 """Vectorised numpy builders of the GPT and blending index arrays.
 
 Megatron-Core builds the sample index and the blending indices in a C++ extension; the same
-arrays come out of these numpy functions, with no Python loop over samples or tokens.
+arrays come out of these numpy functions, with no Python loop over samples or tokens (the
+blending indices: blending_indices.py, a loop over steps that advances thousands of stretches
+of the blend at once).
 
     document_index        int32 [num_epochs * num_docs]   sequence ids, each epoch a shuffled copy
     sample_index          int32/int64 [num_samples+1, 2]  (position in document_index, token offset)
@@ -13,16 +15,16 @@ arrays come out of these numpy functions, with no Python loop over samples or to
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron.data import blending_indices
+from megatron.data.utils import normalize
+
 # Share of an epoch below which the final epoch is shuffled on its own (Megatron's threshold),
 # so that the samples drawn from a partial last epoch are not concentrated in the run's end.
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
-# Blended samples whose order is sorted at once (bounds the temporary memory of a large blend).
-BLEND_CHUNK = 1 << 22
 
 
 def get_num_epochs(tokens_per_epoch: int, sequence_length: int, num_samples: Optional[int],
@@ -97,54 +99,14 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
-def build_blending_indices(weights: Sequence[float], size: int,
-                           available: Optional[Sequence[int]] = None) -> Tuple[np.ndarray, np.ndarray]:
+def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.ndarray]:
     """(dataset_index int16 [size], dataset_sample_index int64 [size]) interleaving datasets by weight.
 
-    The k-th sample of dataset d gets the key (k + 0.5) / w_d and the `size` smallest keys are taken
-    in order, ties going to the lower dataset (Sainte-Lague/Webster order). After every prefix of n
-    samples dataset d has round(w_d * t) samples for some t, so its count stays close to w_d * n
-    (within 1 for up to three datasets). `available[d]` caps the samples taken from dataset d.
-    Keys are sorted in chunks of about BLEND_CHUNK samples, so memory stays near the output's.
+    What a BlendedDataset of `size` samples holds: the weights normalised as Megatron-Core's
+    normalize does, then its greedy helpers.build_blending_indices, bit for bit (each sample goes
+    to the first dataset furthest below its share; see blending_indices.py).
     """
-    w = normalize_weights(weights)
-    # c_d <= w_d * t + 1/2 with t <= n + D/2, so this many keys per dataset never change the result
-    limit = np.ceil(w * size).astype(np.int64) + math.ceil(len(w) / 2) + 1
-    if available is not None:
-        limit = np.minimum(limit, np.asarray(available, dtype=np.int64))
-    if limit.sum() < size:
-        raise ValueError(f"a blend of {size} samples needs more samples than the datasets hold "
-                         f"({limit.tolist()} available)")
-    dataset_index = np.empty(size, dtype=np.int16)  # [size] dataset of each sample
-    dataset_sample_index = np.empty(size, dtype=np.int64)  # [size] sample within that dataset
-    begin = np.zeros(len(w), dtype=np.int64)  # next sample of each dataset
-    filled, threshold = 0, 0.0
-    while filled < size:
-        threshold += BLEND_CHUNK  # this chunk: every key below the threshold not taken yet
-        end = np.array([min(int(c), _first_sample_with_key_at_least(threshold, x)) for c, x in zip(limit, w)])
-        chunk_dataset = np.repeat(np.arange(len(w), dtype=np.int16), end - begin)
-        chunk_sample = np.concatenate([np.arange(b, e, dtype=np.int64) for b, e in zip(begin, end)])
-        order = np.argsort((chunk_sample + 0.5) / w[chunk_dataset], kind="stable")[:size - filled]
-        dataset_index[filled:filled + len(order)] = chunk_dataset[order]
-        dataset_sample_index[filled:filled + len(order)] = chunk_sample[order]
-        filled += len(order)
-        begin = end
-    return dataset_index, dataset_sample_index
-
-
-def _first_sample_with_key_at_least(threshold: float, weight: float) -> int:
-    """Smallest k >= 0 with (k + 0.5) / weight >= threshold, compared exactly as the float keys are."""
-    k = max(0, math.ceil(threshold * weight - 0.5))
-    while k > 0 and (k - 1 + 0.5) / weight >= threshold:
-        k -= 1
-    while (k + 0.5) / weight < threshold:
-        k += 1
-    return k
-
-
-def normalize_weights(weights: Sequence[float]) -> np.ndarray:
-    """Positive weights scaled to sum to 1."""
     w = np.asarray(weights, dtype=np.float64)
     if w.size == 0 or np.any(~(w > 0)) or not np.all(np.isfinite(w)):
         raise ValueError(f"blend weights must be positive numbers, got {list(weights)}")
-    return w / w.sum()
+    return blending_indices.build_blending_indices(normalize(weights), size)

@@ -30,7 +30,7 @@ import os
 import shutil
 import struct
 import tempfile
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -303,6 +303,24 @@ class IndexedDataset(torch.utils.data.Dataset):
     @property
     def num_documents(self) -> int:
         return len(self.index.document_indices) - 1
+
+    def token_range(self, begin: int, end: int, chunk: int = 1 << 24) -> Tuple[int, int]:
+        """(smallest, largest) token id in sequences [begin, end); (0, -1) when they hold no token.
+
+        The sequences lie back to back in `.bin` (the reader checks the pointers), so this is
+        one pass over their bytes, `chunk` tokens at a time.
+        """
+        lengths = self.sequence_lengths[begin:end]
+        count = int(lengths.sum(dtype=np.int64))
+        if count == 0:
+            return 0, -1
+        offset = int(self.sequence_pointers[begin])
+        low, high = None, None
+        for first in range(0, count, chunk):
+            tokens = self._bin.read(self.dtype, min(chunk, count - first), offset + first * self.dtype.itemsize)
+            low = int(tokens.min()) if low is None else min(low, int(tokens.min()))
+            high = int(tokens.max()) if high is None else max(high, int(tokens.max()))
+        return low, high
 
     def document_lengths(self) -> np.ndarray:
         """Tokens in each document (sum of its sequences' lengths), int64."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 import os
 import re
 import tempfile
@@ -48,13 +49,16 @@ def parse_data_path(data_path: Optional[Sequence[str]]) -> Optional[Blend]:
 
     Accepted forms: one prefix; "w1 p1 w2 p2 ..." (a weighted blend); "p1 p2 ..." (a blend
     whose weights are later inferred from the dataset sizes). Items may hold several
-    whitespace-separated words, as when the whole blend is passed as one string.
+    whitespace-separated words, as when the whole blend is passed as one string. None gives
+    None; a list with no prefix in it (e.g. `--data-path ""`) and weights that are not positive
+    finite numbers are errors (ValueError naming --data-path).
     """
     if data_path is None:
         return None
     words = [word for item in data_path for word in str(item).split()]
     if not words:
-        return None
+        raise ValueError(f"--data-path {' '.join(repr(str(i)) for i in data_path) or '(nothing)'} names no dataset; "
+                         "give a dataset prefix (PREFIX for PREFIX.bin/PREFIX.idx) or 'WEIGHT PREFIX ...'")
     if _as_float(words[0]) is None:  # a plain list of prefixes
         numeric = [w for w in words if _as_float(w) is not None]
         if numeric:
@@ -66,10 +70,13 @@ def parse_data_path(data_path: Optional[Sequence[str]]) -> Optional[Blend]:
                          "a weighted blend is 'WEIGHT PREFIX WEIGHT PREFIX ...'")
     weights = [_as_float(w) for w in words[0::2]]
     prefixes = words[1::2]
-    for raw, weight in zip(words[0::2], weights):
+    for raw, weight, prefix in zip(words[0::2], weights, prefixes):
         if weight is None:
             raise ValueError(f"--data-path: {raw!r} is not a number but stands where a weight must be "
                              f"(blend {' '.join(words)!r})")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"--data-path: the weight {raw} of {prefix} must be a positive number "
+                             "(a dataset that should not be used is left out of the blend)")
     for prefix in prefixes:
         if _as_float(prefix) is not None:
             raise ValueError(f"--data-path: {prefix!r} stands where a dataset prefix must be "
@@ -81,6 +88,13 @@ def parse_data_path(data_path: Optional[Sequence[str]]) -> Optional[Blend]:
 get_blend_from_list = parse_data_path
 
 
+def normalize(weights: Sequence[float]) -> List[float]:
+    """Weights divided by their sum, computed as Megatron-Core's utils.normalize computes it
+    (numpy float64), so that the floats, and the blends built from them, are bit-identical."""
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
 def parse_and_normalize_split(split: str) -> List[float]:
     """'949,50,1' or '949/50/1' -> proportions for train/valid/test (missing ones are 0)."""
     parts = [p.strip() for p in re.split(r"[,/]", str(split)) if p.strip()]
@@ -89,25 +103,33 @@ def parse_and_normalize_split(split: str) -> List[float]:
         raise ValueError(f"--split {split!r} must be up to three numbers separated by ',' or '/', e.g. '949,50,1'")
     if len(values) > len(Split):
         raise ValueError(f"--split {split!r} has {len(values)} parts; at most 3 (train, valid, test)")
-    if any(v < 0 for v in values) or sum(values) <= 0:
+    if any(not math.isfinite(v) or v < 0 for v in values) or sum(values) <= 0:
         raise ValueError(f"--split {split!r} must be non-negative numbers with a positive sum")
     values += [0.0] * (len(Split) - len(values))
-    return [v / sum(values) for v in values]
+    return normalize(values)
 
 
-def get_split_indices(split_proportions: Sequence[float], num_elements: int) -> List[int]:
+def split_matrix(split_vector: Sequence[float]) -> List[Optional[Tuple[float, float]]]:
+    """[(begin, end) or None per split]: the running sums of the proportions, as Megatron-Core's
+    convert_split_vector_to_split_matrix adds them (0 first, then left to right); None for a
+    split with no share. This list goes into the datasets' descriptions (cache names)."""
+    ends = [0]
+    for proportion in split_vector:
+        ends.append(ends[-1] + proportion)
+    return [None if hi <= lo else (lo, hi) for lo, hi in zip(ends[:-1], ends[1:])]
+
+
+def get_split_indices(split_vector: Sequence[float], num_elements: int) -> List[int]:
     """Boundaries [0, b1, b2, n] of the train/valid/test ranges of `num_elements` items.
 
-    As Megatron: running sum of round(p * n), then every boundary shifted by the same amount
-    so that the last one equals n.
+    As Megatron-Core: each boundary is the running sum of the proportions times n, rounded
+    half to even (Python's round), on its own; split i is items [b_i, b_i+1). Rounding the
+    running sums, not summing rounded shares, puts a .5 boundary where Megatron puts it.
     """
-    bounds = [0]
-    for proportion in split_proportions:
-        bounds.append(bounds[-1] + int(round(proportion * float(num_elements))))
-    excess = bounds[-1] - num_elements
-    bounds = [bounds[0]] + [max(0, b - excess) for b in bounds[1:]]
-    assert bounds[-1] == num_elements
-    return bounds
+    ends = [0]
+    for proportion in split_vector:
+        ends.append(ends[-1] + proportion)
+    return [int(round(end * float(num_elements))) for end in ends]
 
 
 # ---------------------------------------------------------------------------- distributed
@@ -177,6 +199,10 @@ class IndexCache:
     def save_array(self, name: str, array: np.ndarray) -> None:
         """Write '<name>.npy' atomically."""
         self._write(f"{name}.npy", lambda f: np.save(f, array, allow_pickle=False))
+
+    def save_text(self, name: str, text: str) -> None:
+        """Write the text file `name` atomically (creating the directory)."""
+        self._write(name, lambda f: f.write(text.encode("utf-8")))
 
     def finish(self) -> None:
         """Write description.txt, which marks the set complete: call it after every array."""

@@ -17,7 +17,7 @@ from megatron.data.indexed_dataset import IndexedDatasetBuilder
 
 class Tok:
     eod = 0
-    vocab_size = 1000
+    vocab_size = 5000
 
 
 def write_corpus(prefix, num_docs, doc_length, first_token):
@@ -56,7 +56,7 @@ def test_blending_indices_follow_the_weights(weights):
     assert len(dataset_index) == 10_000
     shares = np.bincount(dataset_index, minlength=len(w)) / 10_000
     assert np.all(np.abs(shares - w) <= 0.01 * w)
-    assert max_prefix_error(dataset_index, w) <= 1.0
+    assert max_prefix_error(dataset_index, w) <= 1.5  # Megatron's greedy: 1.2 at [0.9, 0.05, 0.05]
     for d in range(len(w)):  # each dataset's samples are taken in order 0, 1, 2, ...
         assert np.array_equal(dataset_sample_index[dataset_index == d], np.arange(np.sum(dataset_index == d)))
 
@@ -67,13 +67,6 @@ def test_blending_indices_stay_close_for_many_datasets():
         weights = rng.random(8) ** 2 + 1e-3
         dataset_index, _ = build_blending_indices(weights, 5000)
         assert max_prefix_error(dataset_index, weights / weights.sum()) < 8 / 2 + 1
-
-
-def test_blending_indices_respect_availability():
-    dataset_index, dataset_sample_index = build_blending_indices([1, 1], 10, available=[3, 100])
-    assert np.sum(dataset_index == 0) == 3 and dataset_sample_index.max() < 100
-    with pytest.raises(ValueError, match="needs more samples"):
-        build_blending_indices([1, 1], 10, available=[3, 3])
 
 
 def test_weighted_blend_through_the_builder(tmp_path, corpora, capsys):
@@ -117,8 +110,8 @@ def test_weights_inferred_from_dataset_sizes(tmp_path, corpora):
     train = BlendedMegatronDatasetBuilder(GPTDataset, [None, 0, 0], None, config).build()[0]
     lengths = [len(d) for d in train.datasets]  # one epoch each: 499, 249, 124 samples
     assert lengths == [(n - 1) // 4 for n in (2000, 1000, 500)]
-    assert len(train) == sum(lengths)
-    assert train.weights == pytest.approx(list(np.array(lengths) / sum(lengths)))
+    assert len(train) == sum(lengths) and train.size is None
+    assert train.weights == lengths  # Megatron's exhaustive blend: the counts themselves
     for d, n in enumerate(lengths):  # every sample of every dataset exactly once
         assert sorted(train.dataset_sample_index[train.dataset_index == d]) == list(range(n))
     capped = BlendedMegatronDatasetBuilder(GPTDataset, [100, 0, 0], None, config).build()[0]
@@ -142,7 +135,7 @@ def test_blend_per_split(tmp_path, corpora):
 def test_blended_dataset_rejects_oversampling(tmp_path, corpora):
     config = config_for(tmp_path, blend=(corpora, None), split="1")
     train = BlendedMegatronDatasetBuilder(GPTDataset, [None, 0, 0], None, config).build()[0]
-    with pytest.raises(ValueError, match="needs more samples"):
+    with pytest.raises(IndexError, match="oversamples dataset 2 .*mid_level_dataset_surplus"):
         BlendedDataset(train.datasets, [1, 1, 1], 10_000, config)
     with pytest.raises(ValueError, match="3 datasets but 2 weights"):
         BlendedDataset(train.datasets, [1, 1], 10, config)

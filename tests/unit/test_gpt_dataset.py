@@ -186,7 +186,8 @@ def test_split_parsing():
     assert parse_and_normalize_split("949/50/1") == pytest.approx([0.949, 0.05, 0.001])
     assert parse_and_normalize_split("3") == [1.0, 0.0, 0.0]
     assert get_split_indices([0.949, 0.05, 0.001], 1000) == [0, 949, 999, 1000]
-    assert get_split_indices([0.5, 0.5, 0.0], 3) == [0, 1, 3, 3]  # round(1.5) = 2 twice, shifted back by 1
+    assert get_split_indices([0.5, 0.5, 0.0], 3) == [0, 2, 3, 3]  # the running sum 1.5 rounds to 2 (half to even)
+    assert get_split_indices([0.98, 0.01, 0.01], 275) == [0, 270, 272, 275]  # 269.5 -> 270, not 269
     for bad in ["", "a,b", "1,2,3,4", "-1,2"]:
         with pytest.raises(ValueError, match="split"):
             parse_and_normalize_split(bad)
@@ -269,7 +270,7 @@ def test_cache_is_reused_and_keyed_by_config(tmp_path, capsys):
     first = make_dataset(tmp_path, prefix, 20)
     assert "Build and save the document index" in capsys.readouterr().out
     files = cache_files(tmp_path)
-    assert len(files) == 4 and all(n.endswith(("description.txt", ".npy")) for n in files)
+    assert len(files) == 5 and all(n.endswith(("description.txt", ".npy", "token_range.json")) for n in files)
     again = make_dataset(tmp_path, prefix, 20)
     assert "Build" not in capsys.readouterr().out and cache_files(tmp_path) == files
     assert not again.built_anew_on_cache_miss and isinstance(again.sample_index, np.memmap)
@@ -279,7 +280,7 @@ def test_cache_is_reused_and_keyed_by_config(tmp_path, capsys):
         num_samples = changes.pop("num_samples", 20)
         make_dataset(tmp_path, prefix, num_samples, **changes)
         new = set(cache_files(tmp_path)) - set(files)
-        assert len(new) == 4 and "Build and save" in capsys.readouterr().out
+        assert len(new) == 5 and "Build and save" in capsys.readouterr().out
         hashes.add(next(iter(new)).split("-")[0])
         files = cache_files(tmp_path)
     assert len(hashes) == 5
@@ -314,7 +315,7 @@ def test_default_cache_directory_and_unwritable_fallback(tmp_path, capsys, monke
     cached = os.listdir(data / "cache" / "GPTDataset_indices")
     assert sorted(n.split("-", 1)[1] for n in cached) == [
         "GPTDataset-train-description.txt", "GPTDataset-train-document_index.npy",
-        "GPTDataset-train-sample_index.npy", "GPTDataset-train-shuffle_index.npy"]
+        "GPTDataset-train-sample_index.npy", "GPTDataset-train-shuffle_index.npy", "GPTDataset-train-token_range.json"]
     with monkeypatch.context() as patch:  # a complete cache in a read-only directory is still used
         patch.setattr(gpt_dataset, "writable_directory", lambda directory: PermissionError("read-only"))
         capsys.readouterr()
