@@ -76,7 +76,7 @@ def parse_data_path(data_path: Optional[Sequence[str]]) -> Optional[Blend]:
                              f"(blend {' '.join(words)!r})")
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"--data-path: the weight {raw} of {prefix} must be a positive number "
-                             "(a dataset that should not be used is left out of the blend)")
+                             "(to leave a dataset out, remove it from the blend)")
     for prefix in prefixes:
         if _as_float(prefix) is not None:
             raise ValueError(f"--data-path: {prefix!r} stands where a dataset prefix must be "
