@@ -5,14 +5,20 @@ Writes a corpus of --tokens random uint16 tokens in documents of lognormal lengt
   (a) the document / sample / shuffle indices of one epoch,
   (b) a sample count that needs 3 epochs (2.5 epochs' worth: the final epoch is separate),
   (c) a 3-dataset blend (the corpus under three prefixes) built by the builder,
-and the loading of the cached indices. It prints figures and asserts nothing.
+and the loading of the cached indices; then
+  (d) the blending indices of a --blend-samples (100M) blend of 10 datasets, and, when
+      megatron-core is installed (make setup-test), its compiled helper on the same blend and
+      whether the two agree element for element.
+It prints figures and asserts nothing.
 
     python bench/dataset_index.py [--tokens 100000000] [--seq-length 2048] [--keep-dir]
+    python bench/dataset_index.py --only-blend [--blend-samples 100000000]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -28,7 +34,11 @@ from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder  # noqa:
 from megatron.data.dataset_config import GPTDatasetConfig  # noqa: E402
 from megatron.data.gpt_dataset import GPTDataset  # noqa: E402
 from megatron.data.indexed_dataset import IndexedDataset, write_index  # noqa: E402
-from megatron.data.utils import Split  # noqa: E402
+from megatron.data.utils import Split, normalize  # noqa: E402
+
+# A typical 10-dataset blend: a few large sources and a tail of small ones.
+BLEND_WEIGHTS = (0.3, 0.2, 0.15, 0.1, 0.08, 0.06, 0.05, 0.03, 0.02, 0.01)
+MCORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "peers", "megatron_core")
 
 
 class _Tokenizer:
@@ -96,7 +106,12 @@ def main() -> None:
     parser.add_argument("--median-doc-tokens", type=int, default=400,
                         help="median document length (smaller means more documents)")
     parser.add_argument("--keep-dir", action="store_true", help="keep the temporary directory")
+    parser.add_argument("--blend-samples", type=int, default=100_000_000, help="samples of the 10-dataset blend (d)")
+    parser.add_argument("--only-blend", action="store_true", help="only (d), no corpus")
     args = parser.parse_args()
+    if args.only_blend:
+        time_blend_indices(args.blend_samples)
+        return
     directory = tempfile.mkdtemp(prefix="bench_dataset_index_")
     try:
         prefix = os.path.join(directory, "corpus_text_document")
@@ -113,6 +128,7 @@ def main() -> None:
             time_dataset(prefix, dataset, os.path.join(directory, f"cache_{num_samples}"), args.seq_length,
                          num_samples)
         time_blend(directory, prefix, args.seq_length, per_epoch)
+        time_blend_indices(args.blend_samples)
     finally:
         if args.keep_dir:
             print(f"kept {directory}")
@@ -138,6 +154,40 @@ def time_blend(directory: str, prefix: str, seq_length: int, per_epoch: int) -> 
     timed("builder: load from cache", build)
     counts = np.bincount(train.dataset_index, minlength=3)
     print(f"  -> blended samples per dataset: {counts.tolist()} of {len(train):,}")
+
+
+def _megatron_core_helpers():
+    """megatron-core's compiled helpers_cpp module, loaded from its file (it imports nothing of
+    megatron), or None when megatron-core is not installed."""
+    folder = os.path.join(MCORE, "megatron", "core", "datasets")
+    names = [n for n in os.listdir(folder) if n.startswith("helpers_cpp") and n.endswith(".so")] \
+        if os.path.isdir(folder) else []
+    if not names:
+        return None
+    spec = importlib.util.spec_from_file_location("helpers_cpp", os.path.join(folder, names[0]))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_blend_indices(num_samples: int) -> None:
+    """(d) The greedy blending indices alone (what a BlendedDataset builds), against megatron-core's C++."""
+    print(f"(d) blending indices of a {num_samples:,}-sample blend of {len(BLEND_WEIGHTS)} datasets "
+          f"(weights {', '.join(map(str, BLEND_WEIGHTS))})")
+    index, sample = timed("build (vectorised numpy)",
+                          lambda: index_helpers.build_blending_indices(BLEND_WEIGHTS, num_samples))
+    print(f"  -> samples per dataset: {np.bincount(index, minlength=len(BLEND_WEIGHTS)).tolist()}")
+    helpers = _megatron_core_helpers()
+    if helpers is None:
+        print("  (megatron-core not installed: no comparison with its C++ helper)")
+        return
+    reference_index = np.zeros(num_samples, dtype=np.int16)
+    reference_sample = np.zeros(num_samples, dtype=np.int64)
+    weights = np.array(normalize(BLEND_WEIGHTS))
+    timed("megatron-core's compiled helpers_cpp", lambda: helpers.build_blending_indices(
+        reference_index, reference_sample, weights, len(weights), num_samples, False))
+    equal = np.array_equal(index, reference_index) and np.array_equal(sample, reference_sample)
+    print(f"  -> identical to megatron-core's arrays: {equal}")
 
 
 if __name__ == "__main__":

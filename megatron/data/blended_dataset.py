@@ -57,7 +57,8 @@ class BlendedDataset(torch.utils.data.Dataset):
             [("class", type(self).__name__),
              ("datasets", [d.unique_identifiers for d in self.datasets]),
              ("split", self.split.name), ("weights", self.weights), ("size", self.size)])
-        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4,
+                                             default=lambda obj: obj.unique_identifiers)
         self.built_anew_on_cache_miss = False
         arrays = self._load_or_build_indices()
         self.dataset_index = arrays["dataset_index"]  # int16 [len]: dataset of each sample

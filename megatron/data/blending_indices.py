@@ -33,12 +33,14 @@ stretches of it at once:
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 # Blocks stepped together in one group (bounds the working arrays: datasets x GROUP values).
-GROUP = 4096
+GROUP = 16384
+# Steps whose samples are written out together (see _Blocks._run).
+FLUSH = 64
 # Datasets up to which the first maximal dataset is found through a lookup table of 2**D entries.
 _LOOKUP_MAX_DATASETS = 16
 
@@ -88,11 +90,12 @@ class _Stepper:
             self.lookup[1:] = np.log2(codes & -codes).astype(np.int64)
             self.bits = (2.0 ** np.arange(d)).astype(np.float32)[None, :]  # [1, D]
 
-    def run(self, counts: np.ndarray, first_step: np.ndarray, steps: int, snapshot_at: Sequence[int]
-            ) -> Tuple[np.ndarray, np.ndarray, Dict[int, np.ndarray]]:
+    def run(self, counts: np.ndarray, first_step: np.ndarray, steps: int, snapshot_at: Sequence[int],
+            on_step: Callable[[int, np.ndarray, np.ndarray], None]) -> Dict[int, np.ndarray]:
         """Run `steps` steps from counts [D, K] (changed in place) at step numbers first_step [K].
 
-        Returns (picks int16 [steps, K], samples int64 [steps, K], {s: counts before step s}).
+        Calls on_step(s, dataset int16 [K], sample float64 [K]) after each step s (the arrays are
+        reused: copy what you keep); returns {s: counts before step s} for s in snapshot_at.
         """
         d, k = counts.shape
         errors = np.empty((d, k))  # [D, K]
@@ -100,6 +103,7 @@ class _Stepper:
         maximal = np.empty((d, k), dtype=np.float32)  # 1.0 where a dataset's error is the maximum
         code = np.empty(k, dtype=np.int64)
         flat = np.empty(k, dtype=np.int64)  # position of the chosen count in counts.reshape(-1)
+        pick = np.empty(k, dtype=np.int16)
         sample = np.empty(k)
         column = np.arange(k)
         flat_counts = counts.reshape(-1)  # a view: counts is C-contiguous
@@ -109,8 +113,6 @@ class _Stepper:
         start = first_step.astype(np.float64)
         clamp_until = 2 if start.size and start.min() < 1 else 0  # the C++ loop's t = max(n, 1)
         t = np.empty(k)
-        picks = np.empty((steps, k), dtype=np.int16)
-        samples = np.empty((steps, k), dtype=np.int64)
         snapshots: Dict[int, np.ndarray] = {}
         marks = set(snapshot_at)
         with np.errstate(invalid="ignore"):  # past the end of an exhaustive blend every error is -inf
@@ -123,25 +125,25 @@ class _Stepper:
                 np.multiply(self.w, t, out=errors)  # fl(w[d] * t)
                 np.subtract(errors, counts, out=errors)  # fl(fl(w[d] * t) - count[d])
                 if self.lookup is None:
-                    picks[s] = errors.argmax(axis=0)
-                    np.multiply(picks[s], k, out=flat)
+                    np.copyto(pick, errors.argmax(axis=0), casting="unsafe")
+                    np.multiply(pick, k, out=flat)
                 else:
                     np.maximum.reduce(errors, axis=0, out=best)
                     np.equal(errors, best, out=maximal, casting="unsafe")
                     # sum of 2**d over the maximal datasets: exact in float32 (distinct powers of 2 below 2**16)
                     np.copyto(code, (self.bits @ maximal)[0], casting="unsafe")
-                    np.take(first_int16, code, out=picks[s])
+                    np.take(first_int16, code, out=pick)
                     np.take(first_times_k, code, out=flat)
                 flat += column
                 np.take(flat_counts, flat, out=sample)
-                samples[s] = sample
+                on_step(s, pick, sample)
                 sample += 1
                 flat_counts[flat] = sample
                 if self.caps is not None:  # erase the datasets that gave their last sample
-                    flat_counts[flat[sample >= self.caps[picks[s]]]] = np.inf
+                    flat_counts[flat[sample >= self.caps[pick]]] = np.inf
         if steps in marks:
             snapshots[steps] = counts.copy()
-        return picks, samples, snapshots
+        return snapshots
 
 
 # ------------------------------------------------------------------------------------ blocks
@@ -192,12 +194,29 @@ def _greedy(w: np.ndarray, size: int, caps: Optional[np.ndarray], block: Optiona
     d = len(w)
     if d >= np.iinfo(np.int16).max:
         raise ValueError(f"a blend holds at most {np.iinfo(np.int16).max - 1} datasets, got {d}")
-    stepper = _Stepper(w, caps)
     big_w, big_b = _geometry(w, size, block, warmup)
-    if size <= 2 * (big_w + big_b):  # too short to cut: one exact run
-        picks, samples, _ = stepper.run(np.zeros((d, 1)), np.zeros(1, dtype=np.int64), size, ())
-        return picks[:, 0].copy(), samples[:, 0].copy()
-    return _Blocks(stepper, w, caps, size, big_w, big_b).build()
+    if size <= 2 * (big_w + big_b):  # too short to cut: the loop itself (Python floats are IEEE doubles)
+        return _sequential(w.tolist(), size, None if caps is None else caps.tolist())
+    return _Blocks(_Stepper(w, caps), w, caps, size, big_w, big_b).build()
+
+
+def _sequential(w: List[float], size: int, caps: Optional[List[int]]) -> Tuple[np.ndarray, np.ndarray]:
+    """The C++ loop, one step at a time (for short blends)."""
+    counts = [0] * len(w)
+    order = range(len(w))
+    index = np.empty(size, dtype=np.int16)
+    sample = np.empty(size, dtype=np.int64)
+    for n in range(size):
+        t = float(max(n, 1))
+        best, best_error = 0, -math.inf
+        for d in order:
+            error = w[d] * t - counts[d]
+            if error > best_error and (caps is None or counts[d] < caps[d]):
+                best, best_error = d, error
+        index[n] = best
+        sample[n] = counts[best]
+        counts[best] += 1
+    return index, sample
 
 
 class _Blocks:
@@ -213,6 +232,10 @@ class _Blocks:
         length = warmup + self.J * block
         self.dataset_index = np.empty(length, dtype=np.int16)
         self.dataset_sample_index = np.empty(length, dtype=np.int64)
+        # [J, B] views: row j holds the samples block j owns, so step s of every block of a run
+        # is one column write (cache-friendly enough, and no transpose afterwards)
+        self.index_by_block = self.dataset_index[warmup:].reshape(self.J, block)
+        self.sample_by_block = self.dataset_sample_index[warmup:].reshape(self.J, block)
         d = len(w)
         self.at_own_start = np.empty((self.J, d))  # counts at step jB + W
         self.at_next_start = np.empty((self.J, d))  # counts at step (j + 1)B
@@ -222,37 +245,46 @@ class _Blocks:
         """Both index arrays, exact: every block agrees with its predecessor where they overlap."""
         for begin in range(0, self.J, GROUP):
             blocks = np.arange(begin, min(self.J, begin + GROUP))
-            starts = blocks * self.B
-            counts = _plausible_counts(self.w, starts, self.caps, self.W)
+            counts = _plausible_counts(self.w, blocks * self.B, self.caps, self.W)
             if begin == 0:
                 counts[:, 0] = 0.0  # the true start
             self._run(blocks, counts)
         suspects = np.arange(1, self.J)
-        while True:
+        while suspects.size:
             wrong = suspects[np.any(self.at_end[suspects - 1] != self.at_own_start[suspects], axis=1)]
-            if wrong.size == 0:
-                break
-            # start each disagreeing block from its predecessor's counts at its first step
-            self._run(wrong, np.ascontiguousarray(self.at_next_start[wrong - 1].T))
+            for begin in range(0, len(wrong), GROUP):
+                # start each disagreeing block from its predecessor's counts at its first step
+                part = wrong[begin:begin + GROUP]
+                self._run(part, np.ascontiguousarray(self.at_next_start[part - 1].T))
             suspects = np.unique(np.concatenate([wrong, wrong + 1]))
             suspects = suspects[suspects < self.J]
         return self.dataset_index[:self.size], self.dataset_sample_index[:self.size]
 
     def _run(self, blocks: np.ndarray, counts: np.ndarray) -> None:
         """Run `blocks` (ascending) from counts [D, K] at their first steps; store their samples."""
-        steps = self.W + self.B
-        picks, samples, snaps = self.stepper.run(counts, blocks * self.B, steps, (self.W, self.B, steps))
-        self.at_own_start[blocks] = snaps[self.W].T
+        warmup, steps = self.W, self.W + self.B
+        rows = slice(int(blocks[0]), int(blocks[-1]) + 1) if blocks[-1] - blocks[0] + 1 == len(blocks) else blocks
+        head = blocks[0] == 0  # block 0's warm-up is exact: its samples too
+        # steps are gathered FLUSH at a time and written to the blocks' rows as [K, FLUSH] tiles:
+        # one column per step would touch a page of every row at every step
+        picks = np.empty((FLUSH, len(blocks)), dtype=np.int16)
+        samples = np.empty((FLUSH, len(blocks)), dtype=np.int64)
+
+        def store(s: int, pick: np.ndarray, sample: np.ndarray) -> None:
+            if s < warmup:
+                if head:
+                    self.dataset_index[s] = pick[0]
+                    self.dataset_sample_index[s] = sample[0]
+                return
+            row = (s - warmup) % FLUSH
+            picks[row] = pick
+            samples[row] = sample
+            if row == FLUSH - 1 or s == steps - 1:
+                first = s - warmup - row
+                self.index_by_block[rows, first:first + row + 1] = picks[:row + 1].T
+                self.sample_by_block[rows, first:first + row + 1] = samples[:row + 1].T
+
+        snaps = self.stepper.run(counts, blocks * self.B, steps, (warmup, self.B, steps), store)
+        self.at_own_start[blocks] = snaps[warmup].T
         self.at_next_start[blocks] = snaps[self.B].T
         self.at_end[blocks] = snaps[steps].T
-        if blocks[0] == 0:  # block 0's warm-up steps are exact: they are its samples too
-            self.dataset_index[:self.W] = picks[:self.W, 0]
-            self.dataset_sample_index[:self.W] = samples[:self.W, 0]
-        # consecutive blocks own consecutive samples: write runs of them at once
-        bounds = [0, *(np.flatnonzero(np.diff(blocks) != 1) + 1), len(blocks)]
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            first = self.W + int(blocks[lo]) * self.B
-            span = slice(first, first + (hi - lo) * self.B)
-            # [B, blocks] -> [blocks, B]: each block's samples in step order
-            np.copyto(self.dataset_index[span].reshape(hi - lo, self.B), picks[self.W:, lo:hi].T)
-            np.copyto(self.dataset_sample_index[span].reshape(hi - lo, self.B), samples[self.W:, lo:hi].T)

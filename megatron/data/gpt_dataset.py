@@ -103,7 +103,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self._add_extra = int(config.add_extra_token_to_sequence)
         self._eod = getattr(config.tokenizer, "eod", None)
         self.unique_identifiers = self._unique_identifiers()
-        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4,
+                                             default=lambda obj: obj.unique_identifiers)
         self.built_anew_on_cache_miss = False
         self._check_token_ids()
         arrays = self._load_or_build_indices()

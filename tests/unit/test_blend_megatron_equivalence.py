@@ -88,10 +88,10 @@ class Tokenizer:
     unique_identifiers = TOKENIZER_IDS
 
 
-def write_dataset(prefix, num_docs, rng):
+def write_dataset(prefix, num_docs, rng, min_length=3):
     with IndexedDatasetBuilder(prefix + ".bin", np.uint16) as builder:
         for _ in range(num_docs):
-            builder.add_item(rng.integers(1, VOCAB, size=int(rng.integers(3, 40))))
+            builder.add_item(rng.integers(1, VOCAB, size=int(rng.integers(min_length, 40))))
             builder.end_document()
         builder.finalize(prefix + ".idx")
     return prefix
@@ -100,18 +100,18 @@ def write_dataset(prefix, num_docs, rng):
 def blend_cases(prefixes, rng):
     """Weighted and unweighted blends of 2-10 datasets, and separate train/valid/test blends."""
     cases = []
-    for i, count in enumerate([2, 3, 5, 10, 7]):
+    for i, count in enumerate([2, 4, 10]):
         chosen = [prefixes[j] for j in rng.choice(len(prefixes), size=count, replace=False)]
         weights = [float(x) for x in rng.dirichlet(np.ones(count) * 0.7) + 0.01]
         sizes = [int(rng.integers(1500, 3000)), int(rng.integers(20, 300)), int(rng.integers(20, 300))]
-        cases.append(dict(blend=[chosen, weights], split=["90,6,4", "94,5,1", "98,1,1", "80/15/5", "7,2,1"][i],
+        cases.append(dict(blend=[chosen, weights], split=["90,6,4", "98,1,1", "80/15/5"][i],
                           sizes=sizes))
     cases.append(dict(blend=[prefixes[:2], [30, 70]], split="969, 30, 1", sizes=[300, 40, 10]))  # int weights
-    cases.append(dict(blend=[prefixes[2:6], None], split="90,5,5", sizes=[3000, 50, 30]))  # unweighted, capped
-    cases.append(dict(blend=[prefixes[4:7], None], split="90,5,5", sizes=[None, None, None]))  # every sample once
+    cases.append(dict(blend=[prefixes[2:5], None], split="7,2,1", sizes=[3000, 50, 30]))  # unweighted, capped
+    cases.append(dict(blend=[prefixes[5:7], None], split="90,5,5", sizes=[None, None, None]))  # every sample once
     cases.append(dict(blend_per_split=[[prefixes[:3], [0.5, 0.25, 0.25]], [prefixes[3:5], None],
                                        [prefixes[5:6], [1.0]]], sizes=[2000, None, 40]))
-    cases.append(dict(blend_per_split=[[prefixes[6:9], None], [prefixes[1:8], [1, 2, 3, 4, 5, 6, 7]],
+    cases.append(dict(blend_per_split=[[prefixes[6:8], None], [prefixes[1:6], [1, 2, 3, 4, 5]],
                                        [prefixes[9:], None]], sizes=[1500, 500, 60]))
     for i, case in enumerate(cases):
         case.update(name=f"case{i}", seed=int(rng.integers(0, 1000)), seq=int(rng.integers(4, 24)))
@@ -126,7 +126,7 @@ def split_cases(work, rng):
     cases = []
     for docs, split in [(275, "98,1,1"), (50, "93,5,2"), (30, "75,15,10"), (10, "65,20,15"), (70, "45,45,10"),
                         (1500, "969, 30, 1"), (22, "3,1,1"), (14, "25,50,25")]:
-        prefix = write_dataset(str(work / f"split{docs}"), docs, rng)
+        prefix = write_dataset(str(work / f"split{docs}"), docs, rng, min_length=8)
         cases.append(dict(name=f"split{docs}", blend=[[prefix], None], blend_per_split=None, split=split,
                           sizes=[20, 5, 5], seed=1, seq=4, docs=docs))
     return cases

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.data import blending_indices
 from megatron.data.blended_dataset import BlendedDataset
 from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.data.dataset_config import GPTDatasetConfig
@@ -139,3 +140,48 @@ def test_blended_dataset_rejects_oversampling(tmp_path, corpora):
         BlendedDataset(train.datasets, [1, 1, 1], 10_000, config)
     with pytest.raises(ValueError, match="3 datasets but 2 weights"):
         BlendedDataset(train.datasets, [1, 1], 10, config)
+
+
+def sequential_greedy(weights, size, caps=None):
+    """Megatron-Core's C++ loops (build_blending_indices / the exhaustive variant), step by step."""
+    counts, index, sample = [0] * len(weights), [], []
+    for n in range(size):
+        t = float(max(n, 1))
+        best, best_error = -1, -math.inf
+        for d, w in enumerate(weights):
+            error = w * t - counts[d]
+            if (caps is None or counts[d] < caps[d]) and error > best_error:
+                best, best_error = d, error
+        index.append(best)
+        sample.append(counts[best])
+        counts[best] += 1
+    return np.array(index, dtype=np.int16), np.array(sample, dtype=np.int64)
+
+
+def test_block_greedy_equals_the_sequential_loop(monkeypatch):
+    """Stretches of the blend run together from guessed starts; disagreeing ones are run again."""
+    runs = []
+    real_run = blending_indices._Blocks._run
+    monkeypatch.setattr(blending_indices._Blocks, "_run", lambda self, blocks, counts: (
+        runs.append(int(blocks[0])), real_run(self, blocks, counts))[1])
+    rng = np.random.default_rng(1)
+    for case in range(24):
+        w = rng.random(int(rng.integers(1, 11))) ** (1 + case % 5) + 1e-3
+        if case % 6 == 0:
+            w = np.round(w * 3) + 1  # equal weights: exact ties between errors
+        w = (w / w.sum()).tolist()
+        size = int(rng.integers(1, 2500))
+        block = int(rng.integers(8, 120))
+        expected = sequential_greedy(w, size)
+        for got in (blending_indices.build_blending_indices(w, size),
+                    blending_indices.build_blending_indices(w, size, block=block, warmup=int(rng.integers(1, block)))):
+            np.testing.assert_array_equal(got[0], expected[0])
+            np.testing.assert_array_equal(got[1], expected[1])
+        sizes = rng.integers(1, 300, size=len(w))
+        total = int(sizes.sum())
+        expected = sequential_greedy((sizes / float(total)).tolist(), total, caps=sizes.tolist())
+        got = blending_indices.build_exhaustive_blending_indices(sizes.tolist(), block=block, warmup=4)
+        np.testing.assert_array_equal(got[0], expected[0])
+        np.testing.assert_array_equal(got[1], expected[1])
+        assert np.bincount(got[0], minlength=len(w)).tolist() == sizes.tolist()  # every sample exactly once
+    assert any(first > 0 for first in runs)  # some blocks started wrong and were run again from their predecessor
