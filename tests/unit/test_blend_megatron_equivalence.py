@@ -23,7 +23,8 @@ from tests.mcore_reference import require_mcore, run_mcore
 
 VOCAB = 1000
 # Megatron-LM's legacy GPT2BPETokenizer describes itself so (core_v0.13 / v0.14, or --legacy-tokenizer)
-TOKENIZER_IDS = OrderedDict([("class", "_GPT2BPETokenizer"), ("tokenizer_path", ["gpt2-vocab.json", "gpt2-merges.txt"])])
+TOKENIZER_IDS = OrderedDict([("class", "_GPT2BPETokenizer"),
+                             ("tokenizer_path", ["gpt2-vocab.json", "gpt2-merges.txt"])])
 
 # What each side reports about the datasets one case builds; run here and inside megatron-core.
 SUMMARY = '''
@@ -157,7 +158,8 @@ def build_ours(case, work):
                               blend=None if case["blend"] is None else tuple(case["blend"]),
                               blend_per_split=None if case["blend_per_split"] is None
                               else [tuple(b) for b in case["blend_per_split"]],
-                              split=case["split"], path_to_cache=str(work / "ours" / case["name"]), tokenizer=Tokenizer())
+                              split=case["split"], path_to_cache=str(work / "ours" / case["name"]),
+                              tokenizer=Tokenizer())
     return BlendedMegatronDatasetBuilder(GPTDataset, case["sizes"], None, config).build()
 
 

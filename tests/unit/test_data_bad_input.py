@@ -99,7 +99,8 @@ def test_split_leaving_a_needed_dataset_empty_says_which(tmp_path, capsys):
                                                        config(tmp_path, prefix, "99,1,0")).build()
     assert train is not None and valid is None and test is None  # no validation samples asked: fine
     capsys.readouterr()
-    _, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [10, 4, 0], None, config(tmp_path, prefix, "100,0,0")).build()
+    _, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [10, 4, 0], None,
+                                                config(tmp_path, prefix, "100,0,0")).build()
     assert valid is None and "--split gives that split no data" in capsys.readouterr().out
     # a split with documents but fewer tokens than one sample
     with pytest.raises(IndexedDatasetError, match=rf"^{prefix}: the valid split \(--split 90,4,6\) holds 2 of the "
