@@ -61,10 +61,10 @@ def build_exhaustive_blending_indices(sizes: Sequence[int], *, block: Optional[i
     """Megatron-Core's helpers.build_exhaustive_blending_indices(sizes): every sample of every
     dataset exactly once, sizes[d] of dataset d, interleaved greedily in proportion to the sizes."""
     caps = np.asarray(sizes, dtype=np.int64)
-    if caps.ndim != 1 or caps.size == 0 or np.any(caps < 0):
-        raise ValueError(f"dataset sizes must be a non-empty list of non-negative integers, got {list(sizes)}")
+    if caps.ndim != 1 or caps.size == 0 or np.any(caps <= 0):  # on a size of 0 the C++ loop runs past its arrays
+        raise ValueError(f"dataset sizes must be a non-empty list of positive integers, got {list(sizes)}")
     total = int(caps.sum())
-    w = caps.astype(np.float64) / float(total) if total else np.zeros(len(caps))  # as the C++ loop divides
+    w = caps.astype(np.float64) / float(total)  # as the C++ loop divides
     return _greedy(w, total, caps, block, warmup)
 
 
