@@ -1,7 +1,23 @@
-"""build_tokenizer(args): pick the tokenizer named by --tokenizer-type, and pad its vocab size."""
+"""build_tokenizer(args): pick the tokenizer named by --tokenizer-type, and pad its vocab size.
+
+The tokenizer also gets Megatron-LM's self-description, `unique_identifiers` (its legacy
+tokenizers', core_v0.13-0.14 or --legacy-tokenizer): the dataset index caches hash it, so with
+the same flags our cache files carry megatron-core's names (docs/data.md).
+
+| --tokenizer-type | class | tokenizer_path | options (as strings) |
+|---|---|---|---|
+| GPT2BPETokenizer | _GPT2BPETokenizer | [vocab_file, merge_file] | |
+| BertWordPieceLowerCase / Case | _BertWordPieceTokenizer | [vocab_file] | lower_case, vocab_extra_ids |
+| SentencePieceTokenizer | _SentencePieceTokenizer | [tokenizer_model] | vocab_extra_ids |
+| GPTSentencePieceTokenizer | _GPTSentencePieceTokenizer | [tokenizer_model] | vocab_extra_ids = 0 |
+| Llama2Tokenizer | _Llama2Tokenizer | [tokenizer_model] | vocab_extra_ids = 0 |
+| HuggingFaceTokenizer | _HuggingFaceTokenizer | [tokenizer_model] | |
+| NullTokenizer | _NullTokenizer | [None] | vocab_size |
+"""
 import os
 from argparse import Namespace
-from typing import Callable, Dict
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron.tokenizer.base import MegatronTokenizer
 from megatron.utils import print_line
@@ -100,6 +116,33 @@ _BUILDERS: Dict[str, Callable[[Namespace], MegatronTokenizer]] = {
 }
 
 
+# --tokenizer-type -> (Megatron's class name, the path flags, the options: flag -> fixed value or None
+# for the flag's own value); see the module docstring.
+_MEGATRON_DESCRIPTIONS: Dict[str, Tuple[str, Tuple[str, ...], Tuple[Tuple[str, Any], ...]]] = {
+    "GPT2BPETokenizer": ("_GPT2BPETokenizer", ("vocab_file", "merge_file"), ()),
+    "BertWordPieceLowerCase": ("_BertWordPieceTokenizer", ("vocab_file",),
+                               (("lower_case", True), ("vocab_extra_ids", None))),
+    "BertWordPieceCase": ("_BertWordPieceTokenizer", ("vocab_file",),
+                          (("lower_case", False), ("vocab_extra_ids", None))),
+    "SentencePieceTokenizer": ("_SentencePieceTokenizer", ("tokenizer_model",), (("vocab_extra_ids", None),)),
+    "GPTSentencePieceTokenizer": ("_GPTSentencePieceTokenizer", ("tokenizer_model",), (("vocab_extra_ids", 0),)),
+    "Llama2Tokenizer": ("_Llama2Tokenizer", ("tokenizer_model",), (("vocab_extra_ids", 0),)),
+    "HuggingFaceTokenizer": ("_HuggingFaceTokenizer", ("tokenizer_model",), ()),
+    "NullTokenizer": ("_NullTokenizer", (), (("vocab_size", None),)),
+}
+
+
+def megatron_unique_identifiers(args: Namespace) -> "OrderedDict[str, Any]":
+    """How Megatron-LM's tokenizer for these flags describes itself: class, the paths exactly as
+    given on the command line, then each option as a string (its MegatronTokenizer base class)."""
+    name, path_flags, options = _MEGATRON_DESCRIPTIONS[args.tokenizer_type]
+    paths: List[Optional[str]] = [getattr(args, flag) for flag in path_flags] or [None]
+    identifiers: "OrderedDict[str, Any]" = OrderedDict([("class", name), ("tokenizer_path", paths)])
+    for option, fixed in options:
+        identifiers[option] = str(getattr(args, option, 0) if fixed is None else fixed)
+    return identifiers
+
+
 def build_tokenizer(args: Namespace) -> MegatronTokenizer:
     """Build the --tokenizer-type tokenizer and set ``args.padded_vocab_size``.
 
@@ -112,6 +155,7 @@ def build_tokenizer(args: Namespace) -> MegatronTokenizer:
     if getattr(args, "rank", 0) == 0:
         print_line(f"> building {tokenizer_type} tokenizer ...")
     tokenizer = _BUILDERS[tokenizer_type](args)
+    tokenizer.unique_identifiers = megatron_unique_identifiers(args)  # the dataset caches hash it
     if getattr(args, "padded_vocab_size", None) is None:
         args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
     return tokenizer
