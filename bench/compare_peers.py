@@ -84,15 +84,6 @@ SHAPE = GPTShape()
 OPTIMIZER_TEXT = ("AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, wd 0.01 on matrices, 0 on biases/norms), "
                   "grad clip 1.0")
 
-MCORE_CPU_PATCHES = (
-    "tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state -> torch.get_rng_state/set_rng_state "
-    "(the RNG tracker's fork() saves and restores the CUDA generator)",
-    "tensor_parallel.random.CudaRNGStatesTracker.add -> a CPU torch.Generator state "
-    "(it calls torch.cuda.get_rng_state/manual_seed)",
-    "utils.GlobalMemoryBuffer.get_tensor -> allocate on CPU (it passes device=torch.cuda.current_device(); "
-    "the unfused attention's baddbmm buffer)",
-    "fusions.fused_softmax.get_default_causal_mask -> the same mask built on CPU (it uses device='cuda')",
-)
 
 
 # ------------------------------------------------------------------------------ pure helpers
@@ -207,6 +198,18 @@ def table_rows(results: dict[tuple[str, str], Measured], peaks: dict) -> list[st
 
 
 # ------------------------------------------------------------------------------ shared by the workers
+
+def _load_bench_module(name: str):
+    """bench/<name>.py loaded by path (the peers' processes must not import the `bench` or
+    `megatron` packages of this project)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MCORE_CPU_PATCHES = _load_bench_module("mcore_cpu_patches").MCORE_CPU_PATCHES
+
 
 def _load_device_module():
     """megatron/core/device.py loaded by path as a standalone module.
@@ -391,39 +394,6 @@ def run_transformers(precision: str, warmup: int, steps: int) -> tuple[dict, dic
     return _timed_steps(step, warmup, steps, device), {"attention": config._attn_implementation or "default"}
 
 
-def _patch_mcore_for_cpu() -> None:
-    """MCORE_CPU_PATCHES: the CUDA-only helpers megatron-core's GPT path calls, redone on CPU."""
-    import functools
-
-    import torch
-    from megatron.core import utils as mcore_utils
-    from megatron.core.fusions import fused_softmax
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-
-    def add(self, name, seed):
-        self._is_initialized = True
-        self.seeds_.add(seed)
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-    mcore_random.CudaRNGStatesTracker.add = add
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        numel = 1
-        for size in tensor_shape:
-            numel *= size
-        buffer = self.buffer.get((name, dtype))
-        if buffer is None or buffer.numel() < numel:
-            buffer = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
-        return buffer[:numel].view(*tensor_shape)
-
-    mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor
-    fused_softmax.get_default_causal_mask = functools.lru_cache(None)(
-        lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1))
-
-
 def _import_mcore():
     """megatron-core's package, refusing this project's (same name) if it is what resolves."""
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != ROOT]
@@ -461,7 +431,7 @@ def run_megatron_core(precision: str, warmup: int, steps: int) -> tuple[dict, di
 
     device = _load_device_module()
     if not device.accelerator_available():
-        _patch_mcore_for_cpu()
+        _load_bench_module("mcore_cpu_patches").patch_for_cpu()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group(device.get_backend(), rank=0, world_size=1)

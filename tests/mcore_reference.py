@@ -46,33 +46,6 @@ assert os.path.realpath(megatron.core.__file__).startswith({mcore!r}), megatron.
 def emit(obj):
     print("\\n@@MCORE@@" + json.dumps(obj), flush=True)
 
-def patch_for_cpu():
-    """The CUDA-only RNG and buffer helpers megatron-core's model path calls, redone on CPU
-    (the same patches as bench/compare_peers.py)."""
-    import torch
-    from megatron.core import utils as mcore_utils
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-
-    def add(self, name, seed):
-        self._is_initialized = True
-        self.seeds_.add(seed)
-        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
-
-    mcore_random.CudaRNGStatesTracker.add = add
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        numel = 1
-        for size in tensor_shape:
-            numel *= size
-        buffer = self.buffer.get((name, dtype))
-        if buffer is None or buffer.numel() < numel:
-            buffer = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
-        return buffer[:numel].view(*tensor_shape)
-
-    mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor
 '''
 
 
@@ -95,7 +68,10 @@ def run_mcore(code: str, timeout: float = 300.0, cwd: Optional[Path] = None,
     snippet fails.
     """
     require_mcore()
-    script = _PRELUDE.format(root=os.path.realpath(ROOT), mcore=os.path.realpath(MCORE_PATH)) + textwrap.dedent(code)
+    # patch_for_cpu() and MCORE_CPU_PATCHES come with every snippet (bench/mcore_cpu_patches.py)
+    patches = (ROOT / "bench" / "mcore_cpu_patches.py").read_text()
+    script = (_PRELUDE.format(root=os.path.realpath(ROOT), mcore=os.path.realpath(MCORE_PATH)) + patches
+              + textwrap.dedent(code))
     child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE",
                                                                   "LOCAL_RANK", "MASTER_PORT")}
     child_env.update({"PYTHONPATH": str(MCORE_PATH), "OMP_NUM_THREADS": "1"})

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from megatron.core.atomic_io import atomic_write
+from megatron.utils import print_line
 
 
 class Split(enum.Enum):
@@ -150,13 +151,13 @@ def may_build_indices() -> bool:
 def log_rank_0(message: str) -> None:
     """Print on global rank 0 only (or always, without torch.distributed)."""
     if distributed_rank() in (None, 0):
-        print(message, flush=True)
+        print_line(message)
 
 
 def log_warning(message: str) -> None:
     """Print a warning on every rank: each rank's own situation may differ."""
     rank = distributed_rank()
-    print(f"WARNING{'' if rank is None else f' (rank {rank})'}: {message}", flush=True)
+    print_line(f"WARNING{'' if rank is None else f' (rank {rank})'}: {message}")
 
 
 # ---------------------------------------------------------------------------- index cache

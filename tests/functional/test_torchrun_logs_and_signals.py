@@ -143,7 +143,7 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_and_every_rank_exits_0
     assert f"successfully saved checkpoint from iteration {saved:7d}" in out
     assert max(row["iteration"] for row in log_lines(out)) <= saved  # nothing trained after the save
     folder = runs["ckpt"] / f"iter_{saved:07d}"
-    assert sorted(p.name for p in folder.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert sorted(p.name for p in folder.iterdir()) == ["checksums.json", "mp_rank_00_000", "mp_rank_00_001"]
     assert all((folder / d / "model_optim_rng.pt").is_file() for d in ("mp_rank_00_000", "mp_rank_00_001"))
     # torchrun itself: its agent turns the signal into SignalException, signals each worker's process
     # group, waits for them (up to --shutdown-timeout, 30 s) and re-raises: status 1, whatever theirs.

@@ -10,6 +10,7 @@ import pytest
 
 import pretrain_gpt
 from megatron.arguments import ArgsError, parse_and_validate_args
+from megatron.cli import user_input_errors
 from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.data.dataset_config import GPTDatasetConfig
 from megatron.data.gpt_dataset import GPTDataset
@@ -112,7 +113,7 @@ def test_split_leaving_a_needed_dataset_empty_says_which(tmp_path, capsys):
 def test_pretrain_gpt_reports_bad_data_in_one_line(tmp_path):
     """In process: the error reaches the entry point as a class it prints as one line."""
     prefix = write_dataset(str(tmp_path / "wrong_vocab"), 40, high=300)
-    with pytest.raises(pretrain_gpt.user_input_errors()) as caught:
+    with pytest.raises(user_input_errors()) as caught:
         pretrain_gpt.main([*MODEL, "--data-path", prefix, "--split", "1", "--eval-iters", "0"])
     assert "\n" not in str(caught.value) and "outside the vocabulary of the tokenizer (256 ids" in str(caught.value)
 

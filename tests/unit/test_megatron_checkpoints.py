@@ -205,9 +205,7 @@ def test_anything_else_unexpected_still_fails_naming_the_keys(tmp_path, our_weig
 # ------------------------------------------------------------------ written by megatron-core itself
 MCORE_WRITES = '''
 import argparse, os, signal, torch, torch.distributed as dist
-patch_for_cpu()
-from megatron.core.fusions import fused_softmax
-fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
+patch_for_cpu()  # includes the causal mask built on CPU
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500))
 dist.init_process_group("gloo", rank=0, world_size=1)
 from megatron.core import parallel_state
