@@ -21,11 +21,18 @@ A snippet may also write files (e.g. a checkpoint) under a folder the test passe
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import select
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -60,24 +67,139 @@ def require_mcore() -> None:
         pytest.skip(f"megatron-core (the reference) is not installed at {MCORE_PATH}: {INSTALL_HINT}")
 
 
+_SERVER = '''
+import os, signal, traceback
+_reply_fd = os.dup(1)  # the protocol's channel; snippets' output goes to files
+
+
+def _reply(obj):
+    os.write(_reply_fd, (json.dumps(obj) + "\\n").encode())
+
+
+def _run(request):
+    out = os.open(request["out"] + ".stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    err = os.open(request["out"] + ".stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.chdir(request["cwd"])
+    os.environ.update(request["env"])
+    status = 0
+    try:
+        # the prelude's names (json, os, sys, emit, patch_for_cpu...) as in a script of its own; this
+        # process is the snippet's alone, so its globals are the snippet's to change
+        exec(compile(request["code"], "<megatron-core snippet>", "exec"), globals())
+    except SystemExit as exit:
+        status = exit.code if isinstance(exit.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+_reply({"ready": True})
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        _run(request)
+    _reply({"pid": pid})
+    _, status = os.waitpid(pid, 0)
+    _reply({"status": os.waitstatus_to_exitcode(status)})
+'''
+
+
+class _Server:
+    """One interpreter that imports megatron-core once and forks a child per snippet.
+
+    Importing megatron-core takes ~4 s (it imports torch's compiler stack); a forked child starts
+    with it imported, and with nothing else the previous snippets did (process groups, patches,
+    environment), as a fresh interpreter would.
+    """
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="mcore-server-"))
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE",
+                                                                 "LOCAL_RANK", "MASTER_PORT")}
+        env.update({"PYTHONPATH": str(MCORE_PATH), "OMP_NUM_THREADS": "1"})
+        patches = (ROOT / "bench" / "mcore_cpu_patches.py").read_text()
+        script = (_PRELUDE.format(root=os.path.realpath(ROOT), mcore=os.path.realpath(MCORE_PATH)) + patches
+                  + _SERVER)
+        self.stderr = open(self.folder / "server.stderr", "w")
+        self.process = subprocess.Popen([sys.executable, "-c", script], cwd=str(MCORE_PATH), env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                        text=True, bufsize=1, start_new_session=True)
+        self.ready = False
+        self.count = 0
+        atexit.register(self.close)
+
+    def _read(self, deadline: float) -> Dict[str, Any]:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([self.process.stdout], [], [], left)[0]:
+            self.close()
+            raise AssertionError("megatron-core snippet timed out")
+        line = self.process.stdout.readline()
+        if not line:
+            self.close()
+            raise AssertionError("the megatron-core server died:\n"
+                                 + (self.folder / "server.stderr").read_text()[-4000:])
+        return json.loads(line)
+
+    def run(self, code: str, timeout: float, cwd: Path, env: Dict[str, str]) -> subprocess.CompletedProcess:
+        deadline = time.monotonic() + timeout
+        if not self.ready:
+            self._read(deadline)
+            self.ready = True
+        self.count += 1
+        out = str(self.folder / f"snippet{self.count}")
+        self.process.stdin.write(json.dumps({"code": code, "out": out, "cwd": str(cwd), "env": env}) + "\n")
+        self.process.stdin.flush()
+        child = self._read(deadline)["pid"]
+        try:
+            status = self._read(deadline)["status"]
+        except AssertionError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+            raise
+        return subprocess.CompletedProcess([], status, Path(out + ".stdout").read_text(),
+                                           Path(out + ".stderr").read_text())
+
+    def close(self) -> None:
+        global _server
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.stderr.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+        if _server is self:
+            _server = None
+
+
+_server: Optional[_Server] = None
+
+
+def start_server() -> None:
+    """Start the megatron-core interpreter now (it imports in the background while other tests
+    run); a no-op when megatron-core is missing or the server runs already."""
+    global _server
+    if _server is None and mcore_available():
+        _server = _Server()
+
+
 def run_mcore(code: str, timeout: float = 300.0, cwd: Optional[Path] = None,
               env: Optional[Dict[str, str]] = None) -> Any:
     """Run `code` (dedented) under megatron-core; return what it passed to emit() (None if nothing).
 
     Skips when megatron-core is missing; raises AssertionError with the output when the
-    snippet fails.
+    snippet fails. Each snippet runs in a process of its own, forked from one that has
+    imported megatron-core (start_server).
     """
     require_mcore()
-    # patch_for_cpu() and MCORE_CPU_PATCHES come with every snippet (bench/mcore_cpu_patches.py)
-    patches = (ROOT / "bench" / "mcore_cpu_patches.py").read_text()
-    script = (_PRELUDE.format(root=os.path.realpath(ROOT), mcore=os.path.realpath(MCORE_PATH)) + patches
-              + textwrap.dedent(code))
-    child_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE",
-                                                                  "LOCAL_RANK", "MASTER_PORT")}
-    child_env.update({"PYTHONPATH": str(MCORE_PATH), "OMP_NUM_THREADS": "1"})
-    child_env.update(env or {})
-    done = subprocess.run([sys.executable, "-c", script], cwd=str(cwd or MCORE_PATH), env=child_env,
-                          capture_output=True, text=True, timeout=timeout)
+    start_server()
+    done = _server.run(textwrap.dedent(code), timeout, cwd or MCORE_PATH, dict(env or {}))
     if done.returncode != 0:
         raise AssertionError(f"megatron-core snippet failed (exit {done.returncode}):\n"
                              f"{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
