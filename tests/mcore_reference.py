@@ -3,9 +3,11 @@
 megatron-core's package is called `megatron`, like ours, so it cannot be imported into the test
 process. `make setup-test` installs it with --no-deps into .venv/peers/megatron_core (the
 MEGATRON_CORE_PATH environment variable overrides the folder); `run_mcore` runs a Python
-snippet in a fresh interpreter whose PYTHONPATH is that folder alone, and the snippet hands its
-result back by calling `emit(obj)` (JSON). Tests that need the reference skip, with the
-install command, when it is missing.
+snippet in a process whose PYTHONPATH is that folder alone, and the snippet hands its result back
+by calling `emit(obj)` (JSON). Each snippet gets a process of its own, forked from one server
+interpreter that imported megatron-core once for the session. `patch_for_cpu()` (megatron-core's
+CUDA-only helpers redone on CPU, bench/mcore_cpu_patches.py) is defined in every snippet. Tests
+that need the reference skip, with the install command, when it is missing.
 
     from tests.mcore_reference import run_mcore
 
