@@ -282,7 +282,9 @@ def test_stalled_stage_raises_a_timeout_naming_rank_stage_microbatch_and_operati
     assert second is None
     message, elapsed = first["message"], first["elapsed"]
     assert message is not None, "stage 0 finished the schedule while stage 1 was asleep"
-    assert timeout_s <= elapsed < timeout_s + 1.5, elapsed  # well before stage 1 wakes up
+    # raised by the timeout, not by stage 1 waking up: the bound is the stall, not a speed (a loaded
+    # machine delays the raise by a second or more past the timeout)
+    assert timeout_s <= elapsed < stall_s, elapsed
     assert "global rank 0" in message, message
     assert "pipeline stage 0" in message, message
     # gloo completes a send only once the receiver has posted its receive, so stage 0 is stuck on
