@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.data import index_helpers  # noqa: E402
+from megatron.data import blending_indices, index_helpers  # noqa: E402
 from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
 from megatron.data.dataset_config import GPTDatasetConfig  # noqa: E402
 from megatron.data.gpt_dataset import GPTDataset  # noqa: E402
@@ -175,7 +175,7 @@ def time_blend_indices(num_samples: int) -> None:
     print(f"(d) blending indices of a {num_samples:,}-sample blend of {len(BLEND_WEIGHTS)} datasets "
           f"(weights {', '.join(map(str, BLEND_WEIGHTS))})")
     index, sample = timed("build (vectorised numpy)",
-                          lambda: index_helpers.build_blending_indices(BLEND_WEIGHTS, num_samples))
+                          lambda: blending_indices.build_blending_indices(normalize(BLEND_WEIGHTS), num_samples))
     print(f"  -> samples per dataset: {np.bincount(index, minlength=len(BLEND_WEIGHTS)).tolist()}")
     helpers = _megatron_core_helpers()
     if helpers is None:

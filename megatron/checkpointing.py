@@ -61,13 +61,10 @@ from megatron.core import communication, device, parallel_state
 from megatron.core.atomic_io import Checksum, atomic_write, remove_stale_temporaries
 from megatron.utils import print_line
 
-# The saved args are an argparse.Namespace; PyTorch >= 2.6 refuses it under weights_only=True
-# unless allow-listed (Megatron does this too). Our own reads use checkpoint_safety's list.
-torch.serialization.add_safe_globals([argparse.Namespace])
-
 _CHECKPOINT_VERSION = 3.0
 _TRACKER_NAME = "latest_checkpointed_iteration.txt"
 _MODEL_FILE_NAME = "model_optim_rng.pt"
+
 
 def _print_rank_0(message: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -157,7 +154,7 @@ def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
         max_iter = int(iters[0].item())
         if max_iter != iteration:
             print_line(f"WARNING: on rank {dist.get_rank()} found iteration {iteration} in the tracker "
-                  f"{tracker_filename} but the maximum over ranks is {max_iter}")
+                       f"{tracker_filename} but the maximum over ranks is {max_iter}")
         iteration = max_iter
     return iteration, release
 

@@ -126,8 +126,8 @@ def build_num_microbatches_calculator(rank: int, rampup_batch_size: Sequence | N
     start, increment, ramp_samples = _parse_rampup(rampup_batch_size)
     if rank == 0:
         print_line(f"will use batch size rampup starting from global batch size {start} to global batch "
-              f"size {global_batch_size} with batch size increments {increment} over {ramp_samples} "
-              "samples.")
+                   f"size {global_batch_size} with batch size increments {increment} over {ramp_samples} "
+                   "samples.")
     return RampupBatchsizeNumMicroBatches(start, increment, ramp_samples, global_batch_size,
                                           micro_batch_size, data_parallel_size)
 

@@ -1,26 +1,21 @@
 """Vectorised numpy builders of the GPT and blending index arrays.
 
-Megatron-Core builds the sample index and the blending indices in a C++ extension; the same
-arrays come out of these numpy functions, with no Python loop over samples or tokens (the
-blending indices: blending_indices.py, a loop over steps that advances thousands of stretches
-of the blend at once).
+Megatron-Core builds the sample index in a C++ extension; the same arrays come out of these
+numpy functions, with no Python loop over samples or tokens. The blending indices (its other
+C++ helper) are built by blending_indices.py.
 
     document_index        int32 [num_epochs * num_docs]   sequence ids, each epoch a shuffled copy
     sample_index          int32/int64 [num_samples+1, 2]  (position in document_index, token offset)
                                                           where each sample starts; row k+1 ends sample k
     shuffle_index         uint32/int64 [num_samples]      permutation of the sample ids
-    dataset_index         int16 [size]                    which dataset each blended sample comes from
-    dataset_sample_index  int64 [size]                    the sample id within that dataset
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional
 
 import numpy as np
 
-from megatron.data import blending_indices
-from megatron.data.utils import normalize
 
 # Share of an epoch below which the final epoch is shuffled on its own (Megatron's threshold),
 # so that the samples drawn from a partial last epoch are not concentrated in the run's end.
@@ -98,15 +93,3 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     rng.shuffle(last)
     return np.concatenate((first, last))
 
-
-def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(dataset_index int16 [size], dataset_sample_index int64 [size]) interleaving datasets by weight.
-
-    What a BlendedDataset of `size` samples holds: the weights normalised as Megatron-Core's
-    normalize does, then its greedy helpers.build_blending_indices, bit for bit (each sample goes
-    to the first dataset furthest below its share; see blending_indices.py).
-    """
-    w = np.asarray(weights, dtype=np.float64)
-    if w.size == 0 or np.any(~(w > 0)) or not np.all(np.isfinite(w)):
-        raise ValueError(f"blend weights must be positive numbers, got {list(weights)}")
-    return blending_indices.build_blending_indices(normalize(weights), size)

@@ -12,8 +12,8 @@ from megatron.data.blended_dataset import BlendedDataset
 from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.data.dataset_config import GPTDatasetConfig
 from megatron.data.gpt_dataset import GPTDataset
-from megatron.data.index_helpers import build_blending_indices
 from megatron.data.indexed_dataset import IndexedDatasetBuilder
+from megatron.data.utils import normalize
 
 
 class Tok:
@@ -52,7 +52,7 @@ def max_prefix_error(dataset_index, weights):
                                      [0.333, 0.333, 0.334], [3, 1]])
 def test_blending_indices_follow_the_weights(weights):
     w = np.asarray(weights, dtype=np.float64) / np.sum(weights)
-    dataset_index, dataset_sample_index = build_blending_indices(weights, 10_000)
+    dataset_index, dataset_sample_index = blending_indices.build_blending_indices(normalize(weights), 10_000)
     assert dataset_index.dtype == np.int16 and dataset_sample_index.dtype == np.int64
     assert len(dataset_index) == 10_000
     shares = np.bincount(dataset_index, minlength=len(w)) / 10_000
@@ -66,7 +66,7 @@ def test_blending_indices_stay_close_for_many_datasets():
     rng = np.random.default_rng(0)
     for _ in range(20):
         weights = rng.random(8) ** 2 + 1e-3
-        dataset_index, _ = build_blending_indices(weights, 5000)
+        dataset_index, _ = blending_indices.build_blending_indices(normalize(weights), 5000)
         assert max_prefix_error(dataset_index, weights / weights.sum()) < 8 / 2 + 1
 
 

@@ -219,7 +219,7 @@ def test_top_level_keys_version_and_unwrapped_model(ckpt):
     saved_tracker = state["rng_state"][0]["cpu_rng_tracker_states" if on_cpu else "rng_tracker_states"]
     assert set(saved_tracker) == {"model-parallel-rng"} == set(tracker_states)
     assert torch.equal(saved_tracker["model-parallel-rng"], tracker_states["model-parallel-rng"])
-    assert argparse.Namespace in torch.serialization.get_safe_globals()
+    assert isinstance(state["args"], argparse.Namespace)  # read back by the allow-list unpickler
 
 
 def test_model_chunks_are_saved_as_model0_model1(ckpt):
