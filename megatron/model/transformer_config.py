@@ -42,12 +42,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from megatron.model.utils import init_method_normal, scaled_init_method_normal
+from megatron.model.utils import init_method_normal, openai_gelu, scaled_init_method_normal
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 # Implementations of the fused ops the model may force on CPU (megatron.fused_kernels.dispatch).
 FUSED_KERNELS_CPU_IMPLS = ("native", "reference", "compiled")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
 def _require_positive(name: str, value: int | None) -> None:
@@ -87,8 +89,16 @@ class TransformerConfig:
     attention_softmax_in_fp32: bool = False
     apply_residual_connection_post_layernorm: bool = False
     layernorm_epsilon: float = 1e-5
+    normalization: str = "LayerNorm"
+    layernorm_zero_centered_gamma: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    num_query_groups: int | None = None
+    qk_layernorm: bool = False
+    gated_linear_unit: bool = False
+    activation_func: Callable[[torch.Tensor], torch.Tensor] = F.gelu
     openai_gelu: bool = False
+    rotary_interleaved: bool = False
     fp16: bool = False
     bf16: bool = False
     params_dtype: torch.dtype = torch.float32
@@ -99,6 +109,8 @@ class TransformerConfig:
     include_padded_vocab_in_loss: bool = False
     masked_softmax_fusion: bool = True
     bias_gelu_fusion: bool = True
+    bias_swiglu_fusion: bool = True
+    apply_rope_fusion: bool = True
     bias_dropout_fusion: bool = True
     gradient_accumulation_fusion: bool = False
     fused_kernels_cpu_impl: str = "native"
@@ -124,6 +136,11 @@ class TransformerConfig:
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        self._check_attention_heads()
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if self.openai_gelu and self.activation_func is F.gelu:
+            self.activation_func = openai_gelu  # Megatron's --openai-gelu: the tanh approximation
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are mutually exclusive; set at most one of them")
         _require_probability("hidden_dropout", self.hidden_dropout)
@@ -146,6 +163,23 @@ class TransformerConfig:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+
+    def _check_attention_heads(self) -> None:
+        """num_query_groups (None: one per head) must divide the heads; under tensor parallelism the
+        heads split evenly, and the groups split evenly or (fewer groups than ranks) each group's
+        key/value head is replicated on tensor_model_parallel_size / num_query_groups ranks."""
+        _require_positive("num_query_groups", self.num_query_groups)
+        heads, tp = self.num_attention_heads, self.tensor_model_parallel_size
+        if self.num_query_groups is None:
+            self.num_query_groups = heads
+        groups = self.num_query_groups
+        if heads % groups:
+            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_query_groups ({groups})")
+        if heads % tp:
+            raise ValueError(f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})")
+        if groups % tp and tp % groups:
+            raise ValueError(f"num_query_groups ({groups}) must divide, or be a multiple of, "
+                             f"tensor_model_parallel_size ({tp})")
 
     def _check_recompute(self) -> None:
         """Megatron-Core's rules for the recompute fields (the per-stage layer count is checked by
