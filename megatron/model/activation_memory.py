@@ -102,7 +102,7 @@ def measure_layer_activation_bytes(seq_length: int, micro_batch_size: int, hidde
     try:
         # A one-layer block (no final norm) runs the layer through the block's recompute path.
         full = recompute == "full"
-        module = TransformerBlock(config, post_process=False) if full else TransformerLayer(config, 1)
+        module = TransformerBlock(config, post_process=False) if full else TransformerLayer(config, layer_number=1)
         module.train()
         hidden_states = torch.randn(local_seq, micro_batch_size, hidden_size, dtype=dtype,
                                     requires_grad=True)  # [s, b, h] ([s/t, b, h] with SP)

@@ -1,48 +1,66 @@
-"""Causal self-attention: fused QKV projection, masked-softmax dot-product attention, output projection.
+"""Self-attention: fused QKV projection (grouped by query group), core attention, output projection.
 
-Notation: s sequence, b batch, h hidden, np attention heads, hn head dim (kv_channels), t the
-tensor-parallel size. Each tensor-parallel rank holds np/t whole heads: its rows of linear_qkv
-(column parallel) and its columns of linear_proj (row parallel, whose output is summed over the
-ranks). Under sequence parallelism the layer's input and output are [s/t, b, h].
+Notation: s sequence, b batch, h hidden, np attention heads, ng query groups (num_query_groups:
+np for multi-head attention, 1 for multi-query attention), hn head dim (kv_channels), t the
+tensor-parallel size. The rows of linear_qkv are Megatron-Core's: per query group its np/ng query
+heads, then its key head, then its value head, ng (np/ng + 2) hn rows in all -- with ng = np the
+[np, 3, hn] layout of Megatron's checkpoint_version >= 2.0.
 
-Two core attentions compute softmax(q k^T / sqrt(hn) + mask) v:
+Each tensor-parallel rank holds np/t whole query heads: its rows of linear_qkv (column parallel)
+and its columns of linear_proj (row parallel, whose output is summed over the ranks). When t
+divides ng a rank holds ng/t whole groups, a contiguous block of rows. With fewer groups than
+ranks (t = r ng, multi-query attention under TP) each group's key and value heads are replicated
+on the r ranks that hold its query heads: a rank's rows are its np/t query heads followed by its
+group's K and V (qkv_partition_rows), and the gradients of those replicated rows are summed over
+the r ranks before the optimizer step (finalize_model_grads.allreduce_replicated_kv_grads). Under
+sequence parallelism the layer's input and output are [s/t, b, h].
+
+The core attention, softmax(q k^T / sqrt(hn) + bias, masked) v, is a slot of the layer spec:
     DotProductAttention       Megatron's: two matmuls around a scale-mask-softmax, which is
                               fused_kernels.scale_mask_softmax with masked_softmax_fusion (the
-                              default), else plain PyTorch ops (the reference)
-    FlashDotProductAttention  --use-flash-attn: flash-attn's kernel on CUDA when the package is
-                              importable, else torch's scaled_dot_product_attention
+                              default), else plain PyTorch ops (the reference); on CPU the fast path
+                              runs it as one node (fused_kernels.backend.fast_attention_core)
+    FlashDotProductAttention  --use-flash-attn: flash-attn on CUDA, else torch's SDPA
 With recompute_granularity "selective" the core attention is rerun in backward
 (tensor_parallel.checkpoint): its s^2 activations (scores, probabilities, dropout mask) are not kept.
+Rotary embeddings rotate q and k after the projection (and after q/k layer norms); ALiBi arrives
+as an additive bias of this rank's heads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from megatron import fused_kernels
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide
+from megatron.fused_kernels import backend
 from megatron.model.layers import Dropout, fused_impl, tensor_parallel_dropout_context
 from megatron.model.module import MegatronModule
+from megatron.model.positions import apply_rotary_pos_emb
+from megatron.model.spec import ModuleSpec, build_module
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.utils import attention_mask_func
 
-try:  # optional: never required, used on CUDA when importable
-    from flash_attn import flash_attn_func
-except (ImportError, OSError):  # not installed, or built for another CUDA / torch
-    flash_attn_func = None
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v [s, b, ng, hn] -> [s, b, np, hn], each group's head repeated for its np/ng query heads."""
+    groups = x.shape[2]
+    return x if groups == heads else x.repeat_interleave(heads // groups, dim=2)
 
 
 class DotProductAttention(MegatronModule):
-    """softmax(q k^T / sqrt(hn) + mask) v, with Megatron's query-key layer scaling.
+    """softmax(q k^T / sqrt(hn) + bias, masked) v, with Megatron's query-key layer scaling. No parameters.
 
+    forward(query [sq, b, np/t, hn], key and value [sk, b, ng/t, hn], attention_mask, is_causal,
+    attention_bias [1 or b, np/t, sq, sk] or None) -> context [sq, b, np/t * hn].
     With apply_query_key_layer_scaling the scores are divided by coeff = layer_number before
     the softmax (keeping fp16 scores of deep layers in range) and multiplied back by coeff
-    inside the fp32 softmax: the same function, different rounding. Has no parameters.
+    inside the fp32 softmax: the same function, different rounding.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int) -> None:
@@ -78,22 +96,24 @@ class DotProductAttention(MegatronModule):
         probs = torch.softmax(scores, dim=-1)
         return probs.to(input_dtype)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        is_causal: bool = False,
-    ) -> torch.Tensor:
-        """q, k, v [s, b, np/t, hn] -> context [s, b, np/t * hn]; is_causal: attention_mask is the causal mask."""
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, is_causal: bool = False,
+                attention_bias: torch.Tensor | None = None) -> torch.Tensor:
         sq, b, np_, hn = query.shape  # [sq, b, np/t, hn]
-        if self._fused_cpu_core(query):
-            return self._cpu_core(query, key, value, attention_mask, is_causal)
+        key, value = _repeat_kv(key, np_), _repeat_kv(value, np_)  # [sk, b, np/t, hn]
+        if attention_bias is None and self.config.masked_softmax_fusion:
+            context = backend.fast_attention_core(
+                query, key, value, attention_mask, is_causal, cpu_impl=self.config.fused_kernels_cpu_impl,
+                dropout_active=self.training and self.attention_dropout.p > 0)
+            if context is not None:
+                return context  # [sq, b, np/t * hn]
         q = query.permute(1, 2, 0, 3)  # [sq, b, np, hn] -> [b, np, sq, hn]
         k = key.permute(1, 2, 3, 0)  # [sk, b, np, hn] -> [b, np, hn, sk]
         v = value.permute(1, 2, 0, 3)  # [sk, b, np, hn] -> [b, np, sk, hn]
         scores = torch.matmul(q, k) * (1.0 / self.norm_factor)  # [b, np, sq, sk]
+        if attention_bias is not None:  # in the scale of the scores (divided by the layer-scaling coeff)
+            scale = self.softmax_scale or 1.0
+            scores = scores + (attention_bias / scale).to(scores.dtype)
         # attention_mask [b or 1, 1, sq, sk] broadcasts over the heads.
         probs = self.scale_mask_softmax(scores, attention_mask, is_causal)  # [b, np, sq, sk]
         with tensor_parallel_dropout_context(partitioned=True):  # this rank's heads only
@@ -102,40 +122,21 @@ class DotProductAttention(MegatronModule):
         context = context.permute(2, 0, 1, 3)  # [b, np, sq, hn] -> [sq, b, np, hn]
         return context.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
 
-    def _fused_cpu_core(self, query: torch.Tensor) -> bool:
-        """The CPU fast path applies: fused softmax with the "native" CPU implementation, no active dropout."""
-        return (self.config.masked_softmax_fusion and fused_impl(self.config, query) == "native"
-                and not (self.training and self.attention_dropout.p > 0))
-
-    def _cpu_core(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-        """The same function on CPU as one autograd node around ATen's GEMMs and softmax, causal
-        attention block by block of queries (fused_kernels.core_attention; measured faster than
-        this class's composed path and than SDPA's CPU flash kernel, fp32 and bf16)."""
-        sq, b, np_, hn = query.shape
-        scale = 1.0 / math.sqrt(hn)  # = softmax_scale / norm_factor: layer scaling cancels
-        # [b*np, s, hn], contiguous: as views of mixed_qkv their transposes would be copied inside each bmm
-        q, k, v = (x.permute(1, 2, 0, 3).reshape(b * np_, -1, hn).contiguous() for x in (query, key, value))
-        context = fused_kernels.core_attention(q, k, v, scale=scale, heads=np_,
-                                               mask=None if is_causal else attention_mask, causal=is_causal)
-        return context.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
-
 
 class FlashDotProductAttention(MegatronModule):
-    """DotProductAttention's function through a fused kernel (--use-flash-attn). Has no parameters.
+    """DotProductAttention's function through a fused kernel (--use-flash-attn). No parameters.
 
-    flash-attn's flash_attn_func when the package imports, the tensors are fp16/bf16 on CUDA and
-    the mask is the causal one (is_causal) or none; otherwise torch.nn.functional.
-    scaled_dot_product_attention, which takes any mask. Equal to DotProductAttention within
-    rounding with attention dropout 0, including rows whose keys are all masked: Megatron's
-    -10000 fill makes those average the values, and so does this class (SDPA alone gives 0).
+    fused_kernels.backend.flash_attention: flash-attn when it applies (CUDA, half precision,
+    causal or no mask), else torch's scaled_dot_product_attention, which takes any mask and
+    grouped K/V. Equal to DotProductAttention within rounding with attention dropout 0, including
+    rows whose keys are all masked (they average the values, as Megatron's -10000 fill makes them).
 
     Attention dropout > 0 is accepted and applied by the kernel, drawing from the device's
     generator in the tensor-parallel rank's own stream, as DotProductAttention does; a seed
     reproduces it and recompute restores it. The mask is the kernel's own: on CUDA (flash-attn,
     SDPA's flash / efficient kernels) not the unfused path's, so the same seed gives the same
     distribution but other numbers; on CPU torch's math backend happens to draw the same mask
-    (docs/memory.md).
+    (docs/memory.md). ALiBi's bias is not supported here (use the default core attention).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int) -> None:
@@ -145,85 +146,132 @@ class FlashDotProductAttention(MegatronModule):
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
         self.attention_dropout_p = config.attention_dropout
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        is_causal: bool = False,
-    ) -> torch.Tensor:
-        """q, k, v [s, b, np/t, hn] -> [s, b, np/t * hn]; is_causal: attention_mask is the causal mask."""
-        sq, b, np_, hn = query.shape  # [sq, b, np/t, hn]
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, is_causal: bool = False,
+                attention_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """q [s, b, np/t, hn], k, v [s, b, ng/t, hn] -> [s, b, np/t * hn]; is_causal: the mask is the causal one."""
+        if attention_bias is not None:
+            raise ValueError("--use-flash-attn does not take an attention bias (ALiBi): use the default core attention")
+        sq, b, np_, hn = query.shape
         dropout_p = self.attention_dropout_p if self.training else 0.0
         rng = tensor_parallel_dropout_context(partitioned=True) if dropout_p > 0 else contextlib.nullcontext()
         with rng:  # this rank's heads only
-            if _flash_attn_applies(query, attention_mask, is_causal):
-                q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [s, b, np, hn] -> [b, s, np, hn]
-                context = flash_attn_func(q, k, v, dropout_p, softmax_scale=self.softmax_scale, causal=is_causal)
-                context = context.transpose(0, 1)  # [b, sq, np, hn] -> [sq, b, np, hn]
-            else:
-                context = self._sdpa(query, key, value, attention_mask, is_causal, dropout_p)  # [sq, b, np, hn]
+            context = backend.flash_attention(query, key, value, attention_mask, is_causal, dropout_p=dropout_p,
+                                              softmax_scale=self.softmax_scale)  # [sq, b, np, hn]
         return context.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
 
-    def _sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-              is_causal: bool, dropout_p: float) -> torch.Tensor:
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [s, b, np, hn] -> [b, np, s, hn]
-        keep = None if is_causal or attention_mask is None else ~attention_mask  # SDPA: True = takes part
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal,
-                                                 scale=self.softmax_scale)  # [b, np, sq, hn]
-        if keep is not None:
-            fully_masked = attention_mask.all(dim=-1, keepdim=True)  # [b or 1, 1, sq, 1]
-            context = torch.where(fully_masked, v.mean(dim=-2, keepdim=True), context)  # [b, np, sq, hn]
-        return context.permute(2, 0, 1, 3)  # [b, np, sq, hn] -> [sq, b, np, hn]
+
+@dataclass
+class SelfAttentionSubmodules:
+    """The slots of SelfAttention (Megatron-Core's names; a slot's state-dict prefix is its name)."""
+
+    linear_qkv: ModuleSpec | type = ColumnParallelLinear
+    core_attention: ModuleSpec | type = DotProductAttention
+    linear_proj: ModuleSpec | type = RowParallelLinear
+    q_layernorm: ModuleSpec | type | None = None
+    k_layernorm: ModuleSpec | type | None = None
 
 
-def _flash_attn_applies(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool) -> bool:
-    """flash_attn_func can compute this call: installed, CUDA, half precision, causal or unmasked."""
-    return (flash_attn_func is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and (is_causal or attention_mask is None))
+def qkv_partition_rows(num_heads: int, num_groups: int, head_dim: int, tp: int, rank: int) -> list[int]:
+    """Rows of the full linear_qkv weight held by tensor-parallel rank `rank` of `tp`, in local order.
+
+    t divides ng: the rank's ng/t whole groups, one contiguous block. Fewer groups than ranks:
+    the rank's np/t query heads inside its group's block, then that group's K and V rows.
+    """
+    block = (num_heads // num_groups + 2) * head_dim  # rows of one query group
+    if num_groups % tp == 0:
+        per_rank = num_groups // tp * block
+        return list(range(rank * per_rank, (rank + 1) * per_rank))
+    replicas = tp // num_groups
+    group, heads = rank // replicas, num_heads // tp
+    base = group * block
+    first_query = base + (rank % replicas) * heads * head_dim
+    kv = base + num_heads // num_groups * head_dim
+    return list(range(first_query, first_query + heads * head_dim)) + list(range(kv, kv + 2 * head_dim))
 
 
 class SelfAttention(MegatronModule):
-    """[s, b, h] -> ([s, b, h], bias). State-dict keys: linear_qkv.{weight,bias}, linear_proj.{weight,bias}.
+    """[s, b, h] -> ([s, b, h], bias). Keys: linear_qkv.*, linear_proj.*, q_layernorm.*, k_layernorm.*.
 
     As Megatron's, forward returns linear_proj's (output, bias): with bias_dropout_fusion the
     projection skips its bias add (bias is linear_proj.bias, or None without biases) and the
     layer's fused bias-dropout-add adds it; otherwise the output includes it and bias is None.
-
-    linear_qkv rows are in [np, 3, hn] order (for each head its q, k and v blocks), Megatron's
-    checkpoint_version >= 2.0 layout: a tensor-parallel shard of whole heads is then one
-    contiguous block of rows. HF GPT-2 uses [3, np, hn] instead (see FORMATS.md sec. 10).
+    linear_qkv has a bias with add_bias_linear or add_qkv_bias (Qwen2: the QKV bias only).
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+    def __init__(self, config: TransformerConfig, submodules: SelfAttentionSubmodules | None = None,
+                 layer_number: int = 1, tensor_model_parallel_rank: int | None = None) -> None:
         super().__init__(config)
+        submodules = submodules or SelfAttentionSubmodules()
         self.layer_number = layer_number
-        world_size = parallel_state.get_tensor_model_parallel_world_size()
-        self.num_attention_heads_per_partition = divide(config.num_attention_heads, world_size)
-        self.hidden_size_per_attention_head = config.kv_channels
-        projection_size = config.kv_channels * config.num_attention_heads
-        bias = config.add_bias_linear
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, 3 * projection_size, config=config,
-                                               init_method=config.init_method, bias=bias, gather_output=False)
-        core_attention_class = FlashDotProductAttention if config.use_flash_attn else DotProductAttention
-        self.core_attention = core_attention_class(config, layer_number)
+        tp, hn = config.tensor_model_parallel_size, config.kv_channels
+        heads, groups = config.num_attention_heads, config.num_query_groups
+        rank = _tensor_parallel_rank(config, tensor_model_parallel_rank)
+        self.num_attention_heads_per_partition = divide(heads, tp)
+        self.num_query_groups_per_partition = max(1, groups // tp)
+        self.hidden_size_per_attention_head = hn
+        rows = None if groups % tp == 0 else qkv_partition_rows(heads, groups, hn, tp, rank)
+        self.linear_qkv = build_module(
+            submodules.linear_qkv, config.hidden_size, (heads + 2 * groups) * hn, config=config,
+            init_method=config.init_method, bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
+            **({} if rows is None else {"partition_rows": rows}))
+        if rows is not None:
+            _mark_replicated_kv(self.linear_qkv, self.num_attention_heads_per_partition * hn, 2 * hn,
+                                group=rank // (tp // groups), num_groups=groups, first=rank % (tp // groups) == 0)
+        self.q_layernorm = build_module(submodules.q_layernorm, hn, config, eps=config.layernorm_epsilon)
+        self.k_layernorm = build_module(submodules.k_layernorm, hn, config, eps=config.layernorm_epsilon)
+        for norm in (self.q_layernorm, self.k_layernorm):
+            for param in (norm.parameters() if norm is not None and tp > 1 else ()):
+                param.sequence_parallel = True  # each rank's heads give a partial gradient: summed over TP
+        self.core_attention = build_module(submodules.core_attention, config, layer_number)
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
-        self.linear_proj = RowParallelLinear(projection_size, config.hidden_size, config=config,
-                                             init_method=config.output_layer_init_method, bias=bias,
-                                             input_is_parallel=True, skip_bias_add=config.bias_dropout_fusion)
+        self.linear_proj = build_module(
+            submodules.linear_proj, heads * hn, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=config.add_bias_linear, input_is_parallel=True,
+            skip_bias_add=config.bias_dropout_fusion)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        np_, hn = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
-        mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, np/t * 3 * hn] (s whole, also under SP)
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool = False,
+                rotary_pos_emb: torch.Tensor | None = None,
+                attention_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """rotary_pos_emb: freqs [s, 1, 1, rot_dim] (RotaryEmbedding); attention_bias: ALiBi's, this rank's heads."""
+        np_, ng, hn = (self.num_attention_heads_per_partition, self.num_query_groups_per_partition,
+                       self.hidden_size_per_attention_head)
+        mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, ng/t * (np/ng + 2) * hn] (s whole, also under SP)
         s, b, _ = mixed_qkv.shape
-        mixed_qkv = mixed_qkv.view(s, b, np_, 3 * hn)  # [s, b, np/t, 3 * hn]
-        query, key, value = torch.split(mixed_qkv, hn, dim=-1)  # 3 x [s, b, np/t, hn]
+        mixed_qkv = mixed_qkv.view(s, b, ng, (np_ // ng + 2) * hn)  # [s, b, ng/t, (np/ng + 2) hn]
+        query, key, value = torch.split(mixed_qkv, [np_ // ng * hn, hn, hn], dim=-1)
+        query = query.reshape(s, b, np_, hn)  # [s, b, np/t, hn] (a view with one group per rank)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        if rotary_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config)
+        core_args = (query, key, value, attention_mask, is_causal, attention_bias)
         if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
-            # Selective recompute: keep q, k, v (views of mixed_qkv), rerun the attention in backward.
-            context = tensor_parallel.checkpoint(self.core_attention, False, query, key, value, attention_mask,
-                                                 is_causal)  # [s, b, np/t * hn]
+            # Selective recompute: keep q, k, v, rerun the attention in backward.
+            context = tensor_parallel.checkpoint(self.core_attention, False, *core_args)  # [s, b, np/t * hn]
         else:
-            context = self.core_attention(query, key, value, attention_mask, is_causal)  # [s, b, np/t * hn]
+            context = self.core_attention(*core_args)  # [s, b, np/t * hn]
         return self.linear_proj(context)  # ([s, b, h] or [s/t, b, h] under SP, bias [h] or None)
+
+
+def _tensor_parallel_rank(config: TransformerConfig, rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() if config.tensor_model_parallel_size > 1 else 0
+
+
+def _mark_replicated_kv(linear: torch.nn.Module, first_row: int, rows: int, *, group: int, num_groups: int,
+                        first: bool) -> None:
+    """Mark the K/V rows [first_row, first_row + rows) of linear's weight and bias as a replica of
+    query group `group` (of num_groups): finalize_model_grads sums their gradients over the ranks
+    holding the same group, and the grad norm counts them on the group's first rank only."""
+    for param in (linear.weight, getattr(linear, "bias", None)):
+        if param is not None:
+            param.replicated_kv_rows = (first_row, first_row + rows, group, num_groups)
+            if not first:
+                param.tensor_parallel_duplicate_rows = (first_row, first_row + rows)

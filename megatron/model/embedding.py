@@ -1,11 +1,10 @@
-"""LanguageModelEmbedding: word + learned absolute position embeddings, then dropout."""
+"""LanguageModelEmbedding: word (+ learned absolute position) embeddings, then dropout."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
 from megatron.model.layers import tensor_parallel_dropout_context
 from megatron.model.module import MegatronModule
@@ -16,7 +15,8 @@ class LanguageModelEmbedding(MegatronModule):
     """Token ids [b, s] and position ids [b, s] -> embeddings [s, b, h] (Megatron's layout).
 
     State-dict keys: word_embeddings.weight [vocab/t, h] (this tensor-parallel rank's rows of
-    the padded vocabulary), position_embeddings.weight [max_s, h] (replicated).
+    the padded vocabulary), position_embeddings.weight [max_s, h] (replicated; only with
+    position_embedding_type "learned_absolute": RoPE and ALiBi act inside the attention).
 
     vocab_size is the padded size; num_tokens (the tokenizer's vocabulary, default vocab_size)
     is how many rows are drawn at initialisation -- the padding rows start at zero, so the
@@ -28,7 +28,7 @@ class LanguageModelEmbedding(MegatronModule):
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
-                 num_tokens: int | None = None) -> None:
+                 num_tokens: int | None = None, position_embedding_type: str = "learned_absolute") -> None:
         super().__init__(config)
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -36,23 +36,27 @@ class LanguageModelEmbedding(MegatronModule):
         drawn_rows = vocab_size if config.include_padded_vocab_in_loss else num_tokens
         self.word_embeddings = VocabParallelEmbedding(vocab_size, h, init_method=config.init_method, config=config,
                                                       num_initialized_embeddings=drawn_rows)
-        self.position_embeddings = nn.Embedding(max_sequence_length, h, dtype=dtype)
-        if config.perform_initialization:
-            with torch.no_grad():
-                config.init_method(self.position_embeddings.weight)
+        self.position_embeddings = None  # rope, alibi, none: no table (and no state-dict key)
+        if position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(max_sequence_length, h, dtype=dtype)
+            if config.perform_initialization:
+                with torch.no_grad():
+                    config.init_method(self.position_embeddings.weight)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[1] > self.max_sequence_length:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        if self.position_embeddings is not None and input_ids.shape[1] > self.max_sequence_length:
             raise ValueError(
                 f"sequence length {input_ids.shape[1]} exceeds the model's max_sequence_length "
                 f"({self.max_sequence_length}, --max-position-embeddings)"
             )
-        if self.config.sequence_parallel and input_ids.shape[1] % parallel_state.get_tensor_model_parallel_world_size():
+        tp = self.config.tensor_model_parallel_size
+        if self.config.sequence_parallel and input_ids.shape[1] % tp:
             raise ValueError(f"sequence length {input_ids.shape[1]} is not divisible by the tensor-parallel size "
-                             f"({parallel_state.get_tensor_model_parallel_world_size()}), as --sequence-parallel needs")
-        word = self.word_embeddings(input_ids)  # [b, s, h], summed over the TP ranks' vocab slices
-        embeddings = word + self.position_embeddings(position_ids)  # [b, s, h]
+                             f"({tp}), as --sequence-parallel needs")
+        embeddings = self.word_embeddings(input_ids)  # [b, s, h], summed over the TP ranks' vocab slices
+        if self.position_embeddings is not None:
+            embeddings = embeddings + self.position_embeddings(position_ids)  # [b, s, h]
         embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
         if self.config.fp32_residual_connection:
             # The residual stream is kept in fp32 from here on; layer norms hand half back.

@@ -1,17 +1,22 @@
-"""GPTModel: embedding -> transformer block -> output layer -> per-token cross-entropy.
+"""GPTModel: embedding -> transformer block (layers built from a layer spec) -> output layer -> loss.
 
 State-dict keys (Megatron-Core GPT, local spec; FORMATS.md sec. 3), shapes on one of t
-tensor-parallel ranks (vocab is the padded vocabulary):
+tensor-parallel ranks (vocab is the padded vocabulary; np heads, ng query groups, hn head dim):
     embedding.word_embeddings.weight              [vocab/t, h]
-    embedding.position_embeddings.weight          [max_s, h]
-    decoder.layers.{i}.input_layernorm.{weight,bias}
-    decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}   [3 np hn/t, h], rows [np/t, 3, hn]
+    embedding.position_embeddings.weight          [max_s, h], only with learned_absolute positions
+    decoder.layers.{i}.input_layernorm.{weight,bias}             (RMSNorm: weight only)
+    decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}   [(np + 2 ng) hn / t, h], rows per query
+                                                                 group [np/ng q heads, k, v] (attention.py)
+    decoder.layers.{i}.self_attention.{q,k}_layernorm.weight     [hn], only with qk_layernorm
     decoder.layers.{i}.self_attention.linear_proj.{weight,bias}  [h, np hn/t], bias [h]
     decoder.layers.{i}.pre_mlp_layernorm.{weight,bias}
-    decoder.layers.{i}.mlp.linear_fc1.{weight,bias}              [ffn/t, h]
+    decoder.layers.{i}.mlp.linear_fc1.{weight,bias}              [ffn/t, h]; gated (SwiGLU) [2 ffn/t, h] = [gate; up]
     decoder.layers.{i}.mlp.linear_fc2.{weight,bias}              [h, ffn/t], bias [h]
     decoder.final_layernorm.{weight,bias}
     output_layer.weight                           [vocab/t, h], only when the output layer is not tied
+Biases exist with add_bias_linear (linear_qkv also with add_qkv_bias). RoPE (position_embedding_type
+"rope") and ALiBi ("alibi") have no parameters: the model computes their angles / bias once per
+forward and hands them to every layer.
 """
 
 from __future__ import annotations
@@ -27,9 +32,14 @@ from megatron.core.tensor_parallel import (
 from megatron.model.embedding import LanguageModelEmbedding
 from megatron.model.layers import fused_impl
 from megatron.model.module import MegatronModule
+from megatron.model.positions import ALiBi, RotaryEmbedding
+from megatron.model.spec import ModuleSpec
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.transformer_layer import TransformerBlock
 from megatron.model.utils import init_rng
+
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none")
 
 
 class GPTModel(MegatronModule):
@@ -42,6 +52,11 @@ class GPTModel(MegatronModule):
     bool [b or 1, 1, s, s], True = masked out; None means causal. With pre_process=False the input
     comes from set_input_tensor(); with post_process=False forward returns the hidden states
     [s, b, h] (pipeline stages; [s/t, b, h] under sequence parallelism).
+
+    transformer_layer_spec: the layer's ModuleSpec (megatron/model/layer_specs.py; default the
+    GPT spec the config describes). position_embedding_type "learned_absolute" (a table),
+    "rope" (rotary_percent, rotary_base, rope_scaling / rope_scaling_factor for Llama 3.1,
+    seq_len_interpolation_factor; config.rotary_interleaved), "alibi" or "none".
 
     vocab_size is the padded vocabulary (a multiple of --make-vocab-size-divisible-by x t);
     num_tokens is the tokenizer's (default: vocab_size). Ids from num_tokens up are padding:
@@ -63,15 +78,19 @@ class GPTModel(MegatronModule):
         post_process: bool = True,
         parallel_output: bool = True,
         num_tokens: int | None = None,
+        transformer_layer_spec: ModuleSpec | None = None,
+        rotary_percent: float = 1.0,
+        rotary_base: float = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        seq_len_interpolation_factor: float | None = None,
     ) -> None:
         super().__init__(config)
         if num_tokens is not None and not 0 < num_tokens <= vocab_size:
             raise ValueError(f"num_tokens ({num_tokens}) must be in [1, vocab_size ({vocab_size})]")
-        if position_embedding_type != "learned_absolute":
-            raise ValueError(
-                f"position_embedding_type {position_embedding_type!r} is not supported yet "
-                "(only 'learned_absolute')"
-            )
+        if position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type {position_embedding_type!r} is not supported "
+                             f"(one of {', '.join(POSITION_EMBEDDING_TYPES)})")
         self.vocab_size = vocab_size
         self.num_tokens = num_tokens if num_tokens is not None else vocab_size
         # The ids the softmax of the loss runs over: [0, loss_vocab_size).
@@ -90,8 +109,20 @@ class GPTModel(MegatronModule):
         if pre_process:
             with init_rng(init_seed, 0):
                 self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                        num_tokens=self.num_tokens)
-        self.decoder = TransformerBlock(config, pre_process=pre_process, post_process=post_process, init_seed=init_seed)
+                                                        num_tokens=self.num_tokens,
+                                                        position_embedding_type=position_embedding_type)
+        self.rotary_pos_emb = None
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, rotary_percent, config.rotary_interleaved,
+                                                  seq_len_interpolation_factor, rotary_base, rope_scaling,
+                                                  rope_scaling_factor)
+        self.alibi = None
+        if position_embedding_type == "alibi":
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            rank = parallel_state.get_tensor_model_parallel_rank() if config.tensor_model_parallel_size > 1 else 0
+            self.alibi = ALiBi(config.num_attention_heads, first_head=rank * heads, local_heads=heads)
+        self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
+                                        post_process=post_process, init_seed=init_seed)
         self.output_layer: ColumnParallelLinear | None = None
         if post_process:
             # Tied on a stage that has the embedding: the layer multiplies by the embedding's
@@ -153,7 +184,15 @@ class GPTModel(MegatronModule):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         decoder_input = self.embedding(input_ids, position_ids) if self.embedding is not None else None  # [s, b, h]
-        hidden_states = self.decoder(decoder_input, attention_mask)  # [s, b, h]
+        rotary_pos_emb = attention_bias = None
+        if self.rotary_pos_emb is not None or self.alibi is not None:
+            seq_length = self._sequence_length(decoder_input)
+            if self.rotary_pos_emb is not None:
+                rotary_pos_emb = self.rotary_pos_emb(seq_length).to(self._device(decoder_input))  # [s, 1, 1, rot]
+            else:
+                attention_bias = self.alibi(seq_length, seq_length).to(self._device(decoder_input))  # [1, np/t, s, s]
+        hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                     attention_bias=attention_bias)  # [s, b, h]
         if not self.post_process:
             return hidden_states
         logits, _ = self.output_layer(hidden_states, weight=self.shared_embedding_or_output_weight())  # [s, b, vocab/t]
@@ -162,6 +201,18 @@ class GPTModel(MegatronModule):
                 logits = gather_from_tensor_model_parallel_region(logits)  # [s, b, vocab]
             return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
         return self.compute_language_model_loss(labels, logits)
+
+    def _sequence_length(self, decoder_input: torch.Tensor | None) -> int:
+        """s of this forward: from the embedding's output, or on later pipeline stages from the
+        received activations ([s/t, b, h] under sequence parallelism)."""
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        if hidden is None:
+            raise ValueError("GPTModel got no input: pass input_ids or call set_input_tensor()")
+        return hidden.shape[0] * (self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1)
+
+    def _device(self, decoder_input: torch.Tensor | None) -> torch.device:
+        hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
+        return hidden.device
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy: labels [b, s], logits [s, b, vocab/t] -> losses [b, s]."""

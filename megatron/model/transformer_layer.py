@@ -23,49 +23,87 @@ only the inputs of checkpointed units and reruns them in backward (tensor_parall
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from megatron import fused_kernels
-from megatron.model.attention import SelfAttention
 from megatron.core import parallel_state, tensor_parallel
-from megatron.model.layers import Dropout, LayerNorm, fused_impl, tensor_parallel_dropout_context
-from megatron.model.mlp import MLP
+from megatron.model.layers import Dropout, Norm, fused_impl, tensor_parallel_dropout_context
 from megatron.model.module import MegatronModule
+from megatron.model.spec import ModuleSpec, build_module
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.utils import get_causal_attention_mask, init_rng
 
 
-class TransformerLayer(MegatronModule):
-    """[s, b, h] -> [s, b, h]. Keys: input_layernorm, self_attention, pre_mlp_layernorm, mlp.
+@dataclass
+class TransformerLayerSubmodules:
+    """The slots of a transformer layer (Megatron-Core's names: each is its state-dict prefix).
 
-    layer_number is 1-based (it is the query-key layer-scaling coefficient).
+    A slot holds a ModuleSpec, a class, or None (empty). The norms are built as
+    slot(hidden_size, config), the attentions as slot(config, layer_number=...), the MLP as
+    slot(config); cross-attention (and its norm) run only when the layer is given a `context`.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+    input_layernorm: ModuleSpec | type | None = Norm
+    self_attention: ModuleSpec | type | None = None
+    pre_cross_attn_layernorm: ModuleSpec | type | None = None
+    cross_attention: ModuleSpec | type | None = None
+    pre_mlp_layernorm: ModuleSpec | type | None = Norm
+    mlp: ModuleSpec | type | None = None
+
+
+class TransformerLayer(MegatronModule):
+    """[s, b, h] -> [s, b, h], one pre-LN block built from its spec (TransformerLayerSubmodules).
+
+    layer_number is 1-based (it is the query-key layer-scaling coefficient). forward keywords:
+    rotary_pos_emb (RoPE angles), attention_bias (ALiBi), context / context_mask (the encoder
+    output the cross-attention reads); a slot that is None is skipped (an empty norm is the identity).
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: TransformerLayerSubmodules | None = None,
+                 layer_number: int = 1) -> None:
         super().__init__(config)
+        if submodules is None:  # the GPT layer the config describes
+            from megatron.model.layer_specs import layer_spec_from_config
+
+            submodules = layer_spec_from_config(config).submodules
         self.layer_number = layer_number
-        self.input_layernorm = LayerNorm(config.hidden_size, config)
-        self.self_attention = SelfAttention(config, layer_number)
-        self.pre_mlp_layernorm = LayerNorm(config.hidden_size, config)
-        self.mlp = MLP(config)
+        h = config.hidden_size
+        self.input_layernorm = build_module(submodules.input_layernorm, h, config)
+        self.self_attention = build_module(submodules.self_attention, config, layer_number=layer_number)
+        self.pre_cross_attn_layernorm = build_module(submodules.pre_cross_attn_layernorm, h, config)
+        self.cross_attention = build_module(submodules.cross_attention, config, layer_number=layer_number)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, h, config)
+        self.mlp = build_module(submodules.mlp, config)
         # Applied to each branch's output before the residual add (Megatron's bias-dropout-add).
         self.hidden_dropout = Dropout(config.hidden_dropout)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                is_causal: bool = False) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool = False,
+                rotary_pos_emb: torch.Tensor | None = None, attention_bias: torch.Tensor | None = None,
+                context: torch.Tensor | None = None, context_mask: torch.Tensor | None = None) -> torch.Tensor:
         """is_causal: attention_mask is the causal mask (a hint for the fused attention)."""
-        post_ln_residual = self.config.apply_residual_connection_post_layernorm
+        if self.self_attention is not None:
+            hidden_states = self._residual_branch(
+                self.input_layernorm, hidden_states,
+                lambda x: self.self_attention(x, attention_mask, is_causal, rotary_pos_emb=rotary_pos_emb,
+                                              attention_bias=attention_bias))
+        if self.cross_attention is not None and context is not None:
+            hidden_states = self._residual_branch(
+                self.pre_cross_attn_layernorm, hidden_states,
+                lambda x: self.cross_attention(x, context_mask, context=context))
+        if self.mlp is not None:
+            hidden_states = self._residual_branch(self.pre_mlp_layernorm, hidden_states, self.mlp)
+        return hidden_states  # [s, b, h]
 
-        layernorm_output = self.input_layernorm(hidden_states)  # [s, b, h]
-        attention_output, bias = self.self_attention(layernorm_output, attention_mask, is_causal)  # [s, b, h]
-        residual = layernorm_output if post_ln_residual else hidden_states
-        hidden_states = self.bias_dropout_add(attention_output, bias, residual)  # [s, b, h]
-
-        layernorm_output = self.pre_mlp_layernorm(hidden_states)  # [s, b, h]
-        mlp_output, bias = self.mlp(layernorm_output)  # [s, b, h]
-        residual = layernorm_output if post_ln_residual else hidden_states
-        return self.bias_dropout_add(mlp_output, bias, residual)  # [s, b, h]
+    def _residual_branch(self, norm, hidden_states: torch.Tensor, branch) -> torch.Tensor:
+        """residual + dropout(branch(norm(x))); the residual is x, or norm(x) with
+        apply_residual_connection_post_layernorm (as in BERT-era Megatron)."""
+        normed = norm(hidden_states) if norm is not None else hidden_states  # [s, b, h]
+        output, bias = branch(normed)  # [s, b, h], bias [h] or None
+        residual = normed if self.config.apply_residual_connection_post_layernorm else hidden_states
+        return self.bias_dropout_add(output, bias, residual)
 
     def bias_dropout_add(self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
         """residual + dropout(x + bias), [s, b, h] ([s/t, b, h] under SP: each rank's own mask)."""
@@ -109,26 +147,32 @@ class TransformerBlock(MegatronModule):
     not depend on which stage builds it.
     """
 
-    def __init__(self, config: TransformerConfig, pre_process: bool = True, post_process: bool = True,
-                 init_seed: int | None = None) -> None:
+    def __init__(self, config: TransformerConfig, spec: ModuleSpec | None = None, pre_process: bool = True,
+                 post_process: bool = True, init_seed: int | None = None) -> None:
         super().__init__(config)
+        from megatron.model.layer_specs import layer_spec_from_config  # (layer_specs imports this module)
+
+        _check_tensor_parallel_size(config)
         self.pre_process = pre_process
         self.post_process = post_process
         self.input_tensor: torch.Tensor | None = None
+        spec = layer_spec_from_config(config) if spec is None else spec
         offset = get_layer_offset(config)
         layers = []
         for i in range(get_num_layers_to_build(config)):
             with init_rng(init_seed, offset + i + 1):
-                layers.append(TransformerLayer(config, offset + i + 1))
+                layers.append(build_module(spec, config, layer_number=offset + i + 1))
         self.layers = nn.ModuleList(layers)
-        self.final_layernorm = LayerNorm(config.hidden_size, config) if post_process else None
+        self.final_layernorm = Norm(config.hidden_size, config) if post_process else None
         _check_recompute_num_layers(config, len(self.layers))
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """Pipeline hook: the activations [s, b, h] received from the previous stage."""
         self.input_tensor = input_tensor
 
-    def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                rotary_pos_emb: torch.Tensor | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """rotary_pos_emb [s, 1, 1, rot_dim] and attention_bias [1, np/t, s, s] reach every layer."""
         if not self.pre_process:
             hidden_states = self.input_tensor
         if hidden_states is None:
@@ -137,14 +181,15 @@ class TransformerBlock(MegatronModule):
         if is_causal:
             seq_length = hidden_states.shape[0]  # s, or s/t under sequence parallelism
             if self.config.sequence_parallel:
-                seq_length *= parallel_state.get_tensor_model_parallel_world_size()
+                seq_length *= self.config.tensor_model_parallel_size
             attention_mask = get_causal_attention_mask(seq_length, hidden_states.device)  # [1, 1, s, s]
         elif attention_mask.dtype != torch.bool:
             raise TypeError(f"attention_mask must be a bool tensor (True = masked out), got {attention_mask.dtype}")
+        args = (hidden_states, attention_mask, is_causal, rotary_pos_emb, attention_bias)
         if self.config.recompute_granularity == "full" and self.training and torch.is_grad_enabled():
-            hidden_states = self._checkpointed_forward(hidden_states, attention_mask, is_causal)  # [s, b, h]
+            hidden_states = self._checkpointed_forward(*args)  # [s, b, h]
         else:
-            hidden_states = self._run_layers(0, len(self.layers))(hidden_states, attention_mask, is_causal)
+            hidden_states = self._run_layers(0, len(self.layers))(*args)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
@@ -152,15 +197,16 @@ class TransformerBlock(MegatronModule):
     def _run_layers(self, start: int, end: int):
         """A function running layers [start, end) (a unit for tensor_parallel.checkpoint)."""
 
-        def run(hidden_states: torch.Tensor, attention_mask: torch.Tensor, is_causal: bool) -> torch.Tensor:
+        def run(hidden_states: torch.Tensor, attention_mask: torch.Tensor, is_causal: bool,
+                rotary_pos_emb: torch.Tensor | None, attention_bias: torch.Tensor | None) -> torch.Tensor:
             for layer in self.layers[start:end]:
-                hidden_states = layer(hidden_states, attention_mask, is_causal)  # [s, b, h]
+                hidden_states = layer(hidden_states, attention_mask, is_causal, rotary_pos_emb=rotary_pos_emb,
+                                      attention_bias=attention_bias)  # [s, b, h]
             return hidden_states
 
         return run
 
-    def _checkpointed_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor,
-                              is_causal: bool) -> torch.Tensor:
+    def _checkpointed_forward(self, hidden_states: torch.Tensor, *layer_args) -> torch.Tensor:
         config = self.config
         count, size = len(self.layers), config.recompute_num_layers
         if config.recompute_method == "uniform":
@@ -171,10 +217,18 @@ class TransformerBlock(MegatronModule):
             run = self._run_layers(start, end)
             if recompute:
                 hidden_states = tensor_parallel.checkpoint(run, config.distribute_saved_activations,
-                                                           hidden_states, attention_mask, is_causal)
+                                                           hidden_states, *layer_args)
             else:
-                hidden_states = run(hidden_states, attention_mask, is_causal)
+                hidden_states = run(hidden_states, *layer_args)
         return hidden_states  # [s, b, h]
+
+
+def _check_tensor_parallel_size(config: TransformerConfig) -> None:
+    """The model takes its tensor-parallel size from the config: it must be the one it runs under."""
+    live = parallel_state.get_tensor_model_parallel_world_size()
+    if config.tensor_model_parallel_size != live:
+        raise ValueError(f"TransformerConfig.tensor_model_parallel_size is {config.tensor_model_parallel_size} but the "
+                         f"model is built in a tensor-parallel group of {live} ranks")
 
 
 def _check_recompute_num_layers(config: TransformerConfig, num_layers: int) -> None:

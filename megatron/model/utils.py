@@ -55,9 +55,14 @@ def openai_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def erf_gelu(x: torch.Tensor) -> torch.Tensor:
-    """Exact GeLU, x * Phi(x) with the error function (Megatron's default)."""
-    return F.gelu(x)
+# Exact GeLU, x * Phi(x) with the error function: Megatron's default activation, and Megatron-Core's
+# TransformerConfig.activation_func default (F.gelu itself, so the config's default is this function).
+erf_gelu = F.gelu
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (--squared-relu; Primer, So et al. 2021)."""
+    return F.relu(x).square()
 
 
 def attention_mask_func(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron import fused_kernels
+from megatron.fused_kernels import fused_core_attention
 from megatron.arguments import core_transformer_config_from_args, parse_and_validate_args, parse_args
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.layers import fused_impl
@@ -179,13 +180,13 @@ def test_native_cpu_attention_core_matches_unfused_without_attention_dropout(mas
     equals the unfused model's; with "reference" the composed matmul + scale_mask_softmax runs."""
     attention_mask = None if mask == "causal-hint" else _document_mask()
     seen = []
-    original = fused_kernels.core_attention
+    original = fused_core_attention.core_attention
 
     def spy(q, k, v, *, scale, heads, mask=None, causal=False):
         seen.append((mask is None, causal))
         return original(q, k, v, scale=scale, heads=heads, mask=mask, causal=causal)
 
-    monkeypatch.setattr(fused_kernels, "core_attention", spy)
+    monkeypatch.setattr(fused_core_attention, "core_attention", spy)
     unfused = _step(_config(attention_dropout=0.0), attention_mask)
     native = _step(_config(masked_softmax_fusion=True, attention_dropout=0.0), attention_mask)
     assert seen == [(attention_mask is None, attention_mask is None)] * LAYERS

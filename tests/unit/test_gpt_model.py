@@ -485,5 +485,5 @@ def test_config_validation_names_the_field(overrides, field):
 
 
 def test_unsupported_position_embedding_type_is_rejected():
-    with pytest.raises(ValueError, match="rope"):
-        GPTModel(make_config(), VOCAB, SEQ, position_embedding_type="rope")
+    with pytest.raises(ValueError, match="'relative' is not supported.*learned_absolute, rope, alibi, none"):
+        GPTModel(make_config(), VOCAB, SEQ, position_embedding_type="relative")

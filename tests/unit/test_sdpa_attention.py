@@ -17,7 +17,7 @@ import torch
 from megatron.core import device
 
 from megatron.model import GPTModel, TransformerConfig
-from megatron.model import attention as attention_module
+from megatron.fused_kernels import backend
 from megatron.model.attention import DotProductAttention, FlashDotProductAttention
 from megatron.model.utils import get_causal_attention_mask
 
@@ -169,9 +169,9 @@ def test_flash_attn_seam_layout_and_fallback(monkeypatch):
         calls.append(kwargs["causal"])
         return _reference_flash_attn_func(*args, **kwargs)
 
-    monkeypatch.setattr(attention_module, "flash_attn_func", stand_in)
-    assert not attention_module._flash_attn_applies(torch.zeros(1), None, True)  # CPU tensors: never flash-attn
-    monkeypatch.setattr(attention_module, "_flash_attn_applies",
+    monkeypatch.setattr(backend, "flash_attn_func", stand_in)
+    assert not backend._flash_attn_applies(torch.zeros(1), None, True)  # CPU tensors: never flash-attn
+    monkeypatch.setattr(backend, "_flash_attn_applies",
                         lambda query, mask, is_causal: is_causal or mask is None)
     qkv = _qkv(torch.float32)
     config = _config()

@@ -7,6 +7,8 @@ In this order (Megatron's):
        only this rank's s/t tokens under --sequence-parallel (layer norms, row-parallel biases,
        marked `param.sequence_parallel`) hold partial gradients; they are summed over the TP
        group in one flat all-reduce.
+    2b. replicated key/value rows (fewer query groups than TP ranks): summed over the ranks
+       holding the same group (allreduce_replicated_kv_grads).
     3. embedding-group reduction (pipeline parallelism with tied input/output embeddings): the
        first stage's word embedding and the last stage's copy of it are one logical weight; their
        gradients are summed over the embedding group, so both copies take the same step.
@@ -57,6 +59,30 @@ def allreduce_sequence_parallel_grads(model_chunks: List[nn.Module]) -> None:
         for grad in same_dtype:
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
             offset += grad.numel()
+
+
+def allreduce_replicated_kv_grads(model_chunks: List[nn.Module]) -> None:
+    """Sum the gradients of replicated key/value rows over the ranks that hold the same query group.
+
+    With fewer query groups than tensor-parallel ranks (multi-query attention under TP) a group's
+    K/V rows of linear_qkv sit on several ranks, each computing a partial gradient from its own
+    query heads (param.replicated_kv_rows = (first row, end row, group, groups)). One all-reduce
+    over the TP group of a [groups, rows, ...] buffer where each rank fills its group's slot sums
+    every group over exactly its replicas; each rank then takes its slot back.
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            rows = getattr(param, "replicated_kv_rows", None)
+            grad = _grad_of(param) if rows is not None and param.requires_grad else None
+            if grad is None:
+                continue
+            start, end, group, groups = rows
+            slots = grad.new_zeros((groups, end - start) + tuple(grad.shape[1:]))
+            slots[group] = grad[start:end]
+            communication.all_reduce(slots, group=parallel_state.get_tensor_model_parallel_group())
+            grad[start:end] = slots[group]
 
 
 def allreduce_embedding_grads(model_chunks: List[nn.Module]) -> None:
@@ -139,6 +165,7 @@ def finalize_model_grads(model_chunks: List[nn.Module], num_tokens: Optional[tor
         if finish is not None:
             finish()
     allreduce_sequence_parallel_grads(model_chunks)
+    allreduce_replicated_kv_grads(model_chunks)
     allreduce_embedding_grads(model_chunks)
     if num_tokens is not None:
         divide_by_global_token_count(model_chunks, num_tokens)

@@ -30,7 +30,7 @@ are fp32 CPU tensors and torch has oneDNN; "reference" keeps F.linear (the plain
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -101,14 +101,20 @@ def _init_partition(
     partition_dim: int,
     stride: int,
     init_method: InitMethod,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Draw the full weight [out, in] in fp32, copy this rank's partition into `weight`.
 
     With stride k the partition dim is cut into t * k equal blocks dealt round-robin: rank r
     keeps blocks r, r + t, ... (for a fused weight whose k sub-matrices are each split over TP).
+    `rows` (partition dim 0): this rank's rows of the full weight, listed.
     """
     master = torch.empty(full_shape, dtype=torch.float32)
     init_method(master)
+    if rows is not None:
+        with torch.no_grad():
+            weight.copy_(master[rows])
+        return
     world_size = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     block = divide(weight.size(partition_dim), stride)
@@ -245,12 +251,20 @@ class ColumnParallelLinear(nn.Module):
         stride: int = 1,
         skip_bias_add: bool = False,
         skip_weight_param_allocation: bool = False,
+        partition_rows: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         world_size = parallel_state.get_tensor_model_parallel_world_size()
         self.input_size = input_size
         self.output_size = output_size
-        self.output_size_per_partition = divide(output_size, world_size)
+        if partition_rows is None:
+            self.output_size_per_partition = divide(output_size, world_size)
+            rows = None
+        else:  # this rank's rows of the full weight, given (a layout strides cannot say: replicated K/V heads)
+            rows = torch.as_tensor(list(partition_rows), dtype=torch.long)
+            if rows.numel() == 0 or int(rows.min()) < 0 or int(rows.max()) >= output_size:
+                raise ValueError(f"partition_rows must be indices in [0, {output_size})")
+            self.output_size_per_partition = rows.numel()
         self.gather_output = gather_output
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = config.sequence_parallel
@@ -264,13 +278,17 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.weight = _new_param(self.output_size_per_partition, input_size, dtype=config.params_dtype)
             if config.perform_initialization:
-                _init_partition(self.weight, (output_size, input_size), 0, stride, init_method)
+                _init_partition(self.weight, (output_size, input_size), 0, stride, init_method, rows)
             set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=config.params_dtype))
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         else:
             self.register_parameter("bias", None)
+        if rows is not None:
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    param.partition_rows = rows  # [out/t] global row of each local row (gather / convert)
 
     def forward(
         self, input_: torch.Tensor, weight: torch.Tensor | None = None, *, add_bias: bool | None = None

@@ -1,0 +1,74 @@
+"""The layer specs of the model families (Megatron-Core's gpt_layer_specs, local implementation).
+
+    get_gpt_layer_spec(qk_layernorm)     LayerNorm / RMSNorm as config.normalization says
+    get_llama_layer_spec(qk_layernorm)   RMSNorm in every norm slot, whatever config.normalization
+    layer_spec_from_config(config)       the GPT spec for the config (what GPTModel builds by default)
+
+Both are one ModuleSpec tree:
+
+    TransformerLayer
+      input_layernorm     Norm
+      self_attention      SelfAttention
+        linear_qkv          ColumnParallelLinear
+        core_attention      DotProductAttention (FlashDotProductAttention with use_flash_attn)
+        linear_proj         RowParallelLinear
+        q_layernorm, k_layernorm   Norm over hn (qk_layernorm), else empty
+      pre_mlp_layernorm   Norm
+      mlp                 MLP (GeLU, SwiGLU, ... as the config says)
+        linear_fc1          ColumnParallelLinear
+        linear_fc2          RowParallelLinear
+
+The state-dict keys are the slot names: decoder.layers.N.self_attention.linear_qkv.weight, ...
+(Megatron-Core's local spec, so a checkpoint maps one-to-one onto its GPTModel). The Llama family
+differs from GPT only in what the config asks of these modules (RMSNorm, no biases, SwiGLU, query
+groups, RoPE at the model): its spec names RMSNorm outright. A user's spec is another tree of the
+same kind (docs/model.md).
+"""
+
+from __future__ import annotations
+
+from megatron.model.attention import (
+    DotProductAttention,
+    FlashDotProductAttention,
+    SelfAttention,
+    SelfAttentionSubmodules,
+)
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.model.layers import Norm, RMSNorm
+from megatron.model.mlp import MLP, MLPSubmodules
+from megatron.model.spec import ModuleSpec
+from megatron.model.transformer_config import TransformerConfig
+from megatron.model.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+
+def get_gpt_layer_spec(qk_layernorm: bool = False, use_flash_attn: bool = False, norm: type = Norm) -> ModuleSpec:
+    """The GPT layer: pre-norm self-attention and MLP, each norm the `norm` slot class."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=FlashDotProductAttention if use_flash_attn else DotProductAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=norm if qk_layernorm else None,
+                    k_layernorm=norm if qk_layernorm else None,
+                ),
+            ),
+            pre_mlp_layernorm=norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                linear_fc2=RowParallelLinear)),
+        ),
+    )
+
+
+def get_llama_layer_spec(qk_layernorm: bool = False, use_flash_attn: bool = False) -> ModuleSpec:
+    """The Llama layer: the GPT layer with RMSNorm in every norm slot."""
+    return get_gpt_layer_spec(qk_layernorm, use_flash_attn, norm=RMSNorm)
+
+
+def layer_spec_from_config(config: TransformerConfig) -> ModuleSpec:
+    """The GPT layer spec the config describes (qk_layernorm, use_flash_attn; norms per config.normalization)."""
+    return get_gpt_layer_spec(qk_layernorm=config.qk_layernorm, use_flash_attn=config.use_flash_attn)
