@@ -13,6 +13,7 @@ MCORE_CPU_PATCHES = (
     "utils.GlobalMemoryBuffer.get_tensor -> allocate on CPU (it passes device=torch.cuda.current_device(); "
     "the unfused attention's baddbmm buffer)",
     "fusions.fused_softmax.get_default_causal_mask -> the same mask built on CPU (it uses device='cuda')",
+    "torch.cuda.current_device -> 'cpu' (RotaryEmbedding.get_emb moves its CPU inv_freq to that device)",
 )
 
 
@@ -45,5 +46,6 @@ def patch_for_cpu() -> None:
         return buffer[:numel].view(*tensor_shape)
 
     mcore_utils.GlobalMemoryBuffer.get_tensor = get_tensor
+    torch.cuda.current_device = lambda: "cpu"
     fused_softmax.get_default_causal_mask = functools.lru_cache(None)(
         lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1))

@@ -11,6 +11,17 @@ Derived in __post_init__ (as Megatron does):
     init_method               None -> normal(0, init_method_std)
     output_layer_init_method  None -> normal(0, init_method_std / sqrt(2 * num_layers))
 
+The Llama family (docs/model.md): normalization "LayerNorm" | "RMSNorm" and
+layernorm_zero_centered_gamma (--apply-layernorm-1p); num_query_groups (grouped-query attention:
+None means one group per head, 1 is multi-query; under tensor parallelism the groups split over the
+ranks, or with fewer groups than ranks each group's K/V is replicated); qk_layernorm; add_qkv_bias
+(a QKV bias even with add_bias_linear False); gated_linear_unit with activation_func (SwiGLU is
+F.silu, gated; openai_gelu turns the default F.gelu into the tanh GeLU); rotary_interleaved (the
+pairing of rotary channels; the other RoPE settings are GPTModel's, as in Megatron-Core).
+bias_swiglu_fusion and apply_rope_fusion pick fused_kernels.bias_swiglu / rotary_pos_emb over the
+PyTorch formulas. The model takes its tensor-parallel size from tensor_model_parallel_size and
+checks it against the group it is built in.
+
 Activation recompute (docs/memory.md): recompute_granularity "selective" reruns the core
 attention in backward; "full" with recompute_method "uniform" (groups of recompute_num_layers
 layers) or "block" (the first recompute_num_layers layers of each stage) reruns whole layers.
@@ -74,8 +85,8 @@ class TransformerConfig:
     num_layers: int
     hidden_size: int
     num_attention_heads: int
-    # Model-parallel layout (Megatron-Core's ModelParallelConfig fields). The layers read the live
-    # group sizes from parallel_state; these say what the model was built for.
+    # Model-parallel layout (Megatron-Core's ModelParallelConfig fields). The model's layers split
+    # heads and features by tensor_model_parallel_size (TransformerBlock checks it is the live group's).
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
