@@ -30,7 +30,7 @@ from megatron.utils import print_rank_0  # noqa: E402
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
     """A GPTModel shaped by the flags."""
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs
 
     args = get_args()
     print_rank_0("building GPT model ...")
@@ -43,8 +43,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
     return GPTModel(config, vocab_size=padded, num_tokens=num_tokens,
                     max_sequence_length=args.max_position_embeddings,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    position_embedding_type=args.position_embedding_type,
-                    pre_process=pre_process, post_process=post_process)
+                    pre_process=pre_process, post_process=post_process, **gpt_model_kwargs(args))
 
 
 def get_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:

@@ -7,6 +7,7 @@
 | parse_and_validate_args(...) | both |
 | print_args(args) | Megatron's "---- arguments ----" block on rank 0 |
 | core_transformer_config_from_args(args) | megatron.model.TransformerConfig |
+| gpt_model_kwargs(args) | GPTModel's position-embedding keywords (rope, alibi, none, ...) |
 | optimizer_config_from_args(args) | megatron.core.optimizer.OptimizerConfig |
 | gpt_dataset_config_from_args(args, tokenizer) | megatron.data.dataset_config.GPTDatasetConfig |
 
@@ -37,6 +38,7 @@ from megatron.tokenizer.arguments import add_tokenizer_args
 __all__ = [
     "ArgsError",
     "core_transformer_config_from_args",
+    "gpt_model_kwargs",
     "gpt_dataset_config_from_args",
     "optimizer_config_from_args",
     "parse_and_validate_args",
@@ -47,6 +49,9 @@ __all__ = [
 
 # Megatron-core's AttnBackend names (megatron/core/transformer/enums.py).
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+# Megatron's choices plus alibi (Accelerate's Megatron-LM integration); arguments_model refuses
+# relative and mrope.
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "mrope", "relative", "none")
 
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None]
 
@@ -58,19 +63,35 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
                        help="Megatron's other name of --num-layers (give one of the two).")
     group.add_argument("--hidden-size", type=int, default=None, help="Transformer hidden size.")
     group.add_argument("--ffn-hidden-size", type=int, default=None,
-                       help="Transformer feed-forward hidden size; 4 x hidden-size if not given.")
+                       help="Transformer feed-forward hidden size; 4 x hidden-size if not given "
+                            "(with --swiglu: int(4 x hidden-size x 2/3 / 64) x 64, as Megatron).")
     group.add_argument("--num-attention-heads", type=int, default=None, help="Number of attention heads.")
     group.add_argument("--kv-channels", type=int, default=None,
                        help="Per-head projection size; hidden-size // num-attention-heads if not given.")
-    group.add_argument("--group-query-attention", action="store_true", help="Use group-query attention.")
-    group.add_argument("--num-query-groups", type=int, default=1)
+    group.add_argument("--group-query-attention", action="store_true",
+                       help="Grouped-query attention: --num-query-groups key/value heads.")
+    group.add_argument("--num-query-groups", type=int, default=1,
+                       help="Key/value heads with --group-query-attention (1: multi-query); ignored "
+                            "without it (one per attention head), as in Megatron.")
     group.add_argument("--max-position-embeddings", type=int, default=None,
-                       help="Maximum number of position embeddings (size of the position table).")
+                       help="Maximum number of position embeddings (size of the learned position table).")
     group.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                       choices=["learned_absolute", "rope", "mrope", "relative", "none"],
-                       help="Position embedding type (only learned_absolute is supported yet).")
+                       choices=POSITION_EMBEDDING_TYPES,
+                       help="learned_absolute (a table), rope (rotary), alibi (linear attention biases, as "
+                            "Accelerate's Megatron integration), none; relative and mrope are refused.")
     group.add_argument("--use-rotary-position-embeddings", action="store_true",
                        help="Legacy alias of --position-embedding-type rope.")
+    group.add_argument("--rotary-base", type=int, default=10000, help="Base of the rotary frequencies.")
+    group.add_argument("--rotary-percent", type=float, default=1.0,
+                       help="Fraction of each head's channels that rotate (the rest pass through).")
+    group.add_argument("--rotary-interleaved", action="store_true",
+                       help="Rotate adjacent channel pairs (GPT-J style) instead of the two halves.")
+    group.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                       help="Divide the rotary positions by this factor (position interpolation).")
+    group.add_argument("--use-rope-scaling", action="store_true",
+                       help="Llama-3.1 scaling of the rotary frequencies.")
+    group.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                       help="The scaling factor of --use-rope-scaling (Llama-3.1's 8).")
     group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
                        help="Deprecated in Megatron: an error unless with rope; use --position-embedding-type.")
     group.add_argument("--attention-backend", type=str, default="auto", choices=ATTENTION_BACKENDS,
@@ -79,20 +100,27 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
                             "--fused-kernels-cpu-impl native), flash and fused = the fused-kernel core "
                             "(--use-flash-attn: flash-attn on CUDA when installed, else torch's "
                             "scaled_dot_product_attention), auto = --use-flash-attn decides.")
-    group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    group.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                       help="The normalization layers.")
     group.add_argument("--norm-epsilon", "--layernorm-epsilon", dest="norm_epsilon", type=float, default=1e-5,
                        help="Epsilon of the normalization layers.")
-    group.add_argument("--apply-layernorm-1p", action="store_true")
+    group.add_argument("--apply-layernorm-1p", action="store_true",
+                       help="Norm weights stored zero-centred (the layer multiplies by 1 + weight).")
     group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
                        help="Take the residual from after the layernorm (original BERT/GPT-1 style).")
     group.add_argument("--openai-gelu", action="store_true",
                        help="Tanh-approximated GeLU (HF gelu_new), for GPT-2 checkpoints.")
-    group.add_argument("--squared-relu", action="store_true")
-    group.add_argument("--swiglu", action="store_true")
+    group.add_argument("--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU.")
+    group.add_argument("--swiglu", action="store_true",
+                       help="Gated MLP: silu(x W_gate) * (x W_up), instead of GeLU.")
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="Separate input embedding and output layer weights.")
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
                        help="Disable the bias of the linear layers.")
+    group.add_argument("--add-qkv-bias", action="store_true", dest="add_qkv_bias",
+                       help="A bias on the QKV projection even with --disable-bias-linear (Qwen2).")
+    group.add_argument("--qk-layernorm", action="store_true",
+                       help="Normalize each head's queries and keys (with --normalization's norm).")
     group.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                        help="Layer implementation (only local is supported yet).")
 
@@ -140,9 +168,6 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                        help="uniform: layers per recomputed group; block: layers recomputed per pipeline stage.")
     group.add_argument("--recompute-modules", nargs="*", type=str, default=None,
                        help="Submodules of selective recompute: only core_attn (the default) is supported yet.")
-    group.add_argument("--add-qkv-bias", action="store_true", dest="add_qkv_bias",
-                       help="No effect with the linear biases on (the QKV projection has one); refused "
-                            "with --disable-bias-linear (not supported yet).")
     group.add_argument("--use-flash-attn", action="store_true",
                        help="Fused attention: flash-attn on CUDA when installed, else torch's "
                        "scaled_dot_product_attention.")
@@ -164,6 +189,10 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion",
                        help="Bias add and GeLU unfused; the GeLU is then the erf one (or tanh with "
                        "--openai-gelu). Fused, it is always the tanh approximation, as in Megatron.")
+    group.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion",
+                       help="With --swiglu: bias add and SwiGLU in plain PyTorch ops, not fused_kernels.bias_swiglu.")
+    group.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion",
+                       help="With rope: rotate in plain PyTorch ops, not fused_kernels.rotary_pos_emb.")
     group.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion",
                        help="Bias + dropout + residual add of each branch in plain PyTorch ops.")
     group.add_argument("--no-persist-layer-norm", action="store_false", dest="persist_layer_norm",
@@ -437,7 +466,7 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
     """The TransformerConfig (or config_class) of validated args; the only flag -> model translation."""
     if config_class is None:
         from megatron.model import TransformerConfig as config_class
-    return config_class(
+    return config_class(**_architecture_kwargs(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -465,7 +494,6 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         include_padded_vocab_in_loss=args.include_padded_vocab_in_loss,
         masked_softmax_fusion=args.masked_softmax_fusion,
-        bias_gelu_fusion=args.bias_gelu_fusion,
         bias_dropout_fusion=args.bias_dropout_fusion,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         fused_kernels_cpu_impl=args.fused_kernels_cpu_impl,
@@ -476,6 +504,43 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         recompute_num_layers=args.recompute_num_layers,
         distribute_saved_activations=args.distribute_saved_activations,
         use_flash_attn=args.use_flash_attn,
+    )
+
+
+def _architecture_kwargs(args: Namespace) -> dict[str, Any]:
+    """The Llama-family fields of TransformerConfig, as Megatron's core_transformer_config_from_args
+    sets them: --swiglu is F.silu with a gated linear unit; without --group-query-attention
+    num_query_groups is None (one group per head) whatever --num-query-groups says."""
+    import torch.nn.functional as F
+
+    from megatron.model.activations import squared_relu
+
+    activation = F.silu if args.swiglu else squared_relu if args.squared_relu else F.gelu
+    return dict(
+        normalization=args.normalization,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        add_qkv_bias=args.add_qkv_bias,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        qk_layernorm=args.qk_layernorm,
+        gated_linear_unit=args.swiglu,
+        activation_func=activation,
+        rotary_interleaved=args.rotary_interleaved,
+        # The bias + GeLU fusion only applies to a GeLU MLP (Megatron refuses it with squared ReLU).
+        bias_gelu_fusion=args.bias_gelu_fusion and activation is F.gelu,
+        bias_swiglu_fusion=args.bias_swiglu_fusion,
+        apply_rope_fusion=args.apply_rope_fusion,
+    )
+
+
+def gpt_model_kwargs(args: Namespace) -> dict[str, Any]:
+    """GPTModel's position-embedding keywords (Megatron-Core's names) from validated args."""
+    return dict(
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
     )
 
 

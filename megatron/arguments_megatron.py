@@ -15,8 +15,7 @@ A flag given with its default value passes either way (scripts often spell out d
 The Megatron flags that work here are in megatron/arguments.py; validate_megatron_flags (below)
 maps those that are other names of ours (--attention-backend, --encoder-num-layers,
 --encoder-seq-length) and refuses the ones only some values of which are supported
-(--recompute-modules, --microbatch-group-size-per-virtual-pipeline-stage, --add-qkv-bias,
---no-position-embedding).
+(--recompute-modules, --microbatch-group-size-per-virtual-pipeline-stage, --no-position-embedding).
 Megatron flags in neither table, nor in megatron/arguments.py (its retro, vision, biencoder,
 inference, MLA, in-process-restart, straggler, one-logger, fault-tolerance, kitchen, SFT and
 multi-storage-client groups), are unknown flags: argparse stops with its usage error.
@@ -68,7 +67,6 @@ def _value(name: str, kind: type, default: Any, why: str, **kwargs: Any) -> Mega
 PERF = "a performance setting of Megatron's CUDA/NCCL/Transformer Engine path; the result is the same"
 TE = "Transformer Engine only (--transformer-impl local here)"
 FP8 = "only used with --fp8-format, which is not supported yet"
-ROPE = "only used with --position-embedding-type rope, which is not supported yet"
 MOE = "only used with --num-experts (mixture of experts), which is not supported yet"
 CP = "only used with --context-parallel-size > 1, which is not supported yet"
 FSDP = "only used with --use-custom-fsdp / --use-torch-fsdp2, which are not supported yet"
@@ -83,19 +81,11 @@ NO_EFFECT = (
     _value("--decoder-num-layers", int, None, "T5 only: no effect on GPT"),
     _value("--relative-attention-num-buckets", int, 32, "only used with --position-embedding-type relative"),
     _value("--relative-attention-max-distance", int, 128, "only used with --position-embedding-type relative"),
-    _value("--rotary-base", int, 10000, ROPE),
-    _value("--rotary-percent", float, 1.0, ROPE),
-    _true("--rotary-interleaved", ROPE),
-    _value("--rotary-seq-len-interpolation-factor", int, None, ROPE),
-    _true("--use-rope-scaling", ROPE),
-    _value("--rope-scaling-factor", float, 8.0, ROPE),
-    _value("--no-rope-freq", str, None, ROPE),
-    _value("--mrope-section", int, None, ROPE, nargs="+"),
-    _false("--no-rope-fusion", "apply_rope_fusion", ROPE),
+    _value("--mrope-section", int, None, "only used with --position-embedding-type mrope, which is not supported yet",
+           nargs="+"),
     _value("--onnx-safe", str, None, "ONNX export only"),
     _false("--bert-no-binary-head", "bert_binary_head", OTHER_MODEL),
     _value("--mtp-loss-scaling-factor", float, 0.1, "only used with --mtp-num-layers, which is not supported yet"),
-    _false("--no-bias-swiglu-fusion", "bias_swiglu_fusion", "only used with --swiglu, which is not supported yet"),
     # Transformer Engine and FP8
     _value("--fp8-recipe", str, "delayed", FP8, choices=["tensorwise", "delayed", "mxfp8", "blockwise"]),
     _value("--fp8-margin", int, 0, FP8),
@@ -269,8 +259,8 @@ NO_EFFECT = (
 REFUSED = (
     _value("--mtp-num-layers", int, None, "multi-token prediction"),
     _true("--multi-latent-attention", "multi-latent attention"),
-    _true("--qk-layernorm", "layer norms of the queries and keys"),
     _true("--qk-l2-norm", "L2 norms of the queries and keys"),
+    _value("--no-rope-freq", str, None, "skipping the rotary embedding on some layers"),
     _true("--use-legacy-models", "Megatron's legacy models (the models here are megatron-core style)"),
     _true("--check-for-spiky-loss", "the rerun engine's spiky-loss check", dest="check_for_spiky_loss"),
     _true("--check-for-large-grads", "the rerun engine's large-gradient check", dest="check_for_large_grads"),
@@ -402,9 +392,6 @@ def validate_megatron_flags(args: Namespace) -> None:
         raise ArgsError(f"--microbatch-group-size-per-virtual-pipeline-stage {group}: groups other than "
                         f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size}) are not "
                         "supported yet; remove it")
-    if args.add_qkv_bias and not args.add_bias_linear:
-        raise ArgsError("--add-qkv-bias with --disable-bias-linear: a QKV bias without the other linear biases "
-                        "is not supported yet; remove one of them")
     _validate_attention_backend(args)
     ignored = no_effect_flags_given(args)
     if ignored:

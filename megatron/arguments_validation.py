@@ -9,8 +9,9 @@ Order (each step may rely on the values the earlier ones derived):
 | 2b | validate_megatron_flags | num_layers, seq_length (--encoder-*), use_flash_attn (--attention-backend) |
 | 3 | _validate_parallel | rank, world_size, data_parallel_size, distributed_backend |
 | 4 | _validate_not_yet_supported | (nothing: features of later issues raise) |
-| 5 | _validate_model | ffn_hidden_size (4h), kv_channels (h / heads) |
+| 5 | _validate_model | ffn_hidden_size (4h; --swiglu: int(4h x 2/3 / 64) x 64), kv_channels (h / heads) |
 | 5b | _validate_tensor_parallel | sequence_parallel off when TP = 1 (with a warning) |
+| 5c | validate_model_architecture | apply_rope_fusion off without rope (rope, GQA, activation rules) |
 | 6 | _validate_precision | params_dtype, attention_softmax_in_fp32, bf16 fp32 grad accumulation |
 | 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints |
 | 7b | _validate_pipeline_parallel | virtual_pipeline_model_parallel_size |
@@ -26,7 +27,8 @@ Order (each step may rely on the values the earlier ones derived):
 | 13 | _set_training_state | consumed/skipped sample counters, variable_seq_lengths |
 
 Every error is an ArgsError naming the flag(s) and what to do. validate_megatron_flags is in
-megatron/arguments_megatron.py, beside its tables of Megatron-LM's flags.
+megatron/arguments_megatron.py, beside its tables of Megatron-LM's flags; validate_model_architecture
+in megatron/arguments_model.py.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from megatron.arguments_megatron import refusal_rows, validate_megatron_flags
+from megatron.arguments_model import default_ffn_hidden_size, validate_model_architecture
 from megatron.core import device
 from megatron.data.utils import parse_and_normalize_split, parse_data_path
 from megatron.utils import print_line
@@ -74,13 +77,6 @@ NOT_YET_SUPPORTED = (
     ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
     ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "expert parallelism"),
     ("num_experts", "--num-experts", None, "mixture of experts"),
-    ("position_embedding_type", "--position-embedding-type", "learned_absolute",
-     "position embeddings other than learned_absolute"),
-    ("normalization", "--normalization", "LayerNorm", "RMSNorm"),
-    ("apply_layernorm_1p", "--apply-layernorm-1p", False, "LayerNorm 1p"),
-    ("swiglu", "--swiglu", False, "the SwiGLU MLP"),
-    ("squared_relu", "--squared-relu", False, "the squared-ReLU MLP"),
-    ("group_query_attention", "--group-query-attention", False, "grouped-query attention"),
     ("transformer_impl", "--transformer-impl", "local", "Transformer Engine layers"),
     ("fp8", "--fp8-format", None, "FP8 training"),
     ("ckpt_format", "--ckpt-format", "torch", "checkpoint formats other than 'torch'"),
@@ -224,7 +220,7 @@ def _validate_model(args: Namespace) -> None:
                             f"({args.num_attention_heads}), or give --kv-channels")
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
+        args.ffn_hidden_size = default_ffn_hidden_size(args)
     if (args.seq_length is not None and args.position_embedding_type == "learned_absolute"
             and args.max_position_embeddings < args.seq_length):
         raise ArgsError(f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --seq-length "
@@ -608,6 +604,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_not_yet_supported(args)
     _validate_model(args)
     _validate_tensor_parallel(args)
+    validate_model_architecture(args)
     _validate_precision(args)
     _validate_batch(args)
     _validate_pipeline_parallel(args)

@@ -155,14 +155,13 @@ def test_gpt3_175b_script_validates_but_for_megatrons_own_rampup_refusal(paths, 
     assert _warned(out) == []  # every other flag of this script works here
 
 
-LLAMA3_REFUSED = {"--position-embedding-type", "--apply-layernorm-1p", "--swiglu", "--group-query-attention",
-                  "--fp8-format", "--ckpt-format", "--decoupled-lr", "--decoupled-min-lr"}
-LLAMA3_NO_EFFECT = ["--rotary-base", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
+LLAMA3_REFUSED = {"--fp8-format", "--ckpt-format", "--decoupled-lr", "--decoupled-min-lr"}
+LLAMA3_NO_EFFECT = ["--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather",
                     "--use-mcore-models", "--profile", "--profile-step-start", "--profile-step-end",
                     "--cross-entropy-loss-fusion", "--manual-gc", "--grad-reduce-in-bf16", "--tiktoken-pattern"]
 
 
-def test_llama3_8b_script_refuses_what_we_lack_and_names_what_has_no_effect(paths, capsys):
+def test_llama3_8b_script_refuses_fp8_and_dist_ckpt_and_names_what_has_no_effect(paths, capsys):
     refused = _refusals(LLAMA3_8B_FP8, paths)
     assert set(refused) == LLAMA3_REFUSED
     for flag, message in refused.items():
@@ -172,23 +171,27 @@ def test_llama3_8b_script_refuses_what_we_lack_and_names_what_has_no_effect(path
     assert sorted(_warned(capsys.readouterr().out)) == sorted(LLAMA3_NO_EFFECT)
     assert args.use_flash_attn is True  # --attention-backend fused: the fused-kernel core attention
     assert args.train_samples == 800 and args.lr_decay_samples == 780
+    # the Llama architecture flags work (megatron/arguments_model.py)
+    assert (args.position_embedding_type, args.rotary_base, args.ffn_hidden_size) == ("rope", 1000000, 224)
+    config = core_transformer_config_from_args(args)
+    assert config.gated_linear_unit and config.num_query_groups == 2 and config.layernorm_zero_centered_gamma
+    assert config.add_bias_linear is False and config.kv_channels == 16
 
 
-MIXTRAL_REFUSED = {"--no-position-embedding", "--position-embedding-type", "--normalization", "--swiglu",
-                   "--group-query-attention", "--num-experts", "--expert-model-parallel-size"}
-MIXTRAL_NO_EFFECT = ["--rotary-base", "--use-mcore-models", "--moe-aux-loss-coeff", "--moe-grouped-gemm",
+MIXTRAL_REFUSED = {"--num-experts", "--expert-model-parallel-size"}
+MIXTRAL_NO_EFFECT = ["--use-mcore-models", "--moe-aux-loss-coeff", "--moe-grouped-gemm",
                      "--moe-token-dispatcher-type"]
 
 
-def test_mixtral_script_refuses_moe_and_the_llama_features(paths, monkeypatch, capsys):
+def test_mixtral_script_refuses_only_moe(paths, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     refused = _refusals(MIXTRAL_8X7B, paths)
     assert set(refused) == MIXTRAL_REFUSED
-    assert refused["--no-position-embedding"].startswith("--no-position-embedding is deprecated")
     capsys.readouterr()
     args = _validate(MIXTRAL_8X7B, paths, drop=refused)
     assert sorted(_warned(capsys.readouterr().out)) == sorted(MIXTRAL_NO_EFFECT)
     assert args.pipeline_model_parallel_size == 2 and args.no_load_optim and args.wandb_project == "Mixtral"
+    assert (args.normalization, args.position_embedding_type, args.add_position_embedding) == ("RMSNorm", "rope", False)
 
 
 # ----------------------------------------------------------------------------- one test per refused group
@@ -200,7 +203,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 # (group, flags, the message starts with)
 REFUSED_GROUPS = [
     ("model", "--multi-latent-attention", "--multi-latent-attention: multi-latent attention is not supported yet"),
-    ("qk-norm", "--qk-layernorm", "--qk-layernorm: layer norms of the queries and keys is not supported yet"),
+    ("rope-freq", "--position-embedding-type rope --no-rope-freq 4",
+     "--no-rope-freq 4: skipping the rotary embedding on some layers is not supported yet"),
     ("mtp", "--mtp-num-layers 1", "--mtp-num-layers 1: multi-token prediction is not supported yet"),
     ("legacy", "--use-legacy-models", "--use-legacy-models: Megatron's legacy models"),
     ("init", "--init-method-xavier-uniform", "--init-method-xavier-uniform: Xavier-uniform initialization"),
@@ -230,7 +234,6 @@ REFUSED_GROUPS = [
      "--recompute-modules core_attn mlp: recomputing modules other than core_attn is not supported yet"),
     ("microbatch-groups", "--microbatch-group-size-per-virtual-pipeline-stage 3",
      "--microbatch-group-size-per-virtual-pipeline-stage 3: groups other than --pipeline-model-parallel-size (1)"),
-    ("qkv-bias", "--add-qkv-bias --disable-bias-linear", "--add-qkv-bias with --disable-bias-linear: a QKV bias"),
     ("no-position-embedding", "--no-position-embedding", "--no-position-embedding is deprecated"),
     ("two-names", "--encoder-num-layers 3", "--num-layers (2) and --encoder-num-layers (3) are two names"),
 ]

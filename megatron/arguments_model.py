@@ -1,0 +1,119 @@
+"""validate_args' rules for the model's architecture flags (the Llama family): position
+embeddings and the rotary settings, grouped-query attention, the MLP activation and its width.
+
+| function | refuses | derives |
+|---|---|---|
+| default_ffn_hidden_size | --swiglu at a width that rounds to 0 | 4h, or int(4h x 2/3 / 64) x 64 with --swiglu |
+| _validate_position_embedding | relative / mrope; bad --rotary-*; --use-rope-scaling without rope | apply_rope_fusion off without rope |
+| _validate_query_groups | groups that do not divide the heads, or fit neither way with TP | |
+| _validate_activation | two activations at once | |
+
+Megatron-LM silently ignores --rotary-* (and --num-query-groups without --group-query-attention);
+so do we, with one WARNING line naming them. Errors are ArgsError naming the flags.
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+from megatron.utils import print_line
+
+# The flags only rope reads, with their defaults (given with another value: the warning names them).
+ROPE_ONLY_FLAGS = (("rotary_base", 10000), ("rotary_percent", 1.0), ("rotary_interleaved", False),
+                   ("rotary_seq_len_interpolation_factor", None), ("rope_scaling_factor", 8.0))
+REFUSED_POSITION_EMBEDDINGS = {
+    "relative": "T5-style relative attention biases (Megatron has them only in Transformer Engine)",
+    "mrope": "multimodal rotary embeddings",
+}
+
+
+def _errors():
+    # arguments_validation imports this module: take its error class and flag() when called.
+    from megatron.arguments_validation import ArgsError, flag
+
+    return ArgsError, flag
+
+
+def _warn(args: Namespace, message: str) -> None:
+    if getattr(args, "rank", 0) == 0:
+        print_line(f"WARNING: {message}")
+
+
+def default_ffn_hidden_size(args: Namespace) -> int:
+    """Megatron's default MLP width: 4h, or with --swiglu 2/3 of it rounded down to a multiple of
+    64 (two input projections: about the parameters of the 4h GeLU MLP)."""
+    ArgsError, _ = _errors()
+    if not args.swiglu:
+        return 4 * args.hidden_size
+    size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+    if size == 0:
+        raise ArgsError(f"--swiglu with --hidden-size {args.hidden_size}: Megatron's default --ffn-hidden-size "
+                        "int(4h x 2/3 / 64) x 64 is 0; give --ffn-hidden-size")
+    return size
+
+
+def _validate_position_embedding(args: Namespace) -> None:
+    ArgsError, flag = _errors()
+    kind = args.position_embedding_type
+    if kind in REFUSED_POSITION_EMBEDDINGS:
+        raise ArgsError(f"--position-embedding-type {kind}: {REFUSED_POSITION_EMBEDDINGS[kind]} are not "
+                        "supported; use learned_absolute, rope, alibi or none")
+    if kind != "rope":
+        if args.use_rope_scaling:
+            raise ArgsError(f"--use-rope-scaling needs --position-embedding-type rope (got {kind})")
+        ignored = [flag(dest) for dest, default in ROPE_ONLY_FLAGS if getattr(args, dest) != default]
+        if ignored:
+            _warn(args, f"{', '.join(ignored)} have no effect with --position-embedding-type {kind} "
+                        "(only rope reads them); ignored, as in Megatron-LM")
+        args.apply_rope_fusion = False  # as Megatron: no rope, nothing to fuse
+        return
+    percent = args.rotary_percent
+    if not 0.0 < percent <= 1.0:  # also refuses NaN
+        raise ArgsError(f"--rotary-percent must be in (0, 1], got {percent}")
+    rot_dim = int(args.kv_channels * percent)
+    if rot_dim == 0 or rot_dim % 2:
+        raise ArgsError(f"--rotary-percent {percent} of --kv-channels {args.kv_channels} rotates "
+                        f"int({args.kv_channels} x {percent}) = {rot_dim} channels per head; rotary "
+                        "embeddings rotate channel pairs, so that must be even and > 0")
+    for dest in ("rotary_base", "rotary_seq_len_interpolation_factor", "rope_scaling_factor"):
+        value = getattr(args, dest)
+        if value is not None and not value > 0:
+            raise ArgsError(f"{flag(dest)} must be > 0, got {value}")
+    if args.rope_scaling_factor != 8.0 and not args.use_rope_scaling:
+        _warn(args, "--rope-scaling-factor has no effect without --use-rope-scaling; ignored, as in Megatron-LM")
+
+
+def _validate_query_groups(args: Namespace) -> None:
+    """With --group-query-attention, the groups split the heads evenly, and either each TP rank
+    holds whole groups or (fewer groups than ranks) each group's K/V is replicated on TP / groups ranks."""
+    ArgsError, _ = _errors()
+    heads, groups, tp = args.num_attention_heads, args.num_query_groups, args.tensor_model_parallel_size
+    if not args.group_query_attention:
+        if groups != 1:
+            _warn(args, f"--num-query-groups {groups} has no effect without --group-query-attention (one "
+                        "key/value head per attention head); ignored, as in Megatron-LM")
+        return
+    if groups is None or groups < 1:
+        raise ArgsError(f"--num-query-groups must be >= 1, got {groups}")
+    if heads % groups:
+        raise ArgsError(f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups}) "
+                        "with --group-query-attention: each group serves the same number of heads")
+    if groups % tp and tp % groups:
+        raise ArgsError(f"--num-query-groups ({groups}) and --tensor-model-parallel-size ({tp}): one must divide "
+                        "the other (each rank holds whole key/value groups, or a group is replicated on "
+                        "tensor-parallel-size / groups ranks)")
+
+
+def _validate_activation(args: Namespace) -> None:
+    ArgsError, _ = _errors()
+    chosen = [name for name, on in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
+                                    ("--openai-gelu", args.openai_gelu)) if on]
+    if len(chosen) > 1:
+        raise ArgsError(f"{' and '.join(chosen)} each choose the MLP activation; give one of them")
+
+
+def validate_model_architecture(args: Namespace) -> None:
+    """The architecture rules above, after kv_channels and ffn_hidden_size are derived."""
+    _validate_position_embedding(args)
+    _validate_query_groups(args)
+    _validate_activation(args)
