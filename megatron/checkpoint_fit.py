@@ -18,8 +18,10 @@ from torch import nn
 
 from megatron.checkpoint_safety import CheckpointError
 
-# Model-shape args compared on load and taken from the checkpoint by --use-checkpoint-args:
-# (attribute, how to name it in an error message).
+# Model-shape and architecture args compared on load and taken from the checkpoint by
+# --use-checkpoint-args: (attribute, how to name it in an error message). A checkpoint's weights
+# mean something else under another norm, activation, position embedding or head layout, even
+# where the tensor shapes agree (LayerNorm 1p, squared ReLU vs GeLU, interleaved rotary pairs).
 _SHAPE_ARGS: Tuple[Tuple[str, str], ...] = (
     ("num_layers", "--num-layers"),
     ("hidden_size", "--hidden-size"),
@@ -30,22 +32,48 @@ _SHAPE_ARGS: Tuple[Tuple[str, str], ...] = (
     ("padded_vocab_size", "padded vocab size (tokenizer vocab and --make-vocab-size-divisible-by)"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("add_bias_linear", "--disable-bias-linear"),
+    ("add_qkv_bias", "--add-qkv-bias"),
+    ("num_query_groups", "key/value groups (--group-query-attention --num-query-groups)"),
+    ("normalization", "--normalization"),
+    ("apply_layernorm_1p", "--apply-layernorm-1p"),
+    ("qk_layernorm", "--qk-layernorm"),
+    ("swiglu", "--swiglu"),
+    ("squared_relu", "--squared-relu"),
+    ("position_embedding_type", "--position-embedding-type"),
+    ("rotary_percent", "--rotary-percent"),
+    ("rotary_interleaved", "--rotary-interleaved"),
 )
-# Also taken from the checkpoint by load_args_from_checkpoint, but not compared on load.
+# Also taken from the checkpoint by load_args_from_checkpoint, but not compared on load: the
+# rotary base and scaling are what a long-context fine-tune changes on purpose.
 _ARCH_ARGS: Tuple[str, ...] = (
-    "position_embedding_type", "layernorm_epsilon", "norm_epsilon",
+    "layernorm_epsilon", "norm_epsilon",
     "apply_residual_connection_post_layernorm", "openai_gelu", "tokenizer_type",
-    "make_vocab_size_divisible_by", "seq_length", "normalization", "apply_layernorm_1p",
-    "swiglu", "squared_relu", "group_query_attention", "num_query_groups",
+    "make_vocab_size_divisible_by", "seq_length", "group_query_attention",
+    "rotary_base", "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor",
 )
 # Paths from the machine that saved the checkpoint: used only when this run gives none.
 _PATH_ARGS: Tuple[str, ...] = ("vocab_file", "merge_file", "tokenizer_model")
 
 
+def _effective(attr: str, ns: argparse.Namespace) -> Any:
+    """The value of attr that shapes the model (None: unknown or not applicable, not compared)."""
+    value = getattr(ns, attr, None)
+    if attr == "num_query_groups" and value is not None:
+        # Megatron's rule: without --group-query-attention, one group per head.
+        return value if getattr(ns, "group_query_attention", False) else getattr(ns, "num_attention_heads", None)
+    if attr == "add_qkv_bias" and getattr(ns, "add_bias_linear", True):
+        return None  # the QKV projection has its bias either way; add_bias_linear is compared
+    if attr.startswith("rotary_") and getattr(ns, "position_embedding_type", None) != "rope":
+        return None
+    return value
+
+
 def _describe(attr: str, label: str, value: Any) -> str:
     if attr == "add_bias_linear":
         return label if not value else f"no {label}"
-    if attr == "untie_embeddings_and_output_weights":
+    if attr == "num_query_groups":
+        return f"{value} {label}"
+    if isinstance(value, bool):
         return label if value else f"no {label}"
     return f"{label} {value}"
 
@@ -56,7 +84,7 @@ def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Na
     this run (values that either side leaves unset are not compared)."""
     problems = []
     for attr, label in _SHAPE_ARGS:
-        saved, current = getattr(checkpoint_args, attr, None), getattr(args, attr, None)
+        saved, current = _effective(attr, checkpoint_args), _effective(attr, args)
         if saved is None or current is None or saved == current:
             continue
         problems.append(f"checkpoint at {checkpoint_name} was saved with "
