@@ -98,8 +98,10 @@ def matmul_params(shape: GPTShape = SHAPE) -> int:
 def flops_per_step(shape: GPTShape = SHAPE) -> int:
     """Model FLOPs of one training step: 6 N T + 12 L s h T (T tokens, attention over the full s x s).
 
-    Equal to megatron/training_log.py's num_floating_point_operations for this shape (forward
-    2 FLOPs per multiply-add, backward twice forward, no recompute, causal masking not discounted)."""
+    The paper's count (forward 2 FLOPs per multiply-add, backward twice forward, no recompute,
+    causal masking not discounted): megatron/training_log.py's num_floating_point_operations
+    (Megatron-LM core_v0.13's, the causal half of the scores) plus 6 L s^2 h per sequence. Kept
+    so that the MFU figures recorded in docs/PERFORMANCE.md stay comparable."""
     tokens = shape.tokens_per_step
     return 6 * matmul_params(shape) * tokens + 12 * shape.layers * shape.seq * shape.hidden * tokens
 

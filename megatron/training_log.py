@@ -33,24 +33,31 @@ from megatron.utils import print_rank_last, timestamp
 def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
     """Model FLOPs of one training iteration (forward + backward) on batch_size sequences.
 
-    The standard GPT count (Narayanan et al., 2021, as Megatron-LM logs it): every GEMM costs
-    2 FLOPs per multiply-add, backward costs twice forward, attention scores are counted for the
-    full s x s matrix, recomputation is not counted. Per sequence of s tokens, L layers, hidden h:
-        12 s L h^2 [ (1 + g/a + s/h) (d a / h) + f/h * m + V / (2 L h) ]
-    with a heads, g query groups (= a without GQA), d = kv channels, f = ffn hidden size,
-    m = 1.5 for gated (SwiGLU) MLPs else 1, V = padded vocab. With d a = h, g = a, f = 4h, m = 1
-    it is the familiar 72 s L h^2 (1 + s / 6h + V / 12 L h).
+    Megatron-LM core_v0.13's count for a dense transformer (training.py, after Narayanan et al.,
+    2021): every GEMM costs 2 FLOPs per multiply-add and runs 3 times (forward, data and weight
+    gradients); recomputation is not counted. Per sequence of s tokens, L layers, hidden h:
+
+        attention  12 s L h^2 (1 + g/a + s/2h) (d a / h)   Q and output projections, K and V
+                                                          (g/a of them), scores and values over
+                                                          the causal half of the s x s matrix
+        MLP        12 s L h f m                            two h x f GEMMs; m = 3/2 with --swiglu
+                                                          (the gate is a third)
+        logits      6 s h V                                once, tied or untied output layer
+
+    with a heads, g query groups (= a without --group-query-attention), d = kv channels,
+    f = ffn hidden size, V = padded vocab. For a GPT (d a = h, g = a, f = 4h, m = 1) it is
+    72 s L h^2 (1 + s/12h + V/12Lh). The paper's full-matrix count (bench/compare_peers.py) has
+    s/6h for s/12h: core_v0.13 halved the score terms for causal attention.
     """
     s, layers, h = args.seq_length, args.num_layers, args.hidden_size
     heads = args.num_attention_heads
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
     gated = 1.5 if getattr(args, "swiglu", False) else 1.0
     q_ratio = args.kv_channels * heads / h
-    per_sequence = 12 * s * layers * h * h * (
-        (1 + groups / heads + s / h) * q_ratio
-        + args.ffn_hidden_size / h * gated
-        + args.padded_vocab_size / (2 * layers * h))
-    return batch_size * per_sequence
+    attention = 12 * layers * h * h * (1 + groups / heads + s / (2 * h)) * q_ratio
+    mlp = 12 * layers * h * args.ffn_hidden_size * gated
+    logits = 6 * h * args.padded_vocab_size
+    return batch_size * s * (attention + mlp + logits)
 
 
 def _is_bad(value: float) -> bool:
