@@ -513,7 +513,7 @@ def _architecture_kwargs(args: Namespace) -> dict[str, Any]:
     num_query_groups is None (one group per head) whatever --num-query-groups says."""
     import torch.nn.functional as F
 
-    from megatron.model.activations import squared_relu
+    from megatron.model.utils import squared_relu
 
     activation = F.silu if args.swiglu else squared_relu if args.squared_relu else F.gelu
     return dict(

@@ -13,7 +13,7 @@ from megatron.arguments import (
     parse_and_validate_args,
     parse_args,
 )
-from megatron.model.activations import squared_relu
+from megatron.model.utils import squared_relu
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--max-position-embeddings", "32",
         "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data",
