@@ -18,10 +18,14 @@ docs/memory.md explains the remaining difference (the layer norms' saved statist
 its noise in the activations' dtype (2 bytes in bf16) where the paper (and CUDA) keep 1 byte.
 --use-flash-attn measures the fused core attention (torch SDPA on CPU), which the paper's
 formulas do not describe; --dropout sets both dropout probabilities (default 0.1).
+--llama-query-groups G measures the Llama-style layer instead (RMSNorm, SwiGLU with Megatron's
+default width, G key/value groups, RoPE, no biases; unfused rope and SwiGLU) against the exact
+llama_activation_bytes (docs/memory.md, "A Llama-style layer") in the formula columns.
 
     python bench/activation_memory.py [--seq-length 128] [--micro-batch-size 2] [--hidden-size 512]
                                       [--num-attention-heads 8] [--tensor-model-parallel-size 4]
                                       [--dtype bf16] [--torch-dropout] [--use-flash-attn] [--dropout 0.1]
+                                      [--llama-query-groups 2]
 """
 
 from __future__ import annotations
@@ -41,7 +45,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.model import layers  # noqa: E402
-from megatron.model.activation_memory import measure_layer_activation_bytes, paper_activation_bytes  # noqa: E402
+from megatron.model.activation_memory import (  # noqa: E402
+    llama_activation_bytes,
+    measure_layer_activation_bytes,
+    paper_activation_bytes,
+)
 
 # name: (tensor parallel, sequence parallel, recompute, distributed saved inputs, the paper's formula)
 CASES = [
@@ -128,8 +136,11 @@ def main() -> None:
                         help="measure with torch.nn.Dropout (on CPU: masks in the activations' dtype)")
     parser.add_argument("--use-flash-attn", action="store_true", help="the fused core attention (SDPA on CPU)")
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    parser.add_argument("--llama-query-groups", type=int, default=None,
+                        help="measure the Llama-style layer with this many key/value groups")
     args = parser.parse_args()
-    options = {"use_flash_attn": args.use_flash_attn, "dropout": args.dropout}
+    options = {"use_flash_attn": args.use_flash_attn, "dropout": args.dropout,
+               "llama_query_groups": args.llama_query_groups}
     if args.torch_dropout:
         _use_torch_dropout()
     s, b, h, a, t = (args.seq_length, args.micro_batch_size, args.hidden_size, args.num_attention_heads,
@@ -141,7 +152,8 @@ def main() -> None:
         measured.update(_measure_tensor_parallel(t, shape, dtype, args.torch_dropout, options))
     sbh = s * b * h
     variant = (", torch.nn.Dropout" if args.torch_dropout else "") + (", --use-flash-attn" if args.use_flash_attn else "")
-    print(f"one transformer layer, {args.dtype}, s={s} b={b} h={h} a={a} t={t} (ffn 4h, dropout {args.dropout:g}"
+    layer = "ffn 4h" if args.llama_query_groups is None else f"Llama-style, g={args.llama_query_groups}"
+    print(f"one transformer layer, {args.dtype}, s={s} b={b} h={h} a={a} t={t} ({layer}, dropout {args.dropout:g}"
           f"{variant}); bytes per layer per tensor-parallel rank; sbh = {sbh}; 5as/h = {5 * a * s / h:g}")
     print(f"the attention mask [1, 1, s, s] (s^2 = {s * s} bytes) is shared by all layers and not counted")
     print()
@@ -153,8 +165,13 @@ def main() -> None:
         if tensor_parallel and t == 1:
             continue
         ranks = t if tensor_parallel else 1
-        paper = paper_activation_bytes(s, b, h, a, ranks, sequence_parallel=sp, recompute=recompute,
-                                       distribute_saved_activations=distribute)
+        if args.llama_query_groups is None:
+            paper = paper_activation_bytes(s, b, h, a, ranks, sequence_parallel=sp, recompute=recompute,
+                                           distribute_saved_activations=distribute)
+        else:
+            formula = "llama_activation_bytes"
+            paper = llama_activation_bytes(s, b, h, a, args.llama_query_groups, ranks, sequence_parallel=sp,
+                                           recompute=recompute, distribute_saved_activations=distribute)
         got = measured[name]
         print(f"| {name:<24} | {ranks} | {formula:<26} | {paper:>12,.0f} | {got:>12,} | {got / sbh:>12.4f} | "
               f"{(got - paper) / paper:>+6.2%} |")

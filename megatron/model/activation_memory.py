@@ -14,6 +14,10 @@ Models" (sec. 4), per layer on one tensor-parallel rank:
 s sequence, b micro-batch, h hidden, a heads, t TP size; 16-bit activations and 1-byte dropout
 masks. docs/memory.md explains, term by term, where the measurement differs.
 
+A Llama-style layer (llama_query_groups g: RMSNorm, SwiGLU of width f, g K/V groups, RoPE, no
+biases; unfused rope and SwiGLU), exactly, without parallelism: sbh (18 + 8f/h) + 5as^2b + 8sb
++ 16 s hn (llama_activation_bytes has the TP, SP and recompute cases; docs/memory.md the terms).
+
 The measurement runs a real TransformerLayer forward under torch.autograd.graph.saved_tensors_hooks
 and adds up the storages autograd keeps, each once (tensors sharing a storage -- q, k and v
 of one QKV output -- count once, with the storage's full size), leaving out parameters and the
@@ -27,9 +31,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from megatron.core import device, parallel_state
 from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron.model.positions import RotaryEmbedding
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.transformer_layer import TransformerBlock, TransformerLayer
 from megatron.model.utils import get_causal_attention_mask
@@ -62,15 +68,29 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[tor
     return sum(storages.values())
 
 
+def llama_ffn_hidden_size(hidden_size: int) -> int:
+    """Megatron's --swiglu default width, int(4h x 2/3 / 64) x 64."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64
+
+
+def _llama_fields(hidden_size: int, num_query_groups: int | None) -> dict:
+    """RMSNorm, SwiGLU (unfused), GQA, no biases; rope is given to the layer as freqs (unfused)."""
+    return dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                num_query_groups=num_query_groups, ffn_hidden_size=llama_ffn_hidden_size(hidden_size),
+                bias_swiglu_fusion=False, apply_rope_fusion=False)
+
+
 def layer_config(hidden_size: int, num_attention_heads: int, *, dtype: torch.dtype = torch.bfloat16,
                  sequence_parallel: bool = False, recompute: str | None = None,
                  distribute_saved_activations: bool = False, use_flash_attn: bool = False,
-                 dropout: float = 0.1) -> TransformerConfig:
-    """A one-layer config for the measurement (the paper's layer: ffn 4h, hn = h / a, dropout on)."""
+                 dropout: float = 0.1, llama_query_groups: int | None = None) -> TransformerConfig:
+    """A one-layer config for the measurement: the paper's layer (ffn 4h, hn = h / a, dropout on), or
+    with llama_query_groups g a Llama-style layer (_llama_fields) with g key/value groups."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     full = recompute == "full"
-    return TransformerConfig(
+    llama = {} if llama_query_groups is None else _llama_fields(hidden_size, llama_query_groups)
+    return TransformerConfig(**llama,
         num_layers=1, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         sequence_parallel=sequence_parallel, hidden_dropout=dropout, attention_dropout=dropout,
@@ -84,15 +104,17 @@ def measure_layer_activation_bytes(seq_length: int, micro_batch_size: int, hidde
                                    num_attention_heads: int, *, dtype: torch.dtype = torch.bfloat16,
                                    sequence_parallel: bool = False, recompute: str | None = None,
                                    distribute_saved_activations: bool = False, use_flash_attn: bool = False,
-                                   dropout: float = 0.1, records: list | None = None) -> int:
+                                   dropout: float = 0.1, records: list | None = None,
+                                   llama_query_groups: int | None = None) -> int:
     """Bytes one training-mode layer saves for backward on this TP rank (see the module docstring).
 
     recompute: None, "selective" (core attention rerun) or "full" (the layer keeps its input only).
-    Collective over the tensor-parallel group when TP > 1: every rank of it must call this.
+    llama_query_groups: measure the Llama-style layer (RMSNorm, SwiGLU, that many K/V groups, RoPE,
+    no biases) instead of the paper's. Collective over the tensor-parallel group when TP > 1.
     """
     config = layer_config(hidden_size, num_attention_heads, dtype=dtype, sequence_parallel=sequence_parallel,
                           recompute=recompute, distribute_saved_activations=distribute_saved_activations,
-                          use_flash_attn=use_flash_attn, dropout=dropout)
+                          use_flash_attn=use_flash_attn, dropout=dropout, llama_query_groups=llama_query_groups)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     local_seq = seq_length // tp if sequence_parallel else seq_length
     tracker = get_cuda_rng_tracker()
@@ -107,9 +129,14 @@ def measure_layer_activation_bytes(seq_length: int, micro_batch_size: int, hidde
         hidden_states = torch.randn(local_seq, micro_batch_size, hidden_size, dtype=dtype,
                                     requires_grad=True)  # [s, b, h] ([s/t, b, h] with SP)
         mask = get_causal_attention_mask(seq_length)  # [1, 1, s, s]
-        exclude = list(module.parameters()) + [mask]
-        args = (hidden_states, mask) if full else (hidden_states, mask, True)
-        return saved_tensor_bytes(module, *args, exclude=exclude, records=records)
+        # RoPE's angles, like the mask, are made once per model and shared by its layers.
+        freqs = RotaryEmbedding(config.kv_channels)(seq_length) if llama_query_groups is not None else None
+        exclude = list(module.parameters()) + [mask] + ([freqs] if freqs is not None else [])
+        if full:
+            return saved_tensor_bytes(lambda x: module(x, mask, rotary_pos_emb=freqs), hidden_states,
+                                      exclude=exclude, records=records)
+        return saved_tensor_bytes(lambda x: module(x, mask, True, rotary_pos_emb=freqs), hidden_states,
+                                  exclude=exclude, records=records)
     finally:
         torch.set_rng_state(states[0])
         device.set_rng_state(states[1])
@@ -128,3 +155,34 @@ def paper_activation_bytes(seq_length: int, micro_batch_size: int, hidden_size: 
     per_token = 34 / t if sequence_parallel else 10 + 24 / t  # layer norms, linears' inputs, GeLU, masks
     attention = 0.0 if recompute == "selective" else 5 * a * s / (h * t)  # scores, softmax, its dropout
     return sbh * (per_token + attention)
+
+
+def llama_activation_bytes(seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,
+                           num_query_groups: int, tensor_parallel_size: int = 1, sequence_parallel: bool = False,
+                           recompute: str | None = None, distribute_saved_activations: bool = False) -> int:
+    """Exact bytes per layer on one TP rank of the Llama-style layer that measure_layer_activation_bytes
+    builds with llama_query_groups (bf16, dropout on, unfused RoPE and SwiGLU; docs/memory.md goes
+    term by term). hn = h / a, f = llama_ffn_hidden_size(h), g key/value groups."""
+    s, b, h, a, g, t = (seq_length, micro_batch_size, hidden_size, num_attention_heads, num_query_groups,
+                        tensor_parallel_size)
+    if recompute == "full":
+        return 2 * s * b * h // (t if sequence_parallel or distribute_saved_activations else 1)
+    hn, f = h // a, llama_ffn_hidden_size(h)
+    heads, groups = a // t, max(1, g // t)  # this rank's query heads and K/V groups (replicated if g < t)
+    local = s // t if sequence_parallel else s  # tokens of the norms, residual dropouts, QKV/fc1 inputs
+    # two RMSNorm inputs + their fp32 1/rms, the QKV and fc1 inputs (norm outputs), two 1-byte masks
+    replicated = local * b * (2 * 2 * h + 2 * 4 + 2 * 2 * h + 2 * h)
+    qkv_storage = 2 * s * b * (heads + 2 * groups) * hn  # the QKV output [s, b, (np/t + 2 ng/t) hn]
+    rope = 4 * 4 * s * hn  # the unfused rotation keeps cos and sin (fp32 [s, 1, 1, hn]) for q and for k
+    query = 2 * s * b * heads * hn  # rotated q
+    if recompute == "selective":
+        # the checkpoint keeps its inputs: q, k (rotated, ng/t groups) and v, a view of the QKV output
+        core = query + 2 * s * b * groups * hn + qkv_storage
+    else:
+        # QK^T and x V keep q, k and v with k, v repeated to np/t heads (a copy when ng < np, else v
+        # is a view of the QKV output); softmax output, dropout mask and output: 5 a s^2 b / t
+        values = 2 * s * b * heads * hn if groups < heads else qkv_storage
+        core = query + 2 * s * b * heads * hn + values + 5 * heads * s * s * b
+    projection_input = 2 * s * b * heads * hn
+    mlp = 8 * s * b * f // t  # fc1 output [s, b, 2f/t], silu(gate) and fc2's input silu(gate) * up
+    return replicated + rope + core + projection_input + mlp

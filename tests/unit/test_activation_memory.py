@@ -3,7 +3,8 @@ bf16 layer without parallelism (and with selective / full recompute) against Kor
 
 Shape s = 128, b = 2, h = 512, a = 8 (hn = 64, ffn = 4h), dropout 0.1, bf16: 5as/h = 10, so the
 attention's s^2 terms are a fifth of the layer, as in the paper's regime. The TP cases run on 2 and
-4 ranks in tests/parallel/test_activation_memory_parallel.py.
+4 ranks in tests/parallel/test_activation_memory_parallel.py. The Llama-style layer (RMSNorm, SwiGLU
+ffn 1344, 1 / 2 / 8 key/value groups, RoPE, no biases) matches llama_activation_bytes to the byte.
 """
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.model.activation_memory import (
+    llama_activation_bytes,
+    llama_ffn_hidden_size,
     measure_layer_activation_bytes,
     paper_activation_bytes,
     saved_tensor_bytes,
@@ -77,3 +80,26 @@ def test_recompute_modes_order_the_memory():
                              for mode in (None, "selective", "full"))
     assert full < selective < none
     assert none - selective == 5 * (A // 2) * (S // 2) ** 2 * B  # softmax, its dropout mask and output
+
+
+def test_llama_formula_term_by_term():
+    f, hn = llama_ffn_hidden_size(H), H // A
+    assert f == 1344  # int(4h x 2/3 / 64) x 64
+    # 18 sbh (norm inputs, QKV/fc1 inputs, q, repeated k and v, projection input, masks) + 8 sbf (SwiGLU)
+    # + 5 a s^2 b (softmax, its mask and output) + 8 sb (two RMSNorms' fp32 1/rms) + 16 s hn (cos, sin)
+    no_recompute = 18 * SBH + 8 * S * B * f + 5 * A * S * S * B + 8 * S * B + 16 * S * hn
+    assert llama_activation_bytes(S, B, H, A, 2) == no_recompute == 6_555_648
+    # MHA (g = a): v stays a view of the QKV output [s, b, 3h] (6 sbh) instead of a 2 sbh copy
+    assert llama_activation_bytes(S, B, H, A, A) == no_recompute + 4 * SBH
+    # selective: q, compact k (g heads) and the QKV output replace q, k, v and the s^2 terms
+    selective = no_recompute - 6 * SBH - 5 * A * S * S * B + 2 * SBH + 2 * S * B * 2 * hn + 2 * S * B * (A + 4) * hn
+    assert llama_activation_bytes(S, B, H, A, 2, recompute="selective") == selective == 5_179_392
+    assert llama_activation_bytes(S, B, H, A, 2, 4, recompute="full") == 2 * SBH
+
+
+@pytest.mark.parametrize("groups", [1, 2, A], ids=["mqa", "gqa", "mha"])
+@pytest.mark.parametrize("recompute", [None, "selective", "full"])
+def test_llama_layer_matches_its_formula_to_the_byte(groups, recompute):
+    measured = measure_layer_activation_bytes(S, B, H, A, dtype=torch.bfloat16, recompute=recompute,
+                                              llama_query_groups=groups)
+    assert measured == llama_activation_bytes(S, B, H, A, groups, recompute=recompute)
