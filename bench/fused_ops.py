@@ -1,7 +1,8 @@
 """CPU time of each fused op: reference vs native vs compiled vs the plain autograd code it replaces.
 
 For every op of megatron.fused_kernels, at small-model shapes (b=8, np=8, s=256, h=256,
-ffn=1024, V=8192), times forward + backward (median of --repeats runs, after warm-up runs that
+ffn=1024, V=8192; RoPE and SwiGLU at a Llama-style layer's: hn=32, 2 query groups, SwiGLU
+ffn=688), times forward + backward (median of --repeats runs, after warm-up runs that
 also pay torch.compile) of
     torch       the unfused PyTorch the model runs with the fusion switched off
     reference   the op's plain-PyTorch reference (impl="reference")
@@ -9,7 +10,8 @@ also pay torch.compile) of
     compiled    torch.compile of the reference's math (impl="compiled")
 and prints the speed-ups over the reference, which decide each op's CPU fast path. Then the
 attention core at the same shapes (hn = 32, causal): the composed matmul + reference softmax +
-matmul, torch's scaled_dot_product_attention, and fused_kernels.core_attention, in --dtype.
+matmul, torch's scaled_dot_product_attention, and fused_kernels.core_attention. --dtype sets
+the inputs of the attention core, rotary_pos_emb and bias_swiglu (the other ops run fp32).
 It prints figures and asserts nothing.
 
     python bench/fused_ops.py [--repeats 20] [--ops layer_norm,...] [--threads N] [--clock wall|cpu]
@@ -33,10 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron import fused_kernels as fk  # noqa: E402
 
 B, HEADS, S, H, FFN, VOCAB = 8, 8, 256, 256, 1024, 8192
+HN, GROUPS, SWIGLU_FFN = H // HEADS, 2, 688  # Llama-style: grouped queries, gated MLP
 
 
-def _leaf(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape).requires_grad_()
+def _leaf(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype).requires_grad_()
 
 
 def _softmax_case():
@@ -80,6 +83,46 @@ def _cross_entropy_case():
         lambda impl: fk.cross_entropy(logits, labels, impl=impl)
 
 
+def _megatron_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Megatron-Core's unfused RoPE (_apply_rotary_pos_emb_bshd, non-interleaved, full rotary)."""
+    t1, t2 = torch.chunk(t, 2, dim=-1)
+    return t * torch.cos(freqs).to(t.dtype) + torch.cat((-t2, t1), dim=-1) * torch.sin(freqs).to(t.dtype)
+
+
+def _rotary_pos_emb_case(dtype: torch.dtype):
+    per_group = HEADS // GROUPS
+    mixed = _leaf(S, B, GROUPS, (per_group + 2) * HN, dtype=dtype)  # fused QKV [s, b, ng, (np/ng + 2) hn]
+    f = torch.outer(torch.arange(S, dtype=torch.float32), 10000.0 ** (-torch.arange(0, HN, 2) / HN))
+    freqs = torch.cat((f, f), dim=-1)[:, None, None, :]  # [s, 1, 1, hn]
+
+    def split():  # as Megatron-Core's attention: q copied by the reshape, k a strided view
+        q = mixed[..., :per_group * HN].reshape(S, B, HEADS, HN)  # [s, b, np, hn]
+        return q, mixed[..., per_group * HN:(per_group + 1) * HN]  # k [s, b, ng, hn]
+
+    def both(rope: Callable) -> torch.Tensor:
+        q, k = split()
+        return rope(q).sum() + rope(k).sum()
+
+    return f"q [s={S}, b={B}, np={HEADS}, hn={HN}] + k ng={GROUPS}", mixed, \
+        lambda: both(lambda t: _megatron_rope(t, freqs)), \
+        lambda impl: both(lambda t: fk.rotary_pos_emb(t, freqs, impl=impl))
+
+
+def _bias_swiglu_case(dtype: torch.dtype):
+    x = _leaf(S, B, 2 * SWIGLU_FFN, dtype=dtype)  # linear_fc1's output; Llama's linears have no bias
+
+    def torch_path():
+        gate, up = torch.chunk(x, 2, dim=-1)
+        return F.silu(gate) * up
+
+    return f"[s={S}, b={B}, 2*ffn={2 * SWIGLU_FFN}] no bias", x, torch_path, \
+        lambda impl: fk.bias_swiglu(x, None, impl=impl)
+
+
+TYPED_CASES: dict[str, Callable] = {  # take --dtype
+    "rotary_pos_emb": _rotary_pos_emb_case,
+    "bias_swiglu": _bias_swiglu_case,
+}
 CASES: dict[str, Callable] = {
     "scale_mask_softmax": _softmax_case,
     "layer_norm": _layer_norm_case,
@@ -87,6 +130,7 @@ CASES: dict[str, Callable] = {
     "bias_gelu": _bias_gelu_case,
     "bias_dropout_add": _bias_dropout_add_case,
     "cross_entropy": _cross_entropy_case,
+    **TYPED_CASES,
 }
 
 
@@ -123,7 +167,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--ops", default=",".join(CASES), help="comma-separated op names")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="of the attention core's inputs")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="of the inputs of the attention core, rotary_pos_emb and bias_swiglu")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: this thread's CPU time, which other processes on a shared machine do not "
                              "inflate (needs --threads 1: with more, work runs on other threads)")
@@ -133,19 +178,20 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, triton {fk.triton_version()}, "
           f"{args.clock} clock, median of {args.repeats} samples of forward+backward (ms per call)")
     print(f"{'op':<20s} {'shape':<30s} {'torch':>9s} {'reference':>10s} {'native':>9s} {'compiled':>9s} "
           f"{'ref/native':>11s} {'ref/compiled':>13s}  CPU fast path")
     for name in args.ops.split(","):
-        shape, leaf, torch_path, fused = CASES[name]()
+        shape, leaf, torch_path, fused = CASES[name](dtype) if name in TYPED_CASES else CASES[name]()
         ms = median_ms({"torch": torch_path, "reference": lambda: fused("reference"), "native": lambda: fused("native"),
                         "compiled": lambda: fused("compiled")}, leaf, args.repeats, clock)
         t_torch, t_ref, t_nat, t_comp = ms["torch"], ms["reference"], ms["native"], ms["compiled"]
         print(f"{name:<20s} {shape:<30s} {t_torch:9.2f} {t_ref:10.2f} {t_nat:9.2f} {t_comp:9.2f} "
               f"{t_ref / t_nat:10.2f}x {t_ref / t_comp:12.2f}x  {fk.OPS[name].cpu_fast_path}", flush=True)
-    attention_core(args.repeats, clock, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    attention_core(args.repeats, clock, dtype)
 
 
 def attention_core(repeats: int, clock: Callable[[], float], dtype: torch.dtype) -> None:
