@@ -45,10 +45,10 @@ def assert_rel_close(actual, expected, rel=REL):
     assert error < rel, f"relative error {error:.3g} >= {rel}"
 
 
-def assert_same_results(results, expected):
+def assert_same_results(results, expected, rel=REL):
     assert len(results) == len(expected)
     for actual, reference in zip(results, expected):
-        assert_rel_close(actual, reference)
+        assert_rel_close(actual, reference, rel)
 
 
 def run(fn, inputs, grad_seed=1234):
@@ -61,8 +61,8 @@ def run(fn, inputs, grad_seed=1234):
     return [out.detach()] + [t.grad.clone() for t in inputs if t is not None and t.requires_grad]
 
 
-def leaf(*shape, scale=1.0, seed=0):
-    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).requires_grad_()
+def leaf(*shape, scale=1.0, seed=0, dtype=torch.float32):
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(dtype).requires_grad_()
 
 
 def padding_mask(b, sq, sk, seed=1):
@@ -96,6 +96,49 @@ def rms_norm_case(shape, with_weight):
 def bias_gelu_case(shape, with_bias, scale=1.0):
     inputs = [leaf(*shape, scale=scale), leaf(shape[-1], seed=1) if with_bias else None]
     return lambda impl: run(lambda x, b: fk.bias_gelu(x, b, impl=impl), inputs)
+
+
+def bias_swiglu_case(shape, with_bias, dtype=torch.float32):
+    """shape [..., 2f]; the case takes exact=True to run the reference in fp64 (results in dtype)."""
+    inputs = [leaf(*shape, scale=2.0, dtype=dtype), leaf(shape[-1], seed=1, dtype=dtype) if with_bias else None]
+
+    def case(impl, exact=False):
+        args = [None if t is None else t.detach().double().requires_grad_() for t in inputs] if exact else inputs
+        results = run(lambda x, b: fk.bias_swiglu(x, b, impl=impl), args)
+        return [r.to(dtype) for r in results] if exact else results
+
+    return case
+
+
+def rope_freqs(s, rot, interleaved, base=10000.0):
+    """[s, 1, 1, rot] fp32 angles in Megatron-Core's layout: cat(f, f), or each angle twice adjacently."""
+    inv_freq = base ** (-torch.arange(0, rot, 2, dtype=torch.float32) / rot)  # [rot / 2]
+    f = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)  # [s, rot / 2]
+    f = f.repeat_interleave(2, dim=-1) if interleaved else torch.cat((f, f), dim=-1)
+    return f[:, None, None, :]
+
+
+def rope_case(shape, rot, interleaved=False, strided=False, dtype=torch.float32):
+    """t [s, b, heads, hn]; strided: t is the middle third of a fused [s, b, heads, 3 hn] leaf (a
+    strided view, as a split of a fused QKV). exact=True runs the reference in fp64, as above."""
+    s, b, heads, hn = shape
+    freqs = rope_freqs(s, rot, interleaved)
+    source = leaf(s, b, heads, 3 * hn if strided else hn, seed=6, dtype=dtype)
+
+    def view(x):
+        return x[..., hn:2 * hn] if strided else x
+
+    def case(impl, exact=False):
+        args = [source.detach().double().requires_grad_()] if exact else [source]
+        results = run(lambda x: fk.rotary_pos_emb(view(x), freqs, interleaved, impl=impl), args)
+        return [r.to(dtype) for r in results] if exact else results
+
+    return case
+
+
+def exact_expectation(case, rel=2 ** -6):
+    """A Triton case on bf16 inputs and its expectation: the fp64 reference rounded to bf16."""
+    return case, lambda impl: case(impl, exact=True), rel
 
 
 def dropout_inputs(shape=(6, 5, 33)):
@@ -136,7 +179,7 @@ def ce_bad_label_case(impl):
     return [loss.isnan()]
 
 
-# name -> (case run with impl="triton" in the subprocess, its expectation run here)
+# name -> (case run with impl="triton" in the subprocess, its expectation run here[, relative tolerance])
 TRITON_CASES = {
     "softmax-pad-causal-2x3x5x7": (softmax_case((2, 3, 5, 7), True, True),) * 2,
     "softmax-pad-1x2x4x4": (softmax_case((1, 2, 4, 4), True, False),) * 2,
@@ -160,13 +203,22 @@ TRITON_CASES = {
     "cross_entropy-padded-5x1000": (ce_case((5, 1000), 937, True),) * 2,
     "cross_entropy-3x2x5000": (ce_case((3, 2, 5000), None, True),) * 2,  # [s, b, V], V over one block
     "cross_entropy-bad-label": (ce_bad_label_case, lambda impl: [torch.tensor([False, True])]),
+    "bias_swiglu-3x5x14": (bias_swiglu_case((3, 5, 14), True),) * 2,
+    "bias_swiglu-no-bias-4x66": (bias_swiglu_case((4, 66), False),) * 2,
+    "bias_swiglu-bf16-2x3x2066": exact_expectation(bias_swiglu_case((2, 3, 2066), True, torch.bfloat16)),
+    "rope-3x2x4x8": (rope_case((3, 2, 4, 8), 8),) * 2,
+    "rope-partial-interleaved-strided-4x2x3x10": (rope_case((4, 2, 3, 10), 6, True, True),) * 2,
+    "rope-partial-strided-5x1x3x12": (rope_case((5, 1, 3, 12), 4, False, True),) * 2,
+    "rope-two-head-blocks-1x2x130x64": (rope_case((1, 2, 130, 64), 64),) * 2,
+    "rope-bf16-partial-interleaved-strided": exact_expectation(rope_case((4, 2, 3, 10), 6, True, True,
+                                                                         torch.bfloat16)),
 }
 
 
 def _triton_worker(path: str) -> None:
     """Subprocess entry: run every Triton case, save {name: results or a traceback} to path."""
     results = {}
-    for name, (case, _) in TRITON_CASES.items():
+    for name, (case, *_) in TRITON_CASES.items():
         try:
             results[name] = case("triton")
         except Exception:  # noqa: BLE001 -- reported by that case's test
@@ -195,7 +247,7 @@ def test_triton_kernel_matches_reference(triton_results, name):
     if result[0].dtype == torch.bool:
         assert all(torch.equal(a, e) for a, e in zip(result, expected))
     else:
-        assert_same_results(result, expected)
+        assert_same_results(result, expected, *TRITON_CASES[name][2:])  # a tolerance of its own, if given
 
 
 # ---------------------------------------------------------------- references vs unfused PyTorch
@@ -293,6 +345,9 @@ FAST_PATH_CASES = {
     "bias_gelu": [bias_gelu_case((3, 5, 7), True), bias_gelu_case((4, 9), False, scale=4.0)],
     "bias_dropout_add": [dropout_case(0.3, True)],
     "cross_entropy": [ce_case((5, 1000), 937, True)],
+    "bias_swiglu": [bias_swiglu_case((3, 5, 14), True), bias_swiglu_case((4, 66), False)],
+    "rotary_pos_emb": [rope_case((3, 2, 4, 8), 8), rope_case((4, 2, 3, 10), 6, True, True),
+                       rope_case((5, 1, 3, 12), 4, False, True)],
 }
 
 
