@@ -130,3 +130,24 @@ def test_input_checks():
         fk.bias_swiglu(torch.zeros(2, 5))
     with pytest.raises(ValueError, match="does not match"):
         fk.bias_swiglu(torch.zeros(2, 6), torch.zeros(3))
+
+
+def test_rope_reference_is_megatron_core_unfused_bit_for_bit(tmp_path):
+    """The reference is Megatron-Core's _apply_rotary_pos_emb_bshd (run from megatron-core), bit
+    for bit, in fp32 and bf16, interleaved or not, partial rotary; bf16 native within rounding."""
+    from tests.mcore_reference import run_mcore
+
+    cases = [(dtype, interleaved) for dtype in (torch.float32, torch.bfloat16) for interleaved in (False, True)]
+    inputs = [(leaf(5, 2, 3, 12, seed=7, dtype=dtype).detach(), rope_freqs(5, 8, interleaved), interleaved)
+              for dtype, interleaved in cases]
+    torch.save(inputs, tmp_path / "inputs.pt")
+    run_mcore(f'''
+        import torch
+        from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+        inputs = torch.load({str(tmp_path / "inputs.pt")!r})
+        torch.save([_apply_rotary_pos_emb_bshd(t, f, rotary_interleaved=i) for t, f, i in inputs],
+                   {str(tmp_path / "outputs.pt")!r})
+    ''')
+    for (t, freqs, interleaved), expected in zip(inputs, torch.load(tmp_path / "outputs.pt")):
+        assert torch.equal(fk.rotary_pos_emb(t, freqs, interleaved, impl="reference"), expected)
+        assert_rel_close(fk.rotary_pos_emb(t, freqs, interleaved, impl="native"), expected, rel=2 ** -7)
