@@ -39,16 +39,16 @@ def _config(**overrides) -> TransformerConfig:
     return TransformerConfig(**kwargs)
 
 
-def _model(config: TransformerConfig) -> torch.nn.Module:
+def _model(config: TransformerConfig, position_embedding_type: str = "learned_absolute") -> torch.nn.Module:
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type=position_embedding_type)
     return Float16Module(config, model) if config.bf16 else model
 
 
-def _loss_and_grads(config: TransformerConfig, steps: int = 2):
+def _loss_and_grads(config: TransformerConfig, steps: int = 2, position_embedding_type: str = "learned_absolute"):
     """Two micro-batches of forward + backward (gradients accumulate); the dropout seed is fixed."""
-    model = _model(config)
+    model = _model(config, position_embedding_type)
     generator = torch.Generator().manual_seed(7)
     torch.manual_seed(99)
     losses = []
@@ -83,6 +83,19 @@ def test_recompute_equals_no_recompute_with_dropout(reference, mode):
 def test_recompute_equals_no_recompute_in_bf16(mode):
     _assert_identical(_loss_and_grads(_config(bf16=True, params_dtype=torch.bfloat16)),
                       _loss_and_grads(_config(bf16=True, params_dtype=torch.bfloat16, **MODES[mode])))
+
+
+# A Llama-style layer: RMSNorm, SwiGLU, grouped K/V, QK norm, no biases; RoPE or ALiBi reach the
+# recomputed layers through the checkpoint's arguments.
+LLAMA = dict(normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+             num_query_groups=2, qk_layernorm=True)
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi"])
+@pytest.mark.parametrize("mode", ["selective", "full-uniform-2", "full-block-1"])
+def test_llama_layers_recompute_bit_for_bit(mode, position):
+    _assert_identical(_loss_and_grads(_config(**LLAMA), position_embedding_type=position),
+                      _loss_and_grads(_config(**LLAMA, **MODES[mode]), position_embedding_type=position))
 
 
 def test_dropout_is_on_and_the_rng_restore_is_what_makes_the_gradients_equal(reference, monkeypatch):
