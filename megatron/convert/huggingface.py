@@ -1,0 +1,435 @@
+"""HuggingFace transformers <-> GPTModel: configs and weights (the whole model, tensor-parallel size 1).
+
+    config_from_hf(hf_config, seq_length=None) -> (TransformerConfig kwargs, GPTModel kwargs)
+    state_dict_from_hf(hf_state_dict, hf_config) -> our state dict
+    state_dict_to_hf(our_state_dict, hf_config)  -> HF state dict (the names of model.state_dict())
+    weight_rules(hf_config)                      -> the mapping itself: one WeightRule per key of ours
+
+Both state dicts hold full tensors, i.e. our TP = 1, PP = 1 state dict, with HF's vocabulary (no
+padding rows). Splitting for tensor parallelism (linear_qkv by query group, fc1's [gate; up] per
+rank, the vocabulary padded to a multiple of 128 x TP) is the checkpoint converter's job. The
+round trip state_dict_to_hf(state_dict_from_hf(sd, c), c) gives sd back bit for bit.
+
+Notation: np heads, ng query groups (HF num_key_value_heads), hn head dim, h hidden size,
+L. = decoder.layers.{i}. (ours); {i} the layer.
+
+GPT2LMHeadModel. HF's Conv1D stores a weight as [in, out]: transposed to our [out, in].
+    transformer.wte.weight               embedding.word_embeddings.weight
+    transformer.wpe.weight               embedding.position_embeddings.weight
+    transformer.h.{i}.ln_1.{weight,bias} L.input_layernorm.{weight,bias}
+    transformer.h.{i}.attn.c_attn.weight L.self_attention.linear_qkv.weight   transposed; rows [3, np, hn] -> [np, 3, hn]
+    transformer.h.{i}.attn.c_attn.bias   L.self_attention.linear_qkv.bias     [3, np, hn] -> [np, 3, hn]
+    transformer.h.{i}.attn.c_proj.*      L.self_attention.linear_proj.*       weight transposed
+    transformer.h.{i}.ln_2.*             L.pre_mlp_layernorm.*
+    transformer.h.{i}.mlp.c_fc.*         L.mlp.linear_fc1.*                   weight transposed
+    transformer.h.{i}.mlp.c_proj.*       L.mlp.linear_fc2.*                   weight transposed
+    transformer.ln_f.*                   decoder.final_layernorm.*
+    lm_head.weight                       output_layer.weight (untied only; tied it repeats wte)
+
+LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+    model.embed_tokens.weight                 embedding.word_embeddings.weight
+    model.layers.{i}.input_layernorm.weight   L.input_layernorm.weight
+    model.layers.{i}.self_attn.{q,k,v}_proj.weight  L.self_attention.linear_qkv.weight: per query group g
+                                              its np/ng q heads, k head g, v head g ([ng, np/ng + 2, hn] rows)
+    model.layers.{i}.self_attn.{q,k,v}_proj.bias  L.self_attention.linear_qkv.bias, grouped the same way
+                                              (Qwen2 always; Llama with attention_bias)
+    model.layers.{i}.self_attn.o_proj.*       L.self_attention.linear_proj.*  (bias: Llama attention_bias)
+    model.layers.{i}.post_attention_layernorm.weight  L.pre_mlp_layernorm.weight
+    model.layers.{i}.mlp.{gate,up}_proj.*     L.mlp.linear_fc1.*: rows [gate; up] (bias: Llama mlp_bias)
+    model.layers.{i}.mlp.down_proj.*          L.mlp.linear_fc2.*
+    model.norm.weight                         decoder.final_layernorm.weight
+    lm_head.weight                            output_layer.weight (untied only; tied it repeats embed_tokens)
+
+GPTNeoXForCausalLM (use_parallel_residual=False only).
+    gpt_neox.embed_in.weight                        embedding.word_embeddings.weight
+    gpt_neox.layers.{i}.input_layernorm.*           L.input_layernorm.*
+    gpt_neox.layers.{i}.attention.query_key_value.* L.self_attention.linear_qkv.*  as is: HF's rows are
+                                                    already [np, 3, hn] (it views them per head)
+    gpt_neox.layers.{i}.attention.dense.*           L.self_attention.linear_proj.*
+    gpt_neox.layers.{i}.post_attention_layernorm.*  L.pre_mlp_layernorm.*
+    gpt_neox.layers.{i}.mlp.dense_h_to_4h.*         L.mlp.linear_fc1.*
+    gpt_neox.layers.{i}.mlp.dense_4h_to_h.*         L.mlp.linear_fc2.*
+    gpt_neox.final_layer_norm.*                     decoder.final_layernorm.*
+    lm_head.weight                                  output_layer.weight (named embed_out.weight before
+                                                    transformers 5: accepted on the way in)
+
+HF buffers with no counterpart (GPT-2's attn.bias / attn.masked_bias causal masks, rotary_emb.inv_freq
+of older checkpoints) are ignored on the way in and not written on the way out.
+
+What the configs cannot express is refused with a ValueError rather than converted into a
+different model: RoPE types other than "default" and Llama 3.1's "llama3" with Megatron-Core's
+constants, GPT-NeoX's parallel residual, activations other than (tanh or erf) GeLU and SiLU-GLU,
+an attention-output bias without MLP biases (or the reverse). A sliding window (Mistral, Qwen2)
+is not implemented by our attention: the models agree on sequences of at most sliding_window tokens,
+which config_from_hf checks when given seq_length.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+# Llama 3.1's RoPE constants that Megatron-Core's --use-rope-scaling hard-codes (positions.py);
+# only rope_scaling_factor is a setting.
+MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")  # HF's names of the tanh approximation
+# HF buffers (not weights) that GPTModel has no counterpart for.
+IGNORED_HF_KEYS = re.compile(r"\.(attn|attention)\.(bias|masked_bias)$|rotary_emb\.inv_freq$")
+# Older HF names -> the names of the installed transformers (5.x renames them on load too).
+HF_ALIASES = {"embed_out.weight": "lm_head.weight"}  # GPT-NeoX before transformers 5
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """One tensor of ours and the HF tensors it is made of.
+
+    to_ours(*hf_tensors) -> ours; to_hf(ours) -> the HF tensors, in the order of `hf`.
+    The two are exact inverses (reorderings, transposes, concatenations).
+    """
+
+    ours: str
+    hf: tuple[str, ...]
+    to_ours: Callable[..., Tensor]
+    to_hf: Callable[[Tensor], tuple[Tensor, ...]]
+
+
+def _same(ours: str, hf: str) -> WeightRule:
+    return WeightRule(ours, (hf,), lambda t: t, lambda t: (t,))
+
+
+def _transposed(ours: str, hf: str) -> WeightRule:
+    """HF Conv1D weight [in, out] <-> our [out, in]."""
+    return WeightRule(ours, (hf,), lambda t: t.t(), lambda t: (t.t(),))
+
+
+def _gpt2_qkv(ours: str, hf: str, np_: int, hn: int) -> WeightRule:
+    """c_attn (weight [h, 3 h] with columns [3, np, hn], or bias [3 h]) <-> linear_qkv rows [np, 3, hn]."""
+
+    def to_ours(t: Tensor) -> Tensor:
+        t = t.t() if t.dim() == 2 else t  # [3 np hn, (h)]: all q, all k, all v
+        rest = t.shape[1:]
+        t = t.reshape(3, np_, hn, *rest).transpose(0, 1)  # [3, np, hn, (h)] -> [np, 3, hn, (h)]
+        return t.reshape(np_ * 3 * hn, *rest)
+
+    def to_hf(t: Tensor) -> tuple[Tensor]:
+        rest = t.shape[1:]
+        t = t.reshape(np_, 3, hn, *rest).transpose(0, 1).reshape(3 * np_ * hn, *rest)  # rows [3, np, hn]
+        return (t.t() if t.dim() == 2 else t,)
+
+    return WeightRule(ours, (hf,), to_ours, to_hf)
+
+
+def _grouped_qkv(ours: str, q: str, k: str, v: str, np_: int, ng: int, hn: int) -> WeightRule:
+    """q [np hn, (h)], k and v [ng hn, (h)] <-> linear_qkv rows per group: [ng, np/ng q heads + k + v, hn]."""
+    per_group = np_ // ng * hn  # q rows of one group
+
+    def to_ours(q_: Tensor, k_: Tensor, v_: Tensor) -> Tensor:
+        rest = q_.shape[1:]
+        groups = (q_.reshape(ng, per_group, *rest), k_.reshape(ng, hn, *rest), v_.reshape(ng, hn, *rest))
+        return torch.cat(groups, dim=1).reshape(ng * (per_group + 2 * hn), *rest)  # [ng (np/ng + 2) hn, (h)]
+
+    def to_hf(t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        rest = t.shape[1:]
+        groups = t.reshape(ng, per_group + 2 * hn, *rest)  # [ng, (np/ng + 2) hn, (h)]
+        q_, k_, v_ = torch.split(groups, [per_group, hn, hn], dim=1)
+        return q_.reshape(np_ * hn, *rest), k_.reshape(ng * hn, *rest), v_.reshape(ng * hn, *rest)
+
+    return WeightRule(ours, (q, k, v), to_ours, to_hf)
+
+
+def _gate_up(ours: str, gate: str, up: str) -> WeightRule:
+    """gate_proj, up_proj [ffn, (h)] <-> linear_fc1 [2 ffn, (h)] = [gate; up] (the SwiGLU order of mlp.py)."""
+    return WeightRule(ours, (gate, up), lambda g, u: torch.cat([g, u]), lambda t: tuple(torch.chunk(t, 2)))
+
+
+# ------------------------------------------------------------------ per-architecture rules
+
+
+def _gpt2_rules(c: Any) -> list[WeightRule]:
+    np_, hn = c.n_head, c.n_embd // c.n_head
+    rules = [_same("embedding.word_embeddings.weight", "transformer.wte.weight"),
+             _same("embedding.position_embeddings.weight", "transformer.wpe.weight")]
+    for i in range(c.n_layer):
+        hf, ours = f"transformer.h.{i}.", f"decoder.layers.{i}."
+        for p in ("weight", "bias"):
+            rules += [_same(ours + "input_layernorm." + p, hf + "ln_1." + p),
+                      _gpt2_qkv(ours + "self_attention.linear_qkv." + p, hf + "attn.c_attn." + p, np_, hn),
+                      _same(ours + "pre_mlp_layernorm." + p, hf + "ln_2." + p)]
+        for our_name, hf_name in (("self_attention.linear_proj", "attn.c_proj"), ("mlp.linear_fc1", "mlp.c_fc"),
+                                  ("mlp.linear_fc2", "mlp.c_proj")):
+            rules += [_transposed(ours + our_name + ".weight", hf + hf_name + ".weight"),
+                      _same(ours + our_name + ".bias", hf + hf_name + ".bias")]
+    rules += [_same("decoder.final_layernorm." + p, "transformer.ln_f." + p) for p in ("weight", "bias")]
+    return rules + _output_rules(c)
+
+
+def _llama_rules(c: Any) -> list[WeightRule]:
+    """Llama, Mistral and Qwen2: the same names, their biases as _llama_biases says."""
+    np_, ng, hn = c.num_attention_heads, _query_groups(c), _head_dim(c)
+    qkv_bias, linear_bias = _llama_biases(c)
+    rules = [_same("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    for i in range(c.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn, mlp = hf + "self_attn.", hf + "mlp."
+        params = ("weight", "bias") if linear_bias else ("weight",)
+        rules.append(_same(ours + "input_layernorm.weight", hf + "input_layernorm.weight"))
+        for p in ("weight", "bias") if qkv_bias else ("weight",):
+            rules.append(_grouped_qkv(ours + "self_attention.linear_qkv." + p, attn + "q_proj." + p,
+                                      attn + "k_proj." + p, attn + "v_proj." + p, np_, ng, hn))
+        rules += [_same(ours + "self_attention.linear_proj." + p, attn + "o_proj." + p) for p in params]
+        rules.append(_same(ours + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"))
+        rules += [_gate_up(ours + "mlp.linear_fc1." + p, mlp + "gate_proj." + p, mlp + "up_proj." + p) for p in params]
+        rules += [_same(ours + "mlp.linear_fc2." + p, mlp + "down_proj." + p) for p in params]
+    rules.append(_same("decoder.final_layernorm.weight", "model.norm.weight"))
+    return rules + _output_rules(c)
+
+
+def _gpt_neox_rules(c: Any) -> list[WeightRule]:
+    rules = [_same("embedding.word_embeddings.weight", "gpt_neox.embed_in.weight")]
+    names = (("input_layernorm", "input_layernorm"), ("self_attention.linear_qkv", "attention.query_key_value"),
+             ("self_attention.linear_proj", "attention.dense"), ("pre_mlp_layernorm", "post_attention_layernorm"),
+             ("mlp.linear_fc1", "mlp.dense_h_to_4h"), ("mlp.linear_fc2", "mlp.dense_4h_to_h"))
+    for i in range(c.num_hidden_layers):
+        for our_name, hf_name in names:
+            rules += [_same(f"decoder.layers.{i}.{our_name}.{p}", f"gpt_neox.layers.{i}.{hf_name}.{p}")
+                      for p in ("weight", "bias")]
+    rules += [_same("decoder.final_layernorm." + p, "gpt_neox.final_layer_norm." + p) for p in ("weight", "bias")]
+    return rules + _output_rules(c)
+
+
+def _output_rules(c: Any) -> list[WeightRule]:
+    """Untied: lm_head is our output layer. Tied: we store no output weight (HF's lm_head repeats the embedding)."""
+    return [] if c.tie_word_embeddings else [_same("output_layer.weight", "lm_head.weight")]
+
+
+# ------------------------------------------------------------------ per-architecture configs
+
+
+def _gpt2_config(c: Any, seq_length: int | None) -> tuple[dict, dict]:
+    _refuse(not c.scale_attn_weights, "GPT-2 with scale_attn_weights=False (no 1/sqrt(hn) scaling)")
+    _refuse(c.scale_attn_by_inverse_layer_idx, "GPT-2 with scale_attn_by_inverse_layer_idx=True")
+    _refuse(getattr(c, "add_cross_attention", False), "GPT-2 with cross-attention")
+    config = dict(num_layers=c.n_layer, hidden_size=c.n_embd, num_attention_heads=c.n_head,
+                  ffn_hidden_size=c.n_inner or 4 * c.n_embd, normalization="LayerNorm",
+                  layernorm_epsilon=c.layer_norm_epsilon, add_bias_linear=True,
+                  hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop, init_method_std=c.initializer_range,
+                  **_gelu(c.activation_function))
+    model = dict(vocab_size=c.vocab_size, max_sequence_length=c.n_positions,
+                 share_embeddings_and_output_weights=c.tie_word_embeddings,
+                 position_embedding_type="learned_absolute")
+    return config, model
+
+
+def _llama_config(c: Any, seq_length: int | None) -> tuple[dict, dict]:
+    _refuse(c.hidden_act != "silu", f"{c.model_type} with hidden_act {c.hidden_act!r} (SwiGLU takes silu)")
+    window = _sliding_window(c)
+    if window is not None and seq_length is not None and seq_length > window:
+        raise ValueError(f"{c.model_type}: HF attends to the last sliding_window={window} keys only; our attention "
+                         f"is full causal, so the models agree on sequences of at most {window} tokens, "
+                         f"not seq_length {seq_length}")
+    qkv_bias, linear_bias = _llama_biases(c)
+    config = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                  num_query_groups=_query_groups(c), kv_channels=_head_dim(c), ffn_hidden_size=c.intermediate_size,
+                  normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps, add_bias_linear=linear_bias,
+                  add_qkv_bias=qkv_bias, gated_linear_unit=True, activation_func=F.silu, rotary_interleaved=False,
+                  hidden_dropout=0.0, attention_dropout=float(c.attention_dropout or 0.0),
+                  init_method_std=c.initializer_range)
+    model = dict(vocab_size=c.vocab_size, max_sequence_length=c.max_position_embeddings,
+                 share_embeddings_and_output_weights=c.tie_word_embeddings, **_rope(c))
+    return config, model
+
+
+def _gpt_neox_config(c: Any, seq_length: int | None) -> tuple[dict, dict]:
+    _refuse(c.use_parallel_residual,
+            "GPT-NeoX with use_parallel_residual=True (x + attn(ln1(x)) + mlp(ln2(x)), the Pythia / NeoX-20B "
+            "default): GPTModel's GPT layer is the sequential block; a parallel block is a user layer spec, "
+            "not this mapping")
+    _refuse(not getattr(c, "attention_bias", True), "GPT-NeoX with attention_bias=False (its MLP keeps biases)")
+    config = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                  ffn_hidden_size=c.intermediate_size, normalization="LayerNorm", layernorm_epsilon=c.layer_norm_eps,
+                  add_bias_linear=True, rotary_interleaved=False, hidden_dropout=float(getattr(c, "hidden_dropout", 0.0)),
+                  attention_dropout=float(getattr(c, "attention_dropout", 0.0)), init_method_std=c.initializer_range,
+                  **_gelu(c.hidden_act))
+    model = dict(vocab_size=c.vocab_size, max_sequence_length=c.max_position_embeddings,
+                 share_embeddings_and_output_weights=c.tie_word_embeddings, **_rope(c))
+    return config, model
+
+
+def _gelu(name: str) -> dict:
+    if name in TANH_GELUS:
+        # Megatron's --openai-gelu; the fused bias-GeLU (bias_gelu_fusion) computes the same tanh GeLU.
+        return {"openai_gelu": True}
+    if name == "gelu":
+        # The erf GeLU; Megatron's fused bias-GeLU is the tanh one (up to ~5e-4 apart), so it must be off.
+        return {"activation_func": F.gelu, "bias_gelu_fusion": False}
+    raise ValueError(f"activation {name!r} is not supported (GeLU: {', '.join(TANH_GELUS)} or gelu)")
+
+
+def _llama_biases(c: Any) -> tuple[bool, bool]:
+    """(add_qkv_bias, add_bias_linear) of a Llama-family config."""
+    if c.model_type == "qwen2":
+        return True, False  # Qwen2: biases on q, k, v only
+    if c.model_type == "mistral":
+        return False, False
+    attention_bias, mlp_bias = bool(getattr(c, "attention_bias", False)), bool(getattr(c, "mlp_bias", False))
+    _refuse(attention_bias != mlp_bias,
+            f"Llama with attention_bias={attention_bias}, mlp_bias={mlp_bias}: add_bias_linear puts biases "
+            "on o_proj and the MLP together")
+    return attention_bias, attention_bias
+
+
+def _query_groups(c: Any) -> int:
+    return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+
+def _head_dim(c: Any) -> int:
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def _sliding_window(c: Any) -> int | None:
+    """The window HF applies, or None (Qwen2 applies it only on use_sliding_window / its layer_types)."""
+    window = getattr(c, "sliding_window", None)
+    if c.model_type == "qwen2":
+        layer_types = getattr(c, "layer_types", None)
+        if layer_types is not None:
+            used = "sliding_attention" in layer_types
+        else:  # transformers 4
+            used = getattr(c, "use_sliding_window", False) and c.max_window_layers < c.num_hidden_layers
+        window = window if used else None
+    return window
+
+
+def rope_parameters(c: Any) -> dict:
+    """HF's RoPE settings as one dict: transformers 5's config.rope_parameters, or built from the
+    attributes of transformers 4 (rope_theta / rotary_emb_base, rope_scaling, partial_rotary_factor / rotary_pct)."""
+    params = dict(getattr(c, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(c, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(c, "rope_theta", None) or getattr(c, "rotary_emb_base", 10000.0))
+        fraction = getattr(c, "partial_rotary_factor", None) or getattr(c, "rotary_pct", None)
+        if fraction is not None:
+            params.setdefault("partial_rotary_factor", fraction)
+    if "rope_theta" not in params:
+        raise ValueError(f"RoPE parameters per layer type ({sorted(params)}) are not supported")
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _rope(c: Any) -> dict:
+    """GPTModel's RoPE kwargs; Llama 3.1 scaling only with Megatron-Core's constants."""
+    params = rope_parameters(c)
+    kwargs = dict(position_embedding_type="rope", rotary_base=float(params["rope_theta"]),
+                  rotary_percent=float(params.get("partial_rotary_factor", 1.0)))
+    kind = params["rope_type"]
+    if kind == "default":
+        return kwargs
+    if kind != "llama3":
+        raise ValueError(f"RoPE type {kind!r} is not supported: GPTModel has plain RoPE and Llama 3.1's "
+                         f"'llama3' scaling (Megatron-Core's --use-rope-scaling)")
+    actual = {"low_freq_factor": params.get("low_freq_factor"), "high_freq_factor": params.get("high_freq_factor"),
+              "original_max_position_embeddings": params.get("original_max_position_embeddings",
+                                                             c.max_position_embeddings)}
+    different = {k: v for k, v in actual.items() if v is None or float(v) != MCORE_LLAMA3_ROPE[k]}
+    if different:
+        raise ValueError(f"llama3 RoPE scaling with {different}: Megatron-Core's scaling fixes "
+                         f"{MCORE_LLAMA3_ROPE} (only the factor is a setting)")
+    return dict(kwargs, rope_scaling=True, rope_scaling_factor=float(params["factor"]))
+
+
+def _refuse(condition: bool, what: str) -> None:
+    if condition:
+        raise ValueError(f"{what} cannot be converted to GPTModel")
+
+
+# ------------------------------------------------------------------ the public functions
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    name: str  # HF's model class
+    config: Callable[[Any, int | None], tuple[dict, dict]]
+    rules: Callable[[Any], list[WeightRule]]
+    embedding: str  # HF name of the word embedding (what a tied lm_head repeats)
+
+
+ARCHITECTURES = {  # by HF model_type
+    "gpt2": _Architecture("GPT2LMHeadModel", _gpt2_config, _gpt2_rules, "transformer.wte.weight"),
+    "llama": _Architecture("LlamaForCausalLM", _llama_config, _llama_rules, "model.embed_tokens.weight"),
+    "mistral": _Architecture("MistralForCausalLM", _llama_config, _llama_rules, "model.embed_tokens.weight"),
+    "qwen2": _Architecture("Qwen2ForCausalLM", _llama_config, _llama_rules, "model.embed_tokens.weight"),
+    "gpt_neox": _Architecture("GPTNeoXForCausalLM", _gpt_neox_config, _gpt_neox_rules, "gpt_neox.embed_in.weight"),
+}
+
+
+def _architecture(hf_config: Any) -> _Architecture:
+    arch = ARCHITECTURES.get(getattr(hf_config, "model_type", None))
+    if arch is None:
+        raise ValueError(f"HF model_type {getattr(hf_config, 'model_type', None)!r} is not supported "
+                         f"(one of {', '.join(ARCHITECTURES)})")
+    named = getattr(hf_config, "architectures", None) or [arch.name]
+    if arch.name not in named:
+        raise ValueError(f"HF architectures {named}: only {arch.name} (the causal LM) maps onto GPTModel")
+    return arch
+
+
+def config_from_hf(hf_config: Any, seq_length: int | None = None) -> tuple[dict, dict]:
+    """(TransformerConfig kwargs, GPTModel kwargs) of the model that computes what the HF model does.
+
+    The TransformerConfig kwargs hold the shape, norms, biases, activation, dropout and init std
+    (and bias_gelu_fusion=False for the erf GeLU); add the parallel sizes, precision and fusion
+    flags yourself. GPTModel's vocab_size is HF's (unpadded). seq_length (optional): the length
+    the model will run at, checked against a sliding window.
+    """
+    return _architecture(hf_config).config(hf_config, seq_length)
+
+
+def weight_rules(hf_config: Any) -> list[WeightRule]:
+    """The mapping, one rule per tensor of our (TP = 1) state dict, layer by layer in model order."""
+    return _architecture(hf_config).rules(hf_config)
+
+
+def state_dict_from_hf(hf_state_dict: dict[str, Tensor], hf_config: Any) -> dict[str, Tensor]:
+    """Our full (TP = 1) state dict from an HF model's state dict (tensors that need no change are shared)."""
+    arch = _architecture(hf_config)
+    hf = {HF_ALIASES.get(k, k): t for k, t in hf_state_dict.items()}
+    ours, used = {}, set()
+    for rule in arch.rules(hf_config):
+        missing = [k for k in rule.hf if k not in hf]
+        if missing:
+            raise KeyError(f"HF state dict lacks {missing} (needed for {rule.ours})")
+        ours[rule.ours] = rule.to_ours(*(hf[k] for k in rule.hf))
+        used.update(rule.hf)
+    if hf_config.tie_word_embeddings and "lm_head.weight" in hf:
+        if not torch.equal(hf["lm_head.weight"], hf[arch.embedding]):
+            raise ValueError("tie_word_embeddings is set but lm_head.weight differs from the word embedding")
+        used.add("lm_head.weight")
+    left = sorted(k for k in hf if k not in used and not IGNORED_HF_KEYS.search(k))
+    if left:
+        raise ValueError(f"HF tensors with no counterpart in GPTModel ({len(left)}): {left[:6]}")
+    return ours
+
+
+def state_dict_to_hf(our_state_dict: dict[str, Tensor], hf_config: Any) -> dict[str, Tensor]:
+    """The HF model's state dict (contiguous tensors, as safetensors needs) from our full (TP = 1) one."""
+    arch = _architecture(hf_config)
+    rules = arch.rules(hf_config)
+    unknown = sorted(set(our_state_dict) - {rule.ours for rule in rules})
+    if unknown:
+        raise ValueError(f"tensors of ours with no HF counterpart ({len(unknown)}): {unknown[:6]}")
+    rows = our_state_dict["embedding.word_embeddings.weight"].shape[0]
+    if rows != hf_config.vocab_size:
+        raise ValueError(f"our word embedding has {rows} rows, the HF config's vocab_size is {hf_config.vocab_size}: "
+                         "drop the vocabulary padding first")
+    hf = {}
+    for rule in rules:
+        hf.update(zip(rule.hf, (t.contiguous() for t in rule.to_hf(our_state_dict[rule.ours]))))
+    if hf_config.tie_word_embeddings:
+        hf["lm_head.weight"] = hf[arch.embedding]
+    return hf
