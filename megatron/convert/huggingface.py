@@ -17,7 +17,7 @@ GPT2LMHeadModel. HF's Conv1D stores a weight as [in, out]: transposed to our [ou
     transformer.wte.weight               embedding.word_embeddings.weight
     transformer.wpe.weight               embedding.position_embeddings.weight
     transformer.h.{i}.ln_1.{weight,bias} L.input_layernorm.{weight,bias}
-    transformer.h.{i}.attn.c_attn.weight L.self_attention.linear_qkv.weight   transposed; rows [3, np, hn] -> [np, 3, hn]
+    transformer.h.{i}.attn.c_attn.weight L.self_attention.linear_qkv.weight  transposed; rows [3, np, hn] -> [np, 3, hn]
     transformer.h.{i}.attn.c_attn.bias   L.self_attention.linear_qkv.bias     [3, np, hn] -> [np, 3, hn]
     transformer.h.{i}.attn.c_proj.*      L.self_attention.linear_proj.*       weight transposed
     transformer.h.{i}.ln_2.*             L.pre_mlp_layernorm.*
@@ -216,6 +216,7 @@ def _gpt2_config(c: Any, seq_length: int | None) -> tuple[dict, dict]:
     _refuse(not c.scale_attn_weights, "GPT-2 with scale_attn_weights=False (no 1/sqrt(hn) scaling)")
     _refuse(c.scale_attn_by_inverse_layer_idx, "GPT-2 with scale_attn_by_inverse_layer_idx=True")
     _refuse(getattr(c, "add_cross_attention", False), "GPT-2 with cross-attention")
+    # hidden_dropout is also our embedding dropout (HF's embd_pdrop: the same 0.1 in the released GPT-2s).
     config = dict(num_layers=c.n_layer, hidden_size=c.n_embd, num_attention_heads=c.n_head,
                   ffn_hidden_size=c.n_inner or 4 * c.n_embd, normalization="LayerNorm",
                   layernorm_epsilon=c.layer_norm_epsilon, add_bias_linear=True,
@@ -249,12 +250,13 @@ def _llama_config(c: Any, seq_length: int | None) -> tuple[dict, dict]:
 def _gpt_neox_config(c: Any, seq_length: int | None) -> tuple[dict, dict]:
     _refuse(c.use_parallel_residual,
             "GPT-NeoX with use_parallel_residual=True (x + attn(ln1(x)) + mlp(ln2(x)), the Pythia / NeoX-20B "
-            "default): GPTModel's GPT layer is the sequential block; a parallel block is a user layer spec, "
+            "default)", "its GPT layer is the sequential block; a parallel block is a user layer spec, "
             "not this mapping")
     _refuse(not getattr(c, "attention_bias", True), "GPT-NeoX with attention_bias=False (its MLP keeps biases)")
     config = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                   ffn_hidden_size=c.intermediate_size, normalization="LayerNorm", layernorm_epsilon=c.layer_norm_eps,
-                  add_bias_linear=True, rotary_interleaved=False, hidden_dropout=float(getattr(c, "hidden_dropout", 0.0)),
+                  add_bias_linear=True, rotary_interleaved=False,
+                  hidden_dropout=float(getattr(c, "hidden_dropout", 0.0)),
                   attention_dropout=float(getattr(c, "attention_dropout", 0.0)), init_method_std=c.initializer_range,
                   **_gelu(c.hidden_act))
     model = dict(vocab_size=c.vocab_size, max_sequence_length=c.max_position_embeddings,
@@ -280,8 +282,8 @@ def _llama_biases(c: Any) -> tuple[bool, bool]:
         return False, False
     attention_bias, mlp_bias = bool(getattr(c, "attention_bias", False)), bool(getattr(c, "mlp_bias", False))
     _refuse(attention_bias != mlp_bias,
-            f"Llama with attention_bias={attention_bias}, mlp_bias={mlp_bias}: add_bias_linear puts biases "
-            "on o_proj and the MLP together")
+            f"Llama with attention_bias={attention_bias}, mlp_bias={mlp_bias}",
+            "add_bias_linear puts biases on o_proj and the MLP together")
     return attention_bias, attention_bias
 
 
@@ -343,9 +345,9 @@ def _rope(c: Any) -> dict:
     return dict(kwargs, rope_scaling=True, rope_scaling_factor=float(params["factor"]))
 
 
-def _refuse(condition: bool, what: str) -> None:
+def _refuse(condition: bool, what: str, why: str = "") -> None:
     if condition:
-        raise ValueError(f"{what} cannot be converted to GPTModel")
+        raise ValueError(f"{what} cannot be converted to GPTModel" + (f": {why}" if why else ""))
 
 
 # ------------------------------------------------------------------ the public functions
@@ -417,7 +419,11 @@ def state_dict_from_hf(hf_state_dict: dict[str, Tensor], hf_config: Any) -> dict
 
 
 def state_dict_to_hf(our_state_dict: dict[str, Tensor], hf_config: Any) -> dict[str, Tensor]:
-    """The HF model's state dict (contiguous tensors, as safetensors needs) from our full (TP = 1) one."""
+    """The HF model's state dict from our full (TP = 1) one, in contiguous tensors.
+
+    Tied, lm_head.weight is the word-embedding tensor itself, as in HF's model.state_dict():
+    save through save_pretrained (which drops the tied copy), or drop it before safetensors.save_file.
+    """
     arch = _architecture(hf_config)
     rules = arch.rules(hf_config)
     unknown = sorted(set(our_state_dict) - {rule.ours for rule in rules})

@@ -12,13 +12,14 @@ does not have, is checked against a forward written out here.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron import fused_kernels
-from megatron.convert.huggingface import config_from_hf, state_dict_from_hf, state_dict_to_hf
+from megatron.convert.huggingface import config_from_hf, rope_parameters, state_dict_from_hf, state_dict_to_hf
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.positions import alibi_slopes
 
@@ -167,11 +168,25 @@ def test_config_mapping():
     assert (config["add_qkv_bias"], config["add_bias_linear"], config["num_query_groups"]) == (True, False, 2)
     assert model["share_embeddings_and_output_weights"] and model["position_embedding_type"] == "rope"
     config, model = config_from_hf(gpt_neox())
-    assert model["rotary_percent"] == 0.25 and config["bias_gelu_fusion"] is False and config["activation_func"] is F.gelu
+    assert model["rotary_percent"] == 0.25
+    assert config["bias_gelu_fusion"] is False and config["activation_func"] is F.gelu
     config, model = config_from_hf(gpt2())
     assert config["openai_gelu"] and "bias_gelu_fusion" not in config  # the fused tanh GeLU is GPT-2's
     assert model["position_embedding_type"] == "learned_absolute" and model["max_sequence_length"] == 64
     _, model = config_from_hf(llama_family("llama", **llama3_rope(theta=500000.0)))
+    assert (model["rope_scaling"], model["rope_scaling_factor"], model["rotary_base"]) == (True, 8.0, 500000.0)
+
+
+def test_transformers4_config_attributes():
+    # transformers 4 kept RoPE settings in separate attributes (no rope_parameters).
+    neox = SimpleNamespace(model_type="gpt_neox", rotary_pct=0.25, rotary_emb_base=20000.0)
+    assert rope_parameters(neox) == {"rope_theta": 20000.0, "partial_rotary_factor": 0.25, "rope_type": "default"}
+    llama = SimpleNamespace(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", num_hidden_layers=2,
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, rms_norm_eps=1e-5,
+        attention_dropout=0.0, initializer_range=0.02, vocab_size=VOCAB, max_position_embeddings=131072,
+        tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={k: v for k, v in LLAMA3_ROPE.items()})
+    _, model = config_from_hf(llama)
     assert (model["rope_scaling"], model["rope_scaling_factor"], model["rotary_base"]) == (True, 8.0, 500000.0)
 
 
