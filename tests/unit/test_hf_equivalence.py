@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron import fused_kernels
 from megatron.convert.huggingface import config_from_hf, rope_parameters, state_dict_from_hf, state_dict_to_hf
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.positions import alibi_slopes
@@ -30,13 +29,20 @@ STD = 0.1
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 
-# The RoPE and SwiGLU kernels (fused_kernels.rotary_pos_emb / bias_swiglu) are another helper's:
-# the fused runs use them once they exist.
-FUSED = dict(apply_rope_fusion=hasattr(fused_kernels, "rotary_pos_emb"),
-             bias_swiglu_fusion=hasattr(fused_kernels, "bias_swiglu"))
+FUSED = {}  # TransformerConfig's defaults: every fusion on (RoPE, SwiGLU, softmax, bias-GeLU, bias-dropout-add)
 UNFUSED = dict(apply_rope_fusion=False, bias_swiglu_fusion=False, masked_softmax_fusion=False,
                bias_gelu_fusion=False, bias_dropout_fusion=False, fused_kernels_cpu_impl="reference")
 FLAGS = pytest.mark.parametrize("flags", [FUSED, UNFUSED], ids=["fused", "unfused"])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Models this small run fastest on one intra-op thread (on a busy machine a second one's
+    spin-wait costs ten times the work)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def llama_family(model_type: str, **overrides):
