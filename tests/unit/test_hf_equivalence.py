@@ -77,6 +77,7 @@ HF_CONFIGS = {
     "llama-mqa": lambda: llama_family("llama", num_key_value_heads=1),
     "llama-tied": lambda: llama_family("llama", tie_word_embeddings=True),
     "llama-rope-scaling": lambda: llama_family("llama", **llama3_rope()),
+    "llama-biases": lambda: llama_family("llama", attention_bias=True, mlp_bias=True),
     "mistral": lambda: llama_family("mistral", sliding_window=SEQ),
     "mistral-head-dim-8": lambda: llama_family("mistral", head_dim=8, sliding_window=None),  # kv_channels != h / np
     "qwen2": lambda: llama_family("qwen2"),
@@ -132,8 +133,8 @@ def assert_equivalent(hf, ours) -> float:
 
 
 @FLAGS
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa", "llama-tied", "mistral", "mistral-head-dim-8", "qwen2",
-                                  "gpt-neox", "gpt2", "gpt2-untied-erf-gelu"])
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mqa", "llama-tied", "llama-biases", "mistral",
+                                  "mistral-head-dim-8", "qwen2", "gpt-neox", "gpt2", "gpt2-untied-erf-gelu"])
 def test_logits_loss_and_grads_match_hf(name, flags):
     hf = make_hf(HF_CONFIGS[name]())
     assert_equivalent(hf, make_ours(hf, flags))
