@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.convert.huggingface import state_dict_from_hf
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.attention import DotProductAttention, SelfAttention, SelfAttentionSubmodules
@@ -165,18 +166,8 @@ def test_user_spec_parallel_block_equals_hf_gpt_neox_parallel_residual():
                                bias_dropout_fusion=False)
     model = GPTModel(config, VOCAB, SEQ, position_embedding_type="rope", rotary_percent=0.25,
                      share_embeddings_and_output_weights=False, transformer_layer_spec=parallel_residual_spec()).eval()
-    sd = hf.state_dict()
-    mapped = {"embedding.word_embeddings.weight": sd["gpt_neox.embed_in.weight"],
-              "decoder.final_layernorm.weight": sd["gpt_neox.final_layer_norm.weight"],
-              "decoder.final_layernorm.bias": sd["gpt_neox.final_layer_norm.bias"],
-              "output_layer.weight": sd["lm_head.weight"]}
-    names = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "pre_mlp_layernorm",
-             "attention.query_key_value": "self_attention.linear_qkv", "attention.dense": "self_attention.linear_proj",
-             "mlp.dense_h_to_4h": "mlp.linear_fc1", "mlp.dense_4h_to_h": "mlp.linear_fc2"}
-    for i in range(2):  # GPT-NeoX's query_key_value rows are already [heads, 3, hn], ours for one group per head
-        for theirs, ours in names.items():
-            for kind in ("weight", "bias"):
-                mapped[f"decoder.layers.{i}.{ours}.{kind}"] = sd[f"gpt_neox.layers.{i}.{theirs}.{kind}"]
+    # The weights map as for the sequential block (megatron/convert/huggingface.py); only the layer differs.
+    mapped = state_dict_from_hf(hf.state_dict(), hf_config)
     model.load_state_dict(mapped, strict=True)
     tokens = torch.randint(0, VOCAB, (2, SEQ))
     with torch.no_grad():
