@@ -12,6 +12,12 @@ from megatron.core.tensor_parallel.layers import (
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
 )
+from megatron.core.tensor_parallel.layout import (
+    gather_tensor_parallel,
+    merge_shards,
+    shard_for_rank,
+    without_duplicate_rows,
+)
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -49,8 +55,10 @@ __all__ = [
     "divide",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "gather_tensor_parallel",
     "get_cuda_rng_tracker",
     "get_rng_tracker",
+    "merge_shards",
     "model_parallel_cuda_manual_seed",
     "param_is_not_tensor_parallel_duplicate",
     "reduce_from_tensor_model_parallel_region",
@@ -59,6 +67,8 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
+    "shard_for_rank",
     "split_tensor_along_last_dim",
     "vocab_parallel_cross_entropy",
+    "without_duplicate_rows",
 ]
