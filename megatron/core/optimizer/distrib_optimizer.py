@@ -22,7 +22,8 @@ step():
   2. fp16: unscale; found_inf is MAX-reduced over the data-parallel AND model-parallel groups,
      since each rank sees only its shards' grads;
   3. grad norm: squares summed over the owned shards (tied copies and tensor-parallel duplicates
-     left out, as without sharding), then over the data-parallel and model-parallel groups, so
+     left out, as without sharding: a shard meeting a param's replicated K/V rows leaves out
+     their flat range), then over the data-parallel and model-parallel groups, so
      the norm equals the non-distributed one; clip;
   4. inner step; updated fp32 shards copied (cast) into the param buffer's owned range;
   5. DistributedDataParallel.start_param_sync() on every chunk: every bucket's param slices are
@@ -84,6 +85,16 @@ class ParamShard:
     end: int
     main: torch.Tensor         # [end - start] fp32; a view of the param buffer for fp32 params
     main_is_view: bool
+
+
+def duplicate_range_in_shard(rows: tuple[int, int], row_numel: int, param_start: int, start: int,
+                             end: int) -> Optional[tuple[int, int]]:
+    """Where a param's duplicate rows [rows[0], rows[1]) (of dim 0, row_numel elements each; the
+    param lies row-major from param_start in the buffer) meet the shard [start, end) (buffer
+    coordinates): [lo, hi) in the shard's own coordinates, or None when they do not meet."""
+    lo = max(start, param_start + rows[0] * row_numel)
+    hi = min(end, param_start + rows[1] * row_numel)
+    return (lo - start, hi - start) if lo < hi else None
 
 
 def _owned_range(bucket: "Bucket") -> tuple[int, int]:
@@ -184,9 +195,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         else:
             raise TypeError(f"wrapped parameters must be float32, float16 or bfloat16, got {param.dtype}")
         for name in _PARAM_ATTRIBUTES:  # the grad-norm filters read these
-            if hasattr(param, name):
+            if hasattr(param, name) and name != "tensor_parallel_duplicate_rows":
                 setattr(main, name, getattr(param, name))
+        rows = getattr(param, "tensor_parallel_duplicate_rows", None)
+        duplicate = None if rows is None else duplicate_range_in_shard(
+            rows, param.numel() // param.shape[0], self.buffers[buffer_index].param_index_map[param][0], start, end)
+        if duplicate is not None:
+            main.tensor_parallel_duplicate_rows = duplicate  # main is flat: its "rows" are elements
         return ParamShard(param, buffer_index, bucket_index, start, end, main, is_view)
+
 
     def shards(self) -> list[ParamShard]:
         return [shard for group in self.shard_groups for shard in group]
@@ -499,4 +516,4 @@ def _names(dtype_keys: list) -> str:
                      if isinstance(key, tuple) else str(key) for key in dtype_keys)
 
 
-__all__ = ["DistributedOptimizer", "ParamShard"]
+__all__ = ["DistributedOptimizer", "ParamShard", "duplicate_range_in_shard"]

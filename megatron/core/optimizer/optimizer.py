@@ -27,12 +27,16 @@ from megatron.core.optimizer.clip_grads import (
 )
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.tensor_parallel.layout import without_duplicate_rows
 
 StepResult = tuple[bool, float | None, int | None]
 
 # Attributes that describe how a param is split or shared; main copies inherit them so the
 # grad-norm filters below treat a main param exactly like its model param.
-_PARAM_ATTRIBUTES = ("shared", "tensor_model_parallel", "partition_dim", "partition_stride", "allreduce")
+# tensor_parallel_duplicate_rows = (start, end): rows that are a copy of another TP rank's (the
+# replicated K/V rows of multi-query attention under TP, marked on all but the first replica).
+_PARAM_ATTRIBUTES = ("shared", "tensor_model_parallel", "partition_dim", "partition_stride", "allreduce",
+                     "tensor_parallel_duplicate_rows")
 
 
 def _zero_grad_group_helper(group: list[torch.Tensor], set_to_none: bool) -> None:
@@ -74,8 +78,9 @@ class MegatronOptimizer(ABC):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
-        """Grads that count towards the norm: no shared copies, no tensor-parallel replicas."""
-        return [p.grad.detach() for p in self.get_parameters()
+        """Grads that count towards the norm (and count_zeros): no shared copies, no tensor-parallel
+        replicas, and of a split param not the rows that replicate another rank's (replicated K/V)."""
+        return [without_duplicate_rows(p, p.grad.detach()) for p in self.get_parameters()
                 if p.grad is not None and param_is_not_shared(p)
                 and param_is_not_tensor_parallel_duplicate(p)]
 
