@@ -9,6 +9,8 @@ the same weights after one optimizer step (TP = 2 x DP = 2, plain and distribute
     tp2-mqa        TP = 2, 1 group (multi-query): K/V replicated on both ranks, explicit
                    partition_rows, their gradients summed in finalize_model_grads
     tp2-mqa-sp     the same under sequence parallelism
+    tp2-mqa-qk     MQA with q/k layer norms and a QKV bias (Qwen-style): the replicated K/V bias
+                   rows, and the norms' partial gradients summed over TP
     pp2            2 pipeline stages (1F1B)
     tp2-pp2        both (2 groups)
     pp2-v2         interleaved: 2 stages x 2 virtual chunks of one layer each
@@ -48,6 +50,7 @@ LAYOUTS = {
     "tp2-g4": dict(tp=2, groups=4),
     "tp2-mqa": dict(tp=2, groups=1),
     "tp2-mqa-sp": dict(tp=2, groups=1, sp=True),
+    "tp2-mqa-qk": dict(tp=2, groups=1, qk=True),
     "pp2": dict(pp=2, groups=2),
     "tp2-pp2": dict(tp=2, pp=2, groups=2),
     "pp2-v2": dict(pp=2, vpp=2, groups=4),
@@ -59,20 +62,21 @@ def _padded(tp: int) -> int:
     return -(-VOCAB // multiple) * multiple
 
 
-def _config(groups: int, fused: bool, tp: int = 1, pp: int = 1, vpp=None, sp: bool = False) -> TransformerConfig:
+def _config(groups: int, fused: bool, tp: int = 1, pp: int = 1, vpp=None, sp: bool = False,
+            qk: bool = False) -> TransformerConfig:
     return TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=groups,
         ffn_hidden_size=FFN, normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True,
         activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        sequence_parallel=sp, apply_rope_fusion=fused and HAVE_LLAMA_KERNELS,
+        sequence_parallel=sp, qk_layernorm=qk, add_qkv_bias=qk, apply_rope_fusion=fused and HAVE_LLAMA_KERNELS,
         bias_swiglu_fusion=fused and HAVE_LLAMA_KERNELS, masked_softmax_fusion=fused, bias_dropout_fusion=fused,
         fused_kernels_cpu_impl="native" if fused else "reference")
 
 
-def build_chunks(groups: int, fused: bool, tp: int = 1, pp: int = 1, vpp=None, sp: bool = False):
+def build_chunks(groups: int, fused: bool, tp: int = 1, pp: int = 1, vpp=None, sp: bool = False, qk: bool = False):
     """This rank's Llama chunks (its stage, its TP shard) and each chunk's first global layer."""
-    config = _config(groups, fused, tp, pp, vpp, sp)
+    config = _config(groups, fused, tp, pp, vpp, sp, qk)
     chunks, offsets = [], []
     for chunk_id in range(vpp or 1):
         if vpp is not None:
@@ -81,7 +85,7 @@ def build_chunks(groups: int, fused: bool, tp: int = 1, pp: int = 1, vpp=None, s
         tensor_parallel.model_parallel_cuda_manual_seed(SEED)
         chunks.append(GPTModel(config, vocab_size=_padded(tp), num_tokens=VOCAB, max_sequence_length=SEQ,
                                share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                               transformer_layer_spec=get_llama_layer_spec(),
+                               transformer_layer_spec=get_llama_layer_spec(qk_layernorm=qk),
                                pre_process=parallel_state.is_pipeline_first_stage(),
                                post_process=parallel_state.is_pipeline_last_stage()))
         offsets.append(get_layer_offset(config))
@@ -138,10 +142,10 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
-def _serial_run(groups: int, fused: bool):
+def _serial_run(groups: int, fused: bool, qk: bool = False):
     """The serial model's losses and parameters (with their gradients)."""
     init_parallel(tp=1)
-    (serial,), _ = build_chunks(groups, fused)
+    (serial,), _ = build_chunks(groups, fused, qk=qk)
     losses = run_schedule([serial], serial=True)
     parallel_state.destroy_model_parallel()
     return losses, dict(serial.named_parameters())
@@ -151,7 +155,7 @@ def _compare_layout(layout: dict, fused: bool, serial_losses: list, serial_param
     groups = layout["groups"]
     tp, pp, vpp, sp = layout.get("tp", 1), layout.get("pp", 1), layout.get("vpp"), layout.get("sp", False)
     init_parallel(tp=tp, pp=pp, vpp=vpp)
-    chunks, offsets = build_chunks(groups, fused, tp, pp, vpp, sp)
+    chunks, offsets = build_chunks(groups, fused, tp, pp, vpp, sp, layout.get("qk", False))
     losses = run_schedule(chunks)
     grad_errors, weight_errors, padding_grad, covered = {}, {}, 0.0, set()
     for chunk, offset in zip(chunks, offsets):
@@ -175,8 +179,9 @@ def _compare_layout(layout: dict, fused: bool, serial_losses: list, serial_param
 
 
 def _compare_layouts(names: list, fused: bool) -> dict:
-    serial = {groups: _serial_run(groups, fused) for groups in sorted({LAYOUTS[n]["groups"] for n in names})}
-    return {name: _compare_layout(LAYOUTS[name], fused, *serial[LAYOUTS[name]["groups"]]) for name in names}
+    models = {name: (LAYOUTS[name]["groups"], LAYOUTS[name].get("qk", False)) for name in names}
+    serial = {(groups, qk): _serial_run(groups, fused, qk) for groups, qk in sorted(set(models.values()))}
+    return {name: _compare_layout(LAYOUTS[name], fused, *serial[models[name]]) for name in names}
 
 
 FUSED = [pytest.param(False, id="plain"), pytest.param(True, id="fused")]
