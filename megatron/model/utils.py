@@ -91,7 +91,8 @@ def get_num_parameters_across_model_parallel(model: nn.Module | Iterable[nn.Modu
 
     A tensor-parallel shard counts on every rank (the shards together are the weight); a
     parameter replicated on all TP ranks (layer norms, row-parallel biases, position
-    embeddings) counts on TP rank 0 only; the last stage's copy of a tied embedding not at all.
+    embeddings) counts on TP rank 0 only, replicated K/V rows on their group's first rank; the
+    last stage's copy of a tied embedding not at all.
     Equals the serial model's count plus the vocabulary padding rows. Collective over the
     model-parallel group: every rank of it must call this.
     """
@@ -104,6 +105,9 @@ def get_num_parameters_across_model_parallel(model: nn.Module | Iterable[nn.Modu
         for param in module.parameters():
             if param_is_not_tensor_parallel_duplicate(param) and not getattr(param, "shared_embedding", False):
                 seen[id(param)] = param.numel()
+                duplicate = getattr(param, "tensor_parallel_duplicate_rows", None)
+                if duplicate is not None:  # rows replicating another TP rank's (MQA K/V): counted there
+                    seen[id(param)] -= (duplicate[1] - duplicate[0]) * (param.numel() // param.shape[0])
     total = torch.tensor([sum(seen.values())], dtype=torch.int64)
     group = parallel_state.get_model_parallel_group()
     if group is not None:

@@ -38,6 +38,7 @@ from megatron.core.tensor_parallel import gather_tensor_parallel
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.layer_specs import get_llama_layer_spec
 from megatron.model.transformer_layer import get_layer_offset
+from megatron.model.utils import get_num_parameters_across_model_parallel
 from tests.parallel.harness import init_parallel
 
 VOCAB, SEQ, MBS, HIDDEN, HEADS, FFN, LAYERS, SEED, MICROBATCHES = 300, 8, 2, 32, 8, 48, 4, 1234, 4
@@ -234,12 +235,14 @@ def _offset_duplicate_shards(optimizer) -> int:
 def _mqa_optimizer_step(use_distributed_optimizer: bool, bucket_size) -> dict:
     init_parallel(tp=1)
     (serial,), _ = build_chunks(1, fused=False)
+    serial_count = get_num_parameters_across_model_parallel(serial)
     serial_losses, serial_norm, serial_zeros, _ = _one_step([serial])
     expected = {name: p.detach().clone() for name, p in serial.named_parameters()}
     parallel_state.destroy_model_parallel()
 
     init_parallel(tp=2)  # 4 ranks: DP = 2, each replica half the micro-batches
     (model,), _ = build_chunks(1, fused=False, tp=2)
+    count = get_num_parameters_across_model_parallel(model)  # the K/V replicas counted once
     d, r = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     half = MICROBATCHES // d
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
@@ -253,7 +256,8 @@ def _mqa_optimizer_step(use_distributed_optimizer: bool, bucket_size) -> dict:
     return {"serial_losses": serial_losses[r * half:(r + 1) * half], "losses": losses, "errors": errors,
             "serial_norm": serial_norm, "grad_norm": grad_norm, "serial_zeros": serial_zeros,
             "num_zeros": num_zeros, "offset_duplicate_shards": _offset_duplicate_shards(optimizer),
-            "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "count": count,
+            "serial_count": serial_count}
 
 
 @pytest.mark.parametrize("use_distributed_optimizer, bucket_size",
@@ -267,6 +271,7 @@ def test_mqa_grad_norm_and_step_equal_the_serial_model(dist_pool, use_distribute
         assert result["serial_norm"] > OPTIMIZER.clip_grad, rank  # the step is clipped
         assert result["grad_norm"] == pytest.approx(result["serial_norm"], rel=1e-5), rank
         assert result["num_zeros"] == result["serial_zeros"] + padding_zeros, rank
+        assert result["count"] == result["serial_count"] + padding_zeros, rank  # the padding rows are parameters
         assert result["losses"] == pytest.approx(result["serial_losses"], rel=1e-5), rank
         bad = {name: error for name, error in result["errors"].items() if error > 1e-5}
         assert not bad, (rank, bad)
