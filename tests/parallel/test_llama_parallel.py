@@ -20,8 +20,8 @@ piece of the layout; split gradients are gathered into the serial layout with
 tensor_parallel.gather_tensor_parallel, which also checks that replicated rows agree. The
 vocabulary (300) is not a multiple of 128 x t: padding rows must get no gradient. Each task runs
 several layouts (the world has 4 ranks; TP = 2 alone leaves 2 identical data-parallel replicas).
-"fused" runs the config's fused paths (the CPU fast path, fused softmax and bias-dropout-add;
-the RoPE and SwiGLU kernels once fused_kernels has them), "plain" the reference PyTorch ops.
+"fused" runs the config's fused paths (fused_kernels.rotary_pos_emb and bias_swiglu, the fused
+softmax and bias-dropout-add, the CPU fast path), "plain" the reference PyTorch ops.
 """
 
 import pytest
@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron import fused_kernels
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -43,8 +42,6 @@ from tests.parallel.harness import init_parallel
 
 VOCAB, SEQ, MBS, HIDDEN, HEADS, FFN, LAYERS, SEED, MICROBATCHES = 300, 8, 2, 32, 8, 48, 4, 1234, 4
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-# The RoPE / SwiGLU kernels land in fused_kernels separately: fused runs use them once they exist.
-HAVE_LLAMA_KERNELS = hasattr(fused_kernels, "rotary_pos_emb") and hasattr(fused_kernels, "bias_swiglu")
 
 LAYOUTS = {
     "tp2-g2": dict(tp=2, groups=2),
@@ -70,8 +67,8 @@ def _config(groups: int, fused: bool, tp: int = 1, pp: int = 1, vpp=None, sp: bo
         ffn_hidden_size=FFN, normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True,
         activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-        sequence_parallel=sp, qk_layernorm=qk, add_qkv_bias=qk, apply_rope_fusion=fused and HAVE_LLAMA_KERNELS,
-        bias_swiglu_fusion=fused and HAVE_LLAMA_KERNELS, masked_softmax_fusion=fused, bias_dropout_fusion=fused,
+        sequence_parallel=sp, qk_layernorm=qk, add_qkv_bias=qk, apply_rope_fusion=fused,
+        bias_swiglu_fusion=fused, masked_softmax_fusion=fused, bias_dropout_fusion=fused,
         fused_kernels_cpu_impl="native" if fused else "reference")
 
 
