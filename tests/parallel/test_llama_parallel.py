@@ -198,7 +198,10 @@ def test_llama_layouts_equal_the_serial_model(dist_pool, fused):
             assert result["padding_grad"] == 0.0, where
             if result["losses"]:  # the last pipeline stage reports them
                 assert result["losses"] == pytest.approx(result["serial_losses"], rel=1e-5), where
-        assert per_layout["tp2-mqa"]["losses"], rank  # every TP-only rank is a last stage
+    for name in LAYOUTS:  # the last stages (every rank without PP) reported all micro-batches
+        reported = [per_layout[name]["losses"] for per_layout in results if per_layout[name]["losses"]]
+        assert len(reported) == dist_pool.world_size // LAYOUTS[name].get("pp", 1), name
+        assert all(len(losses) == MICROBATCHES for losses in reported), name
 
 
 # SGD (Adam's first step is lr * sign(g): blind to the norm); clip_grad below the norm, so the step
