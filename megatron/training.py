@@ -537,18 +537,9 @@ class _Loop:
         """L2 norm of the whole model's parameters: each counted once over the TP/PP ranks."""
         if not get_args().log_params_norm:
             return None
-        from megatron.core.optimizer.optimizer import param_is_not_shared, param_is_not_tensor_parallel_duplicate
+        from megatron.core.optimizer.optimizer import params_norm
 
-        squares = torch.zeros((), dtype=torch.float64, device=device.get_device())
-        for chunk in self.model:
-            chunk.finish_param_sync()  # --overlap-param-gather: the weights may still be arriving
-            for p in chunk.parameters():
-                if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                    squares += p.detach().double().pow(2).sum()
-        group = parallel_state.get_model_parallel_group()
-        if group is not None and torch.distributed.get_world_size(group) > 1:
-            communication.all_reduce(squares, group=group)
-        return math.sqrt(squares.item())
+        return params_norm(self.model)
 
     # -------------------------------------------------------------- evaluation
     def evaluate(self, data_iterator: Iterator) -> Dict[str, float]:

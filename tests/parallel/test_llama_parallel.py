@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel import gather_tensor_parallel
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.layer_specs import get_llama_layer_spec
 from megatron.model.transformer_layer import get_layer_offset
+from megatron.core.optimizer.optimizer import params_norm
 from megatron.model.utils import get_num_parameters_across_model_parallel
 from tests.parallel.harness import init_parallel
 
@@ -249,6 +250,10 @@ def _mqa_optimizer_step(use_distributed_optimizer: bool, bucket_size) -> dict:
                                                bucket_size=bucket_size)
     losses, grad_norm, num_zeros, optimizer = _one_step([model], slice(r * half, (r + 1) * half), ddp_config)
     errors = {}
+    whole = {name: gather_tensor_parallel(param, param.detach()) for name, param in model.named_parameters()}
+    # --log-params-norm: the norm of the whole (gathered) model, each replicated K/V row once
+    errors["params_norm"] = relative_error(torch.tensor(params_norm([model])),
+                                           torch.stack([w.double().pow(2).sum() for w in whole.values()]).sum().sqrt())
     for name, param in model.named_parameters():
         rows = slice(0, VOCAB) if name in VOCAB_PARAMS else slice(None)
         weight = gather_tensor_parallel(param, param.detach())  # replicated K/V rows must agree

@@ -13,13 +13,14 @@ instead of `.grad`.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron.core import communication, parallel_state
+from megatron.core import communication, device, parallel_state
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
     count_zeros_fp32,
@@ -62,6 +63,24 @@ def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
     """True for tensor-parallel shards, and for replicated params on tensor-parallel rank 0."""
     return bool(getattr(param, "tensor_model_parallel", False)) or (
         parallel_state.get_tensor_model_parallel_rank() == 0)
+
+
+def params_norm(model_chunks) -> float:
+    """L2 norm of the whole model's parameters over the model-parallel group (collective): tied
+    copies, tensor-parallel replicas and replicated K/V rows (tensor_parallel_duplicate_rows) counted
+    once. The weights of --overlap-param-gather are waited for first."""
+    squares = torch.zeros((), dtype=torch.float64, device=device.get_device())
+    for chunk in model_chunks:
+        finish = getattr(chunk, "finish_param_sync", None)
+        if finish is not None:
+            finish()  # --overlap-param-gather: the weights may still be arriving
+        for p in chunk.parameters():
+            if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                squares += without_duplicate_rows(p, p.detach()).double().pow(2).sum()
+    group = parallel_state.get_model_parallel_group()
+    if group is not None and dist.get_world_size(group) > 1:
+        communication.all_reduce(squares, group=group)
+    return math.sqrt(squares.item())
 
 
 class MegatronOptimizer(ABC):
