@@ -121,6 +121,10 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
                        help="A bias on the QKV projection even with --disable-bias-linear (Qwen2).")
     group.add_argument("--qk-layernorm", action="store_true",
                        help="Normalize each head's queries and keys (with --normalization's norm).")
+    group.add_argument("--spec", nargs="*", default=None, metavar=("MODULE", "NAME"),
+                       help="The layer spec to build: NAME in the importable module MODULE, a ModuleSpec or a "
+                            "function returning one (Megatron's --spec; docs/model.md). Default: the GPT spec "
+                            "the architecture flags describe.")
     group.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                        help="Layer implementation (only local is supported yet).")
 
@@ -533,8 +537,11 @@ def _architecture_kwargs(args: Namespace) -> dict[str, Any]:
 
 
 def gpt_model_kwargs(args: Namespace) -> dict[str, Any]:
-    """GPTModel's position-embedding keywords (Megatron-Core's names) from validated args."""
+    """GPTModel's position-embedding keywords (Megatron-Core's names) and --spec's layer spec from validated args."""
+    from megatron.arguments_model import layer_spec_from_flag
+
     return dict(
+        transformer_layer_spec=layer_spec_from_flag(args.spec),
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,

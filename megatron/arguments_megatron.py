@@ -299,7 +299,6 @@ REFUSED = (
     _value("--data-args-path", str, None, "reading --data-path from a file"),
     _value("--per-split-data-args-path", str, None, "reading the per-split data paths from a file"),
     _value("--mid-level-dataset-surplus", float, 0.005, "a blend surplus other than 0.005"),
-    _value("--spec", str, None, "layer specs chosen by module path", nargs="*"),
     _value("--yaml-cfg", str, None, "YAML configuration files"),
     _true("--is-hybrid-model", "hybrid Mamba models"),
     _value("--hybrid-attention-ratio", float, 0.0, "hybrid Mamba models"),

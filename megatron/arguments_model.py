@@ -7,6 +7,7 @@ embeddings and the rotary settings, grouped-query attention, the MLP activation 
 | _validate_position_embedding | relative / mrope; bad --rotary-*; --use-rope-scaling without rope | apply_rope_fusion off without rope |
 | _validate_query_groups | groups that do not divide the heads, or fit neither way with TP | |
 | _validate_activation | two activations at once | |
+| layer_spec_from_flag | --spec that is not MODULE NAME, does not import, or names no spec | the ModuleSpec |
 
 Megatron-LM silently ignores --rotary-* (and --num-query-groups without --group-query-attention);
 so do we, with one WARNING line naming them. Errors are ArgsError naming the flags.
@@ -117,3 +118,34 @@ def validate_model_architecture(args: Namespace) -> None:
     _validate_position_embedding(args)
     _validate_query_groups(args)
     _validate_activation(args)
+    layer_spec_from_flag(args.spec)  # imported now: a bad --spec fails before any process group or data
+
+
+def layer_spec_from_flag(spec: list[str] | None):
+    """--spec MODULE NAME: getattr(import_module(MODULE), NAME), a ModuleSpec or a function of no
+    arguments returning one (Megatron's --spec takes the object itself); None without the flag.
+    MODULE is the user's own code, imported as Python imports any module they name."""
+    if spec is None:
+        return None
+    import importlib
+
+    from megatron.model.spec import ModuleSpec
+
+    ArgsError, _ = _errors()
+    if len(spec) != 2:
+        raise ArgsError(f"--spec takes two values, MODULE NAME (e.g. --spec my_specs parallel_block_spec), "
+                        f"got {len(spec)}: {' '.join(spec) or '(none)'}")
+    module_name, name = spec
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ArgsError(f"--spec {module_name} {name}: cannot import {module_name} ({error})") from None
+    if not hasattr(module, name):
+        raise ArgsError(f"--spec {module_name} {name}: {module_name} has no attribute {name}")
+    value = getattr(module, name)
+    if callable(value) and not isinstance(value, (ModuleSpec, type)):
+        value = value()
+    if not isinstance(value, ModuleSpec):
+        raise ArgsError(f"--spec {module_name} {name}: expected a ModuleSpec (or a function returning one), "
+                        f"got {type(value).__name__}")
+    return value

@@ -53,7 +53,7 @@ def test_a_gpt_run_gets_the_gpt_config():
     assert config.num_query_groups == 4 and config.normalization == "LayerNorm"  # None -> one group per head
     assert gpt_model_kwargs(args) == {"position_embedding_type": "learned_absolute", "rotary_percent": 1.0,
                                       "rotary_base": 10000, "rope_scaling": False, "rope_scaling_factor": 8.0,
-                                      "seq_len_interpolation_factor": None}
+                                      "seq_len_interpolation_factor": None, "transformer_layer_spec": None}
     assert args.apply_rope_fusion is False  # as Megatron: no rope, no rope fusion
 
 
@@ -74,7 +74,7 @@ def test_llama_flags_reach_the_config_and_the_model(capsys):
     assert config.layernorm_zero_centered_gamma and config.rotary_interleaved and not config.apply_rope_fusion
     assert gpt_model_kwargs(args) == {"position_embedding_type": "rope", "rotary_percent": 0.5,
                                       "rotary_base": 500000, "rope_scaling": True, "rope_scaling_factor": 32.0,
-                                      "seq_len_interpolation_factor": 4}
+                                      "seq_len_interpolation_factor": 4, "transformer_layer_spec": None}
 
 
 def test_swiglu_width_default_and_explicit():

@@ -216,3 +216,27 @@ def test_model_code_does_not_branch_on_the_device():
                     and node.value.attr == "device"):
                 found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert found == []
+
+
+def test_spec_flag_trains_the_users_layer_from_pretrain_gpt():
+    """--spec MODULE NAME (Megatron's flag): pretrain_gpt builds this module's parallel block."""
+    import pretrain_gpt
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    models = []
+
+    def provider(pre_process=True, post_process=True):
+        models.append(pretrain_gpt.model_provider(pre_process, post_process))
+        return models[-1]
+
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--max-position-embeddings",
+            "16", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+            "--num-workers", "0", "--eval-iters", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "255", "--train-iters", "3", "--position-embedding-type", "rope",
+            "--spec", "tests.unit.test_layer_specs", "parallel_residual_spec"]
+    result = pretrain(pretrain_gpt.train_valid_test_datasets_provider, provider, ModelType.encoder_or_decoder,
+                      pretrain_gpt.forward_step, argv=argv, record_history=True)
+    assert all(isinstance(layer, ParallelResidualLayer) for layer in models[0].decoder.layers)
+    losses = [entry.losses["lm loss"] for entry in result.history]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
