@@ -31,6 +31,7 @@ def _model(bf16: bool = False):
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, hidden_dropout=0.0,
                                attention_dropout=0.0, bf16=bf16,
+                               tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
                                params_dtype=torch.bfloat16 if bf16 else torch.float32)
     model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ)
     return Float16Module(config, model) if bf16 else model
