@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -62,7 +63,7 @@ RESULT_TAG = "COMPARE_PEERS_RESULT "
 
 @dataclass(frozen=True)
 class GPTShape:
-    """The benchmarked configuration."""
+    """The benchmarked configuration (--model gpt; LLAMA_SHAPE for --model llama)."""
 
     layers: int = 4
     hidden: int = 256
@@ -70,6 +71,9 @@ class GPTShape:
     vocab: int = 8192
     seq: int = 256
     micro_batch: int = 8
+    family: str = "gpt"  # "llama": RMSNorm, SwiGLU, RoPE, grouped-query attention, untied, no biases
+    ffn: int = 1024
+    query_groups: int = 8
     lr: float = 1e-4
     weight_decay: float = 0.01
     clip_grad: float = 1.0
@@ -79,7 +83,18 @@ class GPTShape:
         return self.micro_batch * self.seq
 
 
-SHAPE = GPTShape()
+GPT_SHAPE = GPTShape()
+LLAMA_SHAPE = GPTShape(family="llama", ffn=688, query_groups=2)
+SHAPES = {"gpt": GPT_SHAPE, "llama": LLAMA_SHAPE}
+SHAPE = GPT_SHAPE  # the model of this process: select_model(--model) rebinds it
+
+
+def select_model(name: str) -> GPTShape:
+    """Make SHAPES[name] the shape every helper and worker of this process uses."""
+    global SHAPE
+    SHAPE = SHAPES[name]
+    return SHAPE
+
 
 OPTIMIZER_TEXT = ("AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, wd 0.01 on matrices, 0 on biases/norms), "
                   "grad clip 1.0")
@@ -88,26 +103,36 @@ OPTIMIZER_TEXT = ("AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, wd 0.01 on matrice
 
 # ------------------------------------------------------------------------------ pure helpers
 
-def matmul_params(shape: GPTShape = SHAPE) -> int:
-    """N: weights that take part in matmuls (12 L h^2 in the layers + V h for the tied output layer).
+def matmul_params(shape: GPTShape | None = None) -> int:
+    """N: weights that take part in matmuls: per layer QKV h (np + 2 ng) hn, the projection h^2,
+    the MLP (2 or, gated, 3) h ffn -- 12 h^2 for the GPT -- and V h for the output layer.
 
-    Biases, norms and the position table are left out, as in Megatron's formula."""
-    return 12 * shape.layers * shape.hidden ** 2 + shape.vocab * shape.hidden
+    Biases, norms, the position table and an untied input embedding (a lookup) are left out, as
+    in Megatron's formula."""
+    shape = shape or SHAPE
+    h, hn = shape.hidden, shape.hidden // shape.heads
+    mlp = (3 if shape.family == "llama" else 2) * h * shape.ffn
+    layer = h * (shape.heads + 2 * shape.query_groups) * hn + h * h + mlp
+    return shape.layers * layer + shape.vocab * h
 
 
-def flops_per_step(shape: GPTShape = SHAPE) -> int:
+def flops_per_step(shape: GPTShape | None = None) -> int:
     """Model FLOPs of one training step: 6 N T + 12 L s h T (T tokens, attention over the full s x s).
 
     The paper's count (forward 2 FLOPs per multiply-add, backward twice forward, no recompute,
     causal masking not discounted): megatron/training_log.py's num_floating_point_operations
     (Megatron-LM core_v0.13's, the causal half of the scores) plus 6 L s^2 h per sequence. Kept
     so that the MFU figures recorded in docs/PERFORMANCE.md stay comparable."""
+    shape = shape or SHAPE
     tokens = shape.tokens_per_step
     return 6 * matmul_params(shape) * tokens + 12 * shape.layers * shape.seq * shape.hidden * tokens
 
 
 FLOPS_TEXT = ("model FLOPs/step = 6*N*T + 12*L*s*h*T, N = 12*L*h^2 + V*h (matmul weights), T = b*s tokens "
               "(Megatron's formula: backward = 2x forward, full s x s attention, no recompute)")
+LLAMA_FLOPS_TEXT = ("model FLOPs/step = 6*N*T + 12*L*s*h*T, N = L*(h*(np + 2*ng)*hn + h^2 + 3*h*ffn) + V*h "
+                    "(matmul weights; the untied input embedding is a lookup), T = b*s tokens (Megatron's "
+                    "formula: backward = 2x forward, full s x s attention, no recompute)")
 
 
 def mfu(step_seconds: float, flops: float, peak_gflops: float) -> float:
@@ -147,6 +172,7 @@ class Measured:
     notes: dict = field(default_factory=dict)
     contended_steps: int = 0
     reruns: int = 0
+    first_losses: list[float] = field(default_factory=list)  # each run's first step (before any update)
 
     @property
     def ok(self) -> bool:
@@ -211,6 +237,7 @@ def _load_bench_module(name: str):
 
 
 MCORE_CPU_PATCHES = _load_bench_module("mcore_cpu_patches").MCORE_CPU_PATCHES
+LLAMA = _load_bench_module("compare_llama")  # the --model llama builders, one set of weights for all three
 
 
 def _load_device_module():
@@ -260,18 +287,19 @@ def _timed_steps(step, warmup: int, steps: int, device) -> dict:
 
     Returns {"step_ms": wall ms of each timed step, "cpu_share": per step, this process's CPU
     time / (wall time x torch threads) -- about 1.0 when the cores are ours, lower when other
-    jobs take them (None on an accelerator, where the host waits) -- "loss": the last loss}."""
-    loss = None
-    for _ in range(warmup):
-        loss = step()
+    jobs take them (None on an accelerator, where the host waits) -- "loss": the last loss,
+    "first_loss": the first step's (before any update: with the same weights, the same in all three)}."""
+    losses = [step() for _ in range(warmup)]
     times, shares = [], []
     for _ in range(steps):
         loss, wall, share = _timed(step, device)
         times.append(wall * 1000)
         shares.append(share)
+        losses.append(loss)
     if _PROFILE_ROWS:
-        loss = _profile_step(step, device)
-    return {"step_ms": times, "cpu_share": None if device.accelerator_available() else shares, "loss": float(loss)}
+        losses.append(_profile_step(step, device))
+    return {"step_ms": times, "cpu_share": None if device.accelerator_available() else shares,
+            "loss": float(losses[-1]), "first_loss": float(losses[0])}
 
 
 def _profile_step(step, device, tries: int = 10, min_share: float = 0.9):
@@ -339,12 +367,15 @@ def run_ours(precision: str, warmup: int, steps: int, extra_flags: list[str]) ->
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(s.vocab - 1),
             "--train-iters", str(warmup + steps), "--eval-iters", "0", "--log-interval", "1000000"]
     argv += ["--bf16"] if precision == "bf16" else []
+    if s.family == "llama":
+        argv += ["--ffn-hidden-size", str(s.ffn)]
     initialize_megatron(argv=argv + extra_flags)
-    model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
+    provider = _ours_llama_provider if s.family == "llama" else pretrain_gpt.model_provider
+    model, optimizer, scheduler = setup_model_and_optimizer(provider, ModelType.encoder_or_decoder)
     position_ids = torch.arange(s.seq).expand(s.micro_batch, s.seq)
     batches = [{"tokens": b[:, :-1], "labels": b[:, 1:], "position_ids": position_ids,
                 "loss_mask": torch.ones(s.micro_batch, s.seq)} for b in _batches()]
-    data = iter(batches * (warmup + steps))
+    data = itertools.cycle(batches)  # endless: --profile retries its step while other jobs hold the cores
 
     def step():
         losses, _, _, _ = train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler)
@@ -356,26 +387,57 @@ def run_ours(precision: str, warmup: int, steps: int, extra_flags: list[str]) ->
         attention = "composed matmul + softmax + matmul"
     else:
         attention = "fused_kernels.core_attention, causal by query blocks (default)"
-    return _timed_steps(step, warmup, steps, device), {"attention": attention, "flags": " ".join(extra_flags)}
+    notes = {"attention": attention, "flags": " ".join(extra_flags)}
+    if s.family == "llama":
+        notes["fusions"] = _ours_llama_fusions()
+    return _timed_steps(step, warmup, steps, device), notes
+
+
+def _ours_llama_fusions() -> str:
+    """Which of the Llama model's fused ops ours runs (the flags' defaults where the kernels exist)."""
+    overrides = _ours_llama_overrides()
+    return ", ".join(f"{name} {overrides.get(name, True)}" for name in ("apply_rope_fusion", "bias_swiglu_fusion"))
+
+
+def _ours_llama_overrides() -> dict:
+    """The config fields of the Llama model (bench/compare_llama.py) and, until fused_kernels has
+    rotary_pos_emb and bias_swiglu, those fusions off (Megatron's unfused formulas)."""
+    from megatron import fused_kernels
+
+    overrides = LLAMA.ours_config_overrides(SHAPE)
+    for op, field_name in (("rotary_pos_emb", "apply_rope_fusion"), ("bias_swiglu", "bias_swiglu_fusion")):
+        if not hasattr(fused_kernels, op):
+            overrides[field_name] = False
+    return overrides
+
+
+def _ours_llama_provider(pre_process: bool = True, post_process: bool = True):
+    """pretrain_gpt.model_provider's GPTModel made Llama-style: its config from the flags with
+    _ours_llama_overrides, get_llama_layer_spec, RoPE, untied, initial weights loaded."""
+    import dataclasses
+
+    from megatron.arguments import core_transformer_config_from_args
+    from megatron.global_vars import get_args, get_tokenizer
+
+    args = get_args()
+    config = dataclasses.replace(core_transformer_config_from_args(args), **_ours_llama_overrides())
+    return LLAMA.build_ours(config, SHAPE, vocab_size=args.padded_vocab_size, num_tokens=get_tokenizer().vocab_size)
 
 
 def run_transformers(precision: str, warmup: int, steps: int) -> tuple[dict, dict]:
-    """HuggingFace GPT2LMHeadModel with a plain torch AdamW loop."""
+    """HuggingFace GPT2LMHeadModel (--model llama: LlamaForCausalLM) with a plain torch AdamW loop."""
     import contextlib
 
     import torch
     import torch.nn.functional as F
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     device = _load_device_module()
     dev = device.get_device()
     s = SHAPE
-    config = GPT2Config(vocab_size=s.vocab, n_positions=s.seq, n_embd=s.hidden, n_layer=s.layers, n_head=s.heads,
-                        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        layer_norm_epsilon=1e-5, tie_word_embeddings=True,
-                        bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(1234)
-    model = GPT2LMHeadModel(config).to(dev).train()
+    if s.family == "llama":
+        model, config = LLAMA.build_hf(s, dev)
+    else:
+        model, config = _build_gpt2(dev)
     optimizer = torch.optim.AdamW(_adamw_groups(model.named_parameters()), lr=s.lr)
     batches = [b.to(dev) for b in _batches()]
     autocast = (torch.autocast(dev.type, dtype=torch.bfloat16) if precision == "bf16"
@@ -394,6 +456,19 @@ def run_transformers(precision: str, warmup: int, steps: int) -> tuple[dict, dic
         return loss.detach()
 
     return _timed_steps(step, warmup, steps, device), {"attention": config._attn_implementation or "default"}
+
+
+def _build_gpt2(dev):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    s = SHAPE
+    config = GPT2Config(vocab_size=s.vocab, n_positions=s.seq, n_embd=s.hidden, n_layer=s.layers, n_head=s.heads,
+                        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        layer_norm_epsilon=1e-5, tie_word_embeddings=True,
+                        bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(1234)
+    return GPT2LMHeadModel(config).to(dev).train(), config
 
 
 def _import_mcore():
@@ -416,6 +491,8 @@ def _build_mcore_model(precision: str, dev):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     s, bf16 = SHAPE, precision == "bf16"
+    if s.family == "llama":
+        return LLAMA.build_mcore(s, precision, dev)
     config = TransformerConfig(num_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
                                hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16,
                                params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -498,7 +575,7 @@ def spawn(framework: str, precision: str, args: argparse.Namespace) -> dict:
     """Run one worker process; its parsed result (or missing, with the reason)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", framework, "--precision", precision,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-           "--ours-flags=" + args.ours_flags]
+           "--ours-flags=" + args.ours_flags, "--model", args.model]
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # the peers must not see this project's `megatron`
     if framework == "megatron-core":
@@ -547,6 +624,7 @@ def run_once(m: Measured, args: argparse.Namespace) -> str:
         m.reruns += 1
     m.step_ms += clean
     m.notes = dict(out["notes"], loss=out["loss"])
+    m.first_losses.append(out["first_loss"])
     shares = out["cpu_share"] or [float("nan")]
     return (f"median {statistics.median(out['step_ms']):.0f} ms, {len(clean)}/{len(out['step_ms'])} steps kept "
             f"(CPU share {min(shares):.2f}-{max(shares):.2f}), {m.reruns - reruns_before} re-runs")
@@ -585,12 +663,11 @@ def ours_version() -> str:
 def report(results: dict[tuple[str, str], Measured], peaks: dict, args: argparse.Namespace) -> None:
     """The table, the notes (attention paths, patches, formula) and the two ratio lines."""
     print()
-    print(f"config: GPT {SHAPE.layers} layers, hidden {SHAPE.hidden}, {SHAPE.heads} heads, vocab {SHAPE.vocab}, "
-          f"seq {SHAPE.seq}, micro-batch {SHAPE.micro_batch} ({SHAPE.tokens_per_step} tokens/step), dropout 0, "
-          f"tied embeddings")
+    print(f"config: {config_text()}")
     print(f"optimizer: {OPTIMIZER_TEXT}")
     print(f"ours: {ours_version()}")
-    print(f"FLOPs: {FLOPS_TEXT}; N = {matmul_params():,}, {flops_per_step() / 1e9:.2f} GFLOP/step")
+    flops_text = LLAMA_FLOPS_TEXT if SHAPE.family == "llama" else FLOPS_TEXT
+    print(f"FLOPs: {flops_text}; N = {matmul_params():,}, {flops_per_step() / 1e9:.2f} GFLOP/step")
     ceilings = ", ".join(f"{p} {peaks[p]:.1f} GFLOP/s" + ("" if peaks["clean"][p] else " (every timing contended)")
                          for p in args.precisions)
     print(f"MFU against bench/peak.py's measured matmul ceiling, the higher of before/after the runs: {ceilings} "
@@ -611,10 +688,40 @@ def report(results: dict[tuple[str, str], Measured], peaks: dict, args: argparse
         print("megatron-core CPU patches (applied in the benchmark's worker only):")
         for patch in MCORE_CPU_PATCHES:
             print(f"  - {patch}")
+    if SHAPE.family == "llama":
+        print("first losses (the same initial weights in all three, first batch, before any update):")
+        for precision in args.precisions:
+            print(f"  {precision}: " + first_loss_text({f: results[(precision, f)] for f in FRAMEWORKS}))
     print()
     for precision in PRECISIONS:
         if precision in args.precisions:
             print(ratio_line(precision, {f: results[(precision, f)] for f in FRAMEWORKS}))
+
+
+def config_text(shape: GPTShape | None = None) -> str:
+    """The model line of the report."""
+    s = shape or SHAPE
+    tokens = f"seq {s.seq}, micro-batch {s.micro_batch} ({s.tokens_per_step} tokens/step), dropout 0"
+    if s.family == "llama":
+        return (f"Llama-style {s.layers} layers, hidden {s.hidden}, {s.heads} heads, {s.query_groups} query groups, "
+                f"SwiGLU ffn {s.ffn}, RMSNorm, RoPE (base {LLAMA.ROPE_BASE:g}), no biases, untied embeddings, "
+                f"vocab {s.vocab}, {tokens}")
+    return f"GPT {s.layers} layers, hidden {s.hidden}, {s.heads} heads, vocab {s.vocab}, {tokens}, tied embeddings"
+
+
+def first_loss_text(results: dict[str, Measured]) -> str:
+    """'ours 9.0123 | transformers 9.0124 (ours - it +1.0e-04) | ...' from each framework's first run."""
+    ours = results["ours"].first_losses[0] if results["ours"].first_losses else None
+    parts = []
+    for framework, m in results.items():
+        if not m.first_losses:
+            parts.append(f"{framework} missing")
+            continue
+        text = f"{framework} {m.first_losses[0]:.5f}"
+        if framework != "ours" and ours is not None:
+            text += f" (ours - it {ours - m.first_losses[0]:+.1e})"
+        parts.append(text)
+    return " | ".join(parts)
 
 
 def profile(args: argparse.Namespace) -> None:
@@ -629,6 +736,8 @@ def profile(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(SHAPES), default="gpt",
+                        help="gpt (default): the GPT-2-style model; llama: RMSNorm, SwiGLU, RoPE, GQA, untied")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run (default 4)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first in every run (default 2)")
     parser.add_argument("--rounds", type=int, default=5,
@@ -658,6 +767,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    select_model(args.model)
     peak = _load_peak_module()
     args.threads = args.threads or peak.available_cores()
     if args.worker:
