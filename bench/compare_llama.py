@@ -80,13 +80,12 @@ def load_exactly(model, sd: dict) -> None:
         raise RuntimeError(f"weights do not map: missing {missing}, unexpected {result.unexpected_keys}")
 
 
-def ours_config_overrides(shape) -> dict:
-    """The TransformerConfig fields that make the benchmark's GPT flags a Llama-style model."""
-    import torch.nn.functional as F
-
-    return {"normalization": "RMSNorm", "num_query_groups": shape.query_groups, "gated_linear_unit": True,
-            "activation_func": F.silu, "add_bias_linear": False, "ffn_hidden_size": shape.ffn,
-            "layernorm_epsilon": RMS_EPS, "bias_gelu_fusion": False}
+def megatron_flags(shape) -> list[str]:
+    """pretrain_gpt.py's flags for the model (Megatron-LM's names), beside the GPT ones."""
+    return ["--ffn-hidden-size", str(shape.ffn), "--swiglu", "--normalization", "RMSNorm",
+            "--norm-epsilon", str(RMS_EPS), "--position-embedding-type", "rope", "--rotary-base", str(int(ROPE_BASE)),
+            "--group-query-attention", "--num-query-groups", str(shape.query_groups),
+            "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 
 
 def build_ours(config, shape, vocab_size: int, num_tokens: int):

@@ -368,7 +368,7 @@ def run_ours(precision: str, warmup: int, steps: int, extra_flags: list[str]) ->
             "--train-iters", str(warmup + steps), "--eval-iters", "0", "--log-interval", "1000000"]
     argv += ["--bf16"] if precision == "bf16" else []
     if s.family == "llama":
-        argv += ["--ffn-hidden-size", str(s.ffn)]
+        argv += LLAMA.megatron_flags(s)
     initialize_megatron(argv=argv + extra_flags)
     provider = _ours_llama_provider if s.family == "llama" else pretrain_gpt.model_provider
     model, optimizer, scheduler = setup_model_and_optimizer(provider, ModelType.encoder_or_decoder)
@@ -388,40 +388,24 @@ def run_ours(precision: str, warmup: int, steps: int, extra_flags: list[str]) ->
     else:
         attention = "fused_kernels.core_attention, causal by query blocks (default)"
     notes = {"attention": attention, "flags": " ".join(extra_flags)}
-    if s.family == "llama":
-        notes["fusions"] = _ours_llama_fusions()
+    notes.update(_OURS_NOTES)
     return _timed_steps(step, warmup, steps, device), notes
 
 
-def _ours_llama_fusions() -> str:
-    """Which of the Llama model's fused ops ours runs (the flags' defaults where the kernels exist)."""
-    overrides = _ours_llama_overrides()
-    return ", ".join(f"{name} {overrides.get(name, True)}" for name in ("apply_rope_fusion", "bias_swiglu_fusion"))
-
-
-def _ours_llama_overrides() -> dict:
-    """The config fields of the Llama model (bench/compare_llama.py) and, until fused_kernels has
-    rotary_pos_emb and bias_swiglu, those fusions off (Megatron's unfused formulas)."""
-    from megatron import fused_kernels
-
-    overrides = LLAMA.ours_config_overrides(SHAPE)
-    for op, field_name in (("rotary_pos_emb", "apply_rope_fusion"), ("bias_swiglu", "bias_swiglu_fusion")):
-        if not hasattr(fused_kernels, op):
-            overrides[field_name] = False
-    return overrides
-
-
 def _ours_llama_provider(pre_process: bool = True, post_process: bool = True):
-    """pretrain_gpt.model_provider's GPTModel made Llama-style: its config from the flags with
-    _ours_llama_overrides, get_llama_layer_spec, RoPE, untied, initial weights loaded."""
-    import dataclasses
-
+    """The Llama-style GPTModel of the flags (LLAMA_FLAGS): their TransformerConfig, as
+    pretrain_gpt.model_provider builds it, with get_llama_layer_spec, RoPE, untied, and the
+    initial weights of bench/compare_llama.py loaded."""
     from megatron.arguments import core_transformer_config_from_args
     from megatron.global_vars import get_args, get_tokenizer
 
     args = get_args()
-    config = dataclasses.replace(core_transformer_config_from_args(args), **_ours_llama_overrides())
+    config = core_transformer_config_from_args(args)
+    _OURS_NOTES["fusions"] = f"apply_rope_fusion {config.apply_rope_fusion}, bias_swiglu_fusion {config.bias_swiglu_fusion}"
     return LLAMA.build_ours(config, SHAPE, vocab_size=args.padded_vocab_size, num_tokens=get_tokenizer().vocab_size)
+
+
+_OURS_NOTES: dict = {}
 
 
 def run_transformers(precision: str, warmup: int, steps: int) -> tuple[dict, dict]:
