@@ -65,18 +65,29 @@ def fast_attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                         attention_mask: torch.Tensor | None, is_causal: bool, *, cpu_impl: str | None,
                         dropout_active: bool) -> torch.Tensor | None:
     """softmax(q k^T / sqrt(hn), masked) v as one autograd node (fused_core_attention), for
-    q [sq, b, np, hn] and k, v [sk, b, np, hn] on CPU with the "native" fast path and no active
-    attention dropout; returns [sq, b, np * hn], or None where it does not apply (the caller then
-    runs its composed path). Measured faster than the composed path and than SDPA's CPU flash
-    kernel, fp32 and bf16 (fused_core_attention.py)."""
+    q [sq, b, np, hn] and k, v [sk, b, ng, hn] (ng divides np: grouped-query attention) on CPU
+    with the "native" fast path and no active attention dropout; returns [sq, b, np * hn], or
+    None where it does not apply (the caller then runs its composed path). Measured faster than
+    the composed path and than SDPA's CPU flash kernel, fp32 and bf16 (fused_core_attention.py).
+
+    K and V go in once per group (the core's queries_per_key), not repeated per head, unless the
+    mask differs by head."""
     if dropout_active or implementation(cpu_impl, query) != "native":
         return None
     sq, b, np_, hn = query.shape
-    # [b*np, s, hn], contiguous: as views of mixed_qkv their transposes would be copied inside each bmm
-    q, k, v = (x.permute(1, 2, 0, 3).reshape(b * np_, -1, hn).contiguous() for x in (query, key, value))
-    context = fused_core_attention.core_attention(q, k, v, scale=1.0 / hn ** 0.5, heads=np_,
-                             mask=None if is_causal else attention_mask, causal=is_causal)
-    return context.view(b, np_, sq, hn).permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
+    ng = key.shape[2]
+    mask = None if is_causal else attention_mask
+    if ng != np_ and mask is not None and mask.dim() >= 3 and mask.shape[-3] != 1:  # a mask per head
+        key, value = (x.repeat_interleave(np_ // ng, dim=2) for x in (key, value))  # [sk, b, np, hn]
+        ng = np_
+    r = np_ // ng
+    # Contiguous copies: as views of mixed_qkv their transposes would be copied inside each bmm.
+    q = query.view(sq, b, ng, r, hn).permute(1, 2, 0, 3, 4).reshape(b * ng, sq * r, hn)  # [b ng, sq r, hn]
+    k, v = (x.permute(1, 2, 0, 3).reshape(b * ng, -1, hn).contiguous() for x in (key, value))  # [b ng, sk, hn]
+    context = fused_core_attention.core_attention(q.contiguous(), k, v, scale=1.0 / hn ** 0.5, heads=ng,
+                                                  mask=mask, causal=is_causal, queries_per_key=r)
+    context = context.view(b, ng, sq, r, hn).permute(2, 0, 1, 3, 4)  # [b ng, sq r, hn] -> [sq, b, ng, r, hn]
+    return context.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
 
 
 def _flash_attn_applies(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool) -> bool:

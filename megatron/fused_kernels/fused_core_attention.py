@@ -2,6 +2,13 @@
 
     q [B, sq, hn], k and v [B, sk, hn] (B = batch x heads)  ->  context [B, sq, hn]
 
+Grouped-query attention (queries_per_key r = np / ng > 1) takes K and V once per group, not
+repeated per head: B = batch x groups, and q holds the r heads of each group interleaved by
+position, [B, sq * r, hn] with row p * r + j = position p of the group's head j. Each GEMM
+then runs all r heads of a group against their one K (M = r x the rows of a block), and the
+gradient of K and V is summed over the r heads inside the GEMMs, with no [B r, sk, hn] copies
+of K and V forward or backward. r = 1 is multi-head attention, the layout above.
+
 Semantics are fused_softmax.scale_mask_softmax's between two matmuls (Megatron's
 DotProductAttention with masked_softmax_fusion and no attention dropout): masked scores take
 no probability (Megatron fills -10000), a row whose keys are all masked gives probabilities 0
@@ -38,10 +45,13 @@ from megatron.fused_kernels.fused_softmax import MASK_FILL_VALUE
 
 
 @functools.lru_cache(maxsize=64)
-def _causal_bias(rows: int, keys: int, offset: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[rows, keys] additive mask: 0 where key j <= row i + offset, -10000 above."""
+def _causal_bias(rows: int, keys: int, offset: int, dtype: torch.dtype, device: torch.device,
+                 repeats: int = 1) -> torch.Tensor:
+    """[rows * repeats, keys] additive mask: 0 where key j <= row i + offset, -10000 above; each
+    row repeated `repeats` times in a row (the r heads of a query group at one position)."""
     hidden = torch.ones(rows, keys, dtype=torch.bool, device=device).triu_(offset + 1)
-    return torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill_(hidden, MASK_FILL_VALUE)
+    bias = torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill_(hidden, MASK_FILL_VALUE)
+    return bias.repeat_interleave(repeats, dim=0) if repeats > 1 else bias
 
 
 def _combined_bool_mask(mask: torch.Tensor | None, causal: bool, sq: int, sk: int,
@@ -70,22 +80,23 @@ class _CausalCoreAttention(torch.autograd.Function):
     them at s = 256 with blocks of 64; half as s / block grows)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale):
-        sq, sk = q.shape[1], k.shape[1]
-        context = torch.empty_like(q)  # [B, sq, hn]
+    def forward(ctx, q, k, v, scale, r):
+        sq, sk = q.shape[1] // r, k.shape[1]  # q [B, sq * r, hn]: r rows per position
+        context = torch.empty_like(q)  # [B, sq * r, hn]
         probs = []
         for start, end, keys in _causal_blocks(sq, sk):
+            rows = slice(start * r, end * r)  # positions start .. end - 1, all r heads
             if keys == 0:  # every key masked: zero probabilities (Megatron's fused softmax)
-                context[:, start:end] = 0.0
+                context[:, rows] = 0.0
                 probs.append(None)
                 continue
-            bias = _causal_bias(end - start, keys, start + sk - sq, q.dtype, q.device)  # [rows, keys]
-            block = torch.softmax(torch.baddbmm(bias, q[:, start:end], k[:, :keys].transpose(1, 2), alpha=scale), -1)
-            block[:, : max(0, sq - sk - start)] = 0.0  # queries before the first key (sq > sk) see nothing
-            context[:, start:end] = torch.bmm(block, v[:, :keys])
+            bias = _causal_bias(end - start, keys, start + sk - sq, q.dtype, q.device, r)  # [rows r, keys]
+            block = torch.softmax(torch.baddbmm(bias, q[:, rows], k[:, :keys].transpose(1, 2), alpha=scale), -1)
+            block[:, : max(0, sq - sk - start) * r] = 0.0  # queries before the first key (sq > sk) see nothing
+            context[:, rows] = torch.bmm(block, v[:, :keys])
             probs.append(block)
         ctx.save_for_backward(q, k, v, *[p for p in probs if p is not None])
-        ctx.scale, ctx.empty = scale, [p is None for p in probs]
+        ctx.scale, ctx.r, ctx.empty = scale, r, [p is None for p in probs]
         return context
 
     @staticmethod
@@ -94,11 +105,13 @@ class _CausalCoreAttention(torch.autograd.Function):
         saved = iter(saved)
         grad_context = grad_context.contiguous()  # [B, sq, hn]; the model's arrives permuted
         grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for (start, end, keys), empty in zip(_causal_blocks(q.shape[1], k.shape[1]), ctx.empty):
+        r = ctx.r
+        for (start, end, keys), empty in zip(_causal_blocks(q.shape[1] // r, k.shape[1]), ctx.empty):
+            rows = slice(start * r, end * r)
             if empty:
-                grad_q[:, start:end] = 0.0
+                grad_q[:, rows] = 0.0
                 continue
-            probs, grad = next(saved), grad_context[:, start:end]  # [B, rows, keys], [B, rows, hn]
+            probs, grad = next(saved), grad_context[:, rows]  # [B, rows r, keys], [B, rows r, hn]
             # (a GEMM into a fresh tensor, then an add: baddbmm_ into this strided view of grad_v
             # would loop over the batch in ATen, one small GEMM per head)
             grad_v[:, :keys] += torch.bmm(probs.transpose(1, 2), grad)
@@ -106,28 +119,29 @@ class _CausalCoreAttention(torch.autograd.Function):
                                                        probs.dtype)
             if ctx.scale != 1.0:
                 grad_scores.mul_(ctx.scale)
-            grad_q[:, start:end] = torch.bmm(grad_scores, k[:, :keys])
-            grad_k[:, :keys] += torch.bmm(grad_scores.transpose(1, 2), q[:, start:end])
-        return grad_q, grad_k, grad_v, None
+            grad_q[:, rows] = torch.bmm(grad_scores, k[:, :keys])
+            grad_k[:, :keys] += torch.bmm(grad_scores.transpose(1, 2), q[:, rows])  # summed over the r heads
+        return grad_q, grad_k, grad_v, None, None
 
 
 class _CoreAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, heads, scale):
-        batch_heads, sq, _ = q.shape
-        sk = k.shape[1]
-        scores = torch.bmm(q, k.transpose(1, 2))  # [B, sq, sk]
+    def forward(ctx, q, k, v, mask, causal, heads, scale, r):
+        batch_heads, sq, _ = q.shape  # heads: query groups when r > 1 (q [B, sq * r, hn])
+        sq, sk = sq // r, k.shape[1]
+        scores = torch.bmm(q, k.transpose(1, 2))  # [B, sq * r, sk]
         if scale != 1.0:
             scores.mul_(scale)
         masked = _combined_bool_mask(mask, causal, sq, sk, q.device)
         empty_rows = None
+        by_head = (batch_heads // heads, heads, sq, r, sk)  # a position's r rows share its mask row
         if masked is not None:
-            by_head = scores.view(batch_heads // heads, heads, sq, sk)
-            by_head.masked_fill_(masked, MASK_FILL_VALUE)
-            empty_rows = masked.all(dim=-1, keepdim=True)  # [.., sq, 1], broadcast over b and heads
+            masked = masked.unsqueeze(-2)  # [.., sq, 1, sk]
+            scores.view(by_head).masked_fill_(masked, MASK_FILL_VALUE)
+            empty_rows = masked.all(dim=-1, keepdim=True)  # [.., sq, 1, 1], broadcast over b and heads
         probs = torch.softmax(scores, dim=-1)  # ATen: fp32 arithmetic inside for bf16 / fp16
         if empty_rows is not None:
-            probs.view(batch_heads // heads, heads, sq, sk).masked_fill_(empty_rows, 0.0)
+            probs.view(by_head).masked_fill_(empty_rows, 0.0)
         ctx.save_for_backward(q, k, v, probs)
         ctx.scale = scale
         return torch.bmm(probs, v)  # [B, sq, hn]
@@ -143,23 +157,33 @@ class _CoreAttention(torch.autograd.Function):
             grad_scores.mul_(ctx.scale)
         grad_q = torch.bmm(grad_scores, k)  # [B, sq, hn]
         grad_k = torch.bmm(grad_scores.transpose(1, 2), q)  # [B, sk, hn]
-        return grad_q, grad_k, grad_v, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, heads: int,
-                   mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, causal: bool = False,
+                   queries_per_key: int = 1) -> torch.Tensor:
     """softmax(q k^T * scale masked) v for q [B, sq, hn], k, v [B, sk, hn], B = b * heads (batch major).
 
     mask: bool, True = masked out, broadcastable to [b, heads, sq, sk]; causal adds the causal
-    mask. Returns [B, sq, hn] in q's dtype. See the module docstring.
+    mask. Returns [B, sq, hn] in q's dtype. queries_per_key r > 1 (grouped-query attention):
+    heads counts the query groups, q is [B, sq * r, hn] with the group's r heads interleaved by
+    position (the module docstring), and the mask must be the same for all r heads of a group:
+    broadcastable to [b, groups, sq, sk] with 1 in its heads dim.
     """
-    if q.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(f"core_attention expects q [B, sq, hn] and k, v [B, sk, hn]; got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    r = int(queries_per_key)
+    if (q.dim() != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]
+            or r < 1 or q.shape[1] % r):
+        raise ValueError(f"core_attention expects q [B, sq, hn] and k, v [B, sk, hn] (with queries_per_key "
+                         f"{queries_per_key}: q [B, sq * r, hn]); got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if q.shape[0] % heads:
         raise ValueError(f"batch x heads ({q.shape[0]}) is not a multiple of heads ({heads})")
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = masked out), got {mask.dtype}")
+    if r > 1 and mask is not None and mask.dim() >= 3 and mask.shape[-3] != 1:
+        raise ValueError(f"with queries_per_key {r} the mask must not differ by head (its heads dim is "
+                         f"{mask.shape[-3]}); repeat K and V per head instead")
     if causal and mask is None:
-        return _CausalCoreAttention.apply(q, k, v, float(scale))
-    return _CoreAttention.apply(q, k, v, mask, bool(causal), int(heads), float(scale))
+        return _CausalCoreAttention.apply(q, k, v, float(scale), r)
+    return _CoreAttention.apply(q, k, v, mask, bool(causal), int(heads), float(scale), r)

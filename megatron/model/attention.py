@@ -100,13 +100,13 @@ class DotProductAttention(MegatronModule):
                 attention_mask: torch.Tensor | None, is_causal: bool = False,
                 attention_bias: torch.Tensor | None = None) -> torch.Tensor:
         sq, b, np_, hn = query.shape  # [sq, b, np/t, hn]
-        key, value = _repeat_kv(key, np_), _repeat_kv(value, np_)  # [sk, b, np/t, hn]
         if attention_bias is None and self.config.masked_softmax_fusion:
-            context = backend.fast_attention_core(
+            context = backend.fast_attention_core(  # takes K/V per group: [sk, b, ng/t, hn]
                 query, key, value, attention_mask, is_causal, cpu_impl=self.config.fused_kernels_cpu_impl,
                 dropout_active=self.training and self.attention_dropout.p > 0)
             if context is not None:
                 return context  # [sq, b, np/t * hn]
+        key, value = _repeat_kv(key, np_), _repeat_kv(value, np_)  # [sk, b, np/t, hn]
         q = query.permute(1, 2, 0, 3)  # [sq, b, np, hn] -> [b, np, sq, hn]
         k = key.permute(1, 2, 3, 0)  # [sk, b, np, hn] -> [b, np, hn, sk]
         v = value.permute(1, 2, 0, 3)  # [sk, b, np, hn] -> [b, np, sk, hn]

@@ -459,6 +459,40 @@ def test_core_attention_matches_the_composed_reference(query_block, dtype, monke
                 assert_rel_close(actual.double(), wanted, rel=tol)
 
 
+@pytest.mark.parametrize("query_block", [64, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_core_attention_equals_repeated_keys_and_values(query_block, dtype, monkeypatch):
+    """queries_per_key r = 3 (2 groups of 3 heads): K and V once per group give what K and V
+    repeated for every head give, forward and backward (the K/V gradient summed over the heads),
+    causal, with a padding mask, both and none; sq > sk and sq < sk included."""
+    from megatron.fused_kernels import fused_core_attention
+
+    monkeypatch.setattr(fused_core_attention, "QUERY_BLOCK", query_block)
+    tol = REL if dtype == torch.float32 else 3e-2
+    b, groups, r, hn = 2, 2, 3, 4
+    for sq, sk in ((8, 8), (9, 7), (7, 9)):
+        mask = padding_mask(b, sq, sk)  # [b, 1, sq, sk]: the same for every head
+        for causal, m in ((True, None), (False, None), (False, mask), (True, mask)):
+            q = leaf(b, groups, sq, r, hn, seed=1).to(dtype).detach().requires_grad_()  # [b, ng, sq, r, hn]
+            k, v = (leaf(b, groups, sk, hn, seed=seed).to(dtype).detach().requires_grad_() for seed in (2, 3))
+            out = fk.core_attention(q.reshape(b * groups, sq * r, hn), k.view(b * groups, sk, hn),
+                                    v.view(b * groups, sk, hn), scale=0.3, heads=groups, mask=m, causal=causal,
+                                    queries_per_key=r)  # [b ng, sq r, hn]
+            grad = leaf(*out.shape, seed=4).to(dtype)
+            grads = torch.autograd.grad(out, (q, k, v), grad)
+            # the same heads, one K/V copy each: [b, ng r, s, hn]
+            q2 = q.detach().double().requires_grad_()
+            k2, v2 = (x.detach().double().requires_grad_() for x in (k, v))
+            heads_q = q2.permute(0, 1, 3, 2, 4).reshape(b * groups * r, sq, hn)
+            heads_k, heads_v = (x.repeat_interleave(r, dim=1).reshape(b * groups * r, sk, hn) for x in (k2, v2))
+            expected = _composed_attention(heads_q, heads_k, heads_v, groups * r, m, causal, 0.3)
+            expected = expected.view(b, groups, r, sq, hn).permute(0, 1, 3, 2, 4).reshape(out.shape)
+            expected_grads = torch.autograd.grad(expected, (q2, k2, v2), grad.double())
+            for actual, wanted in zip((out, *grads), (expected, *expected_grads)):
+                assert actual.dtype == dtype
+                assert_rel_close(actual.double(), wanted, rel=tol)
+
+
 def test_core_attention_checks_its_inputs():
     q = torch.zeros(6, 4, 8)
     with pytest.raises(ValueError, match="not a multiple of heads"):
@@ -467,6 +501,11 @@ def test_core_attention_checks_its_inputs():
         fk.core_attention(q, q[:, :, :4], q[:, :, :4], scale=1.0, heads=3)
     with pytest.raises(TypeError, match="bool"):
         fk.core_attention(q, q, q, scale=1.0, heads=3, mask=torch.zeros(2, 1, 4, 4))
+    with pytest.raises(ValueError, match="queries_per_key 3"):
+        fk.core_attention(q[:, :5], q, q, scale=1.0, heads=3, queries_per_key=3)  # 5 rows: not 3 per position
+    with pytest.raises(ValueError, match="must not differ by head"):
+        fk.core_attention(q, q[:, :2], q[:, :2], scale=1.0, heads=3, queries_per_key=2,
+                          mask=torch.zeros(2, 3, 2, 2, dtype=torch.bool))
 
 
 # ---------------------------------------------------------------- dispatch

@@ -173,27 +173,32 @@ def test_the_block_built_causal_mask_reaches_the_fused_softmax_as_causal_true(mo
     assert seen == [(False, False)] * LAYERS
 
 
+@pytest.mark.parametrize("groups", [None, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("mask", ["causal-hint", "document-mask"])
-def test_native_cpu_attention_core_matches_unfused_without_attention_dropout(mask, monkeypatch):
+def test_native_cpu_attention_core_matches_unfused_without_attention_dropout(mask, groups, monkeypatch):
     """--fused-kernels-cpu-impl native (the default), attention dropout 0: the fused softmax runs as
-    fused_kernels.core_attention (causal given as causal=True, a mask passed as it is) and the step
-    equals the unfused model's; with "reference" the composed matmul + scale_mask_softmax runs."""
+    fused_kernels.core_attention (causal given as causal=True, a mask passed as it is; with query
+    groups K and V once per group, queries_per_key heads each) and the step equals the unfused
+    model's (which repeats K and V per head); with "reference" the composed matmul +
+    scale_mask_softmax runs."""
     attention_mask = None if mask == "causal-hint" else _document_mask()
     seen = []
     original = fused_core_attention.core_attention
 
-    def spy(q, k, v, *, scale, heads, mask=None, causal=False):
-        seen.append((mask is None, causal))
-        return original(q, k, v, scale=scale, heads=heads, mask=mask, causal=causal)
+    def spy(q, k, v, *, scale, heads, mask=None, causal=False, queries_per_key=1):
+        seen.append((mask is None, causal, heads, queries_per_key))
+        return original(q, k, v, scale=scale, heads=heads, mask=mask, causal=causal, queries_per_key=queries_per_key)
 
     monkeypatch.setattr(fused_core_attention, "core_attention", spy)
-    unfused = _step(_config(attention_dropout=0.0), attention_mask)
-    native = _step(_config(masked_softmax_fusion=True, attention_dropout=0.0), attention_mask)
-    assert seen == [(attention_mask is None, attention_mask is None)] * LAYERS
+    unfused = _step(_config(attention_dropout=0.0, num_query_groups=groups), attention_mask)
+    native = _step(_config(masked_softmax_fusion=True, attention_dropout=0.0, num_query_groups=groups),
+                   attention_mask)
+    per_key = 1 if groups is None else HEADS // groups
+    assert seen == [(attention_mask is None, attention_mask is None, groups or HEADS, per_key)] * LAYERS
     _assert_same_step(native, unfused, exact=False)
     seen.clear()
-    reference = _step(_config(masked_softmax_fusion=True, attention_dropout=0.0, fused_kernels_cpu_impl="reference"),
-                      attention_mask)
+    reference = _step(_config(masked_softmax_fusion=True, attention_dropout=0.0, fused_kernels_cpu_impl="reference",
+                              num_query_groups=groups), attention_mask)
     assert not seen
     _assert_same_step(reference, unfused, exact=False)
 
