@@ -138,3 +138,75 @@ def test_best_peaks_prefers_uncontended_measurements():
     assert best["fp32"] == 150.0 and best["clean"]["fp32"] and best["threads"] == 2
     best = cp.best_peaks([measurement(150.0, [256, 512]), measurement(120.0, [256, 512])], ["fp32"])
     assert best["fp32"] == 150.0 and not best["clean"]["fp32"]
+
+
+# ---------------------------------------------------------------- --model llama
+
+def test_llama_flops_formula_is_megatrons_with_query_groups_and_swiglu():
+    s = cp.LLAMA_SHAPE
+    hn = s.hidden // s.heads
+    per_layer = s.hidden * (s.heads + 2 * s.query_groups) * hn + s.hidden ** 2 + 3 * s.hidden * s.ffn
+    assert cp.matmul_params(s) == s.layers * per_layer + s.vocab * s.hidden == 4_866_048
+    args = argparse.Namespace(seq_length=s.seq, num_layers=s.layers, hidden_size=s.hidden,
+                              num_attention_heads=s.heads, kv_channels=hn, ffn_hidden_size=s.ffn,
+                              padded_vocab_size=s.vocab, group_query_attention=True,
+                              num_query_groups=s.query_groups, swiglu=True)
+    causal_half = 6 * s.micro_batch * s.layers * s.seq ** 2 * s.hidden
+    assert cp.flops_per_step(s) - causal_half == pytest.approx(num_floating_point_operations(args, s.micro_batch),
+                                                               rel=1e-12)
+    assert cp.flops_per_step() == cp.flops_per_step(cp.GPT_SHAPE)  # --model gpt stays the default
+
+
+def test_llama_flags_parse_to_the_benchmarked_model():
+    from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
+
+    s = cp.LLAMA_SHAPE
+    argv = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+            "--max-position-embeddings", "256", "--micro-batch-size", "8", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "8191", "--train-iters", "1", "--lr", "1e-4",
+            *cp.LLAMA.megatron_flags(s)]
+    args = validate_args(parse_args(argv=argv))
+    config = core_transformer_config_from_args(args)
+    assert (config.normalization, config.num_query_groups, config.gated_linear_unit, config.add_bias_linear,
+            config.ffn_hidden_size) == ("RMSNorm", 2, True, False, 688)
+    assert args.position_embedding_type == "rope" and args.untie_embeddings_and_output_weights
+
+
+def test_llama_builders_share_weights_and_first_losses_at_a_tiny_size():
+    """bench/compare_llama.py's weights load exactly into ours and into LlamaForCausalLM, and the
+    first losses agree (the benchmark prints them; megatron-core gets the same state dict)."""
+    pytest.importorskip("transformers")
+    import torch
+    import torch.nn.functional as F
+
+    from megatron.model import TransformerConfig
+
+    s = cp.GPTShape(family="llama", layers=2, hidden=64, heads=8, query_groups=2, ffn=96, vocab=128, seq=16,
+                    micro_batch=2)
+    config = TransformerConfig(num_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
+                               num_query_groups=s.query_groups, ffn_hidden_size=s.ffn, normalization="RMSNorm",
+                               gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                               bias_gelu_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+                               layernorm_epsilon=cp.LLAMA.RMS_EPS)
+    ours = cp.LLAMA.build_ours(config, s, vocab_size=s.vocab, num_tokens=s.vocab)
+    hf, _ = cp.LLAMA.build_hf(s, torch.device("cpu"))
+    tokens = torch.randint(0, s.vocab, (s.micro_batch, s.seq + 1), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(s.seq).expand(s.micro_batch, s.seq)
+    with torch.no_grad():
+        ours_loss = ours(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).float().mean()
+        hf_loss = F.cross_entropy(hf(input_ids=tokens[:, :-1]).logits.view(-1, s.vocab), tokens[:, 1:].reshape(-1))
+    assert ours_loss.item() == pytest.approx(hf_loss.item(), abs=1e-5)
+    with pytest.raises(RuntimeError, match="do not map"):
+        cp.LLAMA.load_exactly(ours, {"output_layer.weight": torch.zeros(s.vocab, s.hidden)})
+
+
+def test_first_loss_line_and_llama_config_line():
+    results = {"ours": measured("ours", 500.0), "transformers": measured("transformers", 1000.0),
+               "megatron-core": measured("megatron-core", None, missing="ImportError: gone")}
+    results["ours"].first_losses, results["transformers"].first_losses = [9.06903], [9.06904]
+    assert cp.first_loss_text(results) == ("ours 9.06903 | transformers 9.06904 (ours - it -1.0e-05) | "
+                                           "megatron-core missing")
+    assert cp.config_text(cp.LLAMA_SHAPE).startswith("Llama-style 4 layers, hidden 256, 8 heads, 2 query groups, "
+                                                     "SwiGLU ffn 688, RMSNorm, RoPE")
+    assert cp.config_text(cp.GPT_SHAPE).startswith("GPT 4 layers, hidden 256, 8 heads, vocab 8192")
+    assert cp.parse_args([]).model == "gpt" and cp.parse_args(["--model", "llama"]).model == "llama"
