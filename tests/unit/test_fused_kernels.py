@@ -351,6 +351,28 @@ FAST_PATH_CASES = {
 }
 
 
+def test_native_rms_norm_compiles_large_cpu_tensors_only(monkeypatch):
+    """rms_norm's native path: the compiled formulas (their numerics are the "compiled" impl's,
+    tested with every other implementation) from RMS_COMPILE_MIN_NUMEL elements, the reference
+    below; layer_norm's native path never compiles (ATen's kernel)."""
+    from megatron.fused_kernels import fused_layer_norm
+
+    calls = []
+    spy = fused_layer_norm.Kernels(
+        lambda *args: calls.append("forward") or fused_layer_norm._forward_reference(*args),
+        lambda *args: calls.append("backward") or fused_layer_norm._backward_reference(*args))
+    monkeypatch.setattr(fused_layer_norm, "_COMPILED", spy)
+    monkeypatch.setattr(fused_layer_norm, "RMS_COMPILE_MIN_NUMEL", 64)
+    small, large = leaf(4, 15, seed=1), leaf(4, 16, seed=2)
+    weight = leaf(16, seed=3)
+    fk.rms_norm(small, weight[:15], impl="native").sum().backward()
+    assert calls == []
+    fk.rms_norm(large, weight, impl="native").sum().backward()
+    assert calls == ["forward", "backward"]
+    fk.layer_norm(large, weight, None, impl="native").sum().backward()
+    assert calls == ["forward", "backward"]
+
+
 def test_native_implementations_match_reference():
     """Every op's "native" implementation (ATen's own kernels), forward and backward, fp32, incl.
     fully masked softmax rows (causal with sq > sk) and the KV-cache causal convention."""
