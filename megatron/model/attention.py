@@ -240,14 +240,18 @@ class SelfAttention(MegatronModule):
         s, b, _ = mixed_qkv.shape
         mixed_qkv = mixed_qkv.view(s, b, ng, (np_ // ng + 2) * hn)  # [s, b, ng/t, (np/ng + 2) hn]
         query, key, value = torch.split(mixed_qkv, [np_ // ng * hn, hn, hn], dim=-1)
-        query = query.reshape(s, b, np_, hn)  # [s, b, np/t, hn] (a view with one group per rank)
+        # [s, b ng/t, np/ng, hn]: still a view of mixed_qkv (batch and groups merge). The q norm and
+        # RoPE work per head, so they take it as it is; their outputs are contiguous, and the reshape
+        # to [s, b, np/t, hn] after them is a view rather than a copy of the strided split.
+        query = query.reshape(s, b * ng, np_ // ng, hn)
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
         if self.k_layernorm is not None:
             key = self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config)
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config)  # freqs [s, 1, 1, rot]
             key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config)
+        query = query.reshape(s, b, np_, hn)  # [s, b, np/t, hn]
         core_args = (query, key, value, attention_mask, is_causal, attention_bias)
         if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
             # Selective recompute: keep q, k, v, rerun the attention in backward.
