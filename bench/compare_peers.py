@@ -3,6 +3,7 @@
     python bench/compare_peers.py                        # defaults: 5 rounds x 4 timed steps
     python bench/compare_peers.py --steps 8 --rounds 7 --precisions bf16
     python bench/compare_peers.py --profile ours --precisions fp32   # torch.profiler, one step
+    python bench/compare_peers.py --model llama          # the Llama-style model (below)
 
 The same model and step everywhere: GPT, 4 layers, hidden 256, 8 heads (ffn 1024), vocab 8192,
 sequence 256, micro-batch 8 (2,048 tokens a step), learned absolute positions, GeLU (erf in
@@ -34,6 +35,12 @@ whose CPU share (process CPU time / (wall x threads), ~0.99 when the cores are f
 MFU = model FLOP/s / the measured matmul ceiling of the same precision (bench/peak.py, before
 and after the runs, the higher uncontended one). A framework that cannot run is reported as
 `missing` with the reason, never estimated.
+
+--model llama: the same comparison for a Llama-style model of about the same size -- RMSNorm,
+SwiGLU (ffn 688), RoPE, 8 heads in 2 query groups, untied embeddings, no biases -- built from
+one set of initial weights in all three (bench/compare_llama.py: ours from Megatron's Llama
+flags with get_llama_layer_spec, LlamaForCausalLM, megatron-core's local spec with RMSNorm), so
+their first losses, printed, agree.
 
 megatron-core is looked for at --mcore-path (default .venv/peers/megatron_core), installed with
     .venv/bin/pip install --no-deps --target .venv/peers/megatron_core megatron-core
@@ -361,7 +368,8 @@ def run_ours(precision: str, warmup: int, steps: int, extra_flags: list[str]) ->
     argv = ["--num-layers", str(s.layers), "--hidden-size", str(s.hidden), "--num-attention-heads", str(s.heads),
             "--seq-length", str(s.seq), "--max-position-embeddings", str(s.seq),
             "--micro-batch-size", str(s.micro_batch), "--global-batch-size", str(s.micro_batch),
-            "--lr", str(s.lr), "--weight-decay", str(s.weight_decay), "--clip-grad", str(s.clip_grad),
+            "--lr", str(s.lr), "--lr-decay-style", "constant",  # the peers' AdamW keeps lr 1e-4 too
+            "--weight-decay", str(s.weight_decay), "--clip-grad", str(s.clip_grad),
             "--attention-dropout", "0", "--hidden-dropout", "0", "--optimizer", "adam",
             # NullTokenizer counts an end-of-document id: 8191 + 1 = 8192, no padding needed.
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(s.vocab - 1),
