@@ -295,7 +295,7 @@ def _timed_steps(step, warmup: int, steps: int, device) -> dict:
     Returns {"step_ms": wall ms of each timed step, "cpu_share": per step, this process's CPU
     time / (wall time x torch threads) -- about 1.0 when the cores are ours, lower when other
     jobs take them (None on an accelerator, where the host waits) -- "loss": the last loss,
-    "first_loss": the first step's (before any update: with the same weights, the same in all three)}."""
+    "first_loss": the first step's, before any update (--model llama: the same weights in all three)}."""
     losses = [step() for _ in range(warmup)]
     times, shares = [], []
     for _ in range(steps):
