@@ -159,6 +159,24 @@ class FusedOp:
         return self.implementations[self.select(device, impl)]
 
 
+class BiasActivation(torch.autograd.Function):
+    """y = kernels.forward(x, bias) saving only x and bias, for the elementwise bias + activation ops
+    (bias_gelu, bias_swiglu); backward: kernels.backward(dy, x, bias) -> (dx, dbias or None), dbias
+    returned in bias's dtype. apply(x, bias, kernels)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, kernels):
+        ctx.save_for_backward(x, bias)
+        ctx.kernels = kernels
+        return kernels.forward(x, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, bias = ctx.saved_tensors
+        dx, dbias = ctx.kernels.backward(grad_y, x, bias)
+        return dx, (None if dbias is None else dbias.to(bias.dtype)), None
+
+
 def compiled(fn: Callable, fallback: Callable | None = None) -> Callable:
     """torch.compile(fn), built at the first call. If the compiled call fails where `fn` itself
     succeeds (no C++ compiler, an unsupported platform), warn once and run `fallback` (default:

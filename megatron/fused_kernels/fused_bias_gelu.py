@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.fused_kernels.dispatch import FusedOp, Kernels, cdiv, compiled, kernel, tl
+from megatron.fused_kernels.dispatch import BiasActivation, FusedOp, Kernels, cdiv, compiled, kernel, tl
 
 _BLOCK = 1024
 
@@ -158,20 +158,6 @@ OP = FusedOp(
 )
 
 
-class _BiasGeLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, bias, kernels):
-        ctx.save_for_backward(x, bias)
-        ctx.kernels = kernels
-        return kernels.forward(x, bias)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, bias = ctx.saved_tensors
-        dx, dbias = ctx.kernels.backward(grad_y, x, bias)
-        return dx, (None if dbias is None else dbias.to(bias.dtype)), None
-
-
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, *, impl: str | None = None) -> torch.Tensor:
     """gelu_tanh(x + bias) for x [..., ffn] and bias [ffn] (or None); y in x's dtype.
 
@@ -179,4 +165,4 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None = None, *, impl: str | 
     """
     if bias is not None and bias.shape != x.shape[-1:]:
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the last dim of x {tuple(x.shape)}")
-    return _BiasGeLU.apply(x, bias, OP.kernels(x.device, impl))
+    return BiasActivation.apply(x, bias, OP.kernels(x.device, impl))

@@ -373,6 +373,24 @@ def test_native_rms_norm_compiles_large_cpu_tensors_only(monkeypatch):
     assert calls == ["forward", "backward"]
 
 
+def test_native_bias_swiglu_compiles_large_cpu_tensors_only(monkeypatch):
+    """bias_swiglu's native path: the compiled formulas from COMPILE_MIN_NUMEL elements (their
+    numerics are the "compiled" impl's), ATen's eager silu below."""
+    from megatron.fused_kernels import fused_bias_swiglu
+
+    calls = []
+    spy = fused_bias_swiglu.Kernels(
+        lambda *args: calls.append("forward") or fused_bias_swiglu._forward_reference(*args),
+        lambda *args: calls.append("backward") or fused_bias_swiglu._backward_reference(*args))
+    monkeypatch.setattr(fused_bias_swiglu, "_COMPILED", spy)
+    monkeypatch.setattr(fused_bias_swiglu, "COMPILE_MIN_NUMEL", 64)
+    small, large = leaf(4, 14, seed=1), leaf(4, 16, seed=2)
+    fk.bias_swiglu(small, impl="native").sum().backward()
+    assert calls == []
+    fk.bias_swiglu(large, impl="native").sum().backward()
+    assert calls == ["forward", "backward"]
+
+
 def test_native_implementations_match_reference():
     """Every op's "native" implementation (ATen's own kernels), forward and backward, fp32, incl.
     fully masked softmax rows (causal with sq > sk) and the KV-cache causal convention."""
