@@ -73,23 +73,25 @@ def llama_ffn_hidden_size(hidden_size: int) -> int:
     return int(4 * hidden_size * 2 / 3 / 64) * 64
 
 
-def _llama_fields(hidden_size: int, num_query_groups: int | None) -> dict:
-    """RMSNorm, SwiGLU (unfused), GQA, no biases; rope is given to the layer as freqs (unfused)."""
+def _llama_fields(hidden_size: int, num_query_groups: int | None, fused: bool = True) -> dict:
+    """RMSNorm, SwiGLU, GQA, no biases; rope is given to the layer as freqs. fused: the RoPE and
+    SwiGLU fusions on (the defaults), else their PyTorch formulas."""
     return dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                 num_query_groups=num_query_groups, ffn_hidden_size=llama_ffn_hidden_size(hidden_size),
-                bias_swiglu_fusion=False, apply_rope_fusion=False)
+                bias_swiglu_fusion=fused, apply_rope_fusion=fused)
 
 
 def layer_config(hidden_size: int, num_attention_heads: int, *, dtype: torch.dtype = torch.bfloat16,
                  sequence_parallel: bool = False, recompute: str | None = None,
                  distribute_saved_activations: bool = False, use_flash_attn: bool = False,
-                 dropout: float = 0.1, llama_query_groups: int | None = None) -> TransformerConfig:
+                 dropout: float = 0.1, llama_query_groups: int | None = None,
+                 llama_fused: bool = True) -> TransformerConfig:
     """A one-layer config for the measurement: the paper's layer (ffn 4h, hn = h / a, dropout on), or
     with llama_query_groups g a Llama-style layer (_llama_fields) with g key/value groups."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     full = recompute == "full"
-    llama = {} if llama_query_groups is None else _llama_fields(hidden_size, llama_query_groups)
+    llama = {} if llama_query_groups is None else _llama_fields(hidden_size, llama_query_groups, llama_fused)
     return TransformerConfig(**llama,
         num_layers=1, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
@@ -105,16 +107,18 @@ def measure_layer_activation_bytes(seq_length: int, micro_batch_size: int, hidde
                                    sequence_parallel: bool = False, recompute: str | None = None,
                                    distribute_saved_activations: bool = False, use_flash_attn: bool = False,
                                    dropout: float = 0.1, records: list | None = None,
-                                   llama_query_groups: int | None = None) -> int:
+                                   llama_query_groups: int | None = None, llama_fused: bool = True) -> int:
     """Bytes one training-mode layer saves for backward on this TP rank (see the module docstring).
 
     recompute: None, "selective" (core attention rerun) or "full" (the layer keeps its input only).
     llama_query_groups: measure the Llama-style layer (RMSNorm, SwiGLU, that many K/V groups, RoPE,
-    no biases) instead of the paper's. Collective over the tensor-parallel group when TP > 1.
+    no biases) instead of the paper's, with the RoPE and SwiGLU fusions (llama_fused, the defaults)
+    or their PyTorch formulas. Collective over the tensor-parallel group when TP > 1.
     """
     config = layer_config(hidden_size, num_attention_heads, dtype=dtype, sequence_parallel=sequence_parallel,
                           recompute=recompute, distribute_saved_activations=distribute_saved_activations,
-                          use_flash_attn=use_flash_attn, dropout=dropout, llama_query_groups=llama_query_groups)
+                          use_flash_attn=use_flash_attn, dropout=dropout, llama_query_groups=llama_query_groups,
+                          llama_fused=llama_fused)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     local_seq = seq_length // tp if sequence_parallel else seq_length
     tracker = get_cuda_rng_tracker()
@@ -159,10 +163,13 @@ def paper_activation_bytes(seq_length: int, micro_batch_size: int, hidden_size: 
 
 def llama_activation_bytes(seq_length: int, micro_batch_size: int, hidden_size: int, num_attention_heads: int,
                            num_query_groups: int, tensor_parallel_size: int = 1, sequence_parallel: bool = False,
-                           recompute: str | None = None, distribute_saved_activations: bool = False) -> int:
+                           recompute: str | None = None, distribute_saved_activations: bool = False,
+                           fused: bool = True) -> int:
     """Exact bytes per layer on one TP rank of the Llama-style layer that measure_layer_activation_bytes
-    builds with llama_query_groups (bf16, dropout on, unfused RoPE and SwiGLU; docs/memory.md goes
-    term by term). hn = h / a, f = llama_ffn_hidden_size(h), g key/value groups."""
+    builds with llama_query_groups (bf16, dropout on; docs/memory.md goes term by term). hn = h / a,
+    f = llama_ffn_hidden_size(h), g key/value groups. fused (the defaults): fused_kernels.rotary_pos_emb
+    keeps only the shared angles and bias_swiglu only its input; unfused, RoPE keeps cos and sin and
+    SwiGLU also silu(gate)."""
     s, b, h, a, g, t = (seq_length, micro_batch_size, hidden_size, num_attention_heads, num_query_groups,
                         tensor_parallel_size)
     if recompute == "full":
@@ -173,7 +180,7 @@ def llama_activation_bytes(seq_length: int, micro_batch_size: int, hidden_size: 
     # two RMSNorm inputs + their fp32 1/rms, the QKV and fc1 inputs (norm outputs), two 1-byte masks
     replicated = local * b * (2 * 2 * h + 2 * 4 + 2 * 2 * h + 2 * h)
     qkv_storage = 2 * s * b * (heads + 2 * groups) * hn  # the QKV output [s, b, (np/t + 2 ng/t) hn]
-    rope = 4 * 4 * s * hn  # the unfused rotation keeps cos and sin (fp32 [s, 1, 1, hn]) for q and for k
+    rope = 0 if fused else 4 * 4 * s * hn  # unfused, the rotation keeps cos and sin (fp32 [s, 1, 1, hn]) for q and k
     query = 2 * s * b * heads * hn  # rotated q
     if recompute == "selective":
         # the checkpoint keeps its inputs: q, k (rotated, ng/t groups) and v, a view of the QKV output
@@ -184,5 +191,6 @@ def llama_activation_bytes(seq_length: int, micro_batch_size: int, hidden_size: 
         values = 2 * s * b * heads * hn if groups < heads else qkv_storage
         core = query + 2 * s * b * heads * hn + values + 5 * heads * s * s * b
     projection_input = 2 * s * b * heads * hn
-    mlp = 8 * s * b * f // t  # fc1 output [s, b, 2f/t], silu(gate) and fc2's input silu(gate) * up
+    # fc1 output [s, b, 2f/t] and fc2's input silu(gate) * up [s, b, f/t]; unfused also silu(gate)
+    mlp = (6 if fused else 8) * s * b * f // t
     return replicated + rope + core + projection_input + mlp

@@ -88,18 +88,21 @@ def test_llama_formula_term_by_term():
     # 18 sbh (norm inputs, QKV/fc1 inputs, q, repeated k and v, projection input, masks) + 8 sbf (SwiGLU)
     # + 5 a s^2 b (softmax, its mask and output) + 8 sb (two RMSNorms' fp32 1/rms) + 16 s hn (cos, sin)
     no_recompute = 18 * SBH + 8 * S * B * f + 5 * A * S * S * B + 8 * S * B + 16 * S * hn
-    assert llama_activation_bytes(S, B, H, A, 2) == no_recompute == 6_555_648
+    assert llama_activation_bytes(S, B, H, A, 2, fused=False) == no_recompute == 6_555_648
+    # the fusions (the defaults): no cos/sin, and bias_swiglu keeps its input only (not silu(gate))
+    assert llama_activation_bytes(S, B, H, A, 2) == no_recompute - 16 * S * hn - 2 * S * B * f
     # MHA (g = a): v stays a view of the QKV output [s, b, 3h] (6 sbh) instead of a 2 sbh copy
-    assert llama_activation_bytes(S, B, H, A, A) == no_recompute + 4 * SBH
+    assert llama_activation_bytes(S, B, H, A, A, fused=False) == no_recompute + 4 * SBH
     # selective: q, compact k (g heads) and the QKV output replace q, k, v and the s^2 terms
     selective = no_recompute - 6 * SBH - 5 * A * S * S * B + 2 * SBH + 2 * S * B * 2 * hn + 2 * S * B * (A + 4) * hn
-    assert llama_activation_bytes(S, B, H, A, 2, recompute="selective") == selective == 5_179_392
+    assert llama_activation_bytes(S, B, H, A, 2, recompute="selective", fused=False) == selective == 5_179_392
     assert llama_activation_bytes(S, B, H, A, 2, 4, recompute="full") == 2 * SBH
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("groups", [1, 2, A], ids=["mqa", "gqa", "mha"])
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])
-def test_llama_layer_matches_its_formula_to_the_byte(groups, recompute):
+def test_llama_layer_matches_its_formula_to_the_byte(groups, recompute, fused):
     measured = measure_layer_activation_bytes(S, B, H, A, dtype=torch.bfloat16, recompute=recompute,
-                                              llama_query_groups=groups)
-    assert measured == llama_activation_bytes(S, B, H, A, groups, recompute=recompute)
+                                              llama_query_groups=groups, llama_fused=fused)
+    assert measured == llama_activation_bytes(S, B, H, A, groups, recompute=recompute, fused=fused)
