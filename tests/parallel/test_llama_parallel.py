@@ -53,6 +53,7 @@ LAYOUTS = {
     "pp2": dict(pp=2, groups=2),
     "tp2-pp2": dict(tp=2, pp=2, groups=2),
     "pp2-v2": dict(pp=2, vpp=2, groups=4),
+    "tp2-g4-sp-alibi": dict(tp=2, groups=4, sp=True, position="alibi"),  # each rank its own heads' slopes
 }
 
 
@@ -73,7 +74,8 @@ def _config(groups: int, fused: bool, tp: int = 1, pp: int = 1, vpp=None, sp: bo
         fused_kernels_cpu_impl="native" if fused else "reference")
 
 
-def build_chunks(groups: int, fused: bool, tp: int = 1, pp: int = 1, vpp=None, sp: bool = False, qk: bool = False):
+def build_chunks(groups: int, fused: bool, tp: int = 1, pp: int = 1, vpp=None, sp: bool = False, qk: bool = False,
+                 position: str = "rope"):
     """This rank's Llama chunks (its stage, its TP shard) and each chunk's first global layer."""
     config = _config(groups, fused, tp, pp, vpp, sp, qk)
     chunks, offsets = [], []
@@ -83,7 +85,7 @@ def build_chunks(groups: int, fused: bool, tp: int = 1, pp: int = 1, vpp=None, s
         torch.manual_seed(SEED)
         tensor_parallel.model_parallel_cuda_manual_seed(SEED)
         chunks.append(GPTModel(config, vocab_size=_padded(tp), num_tokens=VOCAB, max_sequence_length=SEQ,
-                               share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                               share_embeddings_and_output_weights=False, position_embedding_type=position,
                                transformer_layer_spec=get_llama_layer_spec(qk_layernorm=qk),
                                pre_process=parallel_state.is_pipeline_first_stage(),
                                post_process=parallel_state.is_pipeline_last_stage()))
@@ -141,10 +143,10 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
-def _serial_run(groups: int, fused: bool, qk: bool = False):
+def _serial_run(groups: int, fused: bool, qk: bool = False, position: str = "rope"):
     """The serial model's losses and parameters (with their gradients)."""
     init_parallel(tp=1)
-    (serial,), _ = build_chunks(groups, fused, qk=qk)
+    (serial,), _ = build_chunks(groups, fused, qk=qk, position=position)
     losses = run_schedule([serial], serial=True)
     parallel_state.destroy_model_parallel()
     return losses, dict(serial.named_parameters())
@@ -154,7 +156,8 @@ def _compare_layout(layout: dict, fused: bool, serial_losses: list, serial_param
     groups = layout["groups"]
     tp, pp, vpp, sp = layout.get("tp", 1), layout.get("pp", 1), layout.get("vpp"), layout.get("sp", False)
     init_parallel(tp=tp, pp=pp, vpp=vpp)
-    chunks, offsets = build_chunks(groups, fused, tp, pp, vpp, sp, layout.get("qk", False))
+    chunks, offsets = build_chunks(groups, fused, tp, pp, vpp, sp, layout.get("qk", False),
+                                   layout.get("position", "rope"))
     losses = run_schedule(chunks)
     grad_errors, weight_errors, padding_grad, covered = {}, {}, 0.0, set()
     for chunk, offset in zip(chunks, offsets):
@@ -178,8 +181,9 @@ def _compare_layout(layout: dict, fused: bool, serial_losses: list, serial_param
 
 
 def _compare_layouts(names: list, fused: bool) -> dict:
-    models = {name: (LAYOUTS[name]["groups"], LAYOUTS[name].get("qk", False)) for name in names}
-    serial = {(groups, qk): _serial_run(groups, fused, qk) for groups, qk in sorted(set(models.values()))}
+    models = {name: (LAYOUTS[name]["groups"], LAYOUTS[name].get("qk", False), LAYOUTS[name].get("position", "rope"))
+              for name in names}
+    serial = {key: _serial_run(*key[:1], fused, *key[1:]) for key in sorted(set(models.values()))}
     return {name: _compare_layout(LAYOUTS[name], fused, *serial[models[name]]) for name in names}
 
 
