@@ -1,0 +1,96 @@
+"""How each tensor of a GPTModel is split over tensor-parallel ranks, from the run's args alone.
+
+The checkpoint converter merges a checkpoint's TP shards into whole tensors and cuts them again
+for another TP size. It reads no model: the split of every key follows from its name and the
+saved args (np heads, ng query groups, hn head dim, t ranks; L. = decoder.layers.{i}.):
+
+    key                                       layout (megatron/core/tensor_parallel/layout.py)
+    embedding.word_embeddings.weight          rows, contiguous: vocab/t rows per rank
+    output_layer.weight                       rows, contiguous (the padded vocabulary)
+    L.self_attention.linear_qkv.{weight,bias} explicit rows (attention.qkv_partition_rows): per
+                                              query group [np/ng q heads, k, v]; with t > ng a
+                                              group's K/V rows are replicated on t/ng ranks
+    L.self_attention.linear_proj.weight       columns, contiguous (row parallel)
+    L.mlp.linear_fc1.{weight,bias}            rows, stride 2 with --swiglu ([gate_r ; up_r]), else 1
+    L.mlp.linear_fc2.weight                   columns, contiguous (row parallel)
+    everything else                           replicated: norms, linear_proj / linear_fc2 biases,
+                                              q/k layernorms, position embeddings
+
+A name this table does not know is refused (UnknownTensorError) rather than guessed: a new layer
+must say how it is split before a checkpoint of it converts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, Dict, Optional
+
+from megatron.model.attention import qkv_partition_rows
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_REPLICATED = re.compile(r"(layernorm|norm)\.(weight|bias)$|^embedding\.position_embeddings\.weight$"
+                         r"|linear_(proj|fc2)\.bias$")
+
+
+class UnknownTensorError(ValueError):
+    """A state-dict key the layout table has no rule for."""
+
+
+def _groups(args: argparse.Namespace) -> int:
+    # Megatron's rule: without --group-query-attention there is one group per head.
+    if getattr(args, "group_query_attention", False) and getattr(args, "num_query_groups", None):
+        return int(args.num_query_groups)
+    return int(args.num_attention_heads)
+
+
+def head_dim(args: argparse.Namespace) -> int:
+    """hn: --kv-channels, or h / np."""
+    return int(getattr(args, "kv_channels", None) or args.hidden_size // args.num_attention_heads)
+
+
+def tensor_layout(name: str, args: argparse.Namespace, tp: int, rank: int) -> Dict[str, Any]:
+    """The attributes shard_for_rank / merge_shards take for key `name` on rank `rank` of `tp`."""
+    replicated: Dict[str, Any] = {"tensor_model_parallel": False}
+    if _REPLICATED.search(name):
+        return replicated
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return _split(0)
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        rows = qkv_partition_rows(int(args.num_attention_heads), _groups(args), head_dim(args), tp, rank)
+        return {**_split(0), "partition_rows": rows}
+    if name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias"):
+        return _split(0, stride=2 if getattr(args, "swiglu", False) else 1)
+    if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+        return _split(1)
+    raise UnknownTensorError(f"no tensor-parallel layout rule for {name!r}: the converter does not know "
+                             "how this tensor is split over TP ranks")
+
+
+def _split(dim: int, stride: int = 1) -> Dict[str, Any]:
+    return {"tensor_model_parallel": True, "partition_dim": dim, "partition_stride": stride}
+
+
+def is_vocab_tensor(name: str) -> bool:
+    """Whether the rows of `name` are the (padded) vocabulary."""
+    return name in ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def layer_index(name: str) -> Optional[int]:
+    """i of decoder.layers.{i}.*, else None."""
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def renumber(name: str, offset: int) -> str:
+    """decoder.layers.{i}.rest -> decoder.layers.{i + offset}.rest (other names unchanged)."""
+    match = _LAYER.match(name)
+    if match is None:
+        return name
+    return f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
+
+
+def padded_vocab_size(true_vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: round up to a multiple of make_vocab_size_divisible_by x TP."""
+    multiple = divisible_by * tp
+    return -(-true_vocab_size // multiple) * multiple

@@ -1,0 +1,286 @@
+"""Our (legacy `torch`) checkpoints as a stream of whole tensors, and back, for tools/checkpoint.
+
+The converter's exchange: a `Metadata` (the saved args, iteration, the tokenizer's true vocabulary
+size when known) and then (name, tensor) pairs, one at a time, in the order of a TP = 1, PP = 1
+GPTModel state dict (embedding, decoder.layers.0 ... L-1, final norm, output layer). Names are that
+model's keys, layers numbered globally; tensors are whole (TP = 1) and the vocabulary rows keep the
+source's padding (args.padded_vocab_size rows). With tied embeddings the last stage's copy of the
+word embeddings (output_layer.weight at PP > 1) is not sent: it must equal the embedding.
+
+Memory: the reader holds one pipeline stage's TP files at a time (with virtual stages, one model
+chunk of them); the writer holds one target stage's tensors until that stage is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from megatron.checkpoint_manifest import manifest_path, verify_file, write_manifest
+from megatron.checkpoint_safety import CheckpointError, load_file
+from megatron.checkpointing import (
+    find_checkpoint_rank_0, get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata,
+)
+from megatron.convert.layout_rules import (
+    is_vocab_tensor, layer_index, padded_vocab_size, renumber, tensor_layout,
+)
+from megatron.core.atomic_io import Checksum, atomic_write
+from megatron.core.tensor_parallel.layout import merge_shards, shard_for_rank
+
+CHECKPOINT_VERSION = 3.0  # fused QKV rows [np, 3, hn] (grouped by query group), as checkpointing.py writes
+TIED_COPY = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@dataclass
+class Metadata:
+    """What the loader tells the saver before the tensors."""
+
+    args: argparse.Namespace  # the source checkpoint's args
+    iteration: int
+    release: bool
+    true_vocab_size: Optional[int]  # the tokenizer's vocabulary, None when unknown
+
+
+def true_vocab_size_of(args: argparse.Namespace, given: Optional[int]) -> Optional[int]:
+    """--true-vocab-size, else what the args tell (NullTokenizer: --vocab-size + 1 for its eod)."""
+    if given is not None:
+        return given
+    if getattr(args, "tokenizer_type", None) == "NullTokenizer" and getattr(args, "vocab_size", None):
+        return int(args.vocab_size) + 1
+    return None
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Source:
+    load_dir: str
+    args: argparse.Namespace
+    iteration: int
+    release: bool
+
+    @property
+    def tp(self) -> int:
+        return int(getattr(self.args, "tensor_model_parallel_size", 1) or 1)
+
+    @property
+    def pp(self) -> int:
+        return int(getattr(self.args, "pipeline_model_parallel_size", 1) or 1)
+
+    @property
+    def vp(self) -> int:
+        return int(getattr(self.args, "virtual_pipeline_model_parallel_size", None) or 1)
+
+
+def open_source(load_dir: str) -> Source:
+    """The checkpoint the tracker of load_dir names, and its args (from the rank-0 file)."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load-dir {load_dir} is not a directory")
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker):
+        raise CheckpointError(f"--load-dir {load_dir} holds no checkpoint (no {os.path.basename(tracker)})")
+    iteration, release = read_metadata(tracker)
+    first = find_checkpoint_rank_0(load_dir, iteration, release)
+    if first is None:
+        raise CheckpointError(f"{load_dir}: the tracker names {'release' if release else f'iteration {iteration}'} "
+                              "but no mp_rank_00* file of it exists")
+    args = _read(first, load_dir, iteration, release).get("args")
+    if args is None:
+        raise CheckpointError(f"{first} has no saved args: the converter needs them for the tensor layouts")
+    return Source(load_dir, args, iteration, release)
+
+
+def _read(path: str, load_dir: str, iteration: int, release: bool) -> Dict[str, Any]:
+    base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    verify_file(path, base_dir)
+    state = load_file(path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint file {path} does not hold a dict")
+    version = state.get("checkpoint_version", 0)
+    if version < 2.0:
+        raise CheckpointError(f"{path} has checkpoint_version {version}: its QKV rows are not in the "
+                              "[np, 3, hn] order (the legacy loader is not written yet)")
+    return state
+
+
+def _stage_shards(source: Source, pp_rank: int) -> List[Dict[str, Any]]:
+    files = [get_checkpoint_name(source.load_dir, source.iteration, source.release,
+                                 pipeline_parallel=source.pp > 1, tensor_rank=r, pipeline_rank=pp_rank,
+                                 expert_parallel=False, expert_rank=0) for r in range(source.tp)]
+    return [_read(f, source.load_dir, source.iteration, source.release) for f in files]
+
+
+def _carries_data(value: Any) -> bool:
+    return torch.is_tensor(value) and value.numel() > 0
+
+
+def read_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Every whole tensor of the source, in canonical order (see the module docstring)."""
+    args, tp = source.args, source.tp
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    per_chunk = int(args.num_layers) // (source.pp * source.vp)
+    for chunk in range(source.vp):  # chunk v of stage p is model chunk v * pp + p
+        for pp_rank in range(source.pp):
+            shards = _stage_shards(source, pp_rank)
+            key = "model" if source.vp == 1 else f"model{chunk}"
+            models = [s[key] for s in shards]
+            offset = (chunk * source.pp + pp_rank) * per_chunk
+            for name in models[0]:
+                if name.endswith("_extra_state"):
+                    if any(_carries_data(m[name]) for m in models):
+                        raise CheckpointError(f"{name} carries data (FP8 state?) the converter cannot place")
+                    continue
+                if tied and name == TIED_COPY:
+                    continue  # the last stage's copy of the tied embedding
+                layouts = [tensor_layout(name, args, tp, r) for r in range(tp)]
+                try:
+                    whole = merge_shards([m[name] for m in models], layouts)
+                except (KeyError, ValueError) as error:
+                    raise CheckpointError(f"cannot merge the TP shards of {name} (stage {pp_rank}): {error}") from error
+                yield renumber(name, offset), whole
+            del shards, models
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def check_target(args: argparse.Namespace, tp: int, pp: int) -> None:
+    """Refuse target sizes the model's shape does not split into (CheckpointError naming the flag)."""
+    from megatron.convert.layout_rules import _groups
+
+    heads, groups = int(args.num_attention_heads), _groups(args)
+    ffn = int(getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size)
+    problems = []
+    if tp < 1 or pp < 1:
+        problems.append("sizes must be >= 1")
+    else:
+        if heads % tp:
+            problems.append(f"{heads} attention heads do not split over {tp} TP ranks")
+        elif groups % tp and tp % groups:
+            problems.append(f"{groups} query groups neither split over nor divide {tp} TP ranks")
+        if ffn % tp:
+            problems.append(f"ffn hidden size {ffn} does not split over {tp} TP ranks")
+        if int(args.num_layers) % pp:
+            problems.append(f"{args.num_layers} layers do not split over {pp} pipeline stages")
+    if problems:
+        raise CheckpointError(f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}: "
+                              + "; ".join(problems))
+
+
+def target_args(meta: Metadata, tp: int, pp: int) -> argparse.Namespace:
+    """The source args at the target sizes (no virtual stages), with the target's padded vocabulary."""
+    args = copy.deepcopy(meta.args)
+    args.padded_vocab_size = target_vocab_size(meta, tp)
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.virtual_pipeline_model_parallel_size = None
+    args.num_layers_per_virtual_pipeline_stage = None
+    args.num_virtual_stages_per_pipeline_rank = None
+    if tp == 1:
+        args.sequence_parallel = False
+    data_parallel = int(getattr(args, "data_parallel_size", 1) or 1)
+    args.world_size = tp * pp * data_parallel
+    return args
+
+
+def target_vocab_size(meta: Metadata, tp: int) -> int:
+    """Megatron's padding of the true vocabulary for the target TP; without the true size, the
+    source's padded size when it splits evenly (else CheckpointError)."""
+    divisible_by = int(getattr(meta.args, "make_vocab_size_divisible_by", 128))
+    source = int(meta.args.padded_vocab_size)
+    if meta.true_vocab_size is not None:
+        if meta.true_vocab_size > source:
+            raise CheckpointError(f"--true-vocab-size {meta.true_vocab_size} exceeds the checkpoint's "
+                                  f"padded vocabulary of {source} rows")
+        return padded_vocab_size(meta.true_vocab_size, divisible_by, tp)
+    if source % (divisible_by * tp):
+        raise CheckpointError(f"the checkpoint's padded vocabulary ({source}) does not split over "
+                              f"{tp} TP ranks in multiples of --make-vocab-size-divisible-by {divisible_by}; "
+                              "pass --true-vocab-size (the tokenizer's size) to pad it again")
+    return source
+
+
+def resize_vocab(tensor: torch.Tensor, meta: Metadata, rows: int) -> torch.Tensor:
+    """Vocabulary rows from the source padding to `rows`: the true rows kept, padding rows zero."""
+    if tensor.shape[0] == rows:
+        return tensor
+    keep = meta.true_vocab_size if meta.true_vocab_size is not None else min(rows, tensor.shape[0])
+    out = tensor.new_zeros((rows, *tensor.shape[1:]))
+    out[:keep] = tensor[:keep]
+    return out
+
+
+class StageWriter:
+    """Collects one target stage's whole tensors, then writes its TP files (atomically)."""
+
+    def __init__(self, save_dir: str, meta: Metadata, tp: int, pp: int) -> None:
+        self.save_dir, self.meta, self.tp, self.pp = save_dir, meta, tp, pp
+        self.args = target_args(meta, tp, pp)
+        self.per_stage = int(self.args.num_layers) // pp
+        self.files: Dict[str, Checksum] = {}
+        self.base_dir = get_checkpoint_name(save_dir, meta.iteration, meta.release, return_base_dir=True)
+
+    def stage_of(self, name: str) -> int:
+        index = layer_index(name)
+        if index is not None:
+            return index // self.per_stage
+        return 0 if name.startswith("embedding.") else self.pp - 1
+
+    def local_name(self, name: str, stage: int) -> str:
+        return renumber(name, -stage * self.per_stage) if layer_index(name) is not None else name
+
+    def write_stage(self, stage: int, tensors: Dict[str, torch.Tensor]) -> None:
+        """Write the TP files of `stage` from its whole tensors (local names)."""
+        for rank in range(self.tp):
+            model = {name: shard_for_rank(t, tensor_layout(name, self.args, self.tp, rank), self.tp, rank).clone()
+                     for name, t in tensors.items()}
+            path = get_checkpoint_name(self.save_dir, self.meta.iteration, self.meta.release,
+                                       pipeline_parallel=self.pp > 1, tensor_rank=rank, pipeline_rank=stage,
+                                       expert_parallel=False, expert_rank=0)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            state = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
+                     "iteration": self.meta.iteration, "model": model,
+                     "num_floating_point_operations_so_far": 0.0}
+            checksum = atomic_write(path, lambda f: torch.save(state, f), checksum=True)
+            self.files[os.path.relpath(path, self.base_dir).replace(os.sep, "/")] = checksum
+
+    def finish(self) -> None:
+        """The manifest, then the tracker (as checkpointing.save_checkpoint orders them)."""
+        write_manifest(self.base_dir, self.meta.iteration, self.files)
+        text = "release" if self.meta.release else str(self.meta.iteration)
+        atomic_write(get_checkpoint_tracker_filename(self.save_dir), lambda f: f.write(text.encode("ascii")))
+
+
+def write_tensors(save_dir: str, meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
+                  tp: int, pp: int) -> None:
+    """Write the stream as a checkpoint at TP=tp, PP=pp under save_dir (which must be new)."""
+    writer = StageWriter(save_dir, meta, tp, pp)
+    rows = writer.args.padded_vocab_size
+    tied = not getattr(meta.args, "untie_embeddings_and_output_weights", False)
+    stage, held, embedding = 0, {}, None
+    for name, tensor in tensors:
+        if is_vocab_tensor(name):
+            tensor = resize_vocab(tensor, meta, rows)
+        if name == EMBEDDING:
+            embedding = tensor
+        target = writer.stage_of(name)
+        while target > stage:  # the stream went past this stage: write it, free its tensors
+            writer.write_stage(stage, held)
+            stage, held = stage + 1, {}
+        held[writer.local_name(name, stage)] = tensor
+    if tied and pp > 1:
+        if embedding is None:
+            raise CheckpointError("the source sent no word embeddings")
+        held[TIED_COPY] = embedding  # the last stage keeps its own copy of the tied weight
+    writer.write_stage(stage, held)
+    if stage != pp - 1:
+        raise CheckpointError(f"the source sent tensors for {stage + 1} of {pp} target stages")
+    writer.finish()

@@ -1,0 +1,92 @@
+"""Does a converted checkpoint compute what its source did? Logits of both, on CPU, at TP = 1.
+
+Each side's stream of whole tensors (megatron_format.read_tensors) fills a TP = 1, PP = 1 GPTModel
+built from that side's args in fp32 without dropout; both run on the same fixed token sequences
+(drawn from a seeded generator over the true vocabulary) and their logits over the true vocabulary
+are compared: max |difference| <= tolerance x max(1, max |source logit|). A conversion only
+reorders rows, so the logits agree to rounding; a wrong mapping (Q and K rows swapped, gate and up
+exchanged, layers out of order) moves them by far more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from dataclasses import dataclass
+from typing import Iterable, Tuple
+
+import torch
+
+from megatron.checkpoint_safety import CheckpointError
+
+TOLERANCE = 1e-5
+NUM_SEQUENCES, SEQUENCE_LENGTH, SEED = 2, 16, 1234
+
+
+@dataclass(frozen=True)
+class Comparison:
+    max_difference: float
+    scale: float
+    tolerance: float
+    shape: Tuple[int, ...]  # the logits compared
+    tokens: int  # per sequence
+
+    @property
+    def ok(self) -> bool:
+        return self.max_difference <= self.tolerance * self.scale
+
+    def describe(self) -> str:
+        verdict = "OK" if self.ok else "MISMATCH"
+        return (f"verification: {NUM_SEQUENCES} sequences of {self.tokens} tokens, logits over "
+                f"{self.shape[-1]} ids: max |difference| {self.max_difference:.3g}, tolerance "
+                f"{self.tolerance:g} x {self.scale:.3g} -> {verdict}")
+
+
+def build_serial_model(args: argparse.Namespace, tensors: Iterable[Tuple[str, torch.Tensor]]) -> torch.nn.Module:
+    """A TP = 1, PP = 1 fp32 GPTModel of `args`' shape holding the streamed whole tensors (strict)."""
+    from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs
+    from megatron.model import GPTModel
+
+    serial = copy.deepcopy(args)
+    serial.tensor_model_parallel_size = serial.pipeline_model_parallel_size = 1
+    serial.virtual_pipeline_model_parallel_size = None
+    serial.sequence_parallel = False
+    serial.hidden_dropout = serial.attention_dropout = 0.0
+    serial.fp16 = serial.bf16 = False
+    serial.params_dtype = torch.float32
+    serial.perform_initialization = False
+    serial.recompute_granularity = None
+    config = core_transformer_config_from_args(serial)
+    model = GPTModel(config, vocab_size=int(args.padded_vocab_size), max_sequence_length=int(args.max_position_embeddings),
+                     share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
+                     **gpt_model_kwargs(serial))
+    state = dict(tensors)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as error:
+        raise CheckpointError(f"the converted tensors do not fit the model of the checkpoint's args: {error}") from error
+    return model.eval()
+
+
+def sample_tokens(vocab: int, max_length: int) -> torch.Tensor:
+    """The fixed token sequences [b, s] both models see."""
+    generator = torch.Generator().manual_seed(SEED)
+    length = min(SEQUENCE_LENGTH, max_length)
+    return torch.randint(0, vocab, (NUM_SEQUENCES, length), generator=generator)
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)  # [b, s]
+    return model(tokens, positions).float()
+
+
+def compare(source: torch.nn.Module, target: torch.nn.Module, vocab: int, max_length: int,
+            tolerance: float = TOLERANCE) -> Comparison:
+    """Logits of both models on the fixed sequences, over the first `vocab` ids (the true vocabulary)."""
+    tokens = sample_tokens(vocab, max_length)
+    a, b = logits_of(source, tokens)[..., :vocab], logits_of(target, tokens)[..., :vocab]
+    if a.shape != b.shape:
+        return Comparison(float("inf"), 1.0, tolerance, tuple(a.shape), tokens.shape[1])
+    scale = max(1.0, a.abs().max().item())
+    return Comparison((a - b).abs().max().item(), scale, tolerance, tuple(a.shape), tokens.shape[1])

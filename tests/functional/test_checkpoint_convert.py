@@ -1,0 +1,189 @@
+"""tools/checkpoint/convert.py on our checkpoints: TP=2 PP=2 -> TP=1 PP=1 -> TP=4, verified by logits.
+
+The source checkpoints are written in-process from a TP = 1 Llama-style model (RMSNorm, SwiGLU,
+RoPE, GQA, untied, no biases): each (tp, pp) rank's model is built at that rank (parallel_state
+patched) and each of its tensors cut from the whole one with *that model's own* partition
+attributes, so the converter's name-based layout rules are checked against the layers' layouts.
+"""
+
+import argparse
+import os
+import unittest.mock
+
+import pytest
+import torch
+
+import pretrain_gpt
+from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs, parse_and_validate_args
+from megatron.checkpoint_manifest import write_manifest
+from megatron.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
+from megatron.convert import megatron_format
+from megatron.convert.layout_rules import renumber
+from megatron.core import parallel_state
+from megatron.core.atomic_io import atomic_write
+from megatron.core.tensor_parallel.layout import shard_for_rank
+from megatron.model import GPTModel
+from tools.checkpoint import convert, saver_megatron
+
+LLAMA = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+         "--lr", "1e-3", "--seed", "1234", "--swiglu", "--normalization", "RMSNorm",
+         "--position-embedding-type", "rope", "--group-query-attention", "--untie-embeddings-and-output-weights",
+         "--disable-bias-linear", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--eval-iters", "0"]
+TRUE_VOCAB = 256  # NullTokenizer: 255 ids and its eod
+
+
+def _args(groups: int) -> argparse.Namespace:
+    args = parse_and_validate_args(argv=[*LLAMA, "--num-query-groups", str(groups), "--train-iters", "1"])
+    args.padded_vocab_size = 256  # 256 ids padded to a multiple of 128 x TP, TP <= 2
+    return args
+
+
+def _patched(tp: int, tp_rank: int, pp: int, pp_rank: int):
+    patches = {"get_tensor_model_parallel_world_size": tp, "get_tensor_model_parallel_rank": tp_rank,
+               "get_pipeline_model_parallel_world_size": pp, "get_pipeline_model_parallel_rank": pp_rank}
+    stack = unittest.mock.patch.multiple(parallel_state, **{k: (lambda v=v: v) for k, v in patches.items()})
+    return stack
+
+
+def _model(args: argparse.Namespace, pre: bool = True, post: bool = True) -> GPTModel:
+    return GPTModel(core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, pre_process=pre, post_process=post,
+                    share_embeddings_and_output_weights=False, **gpt_model_kwargs(args))
+
+
+def write_checkpoint(save_dir, args: argparse.Namespace, whole, tp: int, pp: int, iteration: int = 2) -> None:
+    """Our checkpoint of the whole state dict at (tp, pp), as each rank's own model would hold it."""
+    args = argparse.Namespace(**vars(args))
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size = tp, pp, tp * pp
+    base_dir = get_checkpoint_name(str(save_dir), iteration, return_base_dir=True)
+    files = {}
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            with _patched(tp, tp_rank, pp, pp_rank):
+                rank_model = _model(args, pre=pp_rank == 0, post=pp_rank == pp - 1)
+            offset = pp_rank * args.num_layers // pp
+            state = {name: shard_for_rank(whole[renumber(name, offset)], param, tp, tp_rank).clone()
+                     for name, param in rank_model.state_dict(keep_vars=True).items()}
+            path = get_checkpoint_name(str(save_dir), iteration, pipeline_parallel=pp > 1, tensor_rank=tp_rank,
+                                       pipeline_rank=pp_rank, expert_parallel=False, expert_rank=0)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            saved = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": state}
+            files[os.path.relpath(path, base_dir)] = atomic_write(path, lambda f: torch.save(saved, f), checksum=True)
+    write_manifest(base_dir, iteration, files)
+    atomic_write(get_checkpoint_tracker_filename(str(save_dir)), lambda f: f.write(str(iteration).encode()))
+
+
+@pytest.fixture(scope="module", params=[2, 1], ids=["gqa2", "mqa"])
+def source(request, tmp_path_factory):
+    """(checkpoint dir at TP=2 PP=2, the whole state dict, args) of a seeded random model."""
+    groups = request.param
+    args = _args(groups)
+    torch.manual_seed(7)
+    whole = {k: v.detach().clone() for k, v in _model(args).state_dict().items()}
+    root = tmp_path_factory.mktemp(f"convert_{groups}")
+    write_checkpoint(root / "tp2_pp2", args, whole, tp=2, pp=2)
+    return root, whole, args
+
+
+def _convert(load_dir, save_dir, tp, pp, *extra):
+    convert.main(["--model-type", "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir", str(load_dir),
+                  "--save-dir", str(save_dir), "--target-tensor-parallel-size", str(tp),
+                  "--target-pipeline-parallel-size", str(pp), "--megatron-path", "ignored", *extra])
+
+
+def _read_whole(save_dir):
+    args, tensors = saver_megatron.read_back(str(save_dir))
+    return args, dict(tensors)
+
+
+def test_tp2pp2_to_tp1_to_tp4_keeps_every_weight(source, capsys):
+    root, whole, _ = source
+    _convert(root / "tp2_pp2", root / "tp1", 1, 1)
+    _convert(root / "tp1", root / "tp4", 4, 1)
+    out = capsys.readouterr().out
+    assert out.count("-> OK") == 2, out
+    args1, tp1 = _read_whole(root / "tp1")
+    assert (args1.tensor_model_parallel_size, args1.pipeline_model_parallel_size, args1.padded_vocab_size) == (1, 1, 256)
+    assert tp1.keys() == whole.keys() and all(torch.equal(tp1[k], whole[k]) for k in whole)
+    args4, tp4 = _read_whole(root / "tp4")
+    assert (args4.tensor_model_parallel_size, args4.padded_vocab_size) == (4, 512)  # 256 padded to 128 x 4
+    assert sorted(os.listdir(root / "tp4" / "iter_0000002")) == [
+        "checksums.json", "mp_rank_00", "mp_rank_01", "mp_rank_02", "mp_rank_03"]
+    for name, tensor in whole.items():
+        if name in megatron_format.EMBEDDING or name == "output_layer.weight":
+            assert torch.equal(tp4[name][:TRUE_VOCAB], tensor) and not tp4[name][TRUE_VOCAB:].any()
+        else:
+            assert torch.equal(tp4[name], tensor), name
+    # Back from TP=4 to TP=2 PP=2: the source's files, shard for shard.
+    _convert(root / "tp4", root / "tp2_pp2_again", 2, 2)
+    for rank_dir in ("mp_rank_00_000", "mp_rank_01_001"):
+        a = torch.load(root / "tp2_pp2" / "iter_0000002" / rank_dir / "model_optim_rng.pt", weights_only=False)
+        b = torch.load(root / "tp2_pp2_again" / "iter_0000002" / rank_dir / "model_optim_rng.pt", weights_only=False)
+        assert a["model"].keys() == b["model"].keys()
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def _first_loss(load_dir, groups):
+    result = pretrain_gpt.main([*LLAMA, "--num-query-groups", str(groups), "--load", str(load_dir), "--finetune",
+                                "--train-iters", "1"], record_history=True)
+    return result.history[0].losses["lm loss"]
+
+
+def test_converted_checkpoint_trains_from_the_sources_loss(source, tmp_path):
+    root, whole, args = source
+    target = root / "tp1_for_training"
+    _convert(root / "tp2_pp2", target, 1, 1)
+    write_checkpoint(tmp_path / "golden", args, whole, tp=1, pp=1)  # the source model, written directly
+    groups = args.num_query_groups
+    assert _first_loss(target, groups) == _first_loss(tmp_path / "golden", groups)
+
+
+def test_swapped_query_and_key_rows_are_refused(source, monkeypatch, capsys):
+    root, _, args = source
+    write_stage = megatron_format.StageWriter.write_stage
+    hn = args.hidden_size // args.num_attention_heads
+    per_group = args.num_attention_heads // args.num_query_groups
+
+    def swapping(self, stage, tensors):
+        name = "decoder.layers.1.self_attention.linear_qkv.weight"
+        if name in tensors:  # group 0: its first query head <-> its key head
+            qkv = tensors[name].clone()
+            q, k = slice(0, hn), slice(per_group * hn, (per_group + 1) * hn)
+            qkv[q], qkv[k] = tensors[name][k], tensors[name][q]
+            tensors = {**tensors, name: qkv}
+        return write_stage(self, stage, tensors)
+
+    monkeypatch.setattr(megatron_format.StageWriter, "write_stage", swapping)
+    save_dir = root / "swapped"
+    with pytest.raises(convert.ConversionError, match="logits differ"):
+        _convert(root / "tp2_pp2", save_dir, 1, 1)
+    assert "MISMATCH" in capsys.readouterr().out
+    assert not save_dir.exists()
+    assert not [p for p in os.listdir(root) if p.startswith(".swapped")]  # no temporary folder left
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model-type", "GPT", "--save-dir", "x"], "convert.py: error: --load-dir is required"),
+    (["--model-type", "GPT", "--loader", "nosuch", "--load-dir", "a", "--save-dir", "b"],
+     "convert.py: error: --loader nosuch: no such loader (available: megatron)"),
+    (["--model-type", "BERT", "--load-dir", "a", "--save-dir", "b"],
+     "convert.py: error: --model-type BERT: not supported (supported: GPT)"),
+], ids=["no-load-dir", "unknown-loader", "bert"])
+def test_bad_input_is_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        convert.cli(argv)
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.strip() == message
+
+
+def test_a_target_size_that_does_not_split_is_refused(source, capsys):
+    root, _, _ = source
+    with pytest.raises(SystemExit) as exit_info:
+        convert.cli(["--model-type", "GPT", "--load-dir", str(root / "tp2_pp2"), "--save-dir", str(root / "tp3"),
+                     "--target-tensor-parallel-size", "3"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "4 attention heads do not split over 3 TP ranks" in err[0]
+    assert not (root / "tp3").exists()

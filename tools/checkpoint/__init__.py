@@ -1,0 +1,1 @@
+"""tools/checkpoint/convert.py and its loader_* / saver_* plugins."""
