@@ -16,6 +16,7 @@ import torch
 import pretrain_gpt
 from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs, parse_and_validate_args
 from megatron.checkpoint_manifest import write_manifest
+from megatron.checkpoint_safety import load_file
 from megatron.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.convert import megatron_format
 from megatron.convert.layout_rules import renumber
@@ -25,66 +26,86 @@ from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.model import GPTModel
 from tools.checkpoint import convert, saver_megatron
 
-LLAMA = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
-         "--lr", "1e-3", "--seed", "1234", "--swiglu", "--normalization", "RMSNorm",
-         "--position-embedding-type", "rope", "--group-query-attention", "--untie-embeddings-and-output-weights",
-         "--disable-bias-linear", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--eval-iters", "0"]
+COMMON = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+          "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+          "--lr", "1e-3", "--seed", "1234", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--eval-iters", "0"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+# name: (flags, virtual stages of the TP=2 PP=2 source)
+MODELS = {
+    "llama-gqa2": ([*COMMON, *LLAMA, "--num-query-groups", "2"], 1),
+    "llama-mqa": ([*COMMON, *LLAMA, "--num-query-groups", "1"], 1),  # K/V replicated on every rank
+    "gpt2-tied-vpp2": (COMMON, 2),  # LayerNorm, biases, learned positions, tied output, model0/model1 files
+}
 TRUE_VOCAB = 256  # NullTokenizer: 255 ids and its eod
 
 
-def _args(groups: int) -> argparse.Namespace:
-    args = parse_and_validate_args(argv=[*LLAMA, "--num-query-groups", str(groups), "--train-iters", "1"])
+def _args(flags, vp: int = 1) -> argparse.Namespace:
+    args = parse_and_validate_args(argv=[*flags, "--train-iters", "1"])
     args.padded_vocab_size = 256  # 256 ids padded to a multiple of 128 x TP, TP <= 2
+    if vp > 1:
+        args.virtual_pipeline_model_parallel_size = vp
+        args.num_layers_per_virtual_pipeline_stage = args.num_layers // (2 * vp)
     return args
 
 
-def _patched(tp: int, tp_rank: int, pp: int, pp_rank: int):
+def _patched(tp: int, tp_rank: int, pp: int, pp_rank: int, vp: int, vp_rank: int):
     patches = {"get_tensor_model_parallel_world_size": tp, "get_tensor_model_parallel_rank": tp_rank,
-               "get_pipeline_model_parallel_world_size": pp, "get_pipeline_model_parallel_rank": pp_rank}
-    stack = unittest.mock.patch.multiple(parallel_state, **{k: (lambda v=v: v) for k, v in patches.items()})
-    return stack
+               "get_pipeline_model_parallel_world_size": pp, "get_pipeline_model_parallel_rank": pp_rank,
+               "get_virtual_pipeline_model_parallel_world_size": vp if vp > 1 else None,
+               "get_virtual_pipeline_model_parallel_rank": vp_rank if vp > 1 else None,
+               "is_rank_in_embedding_group": False}  # no tied-embedding all-reduce: the weights are copied in
+    return unittest.mock.patch.multiple(parallel_state, **{k: (lambda v=v: v) for k, v in patches.items()})
 
 
 def _model(args: argparse.Namespace, pre: bool = True, post: bool = True) -> GPTModel:
     return GPTModel(core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, pre_process=pre, post_process=post,
-                    share_embeddings_and_output_weights=False, **gpt_model_kwargs(args))
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    **gpt_model_kwargs(args))
 
 
-def write_checkpoint(save_dir, args: argparse.Namespace, whole, tp: int, pp: int, iteration: int = 2) -> None:
-    """Our checkpoint of the whole state dict at (tp, pp), as each rank's own model would hold it."""
+def write_checkpoint(save_dir, args: argparse.Namespace, whole, tp: int, pp: int, vp: int = 1,
+                     iteration: int = 2) -> None:
+    """Our checkpoint of the whole state dict at (tp, pp, vp), as each rank's own model would hold it."""
     args = argparse.Namespace(**vars(args))
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.world_size = tp, pp, tp * pp
+    if vp == 1:
+        args.virtual_pipeline_model_parallel_size = args.num_layers_per_virtual_pipeline_stage = None
     base_dir = get_checkpoint_name(str(save_dir), iteration, return_base_dir=True)
     files = {}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
-            with _patched(tp, tp_rank, pp, pp_rank):
-                rank_model = _model(args, pre=pp_rank == 0, post=pp_rank == pp - 1)
-            offset = pp_rank * args.num_layers // pp
-            state = {name: shard_for_rank(whole[renumber(name, offset)], param, tp, tp_rank).clone()
-                     for name, param in rank_model.state_dict(keep_vars=True).items()}
+            saved = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
+            for chunk in range(vp):
+                with _patched(tp, tp_rank, pp, pp_rank, vp, chunk):
+                    rank_model = _model(args, pre=pp_rank == 0 and chunk == 0,
+                                        post=pp_rank == pp - 1 and chunk == vp - 1)
+                offset = (chunk * pp + pp_rank) * args.num_layers // (pp * vp)
+                # a tied model's last stage holds a copy of the word embeddings as output_layer.weight
+                state = {name: shard_for_rank(whole.get(renumber(name, offset), whole[megatron_format.EMBEDDING]),
+                                              param, tp, tp_rank).clone()
+                         for name, param in rank_model.state_dict(keep_vars=True).items()}
+                saved["model" if vp == 1 else f"model{chunk}"] = state
             path = get_checkpoint_name(str(save_dir), iteration, pipeline_parallel=pp > 1, tensor_rank=tp_rank,
                                        pipeline_rank=pp_rank, expert_parallel=False, expert_rank=0)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            saved = {"args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": state}
             files[os.path.relpath(path, base_dir)] = atomic_write(path, lambda f: torch.save(saved, f), checksum=True)
     write_manifest(base_dir, iteration, files)
     atomic_write(get_checkpoint_tracker_filename(str(save_dir)), lambda f: f.write(str(iteration).encode()))
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=["gqa2", "mqa"])
+@pytest.fixture(scope="module", params=list(MODELS))
 def source(request, tmp_path_factory):
-    """(checkpoint dir at TP=2 PP=2, the whole state dict, args) of a seeded random model."""
-    groups = request.param
-    args = _args(groups)
+    """(folder holding tp2_pp2/, the whole state dict, args, flags) of a seeded random model."""
+    flags, vp = MODELS[request.param]
+    args = _args(flags)
     torch.manual_seed(7)
     whole = {k: v.detach().clone() for k, v in _model(args).state_dict().items()}
-    root = tmp_path_factory.mktemp(f"convert_{groups}")
-    write_checkpoint(root / "tp2_pp2", args, whole, tp=2, pp=2)
-    return root, whole, args
+    root = tmp_path_factory.mktemp(request.param)
+    write_checkpoint(root / "tp2_pp2", _args(flags, vp), whole, tp=2, pp=2, vp=vp)
+    return root, whole, args, flags
 
 
 def _convert(load_dir, save_dir, tp, pp, *extra):
@@ -99,7 +120,7 @@ def _read_whole(save_dir):
 
 
 def test_tp2pp2_to_tp1_to_tp4_keeps_every_weight(source, capsys):
-    root, whole, _ = source
+    root, whole, args, _ = source
     _convert(root / "tp2_pp2", root / "tp1", 1, 1)
     _convert(root / "tp1", root / "tp4", 4, 1)
     out = capsys.readouterr().out
@@ -112,39 +133,53 @@ def test_tp2pp2_to_tp1_to_tp4_keeps_every_weight(source, capsys):
     assert sorted(os.listdir(root / "tp4" / "iter_0000002")) == [
         "checksums.json", "mp_rank_00", "mp_rank_01", "mp_rank_02", "mp_rank_03"]
     for name, tensor in whole.items():
-        if name in megatron_format.EMBEDDING or name == "output_layer.weight":
+        if name in (megatron_format.EMBEDDING, "output_layer.weight"):
             assert torch.equal(tp4[name][:TRUE_VOCAB], tensor) and not tp4[name][TRUE_VOCAB:].any()
         else:
             assert torch.equal(tp4[name], tensor), name
-    # Back from TP=4 to TP=2 PP=2: the source's files, shard for shard.
+    assert ("output_layer.weight" in tp4) == args.untie_embeddings_and_output_weights
+    # Each TP=4 file holds what that rank's own model holds (the layers' layouts, not the converter's rules).
+    args_512 = argparse.Namespace(**{**vars(args), "padded_vocab_size": 512})
+    write_checkpoint(root / "tp4_reference", args_512, tp4, tp=4, pp=1)
+    _assert_same_files(root / "tp4_reference", root / "tp4", [f"mp_rank_0{r}" for r in range(4)])
+    # Back from TP=4 to TP=2 PP=2: what each rank's model holds, shard for shard (the saver writes
+    # no virtual stages: the reference is the source model written at TP=2 PP=2 without them).
     _convert(root / "tp4", root / "tp2_pp2_again", 2, 2)
-    for rank_dir in ("mp_rank_00_000", "mp_rank_01_001"):
-        a = torch.load(root / "tp2_pp2" / "iter_0000002" / rank_dir / "model_optim_rng.pt", weights_only=False)
-        b = torch.load(root / "tp2_pp2_again" / "iter_0000002" / rank_dir / "model_optim_rng.pt", weights_only=False)
-        assert a["model"].keys() == b["model"].keys()
-        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    write_checkpoint(root / "tp2_pp2_reference", args, whole, tp=2, pp=2)
+    _assert_same_files(root / "tp2_pp2_reference", root / "tp2_pp2_again",
+                       [f"mp_rank_0{t}_00{p}" for t in range(2) for p in range(2)])
 
 
-def _first_loss(load_dir, groups):
-    result = pretrain_gpt.main([*LLAMA, "--num-query-groups", str(groups), "--load", str(load_dir), "--finetune",
+def _assert_same_files(expected_dir, actual_dir, rank_dirs):
+    for rank_dir in rank_dirs:
+        a = load_file(str(expected_dir / "iter_0000002" / rank_dir / "model_optim_rng.pt"))
+        b = load_file(str(actual_dir / "iter_0000002" / rank_dir / "model_optim_rng.pt"))
+        assert a["model"].keys() == b["model"].keys(), rank_dir
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), rank_dir
+
+
+def _first_loss(load_dir, flags):
+    result = pretrain_gpt.main([*flags, "--load", str(load_dir), "--finetune",
                                 "--train-iters", "1"], record_history=True)
     return result.history[0].losses["lm loss"]
 
 
-def test_converted_checkpoint_trains_from_the_sources_loss(source, tmp_path):
-    root, whole, args = source
+def test_converted_checkpoint_trains_from_the_sources_loss(source, tmp_path, capsys):
+    root, whole, args, flags = source
     target = root / "tp1_for_training"
     _convert(root / "tp2_pp2", target, 1, 1)
     write_checkpoint(tmp_path / "golden", args, whole, tp=1, pp=1)  # the source model, written directly
-    groups = args.num_query_groups
-    assert _first_loss(target, groups) == _first_loss(tmp_path / "golden", groups)
+    converted, golden = _first_loss(target, flags), _first_loss(tmp_path / "golden", flags)
+    assert capsys.readouterr().out.count("successfully loaded checkpoint") == 2
+    assert converted == golden
 
 
 def test_swapped_query_and_key_rows_are_refused(source, monkeypatch, capsys):
-    root, _, args = source
+    root, _, args, _ = source
     write_stage = megatron_format.StageWriter.write_stage
     hn = args.hidden_size // args.num_attention_heads
-    per_group = args.num_attention_heads // args.num_query_groups
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    per_group = args.num_attention_heads // groups
 
     def swapping(self, stage, tensors):
         name = "decoder.layers.1.self_attention.linear_qkv.weight"
@@ -179,7 +214,7 @@ def test_bad_input_is_one_line(argv, message, capsys):
 
 
 def test_a_target_size_that_does_not_split_is_refused(source, capsys):
-    root, _, _ = source
+    root, _, _, _ = source
     with pytest.raises(SystemExit) as exit_info:
         convert.cli(["--model-type", "GPT", "--load-dir", str(root / "tp2_pp2"), "--save-dir", str(root / "tp3"),
                      "--target-tensor-parallel-size", "3"])
