@@ -1,0 +1,82 @@
+"""The converter's name-based layout rules (megatron/convert/layout_rules.py) against the layers' own
+partition attributes, for every key of models built at each TP rank (parallel_state patched)."""
+
+import argparse
+import unittest.mock
+
+import pytest
+import torch.nn.functional as F
+
+from megatron.checkpoint_safety import CheckpointError
+from megatron.convert.layout_rules import UnknownTensorError, padded_vocab_size, tensor_layout
+from megatron.convert.megatron_format import Metadata, check_target, target_vocab_size
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layout import is_tensor_parallel, partition_indices
+from megatron.model import GPTModel, TransformerConfig
+
+HEADS, HIDDEN = 8, 32
+
+
+def _args(groups, swiglu, bias, qk_norm) -> argparse.Namespace:
+    return argparse.Namespace(num_attention_heads=HEADS, hidden_size=HIDDEN, kv_channels=None, swiglu=swiglu,
+                              group_query_attention=groups is not None, num_query_groups=groups,
+                              add_bias_linear=bias, qk_layernorm=qk_norm)
+
+
+def _rank_model(args, tp, rank):
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=64,
+                               num_query_groups=args.num_query_groups, tensor_model_parallel_size=tp,
+                               add_bias_linear=args.add_bias_linear, gated_linear_unit=args.swiglu,
+                               activation_func=F.silu if args.swiglu else F.gelu, qk_layernorm=args.qk_layernorm,
+                               perform_initialization=False)
+    with unittest.mock.patch.multiple(parallel_state, get_tensor_model_parallel_world_size=lambda: tp,
+                                      get_tensor_model_parallel_rank=lambda: rank):
+        return GPTModel(config, vocab_size=128 * tp, max_sequence_length=16, share_embeddings_and_output_weights=False)
+
+
+def _same(rule: dict, param, tp: int, rank: int) -> bool:
+    """Same split: both replicated, or the same global indices along the same dim (the rule may list
+    whole groups' rows explicitly where the layer uses the contiguous layout)."""
+    if is_tensor_parallel(rule) != is_tensor_parallel(param):
+        return False
+    if not is_tensor_parallel(param):
+        return True
+    dim = param.partition_dim
+    return rule["partition_dim"] == dim and (partition_indices(rule, param.shape[dim], tp, rank)
+                                             == partition_indices(param, param.shape[dim], tp, rank))
+
+
+@pytest.mark.parametrize("groups, tp", [(None, 2), (2, 2), (2, 4), (1, 4), (1, 8), (4, 8)],
+                         ids=["mha-t2", "gqa2-t2", "gqa2-t4-replicated", "mqa-t4", "mqa-t8", "gqa4-t8"])
+@pytest.mark.parametrize("swiglu, bias, qk_norm", [(True, False, False), (False, True, True)],
+                         ids=["llama", "gpt-biases-qknorm"])
+def test_rules_are_the_layers_layouts(groups, tp, swiglu, bias, qk_norm):
+    args = _args(groups, swiglu, bias, qk_norm)
+    for rank in range(tp):
+        model = _rank_model(args, tp, rank)
+        for name, param in model.state_dict(keep_vars=True).items():
+            assert _same(tensor_layout(name, args, tp, rank), param, tp, rank), (name, rank)
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(UnknownTensorError, match="decoder.layers.0.mlp.router.weight"):
+        tensor_layout("decoder.layers.0.mlp.router.weight", _args(None, False, True, False), 2, 0)
+
+
+def test_vocabulary_padding_for_the_target():
+    args = argparse.Namespace(make_vocab_size_divisible_by=128, padded_vocab_size=50432)  # GPT-2 at TP=2
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert target_vocab_size(Metadata(args, 1, False, 50257), 1) == 50304  # re-padded: Megatron's TP=1 size
+    assert target_vocab_size(Metadata(args, 1, False, None), 1) == 50432  # unknown: kept, it splits
+    with pytest.raises(CheckpointError, match="pass --true-vocab-size"):
+        target_vocab_size(Metadata(args, 1, False, None), 8)  # 50432 is no multiple of 128 x 8
+
+
+def test_target_sizes_that_do_not_split_are_refused():
+    args = argparse.Namespace(num_attention_heads=8, hidden_size=32, ffn_hidden_size=48, num_layers=3,
+                              group_query_attention=True, num_query_groups=4)
+    check_target(args, 4, 3)
+    with pytest.raises(CheckpointError, match="3 layers do not split over 2 pipeline stages"):
+        check_target(args, 1, 2)
+    with pytest.raises(CheckpointError, match="ffn hidden size 48 does not split over 32"):
+        check_target(argparse.Namespace(**{**vars(args), "num_attention_heads": 32}), 32, 1)
