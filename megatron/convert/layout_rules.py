@@ -37,8 +37,8 @@ class UnknownTensorError(ValueError):
     """A state-dict key the layout table has no rule for."""
 
 
-def _groups(args: argparse.Namespace) -> int:
-    # Megatron's rule: without --group-query-attention there is one group per head.
+def query_groups(args: argparse.Namespace) -> int:
+    """ng; Megatron's rule: without --group-query-attention there is one group per head."""
     if getattr(args, "group_query_attention", False) and getattr(args, "num_query_groups", None):
         return int(args.num_query_groups)
     return int(args.num_attention_heads)
@@ -57,7 +57,7 @@ def tensor_layout(name: str, args: argparse.Namespace, tp: int, rank: int) -> Di
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return _split(0)
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
-        rows = qkv_partition_rows(int(args.num_attention_heads), _groups(args), head_dim(args), tp, rank)
+        rows = qkv_partition_rows(int(args.num_attention_heads), query_groups(args), head_dim(args), tp, rank)
         return {**_split(0), "partition_rows": rows}
     if name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias"):
         return _split(0, stride=2 if getattr(args, "swiglu", False) else 1)

@@ -27,7 +27,7 @@ from megatron.checkpointing import (
     find_checkpoint_rank_0, get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata,
 )
 from megatron.convert.layout_rules import (
-    is_vocab_tensor, layer_index, padded_vocab_size, renumber, tensor_layout,
+    is_vocab_tensor, layer_index, padded_vocab_size, query_groups, renumber, tensor_layout,
 )
 from megatron.core.atomic_io import Checksum, atomic_write
 from megatron.core.tensor_parallel.layout import merge_shards, shard_for_rank
@@ -128,6 +128,7 @@ def read_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
     args, tp = source.args, source.tp
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     per_chunk = int(args.num_layers) // (source.pp * source.vp)
+    embedding = None  # kept when tied, to check the last stage's copy against it
     for chunk in range(source.vp):  # chunk v of stage p is model chunk v * pp + p
         for pp_rank in range(source.pp):
             shards = _stage_shards(source, pp_rank)
@@ -139,15 +140,31 @@ def read_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
                     if any(_carries_data(m[name]) for m in models):
                         raise CheckpointError(f"{name} carries data (FP8 state?) the converter cannot place")
                     continue
-                if tied and name == TIED_COPY:
-                    continue  # the last stage's copy of the tied embedding
-                layouts = [tensor_layout(name, args, tp, r) for r in range(tp)]
-                try:
-                    whole = merge_shards([m[name] for m in models], layouts)
-                except (KeyError, ValueError) as error:
-                    raise CheckpointError(f"cannot merge the TP shards of {name} (stage {pp_rank}): {error}") from error
+                whole = _merged(name, models, args, tp, pp_rank)
+                if tied and name == TIED_COPY:  # the last stage's copy of the tied embedding: not sent
+                    _check_tied_copy(embedding, whole)
+                    continue
+                if tied and name == EMBEDDING:
+                    embedding = whole
                 yield renumber(name, offset), whole
             del shards, models
+
+
+def _merged(name: str, models: List[Dict[str, Any]], args: argparse.Namespace, tp: int, stage: int) -> torch.Tensor:
+    layouts = [tensor_layout(name, args, tp, r) for r in range(tp)]
+    try:
+        return merge_shards([m[name] for m in models], layouts)
+    except (KeyError, ValueError) as error:
+        raise CheckpointError(f"cannot merge the TP shards of {name} (stage {stage}): {error}") from error
+
+
+def _check_tied_copy(embedding: Optional[torch.Tensor], copy_: torch.Tensor) -> None:
+    # Training keeps the two equal (their gradients are summed over the embedding group); a
+    # difference means the source was not a consistent tied model, and the embedding wins.
+    if embedding is not None and not torch.equal(embedding, copy_):
+        difference = (embedding - copy_).abs().max().item() if embedding.shape == copy_.shape else float("inf")
+        print(f"WARNING: the last stage's copy of the tied word embeddings differs from the first stage's "
+              f"(max difference {difference:.3g}); the first stage's is converted", flush=True)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -155,9 +172,7 @@ def read_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
 
 def check_target(args: argparse.Namespace, tp: int, pp: int) -> None:
     """Refuse target sizes the model's shape does not split into (CheckpointError naming the flag)."""
-    from megatron.convert.layout_rules import _groups
-
-    heads, groups = int(args.num_attention_heads), _groups(args)
+    heads, groups = int(args.num_attention_heads), query_groups(args)
     ffn = int(getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size)
     problems = []
     if tp < 1 or pp < 1:

@@ -8,6 +8,8 @@ attributes, so the converter's name-based layout rules are checked against the l
 
 import argparse
 import os
+import subprocess
+import sys
 import unittest.mock
 
 import pytest
@@ -124,7 +126,7 @@ def test_tp2pp2_to_tp1_to_tp4_keeps_every_weight(source, capsys):
     _convert(root / "tp2_pp2", root / "tp1", 1, 1)
     _convert(root / "tp1", root / "tp4", 4, 1)
     out = capsys.readouterr().out
-    assert out.count("-> OK") == 2, out
+    assert out.count("-> OK") == 2 and "WARNING" not in out, out
     args1, tp1 = _read_whole(root / "tp1")
     assert (args1.tensor_model_parallel_size, args1.pipeline_model_parallel_size, args1.padded_vocab_size) == (1, 1, 256)
     assert tp1.keys() == whole.keys() and all(torch.equal(tp1[k], whole[k]) for k in whole)
@@ -197,6 +199,8 @@ def test_swapped_query_and_key_rows_are_refused(source, monkeypatch, capsys):
     assert "MISMATCH" in capsys.readouterr().out
     assert not save_dir.exists()
     assert not [p for p in os.listdir(root) if p.startswith(".swapped")]  # no temporary folder left
+    _convert(root / "tp2_pp2", save_dir, 1, 1, "--no-verify")  # unchecked, the wrong mapping goes through
+    assert "verification" not in capsys.readouterr().out and save_dir.is_dir()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -211,6 +215,15 @@ def test_bad_input_is_one_line(argv, message, capsys):
         convert.cli(argv)
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.strip() == message
+
+
+def test_the_script_reports_bad_input_in_one_line(tmp_path):
+    script = os.path.join(os.path.dirname(convert.__file__), "convert.py")
+    run = subprocess.run([sys.executable, script, "--model-type", "GPT", "--loader", "legacy", "--load-dir",
+                          str(tmp_path), "--save-dir", str(tmp_path / "out")], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip() == "convert.py: error: --loader legacy: no such loader (available: megatron)"
 
 
 def test_a_target_size_that_does_not_split_is_refused(source, capsys):
