@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.atomic_io import atomic_write
 from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.model import GPTModel
+from tests.functional.test_tensor_parallel_training import _losses, _torchrun
 from tools.checkpoint import convert, saver_megatron
 
 COMMON = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -235,3 +236,23 @@ def test_a_target_size_that_does_not_split_is_refused(source, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "4 attention heads do not split over 3 TP ranks" in err[0]
     assert not (root / "tp3").exists()
+
+
+def test_a_real_tp2_pp2_run_continues_at_tp1_with_its_own_next_loss(tmp_path):
+    """torchrun (4 gloo processes) trains 3 iterations at TP=2 PP=2 saving at 2; its iteration-2
+    checkpoint converted to TP=1 gives, one process on, the loss the uninterrupted run logged at 3
+    (the loss is computed before the step, so the optimizer state it lacks does not enter)."""
+    flags = MODELS["llama-gqa2"][0]
+    flags = [*flags[:flags.index("--global-batch-size") + 1], "4", *flags[flags.index("--global-batch-size") + 2:]]
+    ckpt = tmp_path / "tp2_pp2"
+    run = _torchrun(4, [*flags, "--log-interval", "1", "--tensor-model-parallel-size", "2",
+                        "--pipeline-model-parallel-size", "2", "--train-iters", "3", "--save", str(ckpt),
+                        "--save-interval", "2"])
+    assert run.returncode == 0, run.stderr[-3000:]
+    logged = _losses(run.stdout)[3]
+    atomic_write(get_checkpoint_tracker_filename(str(ckpt)), lambda f: f.write(b"2"))  # back to iteration 2
+    _convert(ckpt, tmp_path / "tp1", 1, 1)
+    result = pretrain_gpt.main([*flags, "--load", str(tmp_path / "tp1"), "--no-load-optim", "--no-load-rng",
+                                "--train-iters", "3"], record_history=True)
+    assert [r.iteration for r in result.history] == [3]
+    assert result.history[0].losses["lm loss"] == pytest.approx(logged, rel=2e-6)  # logged to 7 digits
