@@ -276,26 +276,58 @@ class StageWriter:
 
 def write_tensors(save_dir: str, meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
                   tp: int, pp: int) -> None:
-    """Write the stream as a checkpoint at TP=tp, PP=pp under save_dir (which must be new)."""
+    """Write the stream as a checkpoint at TP=tp, PP=pp under save_dir (which must be new).
+
+    The stream must come in canonical order (a stage is written once the stream moves past it)
+    and hold every layer with the same keys; CheckpointError otherwise.
+    """
     writer = StageWriter(save_dir, meta, tp, pp)
     rows = writer.args.padded_vocab_size
     tied = not getattr(meta.args, "untie_embeddings_and_output_weights", False)
     stage, held, embedding = 0, {}, None
+    seen = _StreamCheck(int(meta.args.num_layers))
     for name, tensor in tensors:
+        seen.add(name)
         if is_vocab_tensor(name):
             tensor = resize_vocab(tensor, meta, rows)
         if name == EMBEDDING:
             embedding = tensor
         target = writer.stage_of(name)
+        if target < stage:
+            raise CheckpointError(f"{name} arrived after target stage {target} was written: "
+                                  "the loader must send tensors in layer order")
         while target > stage:  # the stream went past this stage: write it, free its tensors
             writer.write_stage(stage, held)
             stage, held = stage + 1, {}
         held[writer.local_name(name, stage)] = tensor
+    seen.check()
     if tied and pp > 1:
         if embedding is None:
             raise CheckpointError("the source sent no word embeddings")
         held[TIED_COPY] = embedding  # the last stage keeps its own copy of the tied weight
     writer.write_stage(stage, held)
-    if stage != pp - 1:
-        raise CheckpointError(f"the source sent tensors for {stage + 1} of {pp} target stages")
     writer.finish()
+
+
+class _StreamCheck:
+    """Every layer 0..L-1 arrives with layer 0's keys, and no name twice."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers, self.names, self.layers = num_layers, set(), {}
+
+    def add(self, name: str) -> None:
+        if name in self.names:
+            raise CheckpointError(f"the loader sent {name} twice")
+        self.names.add(name)
+        index = layer_index(name)
+        if index is not None:
+            self.layers.setdefault(index, set()).add(renumber(name, -index))
+
+    def check(self) -> None:
+        if sorted(self.layers) != list(range(self.num_layers)):
+            raise CheckpointError(f"the loader sent layers {sorted(self.layers)}, not 0..{self.num_layers - 1}")
+        first = self.layers[0]
+        for index, keys in self.layers.items():
+            if keys != first:
+                raise CheckpointError(f"layer {index} has keys {sorted(keys ^ first)} that layer 0 "
+                                      "does not (or the reverse)")

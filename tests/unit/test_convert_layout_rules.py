@@ -1,15 +1,17 @@
 """The converter's name-based layout rules (megatron/convert/layout_rules.py) against the layers' own
-partition attributes, for every key of models built at each TP rank (parallel_state patched)."""
+partition attributes, for every key of models built at each TP rank (parallel_state patched); the
+vocabulary padding, the target sizes and the saver's checks of the tensor stream."""
 
 import argparse
 import unittest.mock
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 from megatron.checkpoint_safety import CheckpointError
 from megatron.convert.layout_rules import UnknownTensorError, padded_vocab_size, tensor_layout
-from megatron.convert.megatron_format import Metadata, check_target, target_vocab_size
+from megatron.convert.megatron_format import Metadata, check_target, target_vocab_size, write_tensors
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layout import is_tensor_parallel, partition_indices
 from megatron.model import GPTModel, TransformerConfig
@@ -80,3 +82,24 @@ def test_target_sizes_that_do_not_split_are_refused():
         check_target(args, 1, 2)
     with pytest.raises(CheckpointError, match="ffn hidden size 48 does not split over 32"):
         check_target(argparse.Namespace(**{**vars(args), "num_attention_heads": 32}), 32, 1)
+
+
+def _meta(num_layers=2):
+    args = argparse.Namespace(num_layers=num_layers, padded_vocab_size=128, make_vocab_size_divisible_by=128,
+                              untie_embeddings_and_output_weights=True, num_attention_heads=2, hidden_size=4,
+                              swiglu=False)
+    return Metadata(args, 1, False, None)
+
+
+@pytest.mark.parametrize("names, message", [
+    (["decoder.layers.0.input_layernorm.weight", "decoder.layers.1.input_layernorm.weight",
+      "decoder.layers.0.pre_mlp_layernorm.weight"], "arrived after target stage 0 was written"),
+    (["decoder.layers.0.input_layernorm.weight"], r"sent layers \[0\], not 0..1"),
+    (["decoder.layers.0.input_layernorm.weight", "decoder.layers.0.input_layernorm.weight"], "twice"),
+    (["decoder.layers.0.input_layernorm.weight", "decoder.layers.0.pre_mlp_layernorm.weight",
+      "decoder.layers.1.input_layernorm.weight"], "layer 1 has keys"),
+], ids=["out-of-order", "missing-layer", "twice", "missing-key"])
+def test_the_saver_refuses_a_stream_out_of_order_or_incomplete(tmp_path, names, message):
+    stream = ((name, torch.ones(4)) for name in names)
+    with pytest.raises(CheckpointError, match=message):
+        write_tensors(str(tmp_path / "out"), _meta(), stream, tp=1, pp=2)
