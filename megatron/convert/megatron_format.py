@@ -112,11 +112,24 @@ def _read(path: str, load_dir: str, iteration: int, release: bool) -> Dict[str, 
     return state
 
 
-def _stage_shards(source: Source, pp_rank: int) -> List[Dict[str, Any]]:
-    files = [get_checkpoint_name(source.load_dir, source.iteration, source.release,
-                                 pipeline_parallel=source.pp > 1, tensor_rank=r, pipeline_rank=pp_rank,
-                                 expert_parallel=False, expert_rank=0) for r in range(source.tp)]
-    return [_read(f, source.load_dir, source.iteration, source.release) for f in files]
+def _stage_models(source: Source, pp_rank: int, chunk: int) -> List[Dict[str, Any]]:
+    """The model state dicts (chunk `chunk`) of stage pp_rank's TP files; the rest (optimizer) is dropped."""
+    key = "model" if source.vp == 1 else f"model{chunk}"
+    models = []
+    for rank in range(source.tp):
+        path = get_checkpoint_name(source.load_dir, source.iteration, source.release,
+                                   pipeline_parallel=source.pp > 1, tensor_rank=rank, pipeline_rank=pp_rank,
+                                   expert_parallel=False, expert_rank=0)
+        state = _read(path, source.load_dir, source.iteration, source.release)
+        if key not in state:
+            raise CheckpointError(f"{path} has no '{key}' entry (its keys: {', '.join(sorted(state))})")
+        models.append(state[key])
+    names = list(models[0])
+    for rank, model in enumerate(models[1:], 1):
+        if set(model) != set(names):
+            raise CheckpointError(f"stage {pp_rank}: TP rank {rank}'s file has keys "
+                                  f"{sorted(set(model) ^ set(names))[:4]} that rank 0's does not (or the reverse)")
+    return models
 
 
 def _carries_data(value: Any) -> bool:
@@ -131,30 +144,30 @@ def read_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
     embedding = None  # kept when tied, to check the last stage's copy against it
     for chunk in range(source.vp):  # chunk v of stage p is model chunk v * pp + p
         for pp_rank in range(source.pp):
-            shards = _stage_shards(source, pp_rank)
-            key = "model" if source.vp == 1 else f"model{chunk}"
-            models = [s[key] for s in shards]
+            models = _stage_models(source, pp_rank, chunk)
             offset = (chunk * source.pp + pp_rank) * per_chunk
-            for name in models[0]:
+            for name in list(models[0]):
+                shards = [m.pop(name) for m in models]  # freed once merged: the stage's memory shrinks
                 if name.endswith("_extra_state"):
-                    if any(_carries_data(m[name]) for m in models):
+                    if any(_carries_data(shard) for shard in shards):
                         raise CheckpointError(f"{name} carries data (FP8 state?) the converter cannot place")
                     continue
-                whole = _merged(name, models, args, tp, pp_rank)
+                whole = _merged(name, shards, args, tp, pp_rank)
+                del shards
                 if tied and name == TIED_COPY:  # the last stage's copy of the tied embedding: not sent
                     _check_tied_copy(embedding, whole)
                     continue
                 if tied and name == EMBEDDING:
                     embedding = whole
                 yield renumber(name, offset), whole
-            del shards, models
+            del models
 
 
-def _merged(name: str, models: List[Dict[str, Any]], args: argparse.Namespace, tp: int, stage: int) -> torch.Tensor:
+def _merged(name: str, shards: List[torch.Tensor], args: argparse.Namespace, tp: int, stage: int) -> torch.Tensor:
     layouts = [tensor_layout(name, args, tp, r) for r in range(tp)]
     try:
-        return merge_shards([m[name] for m in models], layouts)
-    except (KeyError, ValueError) as error:
+        return merge_shards(shards, layouts)
+    except ValueError as error:
         raise CheckpointError(f"cannot merge the TP shards of {name} (stage {stage}): {error}") from error
 
 
