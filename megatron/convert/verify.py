@@ -57,14 +57,15 @@ def build_serial_model(args: argparse.Namespace, tensors: Iterable[Tuple[str, to
     serial.perform_initialization = False
     serial.recompute_granularity = None
     config = core_transformer_config_from_args(serial)
-    model = GPTModel(config, vocab_size=int(args.padded_vocab_size), max_sequence_length=int(args.max_position_embeddings),
-                     share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
-                     **gpt_model_kwargs(serial))
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    model = GPTModel(config, vocab_size=int(args.padded_vocab_size),
+                     max_sequence_length=int(args.max_position_embeddings),
+                     share_embeddings_and_output_weights=tied, **gpt_model_kwargs(serial))
     state = dict(tensors)
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as error:
-        raise CheckpointError(f"the converted tensors do not fit the model of the checkpoint's args: {error}") from error
+        raise CheckpointError(f"the tensors do not fit the model of the checkpoint's args: {error}") from error
     return model.eval()
 
 

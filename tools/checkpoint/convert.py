@@ -45,12 +45,19 @@ class ConversionError(ValueError):
 def _plugin(kind: str, name: str) -> ModuleType:
     """tools/checkpoint/{kind}_{name}.py, else a module `{kind}_{name}` or `name` on sys.path."""
     name = "core" if name == "mcore" else name  # Megatron-LM's alias
+    needs = ("add_arguments",) + (("load_checkpoint",) if kind == "loader" else ("save_checkpoint", "read_back"))
     for module in (f"tools.checkpoint.{kind}_{name}", f"{kind}_{name}", name):
         try:
-            return importlib.import_module(module)
+            plugin = importlib.import_module(module)
         except ModuleNotFoundError as error:
             if error.name != module and not module.startswith(str(error.name) + "."):
                 raise  # the plugin exists but one of its imports is missing
+            continue
+        missing = [function for function in needs if not callable(getattr(plugin, function, None))]
+        if missing:
+            raise ConversionError(f"--{kind} {name}: module {module} is not a {kind} plugin "
+                                  f"(it has no {', '.join(missing)})")
+        return plugin
     here = os.path.dirname(os.path.abspath(__file__))
     known = sorted(f[len(kind) + 1:-3] for f in os.listdir(here) if f.startswith(kind + "_") and f.endswith(".py"))
     raise ConversionError(f"--{kind} {name}: no such {kind} (available: {', '.join(known)})")
