@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -47,10 +48,22 @@ class Metadata:
     true_vocab_size: Optional[int]  # the tokenizer's vocabulary, None when unknown
 
 
-def true_vocab_size_of(args: argparse.Namespace, given: Optional[int]) -> Optional[int]:
-    """--true-vocab-size, else what the args tell (NullTokenizer: --vocab-size + 1 for its eod)."""
-    if given is not None:
-        return given
+def true_vocab_size_of(args: argparse.Namespace, given: Optional[int],
+                       vocab_file: Optional[str] = None) -> Optional[int]:
+    """--true-vocab-size, else the entries of --vocab-file (a JSON vocabulary, as GPT-2's vocab.json),
+    else what the args tell (NullTokenizer: --vocab-size + 1 for its eod); None when unknown."""
+    from_file = None
+    if vocab_file is not None:
+        try:
+            with open(vocab_file, "r", encoding="utf-8") as f:
+                from_file = len(json.load(f))
+        except (ValueError, TypeError) as error:
+            raise CheckpointError(f"--vocab-file {vocab_file} is not a JSON vocabulary ({error}); "
+                                  "pass --true-vocab-size instead") from None
+    if given is not None and from_file is not None and given != from_file:
+        raise CheckpointError(f"--true-vocab-size {given} but --vocab-file {vocab_file} has {from_file} entries")
+    if given is not None or from_file is not None:
+        return given if given is not None else from_file
     if getattr(args, "tokenizer_type", None) == "NullTokenizer" and getattr(args, "vocab_size", None):
         return int(args.vocab_size) + 1
     return None

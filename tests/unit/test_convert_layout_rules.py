@@ -3,6 +3,7 @@ partition attributes, for every key of models built at each TP rank (parallel_st
 vocabulary padding, the target sizes and the saver's checks of the tensor stream."""
 
 import argparse
+import json
 import unittest.mock
 
 import pytest
@@ -11,7 +12,9 @@ import torch.nn.functional as F
 
 from megatron.checkpoint_safety import CheckpointError
 from megatron.convert.layout_rules import UnknownTensorError, padded_vocab_size, tensor_layout
-from megatron.convert.megatron_format import Metadata, check_target, target_vocab_size, write_tensors
+from megatron.convert.megatron_format import (
+    Metadata, check_target, target_vocab_size, true_vocab_size_of, write_tensors,
+)
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layout import is_tensor_parallel, partition_indices
 from megatron.model import GPTModel, TransformerConfig
@@ -72,6 +75,18 @@ def test_vocabulary_padding_for_the_target():
     assert target_vocab_size(Metadata(args, 1, False, None), 1) == 50432  # unknown: kept, it splits
     with pytest.raises(CheckpointError, match="pass --true-vocab-size"):
         target_vocab_size(Metadata(args, 1, False, None), 8)  # 50432 is no multiple of 128 x 8
+
+
+def test_true_vocabulary_size_from_the_flags_the_vocab_file_or_the_args(tmp_path):
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps({f"t{i}": i for i in range(300)}))
+    gpt2 = argparse.Namespace(tokenizer_type="GPT2BPETokenizer")
+    assert true_vocab_size_of(gpt2, None) is None
+    assert true_vocab_size_of(gpt2, 290) == 290
+    assert true_vocab_size_of(gpt2, None, str(vocab)) == true_vocab_size_of(gpt2, 300, str(vocab)) == 300
+    with pytest.raises(CheckpointError, match="--true-vocab-size 290 but --vocab-file .* has 300 entries"):
+        true_vocab_size_of(gpt2, 290, str(vocab))
+    assert true_vocab_size_of(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=255), None) == 256
 
 
 def test_target_sizes_that_do_not_split_are_refused():

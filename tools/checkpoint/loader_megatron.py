@@ -18,12 +18,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="Megatron loader")
     group.add_argument("--true-vocab-size", type=int, default=None,
                        help="The tokenizer's vocabulary size, to pad the vocabulary again for the target TP "
-                            "(default: from the saved args where they tell it, e.g. NullTokenizer's --vocab-size).")
+                            "(default: from --vocab-file, else the saved args where they tell it, e.g. "
+                            "NullTokenizer's --vocab-size).")
+    group.add_argument("--vocab-file", type=str, default=None,
+                       help="A JSON vocabulary (GPT-2's vocab.json) whose entries count the true vocabulary size.")
 
 
 def load_checkpoint(args: argparse.Namespace) -> Tuple[Metadata, Iterator[Tuple[str, torch.Tensor]]]:
     """(metadata, the whole tensors one at a time) of the checkpoint under args.load_dir."""
     source = open_source(args.load_dir)
     meta = Metadata(source.args, source.iteration, source.release,
-                    true_vocab_size_of(source.args, getattr(args, "true_vocab_size", None)))
+                    true_vocab_size_of(source.args, getattr(args, "true_vocab_size", None),
+                                       getattr(args, "vocab_file", None)))
     return meta, read_tensors(source)
