@@ -115,7 +115,9 @@ def check_parallel_layout(checkpoint_args: argparse.Namespace, args: argparse.Na
             current_text = f"no {label}" if current is None else f"{label} {current}"
             raise CheckpointError(f"checkpoint at {checkpoint_name} was saved with {saved_text} but this run "
                                   f"has {current_text}; a legacy checkpoint loads only at the tensor/pipeline "
-                                  "sizes it was saved with (resharding is the checkpoint converter's job)")
+                                  "sizes it was saved with (resharding is the checkpoint converter's job: "
+                                  "tools/checkpoint/convert.py --target-tensor-parallel-size N "
+                                  "--target-pipeline-parallel-size M)")
 
 
 def _carries_no_data(value: Any) -> bool:
