@@ -7,8 +7,9 @@ model's keys, layers numbered globally; tensors are whole (TP = 1) and the vocab
 source's padding (args.padded_vocab_size rows). With tied embeddings the last stage's copy of the
 word embeddings (output_layer.weight at PP > 1) is not sent: it must equal the embedding.
 
-Memory: the reader holds one pipeline stage's TP files at a time (with virtual stages, one model
-chunk of them); the writer holds one target stage's tensors until that stage is written.
+Memory: the reader holds one pipeline stage's TP files at a time (with virtual stages it reads them
+once per model chunk, so the stream stays in layer order) and frees their shards as it merges them;
+the writer holds one target stage's tensors until that stage is written.
 """
 
 from __future__ import annotations
@@ -259,6 +260,13 @@ def resize_vocab(tensor: torch.Tensor, meta: Metadata, rows: int) -> torch.Tenso
     return out
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor, copied when it is a view into a larger storage (torch.save would write all of it)."""
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
+
+
 class StageWriter:
     """Collects one target stage's whole tensors, then writes its TP files (atomically)."""
 
@@ -281,7 +289,8 @@ class StageWriter:
     def write_stage(self, stage: int, tensors: Dict[str, torch.Tensor]) -> None:
         """Write the TP files of `stage` from its whole tensors (local names)."""
         for rank in range(self.tp):
-            model = {name: shard_for_rank(t, tensor_layout(name, self.args, self.tp, rank), self.tp, rank).clone()
+            model = {name: _own_storage(shard_for_rank(t, tensor_layout(name, self.args, self.tp, rank),
+                                                       self.tp, rank))
                      for name, t in tensors.items()}
             path = get_checkpoint_name(self.save_dir, self.meta.iteration, self.meta.release,
                                        pipeline_parallel=self.pp > 1, tensor_rank=rank, pipeline_rank=stage,
