@@ -159,6 +159,12 @@ class FusedOp:
         return self.implementations[self.select(device, impl)]
 
 
+def compile_pays(x: torch.Tensor, min_numel: int) -> bool:
+    """A native CPU path runs its compiled formulas for x: a CPU tensor of at least min_numel
+    elements (below, compiling does not pay back), and not already inside torch.compile."""
+    return x.device.type == "cpu" and x.numel() >= min_numel and not torch.compiler.is_compiling()
+
+
 class BiasActivation(torch.autograd.Function):
     """y = kernels.forward(x, bias) saving only x and bias, for the elementwise bias + activation ops
     (bias_gelu, bias_swiglu); backward: kernels.backward(dy, x, bias) -> (dx, dbias or None), dbias

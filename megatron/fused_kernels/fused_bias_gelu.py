@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.fused_kernels.dispatch import BiasActivation, FusedOp, Kernels, cdiv, compiled, kernel, tl
+from megatron.fused_kernels.dispatch import BiasActivation, FusedOp, Kernels, cdiv, compile_pays, compiled, kernel, tl
 
 _BLOCK = 1024
 
@@ -132,16 +132,13 @@ _LARGE_FORWARD = compiled(_sigmoid_form_forward, fallback=_aten_forward)
 _LARGE_BACKWARD = compiled(_sigmoid_form_backward, fallback=_aten_backward)
 
 
-def _large_cpu(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.numel() >= COMPILE_MIN_NUMEL and not torch.compiler.is_compiling()
-
 
 def _forward_native(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return (_LARGE_FORWARD if _large_cpu(x) else _aten_forward)(x, bias)
+    return (_LARGE_FORWARD if compile_pays(x, COMPILE_MIN_NUMEL) else _aten_forward)(x, bias)
 
 
 def _backward_native(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None):
-    dx = (_LARGE_BACKWARD if _large_cpu(x) else _aten_backward)(grad_y, x, bias)
+    dx = (_LARGE_BACKWARD if compile_pays(x, COMPILE_MIN_NUMEL) else _aten_backward)(grad_y, x, bias)
     dbias = None if bias is None else dx.reshape(-1, x.shape[-1]).sum(dim=0, dtype=torch.float32)
     return dx, dbias
 

@@ -11,16 +11,17 @@ once; "native" computes in x's dtype with ATen's own silu kernels (fp32 inside f
 Megatron's jit does in the input dtype.
 
 CPU fast path: "compiled" -- torch.compile of the reference's formulas, one loop each way.
-"native" below COMPILE_MIN_NUMEL elements is eager: F.silu and an in-place multiply forward;
-aten's silu_backward and silu written into the two halves of one dx backward. From
-COMPILE_MIN_NUMEL up (a layer's activations) it runs the compiled formulas, as bias_gelu's and
-rms_norm's native paths do: at [256, 8, 2 * 688], 2 threads, fp32 / bf16 ms forward + backward,
-eager native 5.42 / 4.12, compiled 4.13 / 3.39, unfused autograd 6.31 / 3.50 (one run). Measured forward + backward of x [256, 8, 2 *
-688] without bias (Llama's linears have none; bench/fused_ops.py --threads 1 --clock cpu
---repeats 20), ms, fp32 / bf16: unfused F.silu(x1) * x2 under autograd 6.89 / 8.27, reference
-15.55 / 22.48, native 8.59 / 10.65, compiled 4.54 / 5.88. Native is slower than the unfused
-autograd code because it recomputes silu in the backward (autograd keeps silu(x1), an [..., f]
-activation, for the product's backward): the price of saving the input only.
+Measured forward + backward of x [256, 8, 2 * 688] without bias (Llama's linears have none;
+bench/fused_ops.py --threads 1 --clock cpu --repeats 20), ms, fp32 / bf16: unfused F.silu(x1) * x2
+under autograd 6.89 / 8.27, reference 15.55 / 22.48, eager native 8.59 / 10.65, compiled 4.54 / 5.88.
+Eager, saving the input only costs a recomputed silu in the backward (autograd keeps silu(x1), an
+[..., f] activation, instead).
+
+"native" (what the model passes on CPU) is eager below COMPILE_MIN_NUMEL elements: F.silu and an
+in-place multiply forward; aten's silu_backward and silu written into the two halves of one dx
+backward. From COMPILE_MIN_NUMEL up (a layer's activations) it runs the compiled formulas, as
+bias_gelu's and rms_norm's native paths do (same shape, 2 threads, one run: eager 5.42 / 4.12,
+compiled 4.13 / 3.39, unfused autograd 6.31 / 3.50).
 
 Triton: one elementwise kernel each way over [rows, f] (the two halves read from one row of x);
 dbias is summed by PyTorch from dx.
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron.fused_kernels.dispatch import BiasActivation, FusedOp, Kernels, cdiv, compiled, kernel, tl
+from megatron.fused_kernels.dispatch import BiasActivation, FusedOp, Kernels, cdiv, compile_pays, compiled, kernel, tl
 
 _BLOCK = 1024
 
@@ -95,16 +96,13 @@ _COMPILED = Kernels(compiled(_forward_reference, fallback=_forward_eager),
                     compiled(_backward_reference, fallback=_backward_eager))
 
 
-def _large_cpu(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.numel() >= COMPILE_MIN_NUMEL and not torch.compiler.is_compiling()
-
 
 def _forward_native(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return (_COMPILED.forward if _large_cpu(x) else _forward_eager)(x, bias)
+    return (_COMPILED.forward if compile_pays(x, COMPILE_MIN_NUMEL) else _forward_eager)(x, bias)
 
 
 def _backward_native(grad_y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None):
-    return (_COMPILED.backward if _large_cpu(x) else _backward_eager)(grad_y, x, bias)
+    return (_COMPILED.backward if compile_pays(x, COMPILE_MIN_NUMEL) else _backward_eager)(grad_y, x, bias)
 
 
 @kernel

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron.fused_kernels.dispatch import FusedOp, Kernels, cdiv, compiled, kernel, next_power_of_2, tl
+from megatron.fused_kernels.dispatch import (FusedOp, Kernels, cdiv, compile_pays, compiled, kernel,
+                                             next_power_of_2, tl)
 
 MAX_TRITON_HIDDEN = 65536
 _MAX_BACKWARD_PROGRAMS = 256
@@ -207,16 +208,15 @@ _TRITON = Kernels(_forward_triton, _backward_triton)
 RMS_COMPILE_MIN_NUMEL = 1 << 18  # below this rms_norm's native path stays eager (compiling would not pay back)
 
 
-def _rms_compiles(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.numel() >= RMS_COMPILE_MIN_NUMEL and not torch.compiler.is_compiling()
-
 
 def _rms_forward_native(x, weight, bias, eps, rms):
-    return (_COMPILED.forward if _rms_compiles(x) else _forward_reference)(x, weight, bias, eps, rms)
+    forward = _COMPILED.forward if compile_pays(x, RMS_COMPILE_MIN_NUMEL) else _forward_reference
+    return forward(x, weight, bias, eps, rms)
 
 
 def _rms_backward_native(grad_y, x, weight, mean, rstd, has_bias):
-    return (_COMPILED.backward if _rms_compiles(x) else _backward_reference)(grad_y, x, weight, mean, rstd, has_bias)
+    backward = _COMPILED.backward if compile_pays(x, RMS_COMPILE_MIN_NUMEL) else _backward_reference
+    return backward(grad_y, x, weight, mean, rstd, has_bias)
 
 
 LAYER_NORM = FusedOp(
