@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron import fused_kernels
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide
 from megatron.fused_kernels import backend
 from megatron.model.layers import Dropout, fused_impl, tensor_parallel_dropout_context
@@ -200,13 +200,13 @@ class SelfAttention(MegatronModule):
     """
 
     def __init__(self, config: TransformerConfig, submodules: SelfAttentionSubmodules | None = None,
-                 layer_number: int = 1, tensor_model_parallel_rank: int | None = None) -> None:
+                 layer_number: int = 1) -> None:
         super().__init__(config)
         submodules = submodules or SelfAttentionSubmodules()
         self.layer_number = layer_number
         tp, hn = config.tensor_model_parallel_size, config.kv_channels
         heads, groups = config.num_attention_heads, config.num_query_groups
-        rank = _tensor_parallel_rank(config, tensor_model_parallel_rank)
+        rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
         self.num_attention_heads_per_partition = divide(heads, tp)
         self.num_query_groups_per_partition = max(1, groups // tp)
         self.hidden_size_per_attention_head = hn
@@ -259,14 +259,6 @@ class SelfAttention(MegatronModule):
         else:
             context = self.core_attention(*core_args)  # [s, b, np/t * hn]
         return self.linear_proj(context)  # ([s, b, h] or [s/t, b, h] under SP, bias [h] or None)
-
-
-def _tensor_parallel_rank(config: TransformerConfig, rank: int | None) -> int:
-    if rank is not None:
-        return rank
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_rank() if config.tensor_model_parallel_size > 1 else 0
 
 
 def _mark_replicated_kv(linear: torch.nn.Module, first_row: int, rows: int, *, group: int, num_groups: int,

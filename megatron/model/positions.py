@@ -51,8 +51,14 @@ class RotaryEmbedding(nn.Module):
         if rope_scaling:
             inv_freq = llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
         self.inv_freq = inv_freq.float()  # [dim/2]; a plain attribute, as Megatron-Core's (not in the state dict)
+        self._last: tuple[tuple[int, int], torch.Tensor] | None = None  # every step asks for the same angles
 
     def forward(self, seq_len: int, offset: int = 0) -> torch.Tensor:
+        if self._last is None or self._last[0] != (seq_len, offset):
+            self._last = ((seq_len, offset), self._angles(seq_len, offset))
+        return self._last[1]
+
+    def _angles(self, seq_len: int, offset: int) -> torch.Tensor:
         positions = torch.arange(offset, offset + seq_len, dtype=torch.float32)
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
@@ -125,16 +131,12 @@ class ALiBi(nn.Module):
         self.slopes = alibi_slopes(num_heads)[first_head:first_head + local_heads]  # [heads/t]
 
     def forward(self, sq: int, sk: int) -> torch.Tensor:
-        return _alibi_bias(self.slopes, sq, sk)
+        return _alibi_bias(tuple(self.slopes.tolist()), sq, sk)
 
 
 @functools.lru_cache(maxsize=8)
-def _alibi_bias_cached(slopes: tuple[float, ...], sq: int, sk: int) -> torch.Tensor:
+def _alibi_bias(slopes: tuple[float, ...], sq: int, sk: int) -> torch.Tensor:
     query = torch.arange(sk - sq, sk, dtype=torch.float32)[:, None]
     key = torch.arange(sk, dtype=torch.float32)[None, :]
     distance = (query - key).clamp(min=0)  # [sq, sk]
     return -torch.tensor(slopes)[None, :, None, None] * distance  # [1, heads, sq, sk]
-
-
-def _alibi_bias(slopes: torch.Tensor, sq: int, sk: int) -> torch.Tensor:
-    return _alibi_bias_cached(tuple(slopes.tolist()), sq, sk)
