@@ -197,12 +197,12 @@ def _check_tied_copy(embedding: Optional[torch.Tensor], copy_: torch.Tensor) -> 
 # ----------------------------------------------------------------------------- writing
 
 
-def check_target(args: argparse.Namespace, tp: int, pp: int) -> None:
+def check_target(args: argparse.Namespace, tp: int, pp: int, vp: int = 1) -> None:
     """Refuse target sizes the model's shape does not split into (CheckpointError naming the flag)."""
     heads, groups = int(args.num_attention_heads), query_groups(args)
     ffn = int(getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size)
     problems = []
-    if tp < 1 or pp < 1:
+    if tp < 1 or pp < 1 or vp < 1:
         problems.append("sizes must be >= 1")
     else:
         if heads % tp:
@@ -211,20 +211,23 @@ def check_target(args: argparse.Namespace, tp: int, pp: int) -> None:
             problems.append(f"{groups} query groups neither split over nor divide {tp} TP ranks")
         if ffn % tp:
             problems.append(f"ffn hidden size {ffn} does not split over {tp} TP ranks")
-        if int(args.num_layers) % pp:
-            problems.append(f"{args.num_layers} layers do not split over {pp} pipeline stages")
+        if int(args.num_layers) % (pp * vp):
+            problems.append(f"{args.num_layers} layers do not split over {pp} pipeline stages"
+                            + (f" x {vp} virtual stages" if vp > 1 else ""))
+        if vp > 1 and pp == 1:
+            problems.append("virtual stages need a pipeline-parallel size > 1")
     if problems:
-        raise CheckpointError(f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}: "
-                              + "; ".join(problems))
+        raise CheckpointError(f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
+                              + (f" ({vp} virtual stages)" if vp > 1 else "") + ": " + "; ".join(problems))
 
 
-def target_args(meta: Metadata, tp: int, pp: int) -> argparse.Namespace:
-    """The source args at the target sizes (no virtual stages), with the target's padded vocabulary."""
+def target_args(meta: Metadata, tp: int, pp: int, vp: int = 1) -> argparse.Namespace:
+    """The source args at the target sizes (vp model chunks per stage), with the target's padded vocabulary."""
     args = copy.deepcopy(meta.args)
     args.padded_vocab_size = target_vocab_size(meta, tp)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
-    args.virtual_pipeline_model_parallel_size = None
-    args.num_layers_per_virtual_pipeline_stage = None
+    args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
+    args.num_layers_per_virtual_pipeline_stage = int(args.num_layers) // (pp * vp) if vp > 1 else None
     args.num_virtual_stages_per_pipeline_rank = None
     if tp == 1:
         args.sequence_parallel = False
@@ -268,37 +271,50 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class StageWriter:
-    """Collects one target stage's whole tensors, then writes its TP files (atomically)."""
+    """Collects the whole tensors of the target stages, then writes each stage's TP files (atomically).
 
-    def __init__(self, save_dir: str, meta: Metadata, tp: int, pp: int) -> None:
-        self.save_dir, self.meta, self.tp, self.pp = save_dir, meta, tp, pp
-        self.args = target_args(meta, tp, pp)
-        self.per_stage = int(self.args.num_layers) // pp
+    Model chunk c (of pp * vp) holds layers [c * per_chunk, (c + 1) * per_chunk) and lives on stage
+    c % pp as its virtual chunk c // pp (the interleaved schedule's assignment). Without virtual
+    stages a stage is written as soon as the stream moves past it; with them every stage's last chunk
+    comes in the last round, so the stages are held until then.
+    """
+
+    def __init__(self, save_dir: str, meta: Metadata, tp: int, pp: int, vp: int = 1) -> None:
+        self.save_dir, self.meta, self.tp, self.pp, self.vp = save_dir, meta, tp, pp, vp
+        self.args = target_args(meta, tp, pp, vp)
+        self.per_chunk = int(self.args.num_layers) // (pp * vp)
         self.files: Dict[str, Checksum] = {}
         self.base_dir = get_checkpoint_name(save_dir, meta.iteration, meta.release, return_base_dir=True)
 
-    def stage_of(self, name: str) -> int:
+    def chunk_of(self, name: str) -> int:
+        """The global model chunk (0 .. pp * vp - 1) holding `name`."""
         index = layer_index(name)
         if index is not None:
-            return index // self.per_stage
-        return 0 if name.startswith("embedding.") else self.pp - 1
+            return index // self.per_chunk
+        return 0 if name.startswith("embedding.") else self.pp * self.vp - 1
 
-    def local_name(self, name: str, stage: int) -> str:
-        return renumber(name, -stage * self.per_stage) if layer_index(name) is not None else name
+    def stage_of(self, name: str) -> int:
+        return self.chunk_of(name) % self.pp
 
-    def write_stage(self, stage: int, tensors: Dict[str, torch.Tensor]) -> None:
-        """Write the TP files of `stage` from its whole tensors (local names)."""
+    def local_name(self, name: str, chunk: int) -> str:
+        return renumber(name, -chunk * self.per_chunk) if layer_index(name) is not None else name
+
+    def last_chunk(self, stage: int) -> int:
+        return (self.vp - 1) * self.pp + stage
+
+    def write_chunks(self, stage: int, chunks: List[Dict[str, torch.Tensor]]) -> None:
+        """Write the TP files of `stage` from the whole tensors of each of its model chunks."""
         for rank in range(self.tp):
-            model = {name: _own_storage(shard_for_rank(t, tensor_layout(name, self.args, self.tp, rank),
-                                                       self.tp, rank))
-                     for name, t in tensors.items()}
             path = get_checkpoint_name(self.save_dir, self.meta.iteration, self.meta.release,
                                        pipeline_parallel=self.pp > 1, tensor_rank=rank, pipeline_rank=stage,
                                        expert_parallel=False, expert_rank=0)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             state = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
-                     "iteration": self.meta.iteration, "model": model,
-                     "num_floating_point_operations_so_far": 0.0}
+                     "iteration": self.meta.iteration, "num_floating_point_operations_so_far": 0.0}
+            for v, tensors in enumerate(chunks):
+                state["model" if len(chunks) == 1 else f"model{v}"] = {
+                    name: _own_storage(shard_for_rank(t, tensor_layout(name, self.args, self.tp, rank), self.tp, rank))
+                    for name, t in tensors.items()}
             checksum = atomic_write(path, lambda f: torch.save(state, f), checksum=True)
             self.files[os.path.relpath(path, self.base_dir).replace(os.sep, "/")] = checksum
 
@@ -310,16 +326,17 @@ class StageWriter:
 
 
 def write_tensors(save_dir: str, meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
-                  tp: int, pp: int) -> None:
-    """Write the stream as a checkpoint at TP=tp, PP=pp under save_dir (which must be new).
+                  tp: int, pp: int, vp: int = 1) -> None:
+    """Write the stream as a checkpoint at TP=tp, PP=pp (vp virtual stages) under save_dir (new).
 
-    The stream must come in canonical order (a stage is written once the stream moves past it)
-    and hold every layer with the same keys; CheckpointError otherwise.
+    The stream must come in canonical order (a stage is written once the stream moves past its
+    last chunk) and hold every layer with the same keys; CheckpointError otherwise.
     """
-    writer = StageWriter(save_dir, meta, tp, pp)
+    writer = StageWriter(save_dir, meta, tp, pp, vp)
     rows = writer.args.padded_vocab_size
     tied = not getattr(meta.args, "untie_embeddings_and_output_weights", False)
-    stage, held, embedding = 0, {}, None
+    held: List[List[Dict[str, torch.Tensor]]] = [[{} for _ in range(vp)] for _ in range(pp)]
+    written, chunk, embedding = 0, 0, None  # stages 0 .. written-1 are on disk
     seen = _StreamCheck(int(meta.args.num_layers))
     for name, tensor in tensors:
         seen.add(name)
@@ -327,20 +344,22 @@ def write_tensors(save_dir: str, meta: Metadata, tensors: Iterator[Tuple[str, to
             tensor = resize_vocab(tensor, meta, rows)
         if name == EMBEDDING:
             embedding = tensor
-        target = writer.stage_of(name)
-        if target < stage:
-            raise CheckpointError(f"{name} arrived after target stage {target} was written: "
+        target = writer.chunk_of(name)
+        if target < chunk or (target % pp < written):
+            raise CheckpointError(f"{name} arrived after target chunk {target} was written: "
                                   "the loader must send tensors in layer order")
-        while target > stage:  # the stream went past this stage: write it, free its tensors
-            writer.write_stage(stage, held)
-            stage, held = stage + 1, {}
-        held[writer.local_name(name, stage)] = tensor
+        chunk = target
+        while written < pp and writer.last_chunk(written) < chunk:  # the stream went past this stage
+            writer.write_chunks(written, held[written])
+            held[written], written = [], written + 1
+        held[target % pp][target // pp][writer.local_name(name, target)] = tensor
     seen.check()
     if tied and pp > 1:
         if embedding is None:
             raise CheckpointError("the source sent no word embeddings")
-        held[TIED_COPY] = embedding  # the last stage keeps its own copy of the tied weight
-    writer.write_stage(stage, held)
+        held[pp - 1][vp - 1][TIED_COPY] = embedding  # the last chunk keeps its own copy of the tied weight
+    for stage in range(written, pp):
+        writer.write_chunks(stage, held[stage])
     writer.finish()
 
 

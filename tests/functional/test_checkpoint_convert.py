@@ -158,8 +158,29 @@ def _assert_same_files(expected_dir, actual_dir, rank_dirs):
     for rank_dir in rank_dirs:
         a = load_file(str(expected_dir / "iter_0000002" / rank_dir / "model_optim_rng.pt"))
         b = load_file(str(actual_dir / "iter_0000002" / rank_dir / "model_optim_rng.pt"))
-        assert a["model"].keys() == b["model"].keys(), rank_dir
-        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]), rank_dir
+        chunks = sorted(k for k in a if k.startswith("model"))
+        assert chunks == sorted(k for k in b if k.startswith("model")), rank_dir
+        for chunk in chunks:
+            assert a[chunk].keys() == b[chunk].keys(), (rank_dir, chunk)
+            assert all(torch.equal(a[chunk][k], b[chunk][k]) for k in a[chunk]), (rank_dir, chunk)
+
+
+def test_the_saver_writes_virtual_stages_as_each_chunk_holds_them(source, capsys):
+    """TP=2 PP=2 -> TP=2 PP=2 with two chunks of one layer per stage: each file's model0/model1
+    equal what that rank's chunk models hold (chunk v of stage p = layers (v * 2 + p))."""
+    root, whole, args, flags = source
+    _convert(root / "tp2_pp2", root / "tp2_pp2_vp2", 2, 2, "--target-num-layers-per-virtual-pipeline-stage", "1")
+    assert "(2 virtual stages of 1 layers)" in capsys.readouterr().out
+    saved_args, tensors = _read_whole(root / "tp2_pp2_vp2")
+    assert (saved_args.virtual_pipeline_model_parallel_size, saved_args.num_layers_per_virtual_pipeline_stage) == (2, 1)
+    assert tensors.keys() == whole.keys() and all(torch.equal(tensors[k], whole[k]) for k in whole)
+    write_checkpoint(root / "tp2_pp2_vp2_reference", _args(flags, vp=2), whole, tp=2, pp=2, vp=2)
+    _assert_same_files(root / "tp2_pp2_vp2_reference", root / "tp2_pp2_vp2",
+                       [f"mp_rank_0{t}_00{p}" for t in range(2) for p in range(2)])
+    with pytest.raises(SystemExit):
+        convert.cli(["--model-type", "GPT", "--load-dir", str(root / "tp2_pp2"), "--save-dir", str(root / "vp3"),
+                     "--target-pipeline-parallel-size", "2", "--target-num-layers-per-virtual-pipeline-stage", "3"])
+    assert "4 layers do not split into 2 pipeline stages of chunks of 3 layers" in capsys.readouterr().err
 
 
 def _first_loss(load_dir, flags):
@@ -180,21 +201,22 @@ def test_converted_checkpoint_trains_from_the_sources_loss(source, tmp_path, cap
 
 def test_swapped_query_and_key_rows_are_refused(source, monkeypatch, capsys):
     root, _, args, _ = source
-    write_stage = megatron_format.StageWriter.write_stage
+    write_chunks = megatron_format.StageWriter.write_chunks
     hn = args.hidden_size // args.num_attention_heads
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     per_group = args.num_attention_heads // groups
 
-    def swapping(self, stage, tensors):
+    def swapping(self, stage, chunks):
         name = "decoder.layers.1.self_attention.linear_qkv.weight"
+        tensors = chunks[0]
         if name in tensors:  # group 0: its first query head <-> its key head
             qkv = tensors[name].clone()
             q, k = slice(0, hn), slice(per_group * hn, (per_group + 1) * hn)
             qkv[q], qkv[k] = tensors[name][k], tensors[name][q]
-            tensors = {**tensors, name: qkv}
-        return write_stage(self, stage, tensors)
+            chunks = [{**tensors, name: qkv}, *chunks[1:]]
+        return write_chunks(self, stage, chunks)
 
-    monkeypatch.setattr(megatron_format.StageWriter, "write_stage", swapping)
+    monkeypatch.setattr(megatron_format.StageWriter, "write_chunks", swapping)
     save_dir = root / "swapped"
     with pytest.raises(convert.ConversionError, match="logits differ"):
         _convert(root / "tp2_pp2", save_dir, 1, 1)
