@@ -118,3 +118,39 @@ def test_the_saver_refuses_a_stream_out_of_order_or_incomplete(tmp_path, names, 
     stream = ((name, torch.ones(4)) for name in names)
     with pytest.raises(CheckpointError, match=message):
         write_tensors(str(tmp_path / "out"), _meta(), stream, tp=1, pp=2)
+
+
+def test_true_vocabulary_size_from_a_tokenizer_model_as_training_counts_it(sentencepiece_model, bert_vocab_file,
+                                                                          tmp_path):
+    """SentencePiece: Llama2Tokenizer counts the pieces, SentencePieceTokenizer adds Megatron's special
+    tokens; WordPiece: the vocab.txt lines; a HuggingFace tokenizer.json: its size with added tokens."""
+    from tokenizers import Tokenizer, models
+
+    from megatron.tokenizer.tokenizer import build_tokenizer
+
+    def built(**kwargs):
+        return build_tokenizer(argparse.Namespace(padded_vocab_size=0, rank=1, vocab_extra_ids=0, **kwargs)).vocab_size
+
+    llama = argparse.Namespace(tokenizer_type="Llama2Tokenizer")
+    assert true_vocab_size_of(llama, None, tokenizer_model=str(sentencepiece_model)) == 32000
+    sp = argparse.Namespace(tokenizer_type="SentencePieceTokenizer", vocab_extra_ids=0)
+    expected = built(tokenizer_type="SentencePieceTokenizer", tokenizer_model=str(sentencepiece_model))
+    assert expected > 32000  # <CLS>, <SEP>, <EOD>, <MASK> ... beyond the pieces
+    assert true_vocab_size_of(sp, None, tokenizer_model=str(sentencepiece_model)) == expected
+    with pytest.raises(CheckpointError, match="--true-vocab-size 32000 but --tokenizer-model .* has"):
+        true_vocab_size_of(sp, 32000, tokenizer_model=str(sentencepiece_model))
+    bert = argparse.Namespace(tokenizer_type="BertWordPieceLowerCase")
+    assert true_vocab_size_of(bert, None, str(bert_vocab_file)) == 30524  # 30522 lines + [BOS], [EOS] as Megatron adds
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(90)}, unk_token="w0"))
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.save(str(hf_dir / "tokenizer.json"))
+    hf = argparse.Namespace(tokenizer_type="GPT2BPETokenizer")  # no model tokenizer in the args: go by the file
+    assert true_vocab_size_of(hf, None, tokenizer_model=str(hf_dir / "tokenizer.json")) == 92
+    assert true_vocab_size_of(hf, None, tokenizer_model=str(hf_dir)) == 92
+    with pytest.raises(CheckpointError, match="--tokenizer-model .*nosuch.model does not exist"):
+        true_vocab_size_of(llama, None, tokenizer_model=str(tmp_path / "nosuch.model"))
+    (tmp_path / "bad.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(CheckpointError, match="cannot be read as a Llama2Tokenizer"):
+        true_vocab_size_of(llama, None, tokenizer_model=str(tmp_path / "bad.model"))

@@ -21,7 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(default: from --vocab-file, else the saved args where they tell it, e.g. "
                             "NullTokenizer's --vocab-size).")
     group.add_argument("--vocab-file", type=str, default=None,
-                       help="A JSON vocabulary (GPT-2's vocab.json) whose entries count the true vocabulary size.")
+                       help="A JSON vocabulary (GPT-2's vocab.json) whose entries count the true vocabulary size "
+                            "(a WordPiece vocab.txt for BERT tokenizers).")
+    group.add_argument("--tokenizer-model", type=str, default=None,
+                       help="A SentencePiece model or a HuggingFace tokenizer (folder or tokenizer.json): the "
+                            "true vocabulary size is its size as the checkpoint's --tokenizer-type counts it.")
 
 
 def load_checkpoint(args: argparse.Namespace) -> Tuple[Metadata, Iterator[Tuple[str, torch.Tensor]]]:
@@ -29,5 +33,5 @@ def load_checkpoint(args: argparse.Namespace) -> Tuple[Metadata, Iterator[Tuple[
     source = open_source(args.load_dir)
     meta = Metadata(source.args, source.iteration, source.release,
                     true_vocab_size_of(source.args, getattr(args, "true_vocab_size", None),
-                                       getattr(args, "vocab_file", None)))
+                                       getattr(args, "vocab_file", None), getattr(args, "tokenizer_model", None)))
     return meta, read_tensors(source)
