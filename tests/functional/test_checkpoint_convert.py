@@ -8,6 +8,7 @@ attributes, so the converter's name-based layout rules are checked against the l
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import unittest.mock
@@ -264,21 +265,40 @@ def test_a_target_size_that_does_not_split_is_refused(source, capsys):
     assert not (root / "tp3").exists()
 
 
-def test_a_real_tp2_pp2_run_continues_at_tp1_with_its_own_next_loss(tmp_path):
-    """torchrun (4 gloo processes) trains 3 iterations at TP=2 PP=2 saving at 2; its iteration-2
-    checkpoint converted to TP=1 gives, one process on, the loss the uninterrupted run logged at 3
-    (the loss is computed before the step, so the optimizer state it lacks does not enter)."""
-    flags = MODELS["llama-gqa2"][0]
-    flags = [*flags[:flags.index("--global-batch-size") + 1], "4", *flags[flags.index("--global-batch-size") + 2:]]
-    ckpt = tmp_path / "tp2_pp2"
-    run = _torchrun(4, [*flags, "--log-interval", "1", "--tensor-model-parallel-size", "2",
-                        "--pipeline-model-parallel-size", "2", "--train-iters", "3", "--save", str(ckpt),
-                        "--save-interval", "2"])
+def test_tp4_pp2_to_tp2_pp1_to_tp1_pp4_and_interleaved_continue_the_unconverted_run(tmp_path):
+    """A real TP=4 PP=2 run (8 gloo processes, 8 layers, GQA with 2 groups: K/V replicated at TP=4)
+    saves at iterations 2 and 3. Its iteration-2 checkpoint, converted TP=4 PP=2 -> TP=2 PP=1 ->
+    TP=1 PP=4 (and -> TP=1 PP=4 with 2 virtual stages of 1 layer), trains iteration 3 at that layout:
+    the loss equals the one the unconverted run logged at 3, and the weights after that step equal
+    its iteration-3 weights. Plain SGD (no momentum) and a constant learning rate: the converter
+    carries no optimizer or scheduler state (as Megatron-LM's), so the comparison holds for any
+    optimizer whose state is empty."""
+    flags = [*MODELS["llama-gqa2"][0], "--num-layers", "8", "--micro-batch-size", "1", "--global-batch-size", "8",
+             "--optimizer", "sgd", "--sgd-momentum", "0", "--lr-decay-style", "constant", "--log-interval", "1"]
+    unconverted = tmp_path / "tp4_pp2"
+    run = _torchrun(8, [*flags, "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                        "--train-iters", "3", "--save", str(unconverted), "--save-interval", "1"])
     assert run.returncode == 0, run.stderr[-3000:]
     logged = _losses(run.stdout)[3]
-    atomic_write(get_checkpoint_tracker_filename(str(ckpt)), lambda f: f.write(b"2"))  # back to iteration 2
-    _convert(ckpt, tmp_path / "tp1", 1, 1)
-    result = pretrain_gpt.main([*flags, "--load", str(tmp_path / "tp1"), "--no-load-optim", "--no-load-rng",
-                                "--train-iters", "3"], record_history=True)
-    assert [r.iteration for r in result.history] == [3]
-    assert result.history[0].losses["lm loss"] == pytest.approx(logged, rel=2e-6)  # logged to 7 digits
+    at2 = tmp_path / "tp4_pp2_at2"
+    shutil.copytree(unconverted, at2)
+    atomic_write(get_checkpoint_tracker_filename(str(at2)), lambda f: f.write(b"2"))
+    _convert(at2, tmp_path / "tp2_pp1", 2, 1)
+    _convert(tmp_path / "tp2_pp1", tmp_path / "tp1_pp4", 1, 4)
+    _convert(tmp_path / "tp2_pp1", tmp_path / "tp1_pp4_vp2", 1, 4, "--target-num-layers-per-virtual-pipeline-stage",
+             "1")
+    _, expected = _read_whole(unconverted)  # its iteration-3 weights, merged to TP=1
+    for name, virtual in (("tp1_pp4", []), ("tp1_pp4_vp2", ["--num-layers-per-virtual-pipeline-stage", "1"])):
+        out = tmp_path / f"{name}_trained"
+        run = _torchrun(4, [*flags, "--pipeline-model-parallel-size", "4", *virtual, "--train-iters", "3",
+                            "--load", str(tmp_path / name), "--no-load-optim", "--no-load-rng",
+                            "--save", str(out), "--save-interval", "3"])
+        assert run.returncode == 0, (name, run.stderr[-3000:])
+        assert list(_losses(run.stdout)) == [3], name
+        assert _losses(run.stdout)[3] == pytest.approx(logged, rel=2e-6), name  # logged to 7 digits
+        args, trained = _read_whole(out)
+        assert trained.keys() == expected.keys(), name
+        assert (args.padded_vocab_size, expected[megatron_format.EMBEDDING].shape[0]) == (256, 512)  # TP=1 / TP=4
+        for key, tensor in expected.items():
+            tensor = tensor[:TRUE_VOCAB] if megatron_format.is_vocab_tensor(key) else tensor
+            torch.testing.assert_close(trained[key], tensor, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name} {key}: {m}")
