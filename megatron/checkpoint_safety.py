@@ -191,8 +191,11 @@ def _refused(path: str, error: Exception) -> str:
     return f"holds something the safe unpickler does not build ({detail})"
 
 
-def load_file(path: str, trust_pickles: bool = False, log: Any = print) -> Any:
+def load_file(path: str, trust_pickles: bool = False, log: Any = print, mmap: bool = False) -> Any:
     """torch.load `path` onto the CPU with the allow-list (see the module docstring).
+
+    mmap=True maps the file instead of reading it: a tensor's bytes are read when it is used (the
+    checkpoint converter reads a whole stage's files this way, one tensor at a time).
 
     Raises CheckpointError naming the file and the refused global(s) when the file refers to
     anything else; other read errors (truncated, not a torch file) propagate as they are.
@@ -202,10 +205,10 @@ def load_file(path: str, trust_pickles: bool = False, log: Any = print) -> Any:
         log(f"WARNING: --trust-checkpoint-pickles: reading {path} with full unpickling "
             "(a malicious file can run code)")
         return torch.load(path, map_location="cpu", weights_only=False,
-                          pickle_module=_TRUSTING_PICKLE)
+                          pickle_module=_TRUSTING_PICKLE, mmap=mmap)
     with torch.serialization.safe_globals(list(safe_globals())):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as error:
             reason = _refused(path, error)
     raise CheckpointError(

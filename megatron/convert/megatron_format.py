@@ -32,6 +32,7 @@ from megatron.convert.layout_rules import (
     is_vocab_tensor, layer_index, padded_vocab_size, query_groups, renumber, tensor_layout,
 )
 from megatron.core.atomic_io import Checksum, atomic_write
+from megatron.convert.streaming_save import StreamingFile
 from megatron.core.tensor_parallel.layout import merge_shards, shard_for_rank
 
 CHECKPOINT_VERSION = 3.0  # fused QKV rows [np, 3, hn] (grouped by query group), as checkpointing.py writes
@@ -167,7 +168,12 @@ def _read(path: str, load_dir: str, iteration: int, release: bool) -> Dict[str, 
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
     verify_file(path, base_dir)
-    state = load_file(path)
+    try:
+        state = load_file(path, mmap=True)  # tensors read as they are merged, not the whole file up front
+    except RuntimeError as error:
+        if "mmap" not in str(error):  # a pre-1.6 (not zip) file cannot be mapped: it is read whole
+            raise
+        state = load_file(path)
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint file {path} does not hold a dict")
     version = state.get("checkpoint_version", 0)
@@ -314,20 +320,14 @@ def resize_vocab(tensor: torch.Tensor, meta: Metadata, rows: int) -> torch.Tenso
     return out
 
 
-def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
-    """tensor, copied when it is a view into a larger storage (torch.save would write all of it)."""
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        return tensor.clone()
-    return tensor
-
-
 class StageWriter:
-    """Collects the whole tensors of the target stages, then writes each stage's TP files (atomically).
+    """Writes the target checkpoint's TP files as the whole tensors arrive, one tensor at a time.
 
     Model chunk c (of pp * vp) holds layers [c * per_chunk, (c + 1) * per_chunk) and lives on stage
-    c % pp as its virtual chunk c // pp (the interleaved schedule's assignment). Without virtual
-    stages a stage is written as soon as the stream moves past it; with them every stage's last chunk
-    comes in the last round, so the stages are held until then.
+    c % pp as its virtual chunk c // pp (the interleaved schedule's assignment). Each tensor is cut
+    into its TP shards and each shard written at once into its rank's file (streaming_save); a file
+    is finished (its pickle written, then renamed into place) when the stream has moved past its
+    stage's last chunk. So the writer holds one tensor's shards, whatever the target layout.
     """
 
     def __init__(self, save_dir: str, meta: Metadata, tp: int, pp: int, vp: int = 1) -> None:
@@ -336,6 +336,9 @@ class StageWriter:
         self.per_chunk = int(self.args.num_layers) // (pp * vp)
         self.files: Dict[str, Checksum] = {}
         self.base_dir = get_checkpoint_name(save_dir, meta.iteration, meta.release, return_base_dir=True)
+        self._open: Dict[Tuple[int, int], StreamingFile] = {}  # (stage, rank) -> its file being written
+        self._models: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}  # -> per chunk: name -> placeholder
+        self.finished = 0  # stages 0 .. finished-1 are on disk
 
     def chunk_of(self, name: str) -> int:
         """The global model chunk (0 .. pp * vp - 1) holding `name`."""
@@ -344,30 +347,49 @@ class StageWriter:
             return index // self.per_chunk
         return 0 if name.startswith("embedding.") else self.pp * self.vp - 1
 
-    def stage_of(self, name: str) -> int:
-        return self.chunk_of(name) % self.pp
-
     def local_name(self, name: str, chunk: int) -> str:
         return renumber(name, -chunk * self.per_chunk) if layer_index(name) is not None else name
 
     def last_chunk(self, stage: int) -> int:
         return (self.vp - 1) * self.pp + stage
 
-    def write_chunks(self, stage: int, chunks: List[Dict[str, torch.Tensor]]) -> None:
-        """Write the TP files of `stage` from the whole tensors of each of its model chunks."""
+    def path(self, stage: int, rank: int) -> str:
+        return get_checkpoint_name(self.save_dir, self.meta.iteration, self.meta.release,
+                                   pipeline_parallel=self.pp > 1, tensor_rank=rank, pipeline_rank=stage,
+                                   expert_parallel=False, expert_rank=0)
+
+    def add(self, chunk: int, name: str, tensor: torch.Tensor) -> None:
+        """Write the TP shards of whole tensor `name` (its local name in model chunk `chunk`)."""
+        stage, virtual = chunk % self.pp, chunk // self.pp
         for rank in range(self.tp):
-            path = get_checkpoint_name(self.save_dir, self.meta.iteration, self.meta.release,
-                                       pipeline_parallel=self.pp > 1, tensor_rank=rank, pipeline_rank=stage,
-                                       expert_parallel=False, expert_rank=0)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            key = (stage, rank)
+            if key not in self._open:
+                path = self.path(stage, rank)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self._open[key] = StreamingFile(path)
+                self._models[key] = [{} for _ in range(self.vp)]
+            shard = shard_for_rank(tensor, tensor_layout(name, self.args, self.tp, rank), self.tp, rank)
+            self._models[key][virtual][name] = self._open[key].add(shard)
+
+    def finish_stage(self, stage: int) -> None:
+        """The pickles of `stage`'s TP files: each is complete and in place after this."""
+        for rank in range(self.tp):
+            key = (stage, rank)
+            if key not in self._open:
+                raise CheckpointError(f"the stream held nothing for target stage {stage}")
             state = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
                      "iteration": self.meta.iteration, "num_floating_point_operations_so_far": 0.0}
-            for v, tensors in enumerate(chunks):
-                state["model" if len(chunks) == 1 else f"model{v}"] = {
-                    name: _own_storage(shard_for_rank(t, tensor_layout(name, self.args, self.tp, rank), self.tp, rank))
-                    for name, t in tensors.items()}
-            checksum = atomic_write(path, lambda f: torch.save(state, f), checksum=True)
-            self.files[os.path.relpath(path, self.base_dir).replace(os.sep, "/")] = checksum
+            chunks = self._models.pop(key)
+            for v, model in enumerate(chunks):
+                state["model" if self.vp == 1 else f"model{v}"] = model
+            self.files[os.path.relpath(self.path(stage, rank), self.base_dir).replace(os.sep, "/")] = \
+                self._open.pop(key).finish(state)
+        self.finished = stage + 1
+
+    def abandon(self) -> None:
+        for f in self._open.values():
+            f.abandon()
+        self._open.clear()
 
     def finish(self) -> None:
         """The manifest, then the tracker (as checkpointing.save_checkpoint orders them)."""
@@ -380,38 +402,46 @@ def write_tensors(save_dir: str, meta: Metadata, tensors: Iterator[Tuple[str, to
                   tp: int, pp: int, vp: int = 1) -> None:
     """Write the stream as a checkpoint at TP=tp, PP=pp (vp virtual stages) under save_dir (new).
 
-    The stream must come in canonical order (a stage is written once the stream moves past its
-    last chunk) and hold every layer with the same keys; CheckpointError otherwise.
+    The stream must come in canonical order (a stage's files are finished once the stream moves
+    past its last chunk) and hold every layer with the same keys; CheckpointError otherwise.
     """
     writer = StageWriter(save_dir, meta, tp, pp, vp)
+    try:
+        _write_stream(writer, meta, tensors)
+    except BaseException:
+        writer.abandon()
+        raise
+    writer.finish()
+
+
+def _write_stream(writer: StageWriter, meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]]) -> None:
+    pp, vp = writer.pp, writer.vp
     rows = writer.args.padded_vocab_size
-    tied = not getattr(meta.args, "untie_embeddings_and_output_weights", False)
-    held: List[List[Dict[str, torch.Tensor]]] = [[{} for _ in range(vp)] for _ in range(pp)]
-    written, chunk, embedding = 0, 0, None  # stages 0 .. written-1 are on disk
+    tied_copy = pp > 1 and not getattr(meta.args, "untie_embeddings_and_output_weights", False)
+    chunk, embedding_sent = 0, False
     seen = _StreamCheck(int(meta.args.num_layers))
     for name, tensor in tensors:
         seen.add(name)
         if is_vocab_tensor(name):
             tensor = resize_vocab(tensor, meta, rows)
-        if name == EMBEDDING:
-            embedding = tensor
         target = writer.chunk_of(name)
-        if target < chunk or target % pp < written:
-            where = f"stage {target % pp} was written" if target % pp < written else f"chunk {chunk}'s tensors"
+        if target < chunk or target % pp < writer.finished:
+            where = (f"stage {target % pp} was written" if target % pp < writer.finished
+                     else f"chunk {chunk}'s tensors")
             raise CheckpointError(f"{name} arrived after target {where}: the loader must send tensors in layer order")
         chunk = target
-        while written < pp and writer.last_chunk(written) < chunk:  # the stream went past this stage
-            writer.write_chunks(written, held[written])
-            held[written], written = [], written + 1
-        held[target % pp][target // pp][writer.local_name(name, target)] = tensor
+        while writer.finished < pp and writer.last_chunk(writer.finished) < chunk:  # the stream went past it
+            writer.finish_stage(writer.finished)
+        writer.add(target, writer.local_name(name, target), tensor)
+        if tied_copy and name == EMBEDDING:  # the last chunk keeps its own copy of the tied weight
+            writer.add(pp * vp - 1, TIED_COPY, tensor)
+            embedding_sent = True
+        del tensor
     seen.check()
-    if tied and pp > 1:
-        if embedding is None:
-            raise CheckpointError("the source sent no word embeddings")
-        held[pp - 1][vp - 1][TIED_COPY] = embedding  # the last chunk keeps its own copy of the tied weight
-    for stage in range(written, pp):
-        writer.write_chunks(stage, held[stage])
-    writer.finish()
+    if tied_copy and not embedding_sent:
+        raise CheckpointError("the source sent no word embeddings")
+    for stage in range(writer.finished, pp):
+        writer.finish_stage(stage)
 
 
 class _StreamCheck:

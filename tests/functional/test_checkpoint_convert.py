@@ -202,22 +202,20 @@ def test_converted_checkpoint_trains_from_the_sources_loss(source, tmp_path, cap
 
 def test_swapped_query_and_key_rows_are_refused(source, monkeypatch, capsys):
     root, _, args, _ = source
-    write_chunks = megatron_format.StageWriter.write_chunks
+    add = megatron_format.StageWriter.add
     hn = args.hidden_size // args.num_attention_heads
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     per_group = args.num_attention_heads // groups
 
-    def swapping(self, stage, chunks):
-        name = "decoder.layers.1.self_attention.linear_qkv.weight"
-        tensors = chunks[0]
-        if name in tensors:  # group 0: its first query head <-> its key head
-            qkv = tensors[name].clone()
+    def swapping(self, chunk, name, tensor):
+        if name == "decoder.layers.1.self_attention.linear_qkv.weight":  # group 0: its first query head <-> its key
+            qkv = tensor.clone()
             q, k = slice(0, hn), slice(per_group * hn, (per_group + 1) * hn)
-            qkv[q], qkv[k] = tensors[name][k], tensors[name][q]
-            chunks = [{**tensors, name: qkv}, *chunks[1:]]
-        return write_chunks(self, stage, chunks)
+            qkv[q], qkv[k] = tensor[k], tensor[q]
+            tensor = qkv
+        return add(self, chunk, name, tensor)
 
-    monkeypatch.setattr(megatron_format.StageWriter, "write_chunks", swapping)
+    monkeypatch.setattr(megatron_format.StageWriter, "add", swapping)
     save_dir = root / "swapped"
     with pytest.raises(convert.ConversionError, match="logits differ"):
         _convert(root / "tp2_pp2", save_dir, 1, 1)
