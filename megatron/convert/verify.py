@@ -61,12 +61,40 @@ def build_serial_model(args: argparse.Namespace, tensors: Iterable[Tuple[str, to
     model = GPTModel(config, vocab_size=int(args.padded_vocab_size),
                      max_sequence_length=int(args.max_position_embeddings),
                      share_embeddings_and_output_weights=tied, **gpt_model_kwargs(serial))
-    state = dict(tensors)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as error:
-        raise CheckpointError(f"the tensors do not fit the model of the checkpoint's args: {error}") from error
+    _fill(model, tensors)
     return model.eval()
+
+
+def _fill(model: torch.nn.Module, tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+    """Copy each streamed tensor into its parameter or buffer as it arrives (strict: every key once,
+    same shapes), so that only one streamed tensor is held besides the model."""
+    slots = model.state_dict(keep_vars=True)
+    missing = dict(slots)
+    unexpected, wrong = [], []
+    with torch.no_grad():
+        for name, tensor in tensors:
+            slot = missing.pop(name, None)
+            if slot is None:
+                unexpected.append(name)
+            elif slot.shape != tensor.shape:
+                wrong.append(f"{name}: {tuple(tensor.shape)} for {tuple(slot.shape)}")
+            else:
+                slot.copy_(tensor)
+            del tensor
+    problems = [f"missing {sorted(missing)[:4]}" if missing else "",
+                f"unexpected {unexpected[:4]}" if unexpected else "", f"shapes {wrong[:4]}" if wrong else ""]
+    if any(problems):
+        raise CheckpointError("the tensors do not fit the model of the checkpoint's args: "
+                              + "; ".join(p for p in problems if p))
+
+
+def serial_logits(args: argparse.Namespace, tensors: Iterable[Tuple[str, torch.Tensor]],
+                  tokens: torch.Tensor) -> torch.Tensor:
+    """The logits of the TP = 1 model of `args` holding the streamed tensors; the model is freed after."""
+    model = build_serial_model(args, tensors)
+    logits = logits_of(model, tokens)
+    del model
+    return logits
 
 
 def sample_tokens(vocab: int, max_length: int) -> torch.Tensor:
@@ -86,8 +114,14 @@ def compare(source: torch.nn.Module, target: torch.nn.Module, vocab: int, max_le
             tolerance: float = TOLERANCE) -> Comparison:
     """Logits of both models on the fixed sequences, over the first `vocab` ids (the true vocabulary)."""
     tokens = sample_tokens(vocab, max_length)
-    a, b = logits_of(source, tokens)[..., :vocab], logits_of(target, tokens)[..., :vocab]
+    return compare_logits(logits_of(source, tokens), logits_of(target, tokens), vocab, tolerance)
+
+
+def compare_logits(source: torch.Tensor, target: torch.Tensor, vocab: int,
+                   tolerance: float = TOLERANCE) -> Comparison:
+    """Compare two models' logits [b, s, >= vocab] on the fixed sequences over the first `vocab` ids."""
+    a, b = source[..., :vocab], target[..., :vocab]
     if a.shape != b.shape:
-        return Comparison(float("inf"), 1.0, tolerance, tuple(a.shape), tokens.shape[1])
+        return Comparison(float("inf"), 1.0, tolerance, tuple(a.shape), a.shape[1])
     scale = max(1.0, a.abs().max().item())
-    return Comparison((a - b).abs().max().item(), scale, tolerance, tuple(a.shape), tokens.shape[1])
+    return Comparison((a - b).abs().max().item(), scale, tolerance, tuple(a.shape), a.shape[1])

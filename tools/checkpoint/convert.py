@@ -112,11 +112,12 @@ def verify(args: argparse.Namespace, loader: ModuleType, saver: ModuleType, stag
     from megatron.convert import verify as checks
 
     meta, tensors = loader.load_checkpoint(args)
-    source = checks.build_serial_model(meta.args, tensors)
     target_args, target_tensors = saver.read_back(staging)
-    target = checks.build_serial_model(target_args, target_tensors)
     vocab = meta.true_vocab_size or min(int(meta.args.padded_vocab_size), int(target_args.padded_vocab_size))
-    result = checks.compare(source, target, vocab, int(meta.args.max_position_embeddings))
+    tokens = checks.sample_tokens(vocab, int(meta.args.max_position_embeddings))
+    source = checks.serial_logits(meta.args, tensors, tokens)  # one model at a time: memory ~ one model
+    target = checks.serial_logits(target_args, target_tensors, tokens)
+    result = checks.compare_logits(source, target, vocab)
     print(result.describe(), flush=True)
     if not result.ok:
         raise ConversionError(f"the converted checkpoint's logits differ from the source's ({result.describe()}); "
