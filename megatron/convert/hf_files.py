@@ -347,7 +347,11 @@ class ShardWriter:
     def _flush(self) -> None:
         from safetensors.torch import save_file
 
-        save_file(self.held, self._temporary(len(self.shards)), metadata={"format": "pt"})
+        path = self._temporary(len(self.shards))
+        save_file(self.held, path, metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(path, 0o666 & ~umask)  # as an ordinary file (safetensors may create it private)
         self.shards.append(list(self.held))
         self.held, self.held_bytes = {}, 0
 

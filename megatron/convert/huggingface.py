@@ -439,3 +439,66 @@ def state_dict_to_hf(our_state_dict: dict[str, Tensor], hf_config: Any) -> dict[
     if hf_config.tie_word_embeddings:
         hf["lm_head.weight"] = hf[arch.embedding]
     return hf
+
+
+# ------------------------------------------------------------------ the inverse: our args -> an HF config
+
+
+def hf_config_from_args(args: Any, vocab_size: int) -> dict:
+    """The config.json fields (a dict with model_type and architectures) of the HF model that computes
+    what a GPTModel of our training args does; vocab_size is the true (unpadded) vocabulary.
+
+    Llama (RMSNorm, SwiGLU, RoPE; Qwen2 when only q, k, v have biases), GPT-2 (LayerNorm, GeLU,
+    biases, learned positions) and GPT-NeoX (the same with RoPE); other models raise ValueError.
+    config_from_hf of the result gives args back (the saver checks it).
+    """
+    heads, hidden = int(args.num_attention_heads), int(args.hidden_size)
+    groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
+    head_dim = int(getattr(args, "kv_channels", None) or hidden // heads)
+    tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    rope = args.position_embedding_type == "rope"
+    _refuse(getattr(args, "apply_layernorm_1p", False) or getattr(args, "qk_layernorm", False)
+            or getattr(args, "squared_relu", False) or getattr(args, "rotary_interleaved", False)
+            or getattr(args, "apply_residual_connection_post_layernorm", False),
+            "a model with --apply-layernorm-1p, --qk-layernorm, --squared-relu, --rotary-interleaved or "
+            "--apply-residual-connection-post-layernorm", "no HF causal LM of this mapping has it")
+    common = dict(vocab_size=vocab_size, tie_word_embeddings=tied, initializer_range=float(args.init_method_std))
+    # The GeLU our MLP computes: tanh with --openai-gelu or the (default) fused bias-GeLU, else erf.
+    gelu = "gelu_new" if args.openai_gelu or getattr(args, "bias_gelu_fusion", True) else "gelu"
+    if args.swiglu and args.normalization == "RMSNorm" and rope:
+        qwen2 = bool(args.add_qkv_bias) and not args.add_bias_linear
+        _refuse(bool(args.add_qkv_bias) != bool(args.add_bias_linear) and not qwen2,
+                "a Llama-style model with linear biases but none on QKV")
+        rope_parameters = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+        if getattr(args, "use_rope_scaling", False):
+            rope_parameters.update(MCORE_LLAMA3_ROPE, rope_type="llama3", factor=float(args.rope_scaling_factor))
+        _refuse(float(args.rotary_percent) != 1.0, "a Llama-style model with --rotary-percent below 1")
+        config = dict(common, model_type="qwen2" if qwen2 else "llama",
+                      architectures=["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+                      hidden_size=hidden, intermediate_size=int(args.ffn_hidden_size),
+                      num_hidden_layers=int(args.num_layers), num_attention_heads=heads, num_key_value_heads=groups,
+                      head_dim=head_dim, max_position_embeddings=int(args.max_position_embeddings),
+                      rms_norm_eps=float(args.norm_epsilon), hidden_act="silu",
+                      attention_dropout=float(args.attention_dropout), rope_parameters=rope_parameters)
+        if not qwen2:
+            config.update(attention_bias=bool(args.add_bias_linear), mlp_bias=bool(args.add_bias_linear))
+        return config
+    _refuse(args.swiglu or args.normalization != "LayerNorm" or not args.add_bias_linear or groups != heads
+            or head_dim * heads != hidden,
+            "this model (SwiGLU, norm, biases and heads as given)",
+            "the HF mappings are Llama/Mistral/Qwen2 (RMSNorm, SwiGLU, RoPE), GPT-2 and GPT-NeoX "
+            "(LayerNorm, GeLU, biases, multi-head attention)")
+    if rope:
+        return dict(common, model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], hidden_size=hidden,
+                    intermediate_size=int(args.ffn_hidden_size), num_hidden_layers=int(args.num_layers),
+                    num_attention_heads=heads, max_position_embeddings=int(args.max_position_embeddings),
+                    layer_norm_eps=float(args.norm_epsilon), hidden_act=gelu, use_parallel_residual=False,
+                    rotary_pct=float(args.rotary_percent), rotary_emb_base=float(args.rotary_base),
+                    hidden_dropout=float(args.hidden_dropout), attention_dropout=float(args.attention_dropout))
+    _refuse(args.position_embedding_type != "learned_absolute",
+            f"a GPT-2-style model with --position-embedding-type {args.position_embedding_type}")
+    return dict(common, model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=hidden,
+                n_inner=int(args.ffn_hidden_size), n_layer=int(args.num_layers), n_head=heads,
+                n_positions=int(args.max_position_embeddings), layer_norm_epsilon=float(args.norm_epsilon),
+                activation_function=gelu, resid_pdrop=float(args.hidden_dropout), embd_pdrop=float(args.hidden_dropout),
+                attn_pdrop=float(args.attention_dropout))
