@@ -29,6 +29,11 @@ from megatron.convert.layout_rules import is_vocab_tensor
 from megatron.convert.megatron_format import Metadata
 
 
+# Names in the files that differ from the model's: transformers (4 and 5) writes GPT-NeoX's output
+# layer under its original name, embed_out.weight (version 5 renames it lm_head.weight on load).
+FILE_NAMES = {"gpt_neox": {"lm_head.weight": "embed_out.weight"}}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="HuggingFace saver")
     group.add_argument("--max-shard-size", type=str, default=DEFAULT_MAX_SHARD_SIZE,
@@ -119,6 +124,7 @@ def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
     print(f"saving a {config.model_type} model ({huggingface.ARCHITECTURES[config.model_type].name}) to "
           f"{save_dir}, shards of at most {max_bytes} bytes", flush=True)
     writer, seen = ShardWriter(save_dir, max_bytes), set()
+    file_names = FILE_NAMES.get(config.model_type, {})
     for name, tensor in tensors:
         rule = rules.get(name)
         if rule is None:
@@ -131,7 +137,7 @@ def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
                 raise CheckpointError(f"{name} has {tensor.shape[0]} rows, fewer than vocab_size {vocab}")
             tensor = tensor[:vocab]  # the padding rows are Megatron's, not the model's
         for hf_name, hf_tensor in zip(rule.hf, rule.to_hf(tensor)):
-            writer.add(hf_name, _own(hf_tensor))
+            writer.add(file_names.get(hf_name, hf_name), _own(hf_tensor))
     missing = sorted(set(rules) - seen)
     if missing:
         raise CheckpointError(f"the loader sent no {', '.join(missing[:4])} ({len(missing)} tensors missing)")

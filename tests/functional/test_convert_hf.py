@@ -1,0 +1,258 @@
+"""tools/checkpoint/convert.py with --loader hf / --saver hf on tiny random transformers models.
+
+Each model is saved by transformers (save_pretrained), converted HF -> ours at TP = 2 PP = 2 ->
+HF, each step verified by convert.py's logits comparison. The result must be the source bit for
+bit (every tensor torch.equal, config.json and generation_config.json equal) and load with
+AutoModelForCausalLM.from_pretrained offline. The TP = 2 PP = 2 checkpoint itself runs in 4 gloo
+processes (each rank builds its stage from the file's args, loads its own file, the first stage
+sends its activations to the last, the last gathers the vocabulary shards): its logits must
+equal HF's to fp32 rounding.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron.checkpoint_safety import CheckpointError, load_file
+from megatron.checkpointing import get_checkpoint_name
+from megatron.convert import megatron_format
+from tests.parallel.harness import DistributedPool, init_parallel
+from tools.checkpoint import convert, saver_hf
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+VOCAB, HIDDEN, HEADS, FFN, LAYERS, POSITIONS = 200, 32, 4, 64, 4, 64
+TOKENS = torch.Generator().manual_seed(5)
+BATCH = torch.randint(0, VOCAB, (2, 12), generator=TOKENS)
+
+
+def _llama_family(kind, **overrides):
+    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                    "qwen2": transformers.Qwen2Config}[kind]
+    kwargs = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS,
+                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    return config_class(**{**kwargs, **overrides})
+
+
+MODELS = {  # noqa: E731
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=HIDDEN, n_layer=LAYERS,
+                                            n_head=HEADS, activation_function="gelu_new", bos_token_id=1,
+                                            eos_token_id=1),
+    "llama-gqa": lambda: _llama_family("llama"),
+    "llama-tied": lambda: _llama_family("llama", tie_word_embeddings=True, num_key_value_heads=4),
+    "mistral": lambda: _llama_family("mistral", sliding_window=32),
+    "qwen2": lambda: _llama_family("qwen2", num_key_value_heads=1),
+    "gpt-neox-partial-rotary": lambda: transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, max_position_embeddings=POSITIONS, rotary_pct=0.5, use_parallel_residual=False,
+        bos_token_id=0, eos_token_id=1),
+}
+
+
+def _save_hf(config, path, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # norms and biases away from 1 and 0, so that a mix-up shows
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name or ".ln_" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(path)
+    return model
+
+
+def _convert(load_dir, save_dir, loader, saver, *extra):
+    convert.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(load_dir),
+                  "--save-dir", str(save_dir), *extra])
+
+
+def _hf_logits(path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
+                                                              attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(BATCH).logits
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """name -> (HF source dir, our TP2 PP2 checkpoint, HF dir written back)."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for name, config in MODELS.items():
+        _save_hf(config(), root / name)
+        _convert(root / name, root / f"{name}-tp2pp2", "hf", "megatron",
+                 "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+        _convert(root / f"{name}-tp2pp2", root / f"{name}-back", "megatron", "hf")
+        out[name] = (root / name, root / f"{name}-tp2pp2", root / f"{name}-back")
+    return out
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_to_tp2pp2_to_hf_is_bit_identical(converted, name):
+    source, _, back = converted[name]
+    assert sorted(os.listdir(back)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert _json(back / "config.json") == _json(source / "config.json")
+    assert _json(back / "generation_config.json") == _json(source / "generation_config.json")
+    a = safetensors_torch.load_file(str(source / "model.safetensors"))
+    b = safetensors_torch.load_file(str(back / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    unequal = [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
+    assert not unequal
+    assert torch.equal(_hf_logits(back), _hf_logits(source))
+
+
+def _stage_logits(checkpoint, tokens):
+    """Task: this rank's stage of our TP=2 PP=2 checkpoint; the last stage returns the whole logits."""
+    import torch.distributed as dist
+
+    from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs
+    from megatron.core import parallel_state
+    from megatron.model import GPTModel
+
+    init_parallel(tp=2, pp=2)
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    state = load_file(get_checkpoint_name(str(checkpoint), 0, release=True, pipeline_parallel=True,
+                                          tensor_rank=tp_rank, pipeline_rank=pp_rank))
+    args = state["args"]
+    args.hidden_dropout = args.attention_dropout = 0.0
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    model = GPTModel(core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
+                     max_sequence_length=args.max_position_embeddings, pre_process=first, post_process=last,
+                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                     parallel_output=False, **gpt_model_kwargs(args))
+    model.load_state_dict(state["model"], strict=True)
+    model.eval()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    hidden_shape = (tokens.shape[1], tokens.shape[0], args.hidden_size)  # [s, b, h]
+    with torch.no_grad():
+        if first:
+            hidden = model(tokens, positions)
+            dist.send(hidden.contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+        received = torch.empty(hidden_shape)
+        dist.recv(received, parallel_state.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(received)
+        return model(tokens, positions)  # [b, s, padded vocab], gathered over TP
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = DistributedPool(4)
+    yield pool
+    pool.close()
+
+
+def test_our_tp2pp2_model_gives_hfs_logits(converted, pool):
+    for name, (source, ours, _) in converted.items():
+        expected = _hf_logits(source)
+        per_rank = pool.run(_stage_logits, str(ours), BATCH)
+        last = [logits for logits in per_rank if logits is not None]
+        assert len(last) == 2  # the two TP ranks of the last stage
+        for logits in last:
+            difference = (logits[..., :VOCAB] - expected).abs().max().item()
+            assert difference <= 1e-5 * max(1.0, expected.abs().max().item()), (name, difference)
+            assert torch.all(logits[..., VOCAB:] == 0)  # the padding rows are zero
+
+
+def test_a_small_max_shard_size_writes_an_index_that_reloads(converted, tmp_path):
+    source, ours, _ = converted["llama-gqa"]
+    out = tmp_path / "sharded"
+    _convert(ours, out, "megatron", "hf", "--max-shard-size", "10KB")
+    index = _json(out / "model.safetensors.index.json")
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert sorted(f for f in os.listdir(out) if f.endswith(".safetensors")) == shards
+    sizes = [os.path.getsize(out / s) for s in shards]
+    assert max(sizes) < 10_000 + 20_000  # each shard at most 10 KB of tensors, or one larger tensor alone
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in
+                                                  safetensors_torch.load_file(str(source / "model.safetensors")).values())
+    assert torch.equal(_hf_logits(out), _hf_logits(source))
+    again = tmp_path / "again"  # sharded input, converted back to one file
+    _convert(out, again, "hf", "hf")
+    assert torch.equal(_hf_logits(again), _hf_logits(source))
+
+
+def test_pytorch_model_bin_input(tmp_path):
+    source = tmp_path / "bin"
+    model = _save_hf(MODELS["gpt2"](), tmp_path / "safetensors")
+    model.config.save_pretrained(source)
+    torch.save(model.state_dict(), source / "pytorch_model.bin")  # with the tied lm_head copy and attn buffers
+    _convert(source, tmp_path / "ours", "hf", "megatron", "--target-tensor-parallel-size", "2")
+    _convert(tmp_path / "ours", tmp_path / "back", "megatron", "hf")
+    assert torch.equal(_hf_logits(tmp_path / "back"), _hf_logits(tmp_path / "safetensors"))
+
+
+class _Gadget:  # a pickled object of code: the safe loader must refuse it
+    pass
+
+
+def _one_line_error(argv, capsys):
+    capsys.readouterr()  # drop what came before (transformers' progress bars)
+    with pytest.raises(SystemExit) as exit_info:
+        convert.cli(argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    return err
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    _save_hf(MODELS["llama-gqa"](), hf)
+    argv = ["--model-type", "GPT", "--loader", "hf", "--saver", "megatron", "--save-dir", str(tmp_path / "out")]
+    assert "config.json is missing" in _one_line_error([*argv, "--load-dir", str(tmp_path)], capsys)
+    bert = tmp_path / "bert"
+    transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                            intermediate_size=FFN).save_pretrained(bert)
+    assert "model_type 'bert' is not supported" in _one_line_error([*argv, "--load-dir", str(bert)], capsys)
+    weights = safetensors_torch.load_file(str(hf / "model.safetensors"))
+    del weights["model.layers.1.self_attn.k_proj.weight"]
+    safetensors_torch.save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    error = _one_line_error([*argv, "--load-dir", str(hf)], capsys)
+    assert "lack 1 tensor(s)" in error and "model.layers.1.self_attn.k_proj.weight" in error
+    os.remove(hf / "model.safetensors")
+    torch.save({"model.embed_tokens.weight": _Gadget()}, hf / "pytorch_model.bin")
+    assert "unpickling it could run code" in _one_line_error([*argv, "--load-dir", str(hf)], capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_max_shard_size_is_one_line(converted, tmp_path, capsys):
+    error = _one_line_error(["--model-type", "GPT", "--loader", "hf", "--saver", "hf", "--load-dir",
+                             str(converted["llama-gqa"][0]), "--save-dir", str(tmp_path / "out"),
+                             "--max-shard-size", "5 apples"], capsys)
+    assert error == "convert.py: error: --max-shard-size '5 apples': not a size (examples: 5GB, 500MB, 10KB, 1000000)"
+    assert not os.listdir(tmp_path)
+
+
+def test_a_swapped_query_and_key_in_the_saver_is_refused(converted, tmp_path, monkeypatch, capsys):
+    source, _, _ = converted["llama-gqa"]
+    rule_of = saver_hf.huggingface.weight_rules
+
+    def swapped_rules(config):
+        rules = rule_of(config)
+        index = next(i for i, rule in enumerate(rules) if rule.ours == "decoder.layers.1.self_attention.linear_qkv.weight")
+        rule = rules[index]
+        hn = HIDDEN // HEADS
+
+        def to_hf(tensor):  # the first query head and group 0's key head exchanged
+            q, k, v = (t.clone() for t in rule.to_hf(tensor))
+            q[:hn], k[:hn] = k[:hn].clone(), q[:hn].clone()
+            return q, k, v
+
+        rules[index] = type(rule)(rule.ours, rule.hf, rule.to_ours, to_hf)
+        return rules
+
+    monkeypatch.setattr(saver_hf.huggingface, "weight_rules", swapped_rules)
+    with pytest.raises(convert.ConversionError, match="logits differ"):
+        _convert(source, tmp_path / "swapped", "hf", "hf")
+    assert "MISMATCH" in capsys.readouterr().out
+    assert not (tmp_path / "swapped").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".swapped")]
