@@ -278,6 +278,10 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-save-optim", action="store_true", default=None, help="Do not save the optimizer.")
     group.add_argument("--no-save-rng", action="store_true", default=None, help="Do not save the RNG state.")
     group.add_argument("--load", type=str, default=None, help="Directory holding a checkpoint.")
+    group.add_argument("--load-hf", type=str, default=None,
+                       help="A transformers model directory to start from: the model flags come from its "
+                            "config.json, the weights are sharded for this TP/PP on load (megatron/load_hf.py); "
+                            "a checkpoint under --load wins once there is one.")
     group.add_argument("--no-load-optim", action="store_true", default=None, help="Do not load the optimizer.")
     group.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load the RNG state.")
     group.add_argument("--finetune", action="store_true",

@@ -37,6 +37,10 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None, args_def
         from megatron.checkpointing import load_args_from_checkpoint
 
         load_args_from_checkpoint(args)
+    if args.load_hf is not None:
+        from megatron.load_hf import apply_hf_args
+
+        apply_hf_args(args, argv, extra_args_provider)
     validate_args(args, args_defaults or {})
     if args.logging_level is not None:
         logging.getLogger().setLevel(args.logging_level)

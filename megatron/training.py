@@ -30,6 +30,7 @@ from megatron.global_vars import (
     get_num_microbatches,
     get_signal_handler,
     get_tensorboard_writer,
+    get_tokenizer,
     get_timers,
     get_wandb_writer,
     update_num_microbatches,
@@ -243,7 +244,12 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType) -
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
-    if args.load is not None:
+    from megatron.load_hf import load_hf_instead, load_hf_weights
+
+    if load_hf_instead(args):  # --load-hf, and no checkpoint of this run under --load yet
+        load_hf_weights(model, args, get_tokenizer().vocab_size)
+        optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
+    elif args.load is not None:
         from megatron.checkpointing import load_checkpoint
 
         timers = get_timers()

@@ -9,6 +9,7 @@ sends its activations to the last, the last gathers the vocabulary shards): its 
 equal HF's to fp32 rounding.
 """
 
+import argparse
 import json
 import os
 
@@ -19,7 +20,7 @@ from megatron.checkpoint_safety import CheckpointError, load_file
 from megatron.checkpointing import get_checkpoint_name
 from megatron.convert import megatron_format
 from tests.parallel.harness import DistributedPool, init_parallel
-from tools.checkpoint import convert, saver_hf
+from tools.checkpoint import convert, loader_hf, saver_hf
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -256,3 +257,60 @@ def test_a_swapped_query_and_key_in_the_saver_is_refused(converted, tmp_path, mo
     assert "MISMATCH" in capsys.readouterr().out
     assert not (tmp_path / "swapped").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".swapped")]
+
+
+# ----------------------------------------------------------------------------- pretrain_gpt.py --load-hf
+
+TRAIN = ["--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1", "--lr", "0", "--seed", "1234",
+         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1), "--seq-length", "16",
+         "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1"]
+LLAMA_FLAGS = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+               "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", str(FFN), "--swiglu",
+               "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--position-embedding-type", "rope",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+               "--max-position-embeddings", str(POSITIONS), "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def test_load_hf_at_tp2_trains_from_the_converted_models_loss_and_saves(converted, tmp_path):
+    """--load-hf at TP = 2 (2 gloo processes) logs the first loss of the converted checkpoint run at
+    TP = 1 with --load --finetune; with --lr 0 the checkpoint it saves holds the HF weights."""
+    from tests.functional.test_tensor_parallel_training import _losses, _torchrun
+    from tests.functional.test_training_features import run_cli
+
+    source = converted["llama-gqa"][0]
+    saved = tmp_path / "saved"
+    direct = _torchrun(2, ["--load-hf", str(source), "--tensor-model-parallel-size", "2", *TRAIN,
+                           "--save", str(saved), "--save-interval", "1"])
+    assert direct.returncode == 0, direct.stderr[-3000:]
+    tp1 = tmp_path / "tp1"
+    _convert(source, tp1, "hf", "megatron", "--no-verify")
+    first = run_cli(["pretrain_gpt.py", *LLAMA_FLAGS, *TRAIN, "--load", str(tp1), "--finetune"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    loss, expected = _losses(direct.stdout)[1], _losses(first.stdout)[1]
+    assert abs(loss - expected) <= 1e-5 * abs(expected), (loss, expected)
+    # What --save wrote reads back (checksums checked) as the HF model's weights, vocabulary padded for TP = 2.
+    written = megatron_format.open_source(str(saved))
+    assert (written.iteration, written.tp, written.args.padded_vocab_size) == (1, 2, 256)
+    _, hf_tensors = loader_hf.load_checkpoint(argparse.Namespace(load_dir=str(source)))
+    expected_tensors = dict(hf_tensors)
+    got = dict(megatron_format.read_tensors(written))
+    assert sorted(got) == sorted(expected_tensors)
+    for name, tensor in got.items():
+        assert torch.equal(tensor[:VOCAB], expected_tensors[name][:VOCAB]), name
+
+
+def test_load_hf_refuses_a_flag_that_disagrees_with_the_hf_config(converted):
+    from megatron.arguments import parse_args
+    from megatron.load_hf import apply_hf_args
+
+    source = str(converted["llama-gqa"][0])
+    argv = ["--load-hf", source, "--num-layers", "3", "--swiglu", "--hidden-dropout", "0.2", *TRAIN]
+    with pytest.raises(CheckpointError) as error:
+        apply_hf_args(parse_args(argv=argv), argv)
+    assert str(error.value) == (f"--load-hf {source}: the HF config gives --num-layers {LAYERS} but the command line "
+                                "has --num-layers 3 (leave the flag out to take the HF config's)")
+    argv = ["--load-hf", source, "--swiglu", "--hidden-dropout", "0.2", "--tensor-model-parallel-size", "2", *TRAIN]
+    args = parse_args(argv=argv)
+    apply_hf_args(args, argv)  # flags that agree, and dropout (the run's choice), are kept; the rest filled in
+    assert (args.num_layers, args.num_query_groups, args.normalization, args.hidden_dropout) == (LAYERS, 2, "RMSNorm", 0.2)
+    assert args.untie_embeddings_and_output_weights and not args.add_bias_linear and args.padded_vocab_size == 256

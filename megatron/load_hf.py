@@ -1,0 +1,146 @@
+"""`pretrain_gpt.py --load-hf DIR`: train straight from a transformers model directory.
+
+    parse_args -> apply_hf_args (the model's args from DIR/config.json) -> validate_args -> ...
+    get_model -> load_hf_weights (each rank cuts its own shards from DIR's tensors) -> train
+
+apply_hf_args fills every architecture flag the command line did not give from the HF config (as
+--use-checkpoint-args does from a checkpoint) and refuses, in one line naming the flag and both
+values, one that it gave differently. Dropout and the init std are the run's choice: taken from
+the HF config only when not given. The vocabulary is HF's vocab_size, padded as Megatron pads it
+for this TP size; without tokenizer flags the directory's tokenizer.json is the tokenizer.
+
+load_hf_weights: for every tensor of this rank's model chunks, the HF tensors its mapping rule
+names (megatron/convert/huggingface.weight_rules) are read from safetensors one at a time, turned
+into our whole tensor and cut to this rank's shard (layout_rules.tensor_layout, shard_for_rank).
+With --load as well, a checkpoint there wins (a restarted run resumes from its own checkpoint);
+--load-hf is used while --load holds none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable, List, Optional, Set
+
+import torch
+
+from megatron.checkpointing import CheckpointError  # (imported there, so run_cli reports it in one line)
+from megatron.convert import huggingface
+from megatron.convert.hf_files import (
+    ARCHITECTURE_FLAGS, TRAINING_FLAGS, HFCheckpoint, hf_arg_values, hf_seq_length, pad_rows,
+)
+from megatron.convert.layout_rules import is_vocab_tensor, padded_vocab_size, renumber, tensor_layout
+
+_UNSET = object()
+
+
+def given_dests(argv: Optional[List[str]], extra_args_provider: Optional[Callable] = None) -> Set[str]:
+    """The dests the command line sets explicitly (whatever the value, the parser's default included)."""
+    from megatron.arguments import build_parser
+
+    parser = build_parser(extra_args_provider)
+    parser.set_defaults(**{action.dest: _UNSET for action in parser._actions if action.dest != "help"})
+    parsed, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return {dest for dest, value in vars(parsed).items() if value is not _UNSET}
+
+
+def _describe(dest: str, flag: str, value: Any) -> str:
+    if dest == "add_bias_linear":
+        return f"no {flag}" if value else flag
+    if isinstance(value, bool):
+        return flag if value else f"no {flag}"
+    return f"{flag} {value}"
+
+
+def _compared(dest: str, values: dict, args: argparse.Namespace) -> bool:
+    """Whether dest shapes the model here (rotary flags without RoPE, groups without GQA do not)."""
+    if dest == "rope_scaling_factor":
+        return values["position_embedding_type"] == "rope" and values["use_rope_scaling"]
+    if dest.startswith("rotary_") or dest == "use_rope_scaling":
+        return values["position_embedding_type"] == "rope"
+    if dest == "num_query_groups":
+        return values["group_query_attention"] or bool(getattr(args, "group_query_attention", False))
+    return True
+
+
+def apply_hf_args(args: argparse.Namespace, argv: Optional[List[str]] = None,
+                  extra_args_provider: Optional[Callable] = None) -> HFCheckpoint:
+    """Before validate_args: the model's args from --load-hf's config (CheckpointError on a conflict)."""
+    checkpoint = HFCheckpoint(args.load_hf)
+    checkpoint.rules()  # missing or unknown tensors: refused before any process builds a model
+    given = given_dests(argv, extra_args_provider)
+    values = hf_arg_values(checkpoint.config)
+    problems = []
+    for dest, value in values.items():
+        if dest not in given:
+            setattr(args, dest, value)
+        elif dest in ARCHITECTURE_FLAGS and _compared(dest, values, args) and getattr(args, dest) != value:
+            flag = ARCHITECTURE_FLAGS[dest]
+            problems.append(f"the HF config gives {_describe(dest, flag, value)} but the command line has "
+                            f"{_describe(dest, flag, getattr(args, dest))}")
+    if problems:
+        raise CheckpointError(f"--load-hf {args.load_hf}: " + "; ".join(problems)
+                              + " (leave the flag out to take the HF config's)")
+    if "seq_length" not in given and "encoder_seq_length" not in given:
+        args.seq_length = hf_seq_length(checkpoint.config)
+    else:
+        try:
+            huggingface.config_from_hf(checkpoint.config, seq_length=args.seq_length or args.encoder_seq_length)
+        except ValueError as error:
+            raise CheckpointError(f"--load-hf {args.load_hf}: {error}") from None
+    if not given & {"tokenizer_type", "tokenizer_model", "vocab_file"} and "tokenizer.json" in checkpoint.tokenizer_files():
+        args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", os.path.abspath(args.load_hf)
+    args.padded_vocab_size = padded_vocab_size(int(checkpoint.config.vocab_size), int(args.make_vocab_size_divisible_by),
+                                               int(args.tensor_model_parallel_size))
+    return checkpoint
+
+
+def load_hf_instead(args: argparse.Namespace) -> bool:
+    """--load-hf is used: given, and --load (if any) holds no checkpoint yet."""
+    from megatron.checkpointing import checkpoint_exists
+
+    return getattr(args, "load_hf", None) is not None and not checkpoint_exists(args.load)
+
+
+def load_hf_weights(model: List[torch.nn.Module], args: argparse.Namespace, vocab_size: int) -> None:
+    """Fill this rank's model chunks from --load-hf's tensors (vocab_size: the tokenizer's, <= HF's)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layout import shard_for_rank
+    from megatron.core.utils import unwrap_model
+    from megatron.utils import print_rank_0
+
+    checkpoint = HFCheckpoint(args.load_hf)
+    rules = {rule.ours: rule for rule in checkpoint.rules()}
+    checkpoint.check_tied_head()
+    if vocab_size > int(checkpoint.config.vocab_size):
+        raise CheckpointError(f"--load-hf {args.load_hf}: the tokenizer has {vocab_size} ids, more than the HF "
+                              f"model's vocab_size {checkpoint.config.vocab_size}")
+    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    pp, pp_rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    chunks = unwrap_model(model)
+    per_chunk = int(args.num_layers) // (pp * len(chunks))
+    tied = not args.untie_embeddings_and_output_weights
+    for chunk_id, chunk in enumerate(chunks):
+        offset = (chunk_id * pp + pp_rank) * per_chunk  # chunk v of stage p is model chunk v * pp + p
+        for name, target in chunk.state_dict(keep_vars=True).items():
+            if name.endswith("_extra_state"):
+                continue
+            whole_name = renumber(name, offset)
+            if tied and whole_name == "output_layer.weight":  # the last stage's copy of the tied embedding
+                whole_name = "embedding.word_embeddings.weight"
+            rule = rules.get(whole_name)
+            if rule is None:
+                raise CheckpointError(f"--load-hf {args.load_hf}: the model's {whole_name} has no HF tensor "
+                                      f"in the {checkpoint.config.model_type} mapping")
+            whole = checkpoint.ours(rule)
+            if is_vocab_tensor(whole_name):
+                whole = pad_rows(whole, int(args.padded_vocab_size))
+            shard = shard_for_rank(whole, tensor_layout(whole_name, args, tp, tp_rank), tp, tp_rank)
+            if shard.shape != target.shape:
+                raise CheckpointError(f"--load-hf {args.load_hf}: {whole_name} gives a shard of shape "
+                                      f"{tuple(shard.shape)} for a parameter of shape {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(shard)
+    print_rank_0(f"  loaded the HF model {checkpoint.config.model_type} from {args.load_hf} "
+                 f"(vocabulary {checkpoint.config.vocab_size} ids padded to {args.padded_vocab_size})")
