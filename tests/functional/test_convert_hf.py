@@ -314,3 +314,20 @@ def test_load_hf_refuses_a_flag_that_disagrees_with_the_hf_config(converted):
     apply_hf_args(args, argv)  # flags that agree, and dropout (the run's choice), are kept; the rest filled in
     assert (args.num_layers, args.num_query_groups, args.normalization, args.hidden_dropout) == (LAYERS, 2, "RMSNorm", 0.2)
     assert args.untie_embeddings_and_output_weights and not args.add_bias_linear and args.padded_vocab_size == 256
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_config_built_from_our_args_gives_the_same_model(converted, name, tmp_path):
+    """A checkpoint without the source's config.json (trained here): saver_hf builds one from our args."""
+    source = converted[name][0]
+    meta, tensors = loader_hf.load_checkpoint(argparse.Namespace(load_dir=str(source)))
+    meta.args.hf_config = meta.args.hf_generation_config = None
+    out = tmp_path / "out"
+    out.mkdir()
+    saver_hf.save_checkpoint(meta, tensors, argparse.Namespace(max_shard_size="5GB", tokenizer_dir=None,
+                                                               loader="megatron", load_dir=None), str(out))
+    written, original = _json(out / "config.json"), _json(source / "config.json")
+    # Our attention has no sliding window: a Mistral we trained is a Llama.
+    expected = "llama" if original["model_type"] == "mistral" else original["model_type"]
+    assert written["model_type"] == expected
+    assert torch.equal(_hf_logits(out), _hf_logits(source))
