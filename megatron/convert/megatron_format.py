@@ -64,7 +64,7 @@ def true_vocab_size_of(args: argparse.Namespace, given: Optional[int], vocab_fil
     the checkpoint was trained with a BertWordPiece tokenizer; --tokenizer-model a SentencePiece model
     or a HuggingFace tokenizer (directory or tokenizer.json), counted by the tokenizer class the
     checkpoint's --tokenizer-type names (their special tokens included, as training counted them).
-    All that are given must agree.
+    All that are given must agree. A checkpoint converted from HuggingFace knows its config's vocab_size.
     """
     sizes = []  # (flag, size)
     if given is not None:
@@ -79,6 +79,9 @@ def true_vocab_size_of(args: argparse.Namespace, given: Optional[int], vocab_fil
                                   else f"{sizes[0][0]} has {sizes[0][1]} entries but {flag} has {size}")
     if sizes:
         return sizes[0][1]
+    hf_config = getattr(args, "hf_config", None)  # a checkpoint converted from HuggingFace: its vocabulary
+    if isinstance(hf_config, dict) and isinstance(hf_config.get("vocab_size"), int):
+        return hf_config["vocab_size"]
     if getattr(args, "tokenizer_type", None) == "NullTokenizer" and getattr(args, "vocab_size", None):
         return int(args.vocab_size) + 1
     return None

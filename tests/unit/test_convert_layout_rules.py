@@ -87,6 +87,8 @@ def test_true_vocabulary_size_from_the_flags_the_vocab_file_or_the_args(tmp_path
     with pytest.raises(CheckpointError, match="--true-vocab-size 290 but --vocab-file .* has 300 entries"):
         true_vocab_size_of(gpt2, 290, str(vocab))
     assert true_vocab_size_of(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=255), None) == 256
+    from_hf = argparse.Namespace(tokenizer_type="HuggingFaceTokenizer", hf_config={"vocab_size": 301})
+    assert true_vocab_size_of(from_hf, None) == 301 and true_vocab_size_of(from_hf, 290) == 290
 
 
 def test_target_sizes_that_do_not_split_are_refused():
