@@ -7,6 +7,10 @@ model's keys, layers numbered globally; tensors are whole (TP = 1) and the vocab
 source's padding (args.padded_vocab_size rows). With tied embeddings the last stage's copy of the
 word embeddings (output_layer.weight at PP > 1) is not sent: it must equal the embedding.
 
+Megatron-LM's own files share this layout and differ inside each file: a `Dialect` translates one
+file's args, version check and model entry (megatron/convert/legacy.py: `--loader legacy`,
+`--loader mcore`, `--saver mcore`); the reading and writing here is the same for all.
+
 Memory: the reader holds one pipeline stage's TP files at a time (with virtual stages it reads them
 once per model chunk, so the stream stays in layer order) and frees their shards as it merges them;
 the writer holds one target stage's tensors until that stage is written.
@@ -18,8 +22,8 @@ import argparse
 import copy
 import json
 import os
-from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -125,6 +129,65 @@ def _built_size(args: argparse.Namespace, tokenizer_type: str, flag: str, **file
                               f"({type(error).__name__}: {error})") from None
 
 
+# ----------------------------------------------------------------------------- dialects
+
+
+class Dialect:
+    """How one family of checkpoints in this directory layout differs from ours.
+
+    The reader and writer below handle the layout (tracker, iter_*/mp_rank_* files, TP merge and
+    split, layer renumbering, virtual stages); a dialect only translates one file's content to
+    our terms and back: its args (to ours), its version check, and its model entry (to our key
+    names, each TP shard in our row order) when reading; our model entry and args to its own
+    when writing. This class is our own format (megatron/convert/legacy.py has Megatron-LM's).
+    """
+
+    def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
+        args = state.get("args")
+        if args is None:
+            raise CheckpointError(f"{path} has no saved args: the converter needs them for the tensor layouts")
+        return args
+
+    def check_version(self, state: Dict[str, Any], path: str) -> None:
+        version = state.get("checkpoint_version", 0)
+        if version < 2.0:
+            raise CheckpointError(f"{path} has checkpoint_version {version}: its QKV rows are not in the "
+                                  "[np, 3, hn] order; convert it with --loader legacy")
+
+    def model(self, state: Dict[str, Any], key: str, path: str, source: "Source") -> Dict[str, Any]:
+        """The model entry `key` of one file, under our names (local layer numbers), in our row order."""
+        model = model_entry(state, key, path)
+        if "language_model" in model:
+            raise CheckpointError(f"{path} is in Megatron-LM's classic naming (model.language_model.*): "
+                                  "use --loader legacy")
+        fused = next((name for name in model if name.endswith(".layer_norm_weight")), None)
+        if fused is not None:
+            raise CheckpointError(f"{path} is in megatron-core's Transformer Engine naming ({fused}): "
+                                  "use --loader mcore")
+        return model
+
+    def to_file(self, model: Dict[str, Any], add: Callable[[torch.Tensor], Any]) -> Dict[str, Any]:
+        """Our model entry of one target file (its tensors already written: placeholders) in this
+        dialect's names; a tensor the dialect adds must be written with `add` (it returns the placeholder)."""
+        return model
+
+    def file_args(self, args: argparse.Namespace) -> argparse.Namespace:
+        """Our target args as this dialect's files store them."""
+        return args
+
+
+OURS = Dialect()
+
+
+def model_entry(state: Dict[str, Any], key: str, path: str) -> Dict[str, Any]:
+    if key not in state:
+        raise CheckpointError(f"{path} has no '{key}' entry (its keys: {', '.join(sorted(map(str, state)))})")
+    model = state[key]
+    if not isinstance(model, dict):
+        raise CheckpointError(f"{path}: its '{key}' entry is a {type(model).__name__}, not a state dict")
+    return model
+
+
 # ----------------------------------------------------------------------------- reading
 
 
@@ -134,6 +197,7 @@ class Source:
     args: argparse.Namespace
     iteration: int
     release: bool
+    dialect: Dialect = field(default=OURS)
 
     @property
     def tp(self) -> int:
@@ -148,8 +212,8 @@ class Source:
         return int(getattr(self.args, "virtual_pipeline_model_parallel_size", None) or 1)
 
 
-def open_source(load_dir: str) -> Source:
-    """The checkpoint the tracker of load_dir names, and its args (from the rank-0 file)."""
+def open_source(load_dir: str, dialect: Dialect = OURS) -> Source:
+    """The checkpoint the tracker of load_dir names, and its args (from the rank-0 file, in our terms)."""
     if not os.path.isdir(load_dir):
         raise CheckpointError(f"--load-dir {load_dir} is not a directory")
     tracker = get_checkpoint_tracker_filename(load_dir)
@@ -160,13 +224,11 @@ def open_source(load_dir: str) -> Source:
     if first is None:
         raise CheckpointError(f"{load_dir}: the tracker names {'release' if release else f'iteration {iteration}'} "
                               "but no mp_rank_00* file of it exists")
-    args = _read(first, load_dir, iteration, release).get("args")
-    if args is None:
-        raise CheckpointError(f"{first} has no saved args: the converter needs them for the tensor layouts")
-    return Source(load_dir, args, iteration, release)
+    args = dialect.args(_read(first, load_dir, iteration, release, dialect), first)
+    return Source(load_dir, args, iteration, release, dialect)
 
 
-def _read(path: str, load_dir: str, iteration: int, release: bool) -> Dict[str, Any]:
+def _read(path: str, load_dir: str, iteration: int, release: bool, dialect: Dialect) -> Dict[str, Any]:
     base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
@@ -179,10 +241,7 @@ def _read(path: str, load_dir: str, iteration: int, release: bool) -> Dict[str, 
         state = load_file(path)
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint file {path} does not hold a dict")
-    version = state.get("checkpoint_version", 0)
-    if version < 2.0:
-        raise CheckpointError(f"{path} has checkpoint_version {version}: its QKV rows are not in the "
-                              "[np, 3, hn] order (the legacy loader is not written yet)")
+    dialect.check_version(state, path)
     return state
 
 
@@ -194,10 +253,8 @@ def _stage_models(source: Source, pp_rank: int, chunk: int) -> List[Dict[str, An
         path = get_checkpoint_name(source.load_dir, source.iteration, source.release,
                                    pipeline_parallel=source.pp > 1, tensor_rank=rank, pipeline_rank=pp_rank,
                                    expert_parallel=False, expert_rank=0)
-        state = _read(path, source.load_dir, source.iteration, source.release)
-        if key not in state:
-            raise CheckpointError(f"{path} has no '{key}' entry (its keys: {', '.join(sorted(state))})")
-        models.append(state[key])
+        state = _read(path, source.load_dir, source.iteration, source.release, source.dialect)
+        models.append(source.dialect.model(state, key, path, source))
     names = list(models[0])
     for rank, model in enumerate(models[1:], 1):
         if set(model) != set(names):
@@ -333,9 +390,11 @@ class StageWriter:
     stage's last chunk. So the writer holds one tensor's shards, whatever the target layout.
     """
 
-    def __init__(self, save_dir: str, meta: Metadata, tp: int, pp: int, vp: int = 1) -> None:
-        self.save_dir, self.meta, self.tp, self.pp, self.vp = save_dir, meta, tp, pp, vp
+    def __init__(self, save_dir: str, meta: Metadata, tp: int, pp: int, vp: int = 1,
+                 dialect: Dialect = OURS) -> None:
+        self.save_dir, self.meta, self.tp, self.pp, self.vp, self.dialect = save_dir, meta, tp, pp, vp, dialect
         self.args = target_args(meta, tp, pp, vp)
+        self.file_args = dialect.file_args(self.args)
         self.per_chunk = int(self.args.num_layers) // (pp * vp)
         self.files: Dict[str, Checksum] = {}
         self.base_dir = get_checkpoint_name(save_dir, meta.iteration, meta.release, return_base_dir=True)
@@ -380,11 +439,11 @@ class StageWriter:
             key = (stage, rank)
             if key not in self._open:
                 raise CheckpointError(f"the stream held nothing for target stage {stage}")
-            state = {"args": self.args, "checkpoint_version": CHECKPOINT_VERSION,
+            state = {"args": self.file_args, "checkpoint_version": CHECKPOINT_VERSION,
                      "iteration": self.meta.iteration, "num_floating_point_operations_so_far": 0.0}
             chunks = self._models.pop(key)
             for v, model in enumerate(chunks):
-                state["model" if self.vp == 1 else f"model{v}"] = model
+                state["model" if self.vp == 1 else f"model{v}"] = self.dialect.to_file(model, self._open[key].add)
             self.files[os.path.relpath(self.path(stage, rank), self.base_dir).replace(os.sep, "/")] = \
                 self._open.pop(key).finish(state)
         self.finished = stage + 1
@@ -402,13 +461,13 @@ class StageWriter:
 
 
 def write_tensors(save_dir: str, meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
-                  tp: int, pp: int, vp: int = 1) -> None:
+                  tp: int, pp: int, vp: int = 1, dialect: Dialect = OURS) -> None:
     """Write the stream as a checkpoint at TP=tp, PP=pp (vp virtual stages) under save_dir (new).
 
     The stream must come in canonical order (a stage's files are finished once the stream moves
     past its last chunk) and hold every layer with the same keys; CheckpointError otherwise.
     """
-    writer = StageWriter(save_dir, meta, tp, pp, vp)
+    writer = StageWriter(save_dir, meta, tp, pp, vp, dialect)
     try:
         _write_stream(writer, meta, tensors)
     except BaseException:

@@ -11,7 +11,7 @@ from typing import Iterator, Tuple
 
 import torch
 
-from megatron.convert.megatron_format import Metadata, open_source, read_tensors, true_vocab_size_of
+from megatron.convert.megatron_format import OURS, Dialect, Metadata, open_source, read_tensors, true_vocab_size_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,9 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "true vocabulary size is its size as the checkpoint's --tokenizer-type counts it.")
 
 
-def load_checkpoint(args: argparse.Namespace) -> Tuple[Metadata, Iterator[Tuple[str, torch.Tensor]]]:
-    """(metadata, the whole tensors one at a time) of the checkpoint under args.load_dir."""
-    source = open_source(args.load_dir)
+def load_checkpoint(args: argparse.Namespace,
+                    dialect: Dialect = OURS) -> Tuple[Metadata, Iterator[Tuple[str, torch.Tensor]]]:
+    """(metadata, the whole tensors one at a time) of the checkpoint under args.load_dir; `dialect`:
+    the files' naming (loader_legacy, loader_core)."""
+    source = open_source(args.load_dir, dialect)
     meta = Metadata(source.args, source.iteration, source.release,
                     true_vocab_size_of(source.args, getattr(args, "true_vocab_size", None),
                                        getattr(args, "vocab_file", None), getattr(args, "tokenizer_model", None)))

@@ -12,7 +12,9 @@ from typing import Iterator, Tuple
 import torch
 
 from megatron.checkpoint_safety import CheckpointError
-from megatron.convert.megatron_format import Metadata, check_target, open_source, read_tensors, write_tensors
+from megatron.convert.megatron_format import (
+    OURS, Dialect, Metadata, check_target, open_source, read_tensors, write_tensors,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]], args: argparse.Namespace,
-                    save_dir: str) -> None:
-    """Write the stream under save_dir (a new, empty folder)."""
+                    save_dir: str, dialect: Dialect = OURS) -> None:
+    """Write the stream under save_dir (a new, empty folder); `dialect`: the files' naming (saver_core)."""
     tp = args.target_tensor_parallel_size or int(getattr(meta.args, "tensor_model_parallel_size", 1))
     pp = args.target_pipeline_parallel_size or int(getattr(meta.args, "pipeline_model_parallel_size", 1))
     vp = 1
@@ -43,10 +45,10 @@ def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
     check_target(meta.args, tp, pp, vp)
     virtual = f" ({vp} virtual stages of {per_chunk} layers)" if vp > 1 else ""
     print(f"saving at tensor-parallel size {tp}, pipeline-parallel size {pp}{virtual} to {save_dir}", flush=True)
-    write_tensors(save_dir, meta, tensors, tp, pp, vp)
+    write_tensors(save_dir, meta, tensors, tp, pp, vp, dialect)
 
 
-def read_back(save_dir: str) -> Tuple[argparse.Namespace, Iterator[Tuple[str, torch.Tensor]]]:
+def read_back(save_dir: str, dialect: Dialect = OURS) -> Tuple[argparse.Namespace, Iterator[Tuple[str, torch.Tensor]]]:
     """What was saved, as whole tensors (for the verification)."""
-    source = open_source(save_dir)
+    source = open_source(save_dir, dialect)
     return source.args, read_tensors(source)

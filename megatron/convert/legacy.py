@@ -1,0 +1,425 @@
+"""Megatron-LM's own `--ckpt-format torch` checkpoints in our terms, and ours in theirs.
+
+The directory layout is ours (megatron/checkpointing.py); what differs is inside each file, and
+megatron_format's reader and writer take that difference as a `Dialect`:
+
+    dialect  model entry of one (TP, PP) file                              fused QKV rows of a TP shard
+    legacy   nested: language_model.{embedding.{word,position}_embeddings,  version 0:   [3, np, hn]
+             encoder | transformer (before 2021): layers.{i}.*, final norm, version 1.0: [np, hn, 3]
+             output_layer (untied)}; word_embeddings_for_head (the last     version >= 2: [np, 3, hn] (GQA,
+             stage's copy of tied embeddings at PP > 1)                                  3.0 only: per group
+                                                                                         [np/ng q, k, v])
+    core     flat megatron-core names: the local spec's are ours; the      [ng, np/ng + 2, hn] (3.0)
+             Transformer Engine spec fuses the norms into the next linear
+             (linear_qkv.layer_norm_*, mlp.linear_fc1.layer_norm_*) and
+             adds `_extra_state` entries (FP8 metadata, or empty)
+
+(np heads and ng groups of the shard: np/tp and ng/tp.) Layers are numbered per stage (and per
+virtual chunk) in both, as in ours. A classic layer is
+
+    classic (v1.0 / 23.x / core_v0.4+)                         ours (megatron-core local spec)
+    input_layernorm | input_norm                               input_layernorm
+    attention | self_attention .query_key_value                self_attention.linear_qkv
+    attention | self_attention .dense                          self_attention.linear_proj
+    post_attention_layernorm | post_attention_norm             pre_mlp_layernorm
+    mlp.dense_h_to_4h (with --swiglu [gate_r ; up_r] per shard) mlp.linear_fc1
+    mlp.dense_4h_to_h                                          mlp.linear_fc2
+    final_layernorm | final_norm                               decoder.final_layernorm
+
+Megatron-LM's args are its argparse Namespace (read through checkpoint_safety's placeholders);
+`megatron_lm_args` turns them into ours by running our own flag validation on the model's shape,
+with the older names (model_parallel_size, layernorm_epsilon, disable_bias_linear,
+use_rotary_position_embeddings) and Megatron's defaults filled in explicitly; what cannot be
+inferred, or what we cannot convert (MoE, MLA, uneven pipeline splits...), is one CheckpointError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from megatron.checkpoint_safety import CheckpointError
+from megatron.convert.layout_rules import head_dim, query_groups
+from megatron.convert.megatron_format import EMBEDDING, Dialect, Source, model_entry
+
+POSITIONS = "embedding.position_embeddings.weight"
+OUTPUT = "output_layer.weight"
+
+# ----------------------------------------------------------------------------- args
+
+# Megatron-LM args that describe something these converters cannot represent (truthy -> refused).
+_UNSUPPORTED = ("num_experts", "multi_latent_attention", "mtp_num_layers", "hybrid_override_pattern",
+                "is_hybrid_model", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+                "pipeline_model_parallel_layout", "heterogeneous_layers_config_path",
+                "heterogeneous_layers_config_encoded_json", "retro_add_retriever", "spec")
+_BOOLEAN_FLAGS = {  # our flag: Megatron-LM's field (default False when absent)
+    "--swiglu": "swiglu", "--squared-relu": "squared_relu", "--openai-gelu": "openai_gelu",
+    "--untie-embeddings-and-output-weights": "untie_embeddings_and_output_weights",
+    "--add-qkv-bias": "add_qkv_bias", "--qk-layernorm": "qk_layernorm",
+    "--apply-layernorm-1p": "apply_layernorm_1p", "--rotary-interleaved": "rotary_interleaved",
+    "--apply-residual-connection-post-layernorm": "apply_residual_connection_post_layernorm",
+    "--fp32-residual-connection": "fp32_residual_connection", "--use-rope-scaling": "use_rope_scaling",
+}
+# copied as they are after validation (tokenizer, counters); absent ones keep our defaults
+_CARRIED = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", "vocab_extra_ids",
+            "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples", "fp16", "bf16",
+            "params_dtype", "iteration")
+
+
+def _get(raw: argparse.Namespace, *names: str, default: Any = None) -> Any:
+    for name in names:
+        value = getattr(raw, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _required(raw: argparse.Namespace, path: str, *names: str) -> Any:
+    value = _get(raw, *names)
+    if value is None:
+        raise CheckpointError(f"{path}: the saved args have no {' / '.join(names)}, which the converter "
+                              "cannot infer from the weights")
+    return value
+
+
+def position_embedding_type(raw: argparse.Namespace, path: str) -> str:
+    """Megatron-LM's positions: position_embedding_type, else (before 2023) the rotary flag."""
+    if getattr(raw, "position_embedding_type", None) is not None:
+        return str(raw.position_embedding_type)
+    rotary = bool(getattr(raw, "use_rotary_position_embeddings", False))
+    learned = getattr(raw, "add_position_embedding", True) is not False
+    if rotary and learned:
+        raise CheckpointError(f"{path}: learned position embeddings together with rotary ones "
+                              "(--use-rotary-position-embeddings without --no-position-embedding) "
+                              "are not supported")
+    return "rope" if rotary else "learned_absolute" if learned else "none"
+
+
+def megatron_lm_args(raw: argparse.Namespace, path: str) -> argparse.Namespace:
+    """Our validated args of a Megatron-LM checkpoint's args (see the module docstring)."""
+    if not isinstance(raw, argparse.Namespace):
+        raise CheckpointError(f"{path}: the saved args are a {type(raw).__name__}, not an argparse Namespace")
+    for name in _UNSUPPORTED:
+        if getattr(raw, name, None):
+            raise CheckpointError(f"{path}: the checkpoint uses {name}={getattr(raw, name)!r}, "
+                                  "which the converter does not support")
+    hidden = int(_required(raw, path, "hidden_size"))
+    heads = int(_required(raw, path, "num_attention_heads"))
+    swiglu = bool(getattr(raw, "swiglu", False))
+    ffn = _get(raw, "ffn_hidden_size")
+    if ffn is None and swiglu:
+        raise CheckpointError(f"{path}: the saved args have no ffn_hidden_size (needed with --swiglu)")
+    positions = int(_required(raw, path, "max_position_embeddings"))
+    flags = ["--num-layers", str(_required(raw, path, "num_layers", "encoder_num_layers")),
+             "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+             "--ffn-hidden-size", str(ffn if ffn is not None else 4 * hidden),  # Megatron's default 4h
+             "--kv-channels", str(_get(raw, "kv_channels", default=hidden // heads)),
+             "--max-position-embeddings", str(positions),
+             "--seq-length", str(min(int(_get(raw, "seq_length", default=positions)), positions)),
+             "--position-embedding-type", position_embedding_type(raw, path),
+             "--normalization", str(_get(raw, "normalization", default="LayerNorm")),
+             "--norm-epsilon", str(_get(raw, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
+             "--rotary-base", str(_get(raw, "rotary_base", default=10000)),
+             "--rotary-percent", str(_get(raw, "rotary_percent", default=1.0)),
+             "--rope-scaling-factor", str(_get(raw, "rope_scaling_factor", default=8.0))]
+    if getattr(raw, "rotary_seq_len_interpolation_factor", None) is not None:
+        flags += ["--rotary-seq-len-interpolation-factor", str(raw.rotary_seq_len_interpolation_factor)]
+    if getattr(raw, "group_query_attention", False):
+        flags += ["--group-query-attention", "--num-query-groups", str(_required(raw, path, "num_query_groups"))]
+    flags += [flag for flag, name in _BOOLEAN_FLAGS.items() if getattr(raw, name, False)]
+    # add_bias_linear since 2023; before, biases were always on; foundation models say disable_bias_linear
+    bias = getattr(raw, "add_bias_linear", None)
+    if bias is None:
+        bias = not getattr(raw, "disable_bias_linear", False)
+    if not bias:
+        flags.append("--disable-bias-linear")
+    args = _validated(flags, path)
+
+    # before version 3.0 (Megatron-LM v2.0) tensor parallelism was called model_parallel_size
+    args.tensor_model_parallel_size = int(_get(raw, "tensor_model_parallel_size", "model_parallel_size", default=1))
+    args.pipeline_model_parallel_size = int(_get(raw, "pipeline_model_parallel_size", default=1))
+    args.virtual_pipeline_model_parallel_size = _virtual_stages(raw, args, path)
+    args.num_layers_per_virtual_pipeline_stage = (
+        None if args.virtual_pipeline_model_parallel_size is None
+        else args.num_layers // (args.pipeline_model_parallel_size * args.virtual_pipeline_model_parallel_size))
+    args.padded_vocab_size = int(_required(raw, path, "padded_vocab_size"))
+    args.make_vocab_size_divisible_by = int(_get(raw, "make_vocab_size_divisible_by", default=128))
+    args.data_parallel_size = int(_get(raw, "data_parallel_size", default=1))
+    args.sequence_parallel = bool(getattr(raw, "sequence_parallel", False)) and args.tensor_model_parallel_size > 1
+    args.world_size = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.data_parallel_size
+    for name in _CARRIED:
+        if getattr(raw, name, None) is not None:
+            setattr(args, name, getattr(raw, name))
+    if not isinstance(args.params_dtype, torch.dtype):
+        args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return args
+
+
+def _virtual_stages(raw: argparse.Namespace, args: argparse.Namespace, path: str) -> Optional[int]:
+    vp = _get(raw, "virtual_pipeline_model_parallel_size")
+    per_stage = _get(raw, "num_layers_per_virtual_pipeline_stage")
+    if vp is None and per_stage is not None:
+        vp = args.num_layers // (args.pipeline_model_parallel_size * int(per_stage))
+    if vp is None or int(vp) <= 1:
+        return None
+    if args.num_layers % (args.pipeline_model_parallel_size * int(vp)):
+        raise CheckpointError(f"{path}: {args.num_layers} layers do not split into "
+                              f"{args.pipeline_model_parallel_size} x {vp} virtual stages")
+    return int(vp)
+
+
+def _validated(flags: List[str], path: str) -> argparse.Namespace:
+    """Our full Namespace of these model flags, validated as pretrain_gpt.py validates them."""
+    from megatron.arguments import ArgsError, parse_args, validate_args
+
+    fixed = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1"]  # replaced by the checkpoint's
+    printed = io.StringIO()
+    try:
+        args = parse_args(argv=[*flags, *fixed])
+        with contextlib.redirect_stdout(printed):  # not the argument block; its warnings are passed on
+            validate_args(args)
+    except ArgsError as error:
+        raise CheckpointError(f"{path}: the saved args describe a model this framework cannot build ({error})") \
+            from None
+    except SystemExit:  # argparse refused a value (e.g. an unknown normalization)
+        raise CheckpointError(f"{path}: the saved args hold a value our flags do not accept "
+                              f"({' '.join(flags)})") from None
+    finally:
+        for line in printed.getvalue().splitlines():
+            if line.startswith("WARNING"):
+                print(line, flush=True)
+    return args
+
+
+# ----------------------------------------------------------------------------- classic (legacy) names
+
+_CLASSIC_PARTS = (  # (classic prefix inside a layer, ours); older names second
+    ("input_layernorm.", "input_layernorm."), ("input_norm.", "input_layernorm."),
+    ("self_attention.query_key_value.", "self_attention.linear_qkv."),
+    ("attention.query_key_value.", "self_attention.linear_qkv."),
+    ("self_attention.dense.", "self_attention.linear_proj."), ("attention.dense.", "self_attention.linear_proj."),
+    ("post_attention_layernorm.", "pre_mlp_layernorm."), ("post_attention_norm.", "pre_mlp_layernorm."),
+    ("mlp.dense_h_to_4h.", "mlp.linear_fc1."), ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
+)
+_CLASSIC_LAYER = re.compile(r"^language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(.+)$")
+_CLASSIC_FINAL = re.compile(r"^language_model\.(?:encoder|transformer)\.final_(?:layer)?norm\.(weight|bias)$")
+_CLASSIC_TOP = {
+    "language_model.embedding.word_embeddings.weight": EMBEDDING,
+    "language_model.word_embeddings.weight": EMBEDDING,  # before the embedding had its own entry
+    "language_model.embedding.position_embeddings.weight": POSITIONS,
+    "language_model.position_embeddings.weight": POSITIONS,
+    "language_model.output_layer.weight": OUTPUT,
+    "word_embeddings_for_head.weight": OUTPUT,  # the last stage's copy of tied embeddings
+}
+
+
+def flatten(entry: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """Classic nested state dicts as dotted keys (a flat one stays as it is)."""
+    flat: Dict[str, Any] = {}
+    for key, value in entry.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def classic_name(name: str) -> str:
+    """Our name of a flattened classic key (CheckpointError for one this GPT does not have)."""
+    if name in _CLASSIC_TOP:
+        return _CLASSIC_TOP[name]
+    match = _CLASSIC_FINAL.match(name)
+    if match:
+        return f"decoder.final_layernorm.{match.group(1)}"
+    match = _CLASSIC_LAYER.match(name)
+    if match:
+        index, rest = match.groups()
+        for old, new in _CLASSIC_PARTS:
+            if rest.startswith(old):
+                return f"decoder.layers.{index}.{new}{rest[len(old):]}"
+    raise CheckpointError(f"model.{name}: a key of Megatron-LM's classic GPT the converter has no name for")
+
+
+def qkv_to_current_order(shard: torch.Tensor, version: float, heads: int, hn: int) -> torch.Tensor:
+    """One TP shard's fused QKV rows (weight [3 np hn, h] or bias [3 np hn]) from a version-0 or
+    -1.0 file's order to [np, 3, hn] (np = this shard's heads)."""
+    if shard.shape[0] != 3 * heads * hn:
+        raise CheckpointError(f"a fused QKV shard has {shard.shape[0]} rows, not 3 x {heads} heads x {hn}")
+    rest = tuple(shard.shape[1:])
+    if version == 0:  # [3, np, hn, ...] -> [np, 3, hn, ...]
+        ordered = shard.reshape(3, heads, hn, *rest).transpose(0, 1)
+    elif version == 1.0:  # [np, hn, 3, ...] -> [np, 3, hn, ...]
+        ordered = shard.reshape(heads, hn, 3, *rest).transpose(1, 2)
+    else:
+        raise CheckpointError(f"checkpoint_version {version}: not a QKV order Megatron-LM wrote (0, 1.0, >= 2.0)")
+    return ordered.reshape(shard.shape).contiguous()
+
+
+def _version(state: Dict[str, Any], path: str) -> float:
+    version = state.get("checkpoint_version", 0)  # absent before Megatron-LM v2.0: 0
+    if not isinstance(version, (int, float)) or version not in (0, 1.0) and version < 2.0:
+        raise CheckpointError(f"{path}: checkpoint_version {version!r} is not one Megatron-LM wrote "
+                              "(0, 1.0, 2.0, 3.0)")
+    return float(version)
+
+
+class LegacyDialect(Dialect):
+    """Megatron-LM's classic GPT (`model.language_model.*`), checkpoint_version 0 to 3."""
+
+    def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
+        raw = super().args(state, path)
+        version = _version(state, path)
+        args = megatron_lm_args(raw, path)
+        if version < 2.0 and query_groups(args) != args.num_attention_heads:
+            raise CheckpointError(f"{path}: checkpoint_version {version} with grouped-query attention: "
+                                  "Megatron-LM never wrote that (GQA came with version 3.0)")
+        return args
+
+    def check_version(self, state: Dict[str, Any], path: str) -> None:
+        _version(state, path)
+
+    def model(self, state: Dict[str, Any], key: str, path: str, source: Source) -> Dict[str, Any]:
+        entry = model_entry(state, key, path)
+        if "language_model" not in entry:
+            raise CheckpointError(f"{path}: its model entry has no language_model (keys: "
+                                  f"{', '.join(sorted(map(str, entry))[:4])}); for megatron-core names "
+                                  "use --loader mcore")
+        version = _version(state, path)
+        heads = int(source.args.num_attention_heads) // source.tp
+        model: Dict[str, Any] = {}
+        for classic, value in flatten(entry).items():
+            if classic.endswith("_extra_state"):
+                check_extra_state(value, f"model.{classic}", path)
+                continue
+            name = classic_name(classic)
+            if name in model:
+                raise CheckpointError(f"{path}: model.{classic} and another key both name {name}")
+            if version < 2.0 and ".linear_qkv." in name:
+                value = qkv_to_current_order(value, version, heads, head_dim(source.args))
+            model[name] = value
+        return model
+
+
+# ----------------------------------------------------------------------------- megatron-core names
+
+# Transformer Engine's spec fuses each layer norm into the linear that follows it
+_TE_NORMS = (("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+             ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."))
+_LAYER_PART = re.compile(r"^(decoder\.layers\.\d+\.)(.+)$")
+# modules whose `_extra_state` megatron-core saves: its own linears (None) and, with TE, TE's modules
+LOCAL_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+TE_EXTRA_STATE = LOCAL_EXTRA_STATE + ("self_attention.core_attention",)
+
+
+def check_extra_state(value: Any, name: str, path: str) -> None:
+    """Accept an `_extra_state` that carries nothing (None, an empty tensor, Transformer Engine's
+    serialized None); refuse one with FP8 scaling data, which the converter cannot place."""
+    if value is None or torch.is_tensor(value) and value.numel() == 0:
+        return
+    if isinstance(value, io.BytesIO):  # Transformer Engine before 1.6: torch.save of the state, None without FP8
+        data = value.getvalue()
+        if not data:
+            return
+        try:
+            if torch.load(io.BytesIO(data), map_location="cpu", weights_only=True) is None:
+                return
+        except Exception:  # noqa: BLE001 -- unreadable means it is not the empty state: refused below
+            pass
+    raise CheckpointError(f"{path}: {name} carries data (Transformer Engine FP8 state?) the converter "
+                          "cannot convert; save the checkpoint without FP8 or drop its extra state")
+
+
+def core_name(name: str) -> str:
+    """Our name of a megatron-core key (the TE spec's fused norm names become the local spec's)."""
+    match = _LAYER_PART.match(name)
+    if match:
+        prefix, rest = match.groups()
+        for fused, local in _TE_NORMS:
+            if rest.startswith(fused):
+                return prefix + local + rest[len(fused):]
+    return name
+
+
+class CoreDialect(Dialect):
+    """Megatron-LM checkpoints in megatron-core naming (TE or local spec); writes `transformer_impl`'s."""
+
+    def __init__(self, transformer_impl: str = "transformer_engine") -> None:
+        if transformer_impl not in ("transformer_engine", "local"):
+            raise CheckpointError(f"--saver-transformer-impl {transformer_impl}: one of transformer_engine, local")
+        self.transformer_impl = transformer_impl
+
+    def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
+        return megatron_lm_args(super().args(state, path), path)
+
+    def model(self, state: Dict[str, Any], key: str, path: str, source: Source) -> Dict[str, Any]:
+        entry = model_entry(state, key, path)
+        if "language_model" in entry:
+            raise CheckpointError(f"{path} is in Megatron-LM's classic naming (model.language_model.*): "
+                                  "use --loader legacy")
+        model: Dict[str, Any] = {}
+        for key_, value in entry.items():
+            if key_.endswith("_extra_state"):
+                check_extra_state(value, key_, path)
+                continue
+            name = core_name(key_)
+            if name in model:
+                raise CheckpointError(f"{path}: {key_} and another key both name {name} "
+                                      "(TE's fused norm and a separate one?)")
+            model[name] = value
+        return model
+
+    def to_file(self, model: Dict[str, Any], add: Callable[[torch.Tensor], Any]) -> Dict[str, Any]:
+        te = self.transformer_impl == "transformer_engine"
+        out: Dict[str, Any] = {}
+        layers: Dict[str, None] = {}
+        for name, tensor in model.items():
+            match = _LAYER_PART.match(name)
+            if match is not None:
+                prefix, rest = match.groups()
+                layers[prefix] = None
+                if te:
+                    for fused, local in _TE_NORMS:
+                        if rest.startswith(local):
+                            rest = fused + rest[len(local):]
+                name = prefix + rest
+            out[name] = tensor
+        empty = (lambda: add(torch.empty(0, dtype=torch.uint8))) if te else (lambda: None)
+        for prefix in layers:  # what Transformer Engine writes without FP8; megatron-core's linears: None
+            for module in (TE_EXTRA_STATE if te else LOCAL_EXTRA_STATE):
+                out[f"{prefix}{module}._extra_state"] = empty()
+        if "decoder.final_layernorm.weight" in model:  # the last stage has the output layer (its weight may be tied)
+            out["output_layer._extra_state"] = None
+        return out
+
+    def file_args(self, args: argparse.Namespace) -> argparse.Namespace:
+        return megatron_lm_namespace(args, self.transformer_impl)
+
+
+def megatron_lm_namespace(args: argparse.Namespace, transformer_impl: str) -> argparse.Namespace:
+    """Our args as Megatron-LM's own: our flags have Megatron's names already; only plain values are
+    kept (a class of ours would not unpickle there), with the fields its loader reads set."""
+    plain = (type(None), bool, int, float, str, torch.dtype)
+
+    def is_plain(value: Any) -> bool:
+        if isinstance(value, (list, tuple)):
+            return all(is_plain(v) for v in value)
+        if isinstance(value, dict):
+            return all(isinstance(k, str) and is_plain(v) for k, v in value.items())
+        return isinstance(value, plain)
+
+    out = argparse.Namespace(**{k: v for k, v in vars(args).items() if is_plain(v)})
+    out.transformer_impl = transformer_impl
+    out.use_legacy_models = False
+    out.ckpt_format = "torch"
+    out.spec = None
+    out.num_experts = None
+    return out
+
