@@ -229,7 +229,7 @@ def test_swapped_query_and_key_rows_are_refused(source, monkeypatch, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--model-type", "GPT", "--save-dir", "x"], "convert.py: error: --load-dir is required"),
     (["--model-type", "GPT", "--loader", "nosuch", "--load-dir", "a", "--save-dir", "b"],
-     "convert.py: error: --loader nosuch: no such loader (available: hf, megatron)"),
+     "convert.py: error: --loader nosuch: no such loader (available: core, hf, legacy, megatron)"),
     (["--model-type", "BERT", "--load-dir", "a", "--save-dir", "b"],
      "convert.py: error: --model-type BERT: not supported (supported: GPT)"),
     (["--model-type", "GPT", "--saver", "os", "--load-dir", "a", "--save-dir", "b"],
@@ -245,11 +245,12 @@ def test_bad_input_is_one_line(argv, message, capsys):
 
 def test_the_script_reports_bad_input_in_one_line(tmp_path):
     script = os.path.join(os.path.dirname(convert.__file__), "convert.py")
-    run = subprocess.run([sys.executable, script, "--model-type", "GPT", "--loader", "legacy", "--load-dir",
+    run = subprocess.run([sys.executable, script, "--model-type", "GPT", "--loader", "nosuch", "--load-dir",
                           str(tmp_path), "--save-dir", str(tmp_path / "out")], capture_output=True, text=True,
                          cwd=tmp_path, timeout=120)
     assert run.returncode == 1
-    assert run.stderr.strip() == "convert.py: error: --loader legacy: no such loader (available: hf, megatron)"
+    assert run.stderr.strip() == ("convert.py: error: --loader nosuch: no such loader "
+                                  "(available: core, hf, legacy, megatron)")
 
 
 def test_a_target_size_that_does_not_split_is_refused(source, capsys):
