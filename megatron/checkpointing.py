@@ -420,7 +420,8 @@ def _check_qkv_version(state_dict: Dict[str, Any], checkpoint_name: str) -> None
                   and isinstance(sd, dict) for k in sd]
     if any("qkv" in k or "query_key_value" in k or "key_value" in k for k in model_keys):
         raise CheckpointError(f"checkpoint {checkpoint_name} has checkpoint_version {version}, "
-                              "whose fused QKV layout is not [np, 3, hn]; convert it first")
+                              "whose fused QKV layout is not [np, 3, hn]; convert it first "
+                              "(tools/checkpoint/convert.py --loader legacy)")
 
 
 def get_distributed_optimizer_checkpoint_name(model_checkpoint_name: str) -> str:

@@ -178,11 +178,14 @@ def _core_entry(local: dict, te: bool, fp8: bool = False) -> dict:
 
 
 def write_megatron_lm(save_dir, args, whole, naming: str, version: float = 3.0, vp: int = 1,
-                      qkv_version: float = None, fp8: bool = False, iteration: int = 5) -> None:
+                      qkv_version: float = None, fp8: bool = False, iteration: int = 5,
+                      args_changes: dict = None) -> None:
     """Megatron-LM's checkpoint of `whole` at TP x PP (x vp); naming: a CLASSIC generation, 'te' or 'local'.
     qkv_version: the order the QKV rows are really written in (default: `version`'s)."""
     qkv_version = version if qkv_version is None else qkv_version
     raw = _megatron_args(args, version, vp)
+    for key, value in (args_changes or {}).items():
+        setattr(raw, key, value)
     tied = not args.untie_embeddings_and_output_weights
     per_chunk = args.num_layers // (PP * vp)
     heads, hn = args.num_attention_heads // TP, args.kv_channels
@@ -392,3 +395,20 @@ def test_mcore_saver_output_loads_strictly_in_megatron_core_and_gives_our_logits
         assert reference[name]["version"] == 3.0 and reference[name]["impl"] == "local"
         ours = verify.logits_of(models[name][2], tokens)
         torch.testing.assert_close(torch.tensor(reference[name]["logits"]), ours, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_experts=8), "uses num_experts=8, which the converter does not support"),
+    (dict(hidden_size=None), "the saved args have no hidden_size, which the converter cannot infer"),
+    (dict(position_embedding_type="relative"), "describe a model this framework cannot build"),
+], ids=["moe", "no-hidden-size", "relative-positions"])
+def test_args_that_cannot_be_converted_are_one_line(change, message, models, tmp_path, capsys):
+    args, whole, _ = models["gpt2"]
+    write_megatron_lm(tmp_path / "bad", args, whole, "23.04", args_changes=change)
+    with pytest.raises(SystemExit) as exit_:
+        convert.cli(["--model-type", "GPT", "--loader", "legacy", "--load-dir", str(tmp_path / "bad"),
+                     "--save-dir", str(tmp_path / "out")])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "out").exists()
