@@ -249,6 +249,12 @@ def _assert_logits_of_original(model, read_back, save_dir):
     return result
 
 
+def _assert_same_tensors(whole, save_dir):
+    _, tensors = saver_megatron.read_back(str(save_dir))
+    tensors = dict(tensors)
+    assert tensors.keys() == whole.keys() and all(torch.equal(tensors[k], whole[k]) for k in whole)
+
+
 CASES = {  # id: (model, naming, checkpoint_version, virtual stages)
     "gpt2-classic-v3-vp2": ("gpt2", "core_v0.5", 3.0, 2),
     "llama-gqa-classic-v3": ("llama", "core_v0.5", 3.0, 1),
@@ -266,9 +272,7 @@ def test_legacy_checkpoint_converts_to_the_original_logits(case, models, tmp_pat
     _convert("legacy", "megatron", tmp_path / "megatron_lm", tmp_path / "ours")
     assert "-> OK" in capsys.readouterr().out
     _assert_logits_of_original(model, saver_megatron.read_back, tmp_path / "ours")
-    _, tensors = saver_megatron.read_back(str(tmp_path / "ours"))
-    tensors = dict(tensors)
-    assert tensors.keys() == whole.keys() and all(torch.equal(tensors[k], whole[k]) for k in whole)
+    _assert_same_tensors(whole, tmp_path / "ours")
 
 
 def test_mislabelled_version_passes_verification_but_not_the_original_logits(models, tmp_path, capsys):
@@ -291,6 +295,7 @@ def test_mcore_checkpoint_converts_to_the_original_logits(name, naming, models, 
     _convert("mcore", "megatron", tmp_path / "mcore", tmp_path / "ours", 2, 1)
     assert "-> OK" in capsys.readouterr().out
     _assert_logits_of_original(model, saver_megatron.read_back, tmp_path / "ours")
+    _assert_same_tensors(whole, tmp_path / "ours")
 
 
 def test_fp8_extra_state_is_one_line_and_nothing_written(models, tmp_path, capsys):
