@@ -153,6 +153,7 @@ def megatron_lm_args(raw: argparse.Namespace, path: str) -> argparse.Namespace:
     args.data_parallel_size = int(_get(raw, "data_parallel_size", default=1))
     args.sequence_parallel = bool(getattr(raw, "sequence_parallel", False)) and args.tensor_model_parallel_size > 1
     args.world_size = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.data_parallel_size
+    args.tokenizer_type = args.vocab_size = None  # the placeholders `fixed` gave the validation
     for name in _CARRIED:
         if getattr(raw, name, None) is not None:
             setattr(args, name, getattr(raw, name))
@@ -180,17 +181,18 @@ def _validated(flags: List[str], path: str) -> argparse.Namespace:
 
     fixed = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
              "--tokenizer-type", "NullTokenizer", "--vocab-size", "1"]  # replaced by the checkpoint's
-    printed = io.StringIO()
+    printed, refused = io.StringIO(), io.StringIO()
     try:
-        args = parse_args(argv=[*flags, *fixed])
+        with contextlib.redirect_stderr(refused):  # argparse's usage text: only its last line is kept
+            args = parse_args(argv=[*flags, *fixed])
         with contextlib.redirect_stdout(printed):  # not the argument block; its warnings are passed on
             validate_args(args)
     except ArgsError as error:
         raise CheckpointError(f"{path}: the saved args describe a model this framework cannot build ({error})") \
             from None
     except SystemExit:  # argparse refused a value (e.g. an unknown normalization)
-        raise CheckpointError(f"{path}: the saved args hold a value our flags do not accept "
-                              f"({' '.join(flags)})") from None
+        reason = (refused.getvalue().strip().splitlines() or ["?"])[-1].split(": error: ", 1)[-1]
+        raise CheckpointError(f"{path}: the saved args hold a value our flags do not accept ({reason})") from None
     finally:
         for line in printed.getvalue().splitlines():
             if line.startswith("WARNING"):

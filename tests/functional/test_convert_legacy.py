@@ -406,7 +406,9 @@ def test_mcore_saver_output_loads_strictly_in_megatron_core_and_gives_our_logits
     (dict(num_experts=8), "uses num_experts=8, which the converter does not support"),
     (dict(hidden_size=None), "the saved args have no hidden_size, which the converter cannot infer"),
     (dict(position_embedding_type="relative"), "describe a model this framework cannot build"),
-], ids=["moe", "no-hidden-size", "relative-positions"])
+    (dict(normalization="FancyNorm"), "hold a value our flags do not accept (argument --normalization: "
+                                      "invalid choice: 'FancyNorm'"),
+], ids=["moe", "no-hidden-size", "relative-positions", "unknown-norm"])
 def test_args_that_cannot_be_converted_are_one_line(change, message, models, tmp_path, capsys):
     args, whole, _ = models["gpt2"]
     write_megatron_lm(tmp_path / "bad", args, whole, "23.04", args_changes=change)
