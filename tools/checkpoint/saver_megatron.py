@@ -48,7 +48,8 @@ def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
     write_tensors(save_dir, meta, tensors, tp, pp, vp, dialect)
 
 
-def read_back(save_dir: str, dialect: Dialect = OURS) -> Tuple[argparse.Namespace, Iterator[Tuple[str, torch.Tensor]]]:
+def read_back(save_dir: str,
+              dialect: Dialect = OURS) -> Tuple[argparse.Namespace, Iterator[Tuple[str, torch.Tensor]]]:
     """What was saved, as whole tensors (for the verification)."""
     source = open_source(save_dir, dialect)
     return source.args, read_tensors(source)
