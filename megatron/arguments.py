@@ -14,7 +14,7 @@
 Flag names, dests and defaults are Megatron's (v0.13), quirks included: the underscore in
 --override-opt_param-scheduler, dest add_bias_linear for --disable-bias-linear, None (not False)
 as the default of --no-save-optim / --no-load-optim / --no-save-rng / --no-load-rng.
-Deviations: --ckpt-format defaults to 'torch' (Megatron: torch_dist), --distributed-backend to
+Deviations: --distributed-backend defaults to
 None (chosen by megatron.core.device), --transformer-impl to 'local' (Transformer Engine is optional).
 """
 
@@ -295,9 +295,17 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
                             "the allow-list; only for files from a trusted source that the allow-list refuses.")
     group.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
                        help="Do not initialize the weights (they come from a checkpoint).")
-    group.add_argument("--ckpt-format", default="torch",
+    group.add_argument("--ckpt-format", default="torch_dist",
                        choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
-                       help="Checkpoint format (only torch is supported yet).")
+                       help="Checkpoint format: torch_dist (sharded, written by every rank with PyTorch DCP, "
+                            "loads at any TP/PP/DP) or torch (one file per TP/PP rank); the others are not "
+                            "supported yet.")
+    group.add_argument("--auto-detect-ckpt-format", action="store_true",
+                       help="On load, read the checkpoint in the format its files show (torch or torch_dist), "
+                            "whatever --ckpt-format says.")
+    group.add_argument("--async-save", action="store_true", default=None,
+                       help="--ckpt-format torch_dist: write checkpoints in a background thread while training "
+                            "continues; a checkpoint becomes the latest once every rank finished writing it.")
 
 
 def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:

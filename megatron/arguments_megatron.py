@@ -70,7 +70,7 @@ FP8 = "only used with --fp8-format, which is not supported yet"
 MOE = "only used with --num-experts (mixture of experts), which is not supported yet"
 CP = "only used with --context-parallel-size > 1, which is not supported yet"
 FSDP = "only used with --use-custom-fsdp / --use-torch-fsdp2, which are not supported yet"
-DIST_CKPT = "only used with --ckpt-format torch_dist, which is not supported yet"
+DIST_CKPT = "a tuning knob of Megatron's torch_dist strategies: every rank saves and loads its own pieces here"
 OFFLOAD = "the optimizer's state stays where its parameters are (CPU on a CPU run)"
 PROFILE = "no profiler is started; use torch.profiler or bench/ (docs/PERFORMANCE.md)"
 OTHER_MODEL = "a BERT / T5 / retrieval flag: no effect on GPT"
@@ -166,9 +166,7 @@ NO_EFFECT = (
     _true("--ckpt-fully-parallel-load", DIST_CKPT),
     _true("--ckpt-assume-constant-structure", DIST_CKPT),
     _value("--dist-ckpt-strictness", str, "assume_ok_unexpected", DIST_CKPT),
-    _true("--use-persistent-ckpt-worker", "saves are synchronous here"),
-    _true("--async-save", "saves are synchronous here: training waits for each save", default=None),
-    _true("--auto-detect-ckpt-format", "only the torch format is read here"),
+    _true("--use-persistent-ckpt-worker", "--async-save writes from a background thread of each rank"),
     # mixed precision
     _true("--grad-reduce-in-bf16", "gradients are reduced in fp32 (the more accurate choice)"),
     _true("--disable-bf16-reduced-precision-matmul", PERF),

@@ -79,7 +79,6 @@ NOT_YET_SUPPORTED = (
     ("num_experts", "--num-experts", None, "mixture of experts"),
     ("transformer_impl", "--transformer-impl", "local", "Transformer Engine layers"),
     ("fp8", "--fp8-format", None, "FP8 training"),
-    ("ckpt_format", "--ckpt-format", "torch", "checkpoint formats other than 'torch'"),
 ) + refusal_rows()
 
 # The GPT model's required shape flags (Megatron's required_args).
@@ -492,6 +491,12 @@ def _validate_checkpointing(args: Namespace) -> None:
     options need --load, which must not be a file."""
     if args.save is not None and args.save_interval is None:
         raise ArgsError("--save needs --save-interval (iterations between checkpoints)")
+    if args.ckpt_format not in ("torch", "torch_dist"):
+        raise ArgsError(f"--ckpt-format {args.ckpt_format}: checkpoint formats other than 'torch' and "
+                        "'torch_dist' are not supported yet; use --ckpt-format torch_dist or torch")
+    if args.async_save and args.ckpt_format != "torch_dist":
+        raise ArgsError(f"--async-save needs --ckpt-format torch_dist (this run has --ckpt-format "
+                        f"{args.ckpt_format}), as in Megatron")
     _require_positive(args, ("save_interval",))
     for dest in ("use_checkpoint_args", "finetune"):
         if getattr(args, dest) and args.load is None:

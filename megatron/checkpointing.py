@@ -224,6 +224,12 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
     if iteration <= 0:
         raise CheckpointError(f"cannot save iteration {iteration} to {save_dir}: the tracker file "
                               "must name an iteration > 0")
+    if getattr(args, "ckpt_format", "torch") == "torch_dist":
+        from megatron import dist_checkpointing
+
+        dist_checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args,
+                                           num_floating_point_operations_so_far)
+        return
     _print_rank_0("saving checkpoint at iteration {:7d} to {}".format(iteration, save_dir))
     rng_state = get_rng_state()
     checkpoint_name = get_checkpoint_name(save_dir, iteration)
@@ -356,8 +362,9 @@ def _missing_file_error(load_dir: str, tracker: str, iteration: int, release: bo
     what = "release" if release else f"iteration {iteration}"
     base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
     if os.path.isfile(os.path.join(base_dir, "metadata.json")):
-        return CheckpointError(f"{base_dir} is a distributed (torch_dist) checkpoint; only "
-                               "--ckpt-format torch is supported yet")
+        return CheckpointError(f"{base_dir} is a distributed (torch_dist) checkpoint but this run has "
+                               "--ckpt-format torch; pass --auto-detect-ckpt-format (or --ckpt-format "
+                               "torch_dist) to load it")
     if os.path.isdir(name):
         return CheckpointError(f"checkpoint file {name} is a directory, not a file written by "
                                f"torch.save (the tracker {tracker} names {what})")
@@ -490,6 +497,13 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
     if load_dir is None:
         _handle_missing(args, load_dir)
         return 0, 0
+    found = _saved_format(load_dir, args, "--" + load_arg.replace("_", "-"))
+    if found is not None and found[0] == "torch_dist":
+        from megatron import dist_checkpointing
+
+        _, base_dir, iteration, release = found
+        return dist_checkpointing.load_checkpoint(_as_chunks(model), optimizer, opt_param_scheduler, args,
+                                                  load_dir, base_dir, iteration, release, strict)
     state_dict, checkpoint_name, release = _load_base_checkpoint(
         load_dir, args=args, flag="--" + load_arg.replace("_", "-"))
     if state_dict is None:
@@ -530,6 +544,33 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
     return iteration, float(state_dict.get("num_floating_point_operations_so_far", 0))
 
 
+def _saved_format(load_dir: str, args: argparse.Namespace, flag: str
+                  ) -> Optional[Tuple[str, str, int, bool]]:
+    """(format, iteration folder, iteration, release) of the checkpoint the tracker names, or None
+    when there is no tracker. The format comes from the files (metadata.json: torch_dist); one
+    that is not --ckpt-format's is refused unless --auto-detect-ckpt-format."""
+    check_load_directory(load_dir, flag)
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker):
+        return None
+    iteration, release = read_metadata(tracker)
+    base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    from megatron import dist_checkpointing
+
+    saved = "torch"
+    if dist_checkpointing.is_dist_checkpoint(base_dir):
+        saved = dist_checkpointing.sharded_backend(base_dir)
+        if saved != "torch_dist":
+            raise CheckpointError(f"{base_dir} is a distributed checkpoint with sharded backend {saved}, "
+                                  "which this framework does not read (only torch_dist)")
+    wanted = getattr(args, "ckpt_format", "torch")
+    if saved != wanted and not _flag(args, "auto_detect_ckpt_format"):
+        raise CheckpointError(f"{base_dir} is a {saved} checkpoint but this run has --ckpt-format {wanted}; "
+                              "pass --auto-detect-ckpt-format to load either format (or --ckpt-format "
+                              f"{saved})")
+    return saved, base_dir, iteration, release
+
+
 def load_args_from_checkpoint(args: argparse.Namespace,
                               load_arg: str = "load") -> argparse.Namespace:
     """--use-checkpoint-args: overwrite the model-shape args with the checkpoint's (printing each
@@ -539,6 +580,18 @@ def load_args_from_checkpoint(args: argparse.Namespace,
     load_dir = getattr(args, load_arg, None)
     if load_dir is None:
         _print_rank_0("No load directory specified, using provided arguments.")
+        return args
+    found = _saved_format(load_dir, args, "--" + load_arg.replace("_", "-"))
+    if found is not None and found[0] == "torch_dist":
+        from megatron import dist_checkpointing
+
+        _, base_dir, iteration, release = found
+        checkpoint_args, saved_iteration = dist_checkpointing.load_args(base_dir, args)
+        if checkpoint_args is None:
+            _print_rank_0("Checkpoint provided does not have arguments saved, using provided arguments.")
+            return args
+        args.iteration = 0 if release else saved_iteration
+        apply_checkpoint_args(args, checkpoint_args, base_dir, log=_print_rank_0)
         return args
     state_dict, checkpoint_name, release = _load_base_checkpoint(
         load_dir, rank0=True, args=args, flag="--" + load_arg.replace("_", "-"))

@@ -104,18 +104,40 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     if not args.skip_train and args.do_train and args.train_iters > 0:
         print_datetime("before the start of training step")
         print_rank_0("training ...")
-        loop.train(train_iter, valid_iter)
-        print_datetime("after training is done")
+        try:
+            loop.train(train_iter, valid_iter)
+            print_datetime("after training is done")
+            if result.exit_reason == "completed":
+                trained = result.iteration != args.iteration  # a resumed run may have nothing left to train
+                if args.save and trained and result.iteration != loop.last_saved_iteration:
+                    loop.save()
+        except BaseException:
+            _abandon_saves()  # no collective: the other ranks may be gone; the save never becomes the latest
+            raise
+        _finalize_saves(blocking=True)  # exit waits for the --async-save in flight
         if result.exit_reason != "completed":
             return _finish(result)
-        trained = result.iteration != args.iteration  # a resumed run may have nothing left to train
-        if args.save and trained and result.iteration != loop.last_saved_iteration:
-            loop.save()
     if args.do_valid:
         loop.evaluate_and_print(f"iteration {result.iteration} on validation set", valid_iter)
     if args.do_test:
         loop.evaluate_and_print(f"iteration {result.iteration} on test set", test_iter)
     return _finish(result)
+
+
+def _finalize_saves(blocking: bool) -> None:
+    """Finalize a background (--async-save) checkpoint: collective, called at the same points on
+    every rank; nothing to do (and no collective) when no save is in flight."""
+    from megatron import dist_checkpointing
+
+    if dist_checkpointing.async_save_pending():
+        with _not_training_time():
+            dist_checkpointing.maybe_finalize_async_save(blocking=blocking)
+
+
+def _abandon_saves() -> None:
+    from megatron import dist_checkpointing
+
+    dist_checkpointing.abandon_async_saves()
 
 
 def _finish(result: TrainingResult) -> TrainingResult:
@@ -481,6 +503,7 @@ class _Loop:
                     iteration, dict(losses), skipped, grad_norm, self.optimizer.param_groups[0]["lr"],
                     float(self.optimizer.get_loss_scale()), batch_size))
             self._log(iteration, losses, skipped, grad_norm, num_zeros, batch_size, progress)
+            _finalize_saves(blocking=False)  # an --async-save whose writes every rank finished
             if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
                 self.evaluate_and_print(f"iteration {iteration}", valid_iter)
             if self._should_exit(iteration):
