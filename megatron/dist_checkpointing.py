@@ -149,6 +149,17 @@ def index_runs(indices: Sequence[int]) -> List[Tuple[int, int, int]]:
     return runs
 
 
+def split_runs(runs: List[Tuple[int, int, int]], cuts: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """`runs` also cut at the local indices `cuts` (so that rows several ranks replicate, e.g. a
+    query group's K and V, are one box of the same offsets on each of them)."""
+    out = []
+    for local_start, global_start, length in runs:
+        edges = sorted({local_start, local_start + length} | {c for c in cuts if local_start < c < local_start + length})
+        for a, b in zip(edges, edges[1:]):
+            out.append((a, global_start + a - local_start, b - a))
+    return out
+
+
 def flat_boxes(shape: Sequence[int], start: int, end: int) -> List[Tuple[Offsets, Offsets]]:
     """The flat range [start, end) of a row-major tensor of `shape` as boxes (offsets, sizes), in
     order; each box is contiguous in the flat order (a partial row, whole rows, a partial row)."""
@@ -282,6 +293,9 @@ def model_layouts(model: Any) -> List[Tuple[TensorLayout, torch.Tensor]]:
                 dim = int(getattr(value, "partition_dim"))
                 indices = partition_indices(value, local_shape[dim], tp, rank)
                 runs = index_runs(indices)
+                replicated_rows = getattr(value, "replicated_kv_rows", None)
+                if replicated_rows is not None:  # K/V rows other ranks also hold: always a box of their own
+                    runs = split_runs(runs, replicated_rows[:2])
                 global_shape = list(local_shape)
                 if getattr(value, "partition_rows", None) is not None:
                     rows_sizes.append((len(entries), max(indices) + 1))
