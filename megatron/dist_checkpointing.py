@@ -723,8 +723,13 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     if _rank() == 0:
         try:
             os.makedirs(save_dir, exist_ok=True)
-            for stale in (staging, staging[:-len(".partial")] + ".old"):
-                shutil.rmtree(stale, ignore_errors=True)
+            # what killed saves left (no save of this run is in flight: the last one was finalized)
+            for name in os.listdir(save_dir):
+                path = os.path.join(save_dir, name)
+                if name.startswith(".iter_") and name.endswith(".old") and not os.path.exists(path[:-4].replace("/.iter_", "/iter_")):
+                    os.replace(path, path[:-4].replace("/.iter_", "/iter_"))  # killed between the two renames
+                elif name.startswith(".iter_") and name.endswith((".partial", ".old")):
+                    shutil.rmtree(path, ignore_errors=True)
             final = iteration_dir(save_dir, iteration)
             if os.path.isdir(final) and _tracked(save_dir) != str(iteration):
                 shutil.rmtree(final)  # an unfinished save of this iteration that was never tracked

@@ -12,14 +12,20 @@ damaged piece or a malicious .metadata is refused in one line.
 
 import os
 import pickle
+import re
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron.checkpoint_safety import CheckpointError
 from megatron.core.atomic_io import atomic_write
-from megatron.dist_checkpointing import flat_boxes, index_runs, read_dcp_metadata, split_runs
+from megatron.dist_checkpointing import HOLD_ENV, flat_boxes, index_runs, read_dcp_metadata, split_runs
 from tests.parallel.harness import DistributedPool
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -111,18 +117,19 @@ def test_loads_at_another_layout_and_continues_like_the_uninterrupted_run(dist_p
 def test_auto_detect_reads_either_format(dist_pool, saved, tmp_path):
     ckpt, losses = saved
     legacy = tmp_path / "legacy"
-    dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "2", "--ckpt-format", "torch", "--save", str(legacy),
-                              "--save-interval", "2"])
+    dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "4", "--exit-interval", "2", "--ckpt-format", "torch",
+                              "--save", str(legacy), "--save-interval", "2"])
     assert (legacy / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").is_file()
-    refused = dist_pool.run(_pretrain_error, [*FLAGS, "--train-iters", "3", "--load", str(legacy)])
+    refused = dist_pool.run(_pretrain_error, [*FLAGS, "--train-iters", "4", "--load", str(legacy)])
     assert refused[0] == (f"{legacy / 'iter_0000002'} is a torch checkpoint but this run has --ckpt-format "
                           "torch_dist; pass --auto-detect-ckpt-format to load either format (or --ckpt-format torch)")
     assert len(set(refused)) == 1 and "\n" not in refused[0]
-    from_legacy = dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "3", "--load", str(legacy),
+    from_legacy = dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "4", "--load", str(legacy),
                                             "--auto-detect-ckpt-format"])[-1]
-    from_dist = dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "3", "--load", str(ckpt), "--ckpt-format",
+    from_dist = dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "4", "--load", str(ckpt), "--ckpt-format",
                                           "torch", "--auto-detect-ckpt-format"])[-1]
-    assert sorted(from_legacy) == [3] and from_dist[3] == pytest.approx(losses[3], rel=1e-5)
+    assert sorted(from_legacy) == [3, 4]
+    assert from_dist[3] == pytest.approx(losses[3], rel=1e-5) and from_dist[4] == pytest.approx(losses[4], rel=1e-5)
 
 
 def test_a_damaged_piece_is_refused_in_one_line(dist_pool, saved, tmp_path):
@@ -133,9 +140,39 @@ def test_a_damaged_piece_is_refused_in_one_line(dist_pool, saved, tmp_path):
     data = bytearray(piece.read_bytes())
     data[len(data) // 2] ^= 0xFF
     piece.write_bytes(bytes(data))
-    messages = dist_pool.run(_pretrain_error, [*FLAGS, "--train-iters", "3", "--load", str(damaged)])
+    messages = dist_pool.run(_pretrain_error, [*FLAGS, "--train-iters", "4", "--load", str(damaged)])
     assert len(set(messages)) == 1 and "\n" not in messages[0]
     assert messages[0].startswith(f"checkpoint file {piece} does not match its checksum")
+
+
+def test_kill_9_during_an_async_save_leaves_the_previous_checkpoint_latest(dist_pool, tmp_path):
+    """One process saves asynchronously at 2 and 4; the writer of 4 stops after its files (the test
+    hook) and the process is killed there: iteration 2 stays the latest and resumes at 4 ranks."""
+    ckpt, marker, log = tmp_path / "ckpt", tmp_path / "writing-4", tmp_path / "stdout"
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", **{HOLD_ENV: f"4:{marker}"})
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    with open(log, "w") as out:
+        run = subprocess.Popen([sys.executable, "pretrain_gpt.py", *FLAGS, "--train-iters", "6", "--save", str(ckpt),
+                                "--save-interval", "2", "--async-save"], cwd=root, env=env, stdout=out,
+                               stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while not marker.exists() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        held = marker.exists()
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait()
+    output = log.read_text()
+    assert held, output[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not (ckpt / "iter_0000004").exists() and (ckpt / ".iter_0000004.partial").is_dir()
+    logged = {int(i): float(v) for i, v in re.findall(r"iteration +(\d+)/ +6 \|.*?lm loss: (\S+) \|", output)}
+    resumed = dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "6", "--load", str(ckpt), "--exit-interval", "3",
+                                        "--save", str(ckpt), "--save-interval", "100"])[-1]
+    assert sorted(resumed) == [3] and resumed[3] == pytest.approx(logged[3], rel=2e-6)  # logged to 7 digits
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"  # the exit save
+    assert not (ckpt / ".iter_0000004.partial").exists()  # the next save removed the killed one's pieces
 
 
 class _RunsCode:
