@@ -725,9 +725,9 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
             os.makedirs(save_dir, exist_ok=True)
             # what killed saves left (no save of this run is in flight: the last one was finalized)
             for name in os.listdir(save_dir):
-                path = os.path.join(save_dir, name)
-                if name.startswith(".iter_") and name.endswith(".old") and not os.path.exists(path[:-4].replace("/.iter_", "/iter_")):
-                    os.replace(path, path[:-4].replace("/.iter_", "/iter_"))  # killed between the two renames
+                path, original = os.path.join(save_dir, name), os.path.join(save_dir, name[1:-len(".old")])
+                if name.startswith(".iter_") and name.endswith(".old") and not os.path.exists(original):
+                    os.replace(path, original)  # a save killed between its two renames: put it back
                 elif name.startswith(".iter_") and name.endswith((".partial", ".old")):
                     shutil.rmtree(path, ignore_errors=True)
             final = iteration_dir(save_dir, iteration)
