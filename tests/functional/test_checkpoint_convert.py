@@ -33,7 +33,8 @@ from tools.checkpoint import convert, saver_megatron
 COMMON = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
           "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
           "--lr", "1e-3", "--seed", "1234", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
-          "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--eval-iters", "0"]
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0", "--eval-iters", "0",
+          "--ckpt-format", "torch"]  # the converter reads and writes the torch format
 LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--group-query-attention",
          "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
 # name: (flags, virtual stages of the TP=2 PP=2 source)

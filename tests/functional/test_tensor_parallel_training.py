@@ -14,7 +14,8 @@ from tests.functional.test_default_data import default_pipeline  # noqa: F401 (f
 from tests.functional.test_pretrain_gpt import TINY, log_lines
 from tests.functional.test_training_features import run_cli
 
-COMMON = [*TINY, "--hidden-dropout", "0", "--attention-dropout", "0", "--split", "90,10,0", "--eval-interval", "5",
+COMMON = [*TINY, "--ckpt-format", "torch",  # the files per TP rank are checked
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--split", "90,10,0", "--eval-interval", "5",
           "--eval-iters", "1", "--lr-warmup-iters", "2"]
 COUNT = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), (\d+)\): (\d+)")
 TOTAL = re.compile(r"number of parameters in the model \(every rank, replicated ones once\): (\d+)")

@@ -25,7 +25,7 @@ from tests.functional.test_pretrain_gpt import LOG_LINE, MOCK, TINY, log_lines
 from tests.functional.test_tensor_parallel_training import _free_port
 
 LOG_INTERVAL = 2
-FLAGS = [*TINY, *MOCK, "--pipeline-model-parallel-size", "2", "--log-interval", str(LOG_INTERVAL),
+FLAGS = [*TINY, *MOCK, "--ckpt-format", "torch", "--pipeline-model-parallel-size", "2", "--log-interval", str(LOG_INTERVAL),
          "--eval-interval", "2", "--eval-iters", "1"]
 PROGRESS = re.compile(r"^progress: (\d+)/\d+ iterations \(\d+\.\d%\) \| elapsed \d+:\d\d:\d\d \| "
                       r"ETA (?:\d+:\d\d:\d\d|\?) \| \d+\.\d\d it/s$")

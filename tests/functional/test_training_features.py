@@ -146,7 +146,8 @@ def test_torchrun_one_process_trains_and_saves_megatron_layout(tmp_path):
                     "--save-interval", "3"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["iteration"] for r in log_lines(proc.stdout)] == [1, 2, 3]
-    assert (ckpt / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    # the default --ckpt-format torch_dist, as Megatron's: metadata.json, common.pt and the rank's DCP file
+    assert all((ckpt / "iter_0000003" / name).is_file() for name in ("metadata.json", "common.pt", "__0_0.distcp"))
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert "progress: 3/3 iterations (100.0%)" in proc.stderr
 
@@ -179,7 +180,7 @@ def test_sigterm_with_exit_signal_handler_saves_and_exits(tmp_path):
     assert "exiting program after receiving SIGTERM." in out
     iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert iteration >= 3
-    assert (ckpt / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    assert (ckpt / f"iter_{iteration:07d}" / "__0_0.distcp").is_file()  # the default torch_dist format
 
 
 class FakeWandb:
