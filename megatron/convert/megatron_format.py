@@ -221,6 +221,11 @@ def open_source(load_dir: str, dialect: Dialect = OURS) -> Source:
         raise CheckpointError(f"--load-dir {load_dir} holds no checkpoint (no {os.path.basename(tracker)})")
     iteration, release = read_metadata(tracker)
     first = find_checkpoint_rank_0(load_dir, iteration, release)
+    base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    if first is None and os.path.isfile(os.path.join(base_dir, "metadata.json")):
+        raise CheckpointError(f"{base_dir} is a torch_dist checkpoint: it needs no conversion (pretrain_gpt.py "
+                              "--load reads it at any TP / PP); the converter reads only --ckpt-format torch "
+                              "checkpoints")
     if first is None:
         raise CheckpointError(f"{load_dir}: the tracker names {'release' if release else f'iteration {iteration}'} "
                               "but no mp_rank_00* file of it exists")

@@ -175,6 +175,20 @@ def test_kill_9_during_an_async_save_leaves_the_previous_checkpoint_latest(dist_
     assert not (ckpt / ".iter_0000004.partial").exists()  # the next save removed the killed one's pieces
 
 
+def test_the_converter_says_a_torch_dist_checkpoint_needs_no_conversion(saved, tmp_path, capsys):
+    from tools.checkpoint import convert
+
+    ckpt, _ = saved
+    with pytest.raises(SystemExit) as exit_info:
+        convert.cli(["--model-type", "GPT", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "out"),
+                     "--target-tensor-parallel-size", "1"])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.strip() == (
+        f"convert.py: error: {ckpt / 'iter_0000002'} is a torch_dist checkpoint: it needs no conversion "
+        "(pretrain_gpt.py --load reads it at any TP / PP); the converter reads only --ckpt-format torch checkpoints")
+    assert not (tmp_path / "out").exists()
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("echo pwned > /dev/null",))
