@@ -1140,9 +1140,42 @@ def load_args(base_dir: str, args: argparse.Namespace) -> Tuple[Any, int]:
     return common.get("args"), int(common.get("iteration", 0))
 
 
+def benchmark_save_load(model: Any, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+                        directory: str, ckpt_format: str = FORMAT, async_save: bool = False,
+                        iteration: int = 1) -> Dict[str, float]:
+    """Time one save and one load of (model, optimizer, scheduler) in `ckpt_format` ('torch' or
+    'torch_dist', async_save with torch_dist) under `directory` (for bench/checkpoint_io.py).
+
+    Collective when distributed. Returns seconds: 'save' (until save_checkpoint returned: what
+    training waits for), 'finalize' (until the tracker names it; equal to 'save' when synchronous),
+    'load' (load_checkpoint into the same model and optimizer), and 'bytes' (the iteration folder).
+    `args` is copied; its save/load/ckpt_format/async_save are set here.
+    """
+    from megatron import checkpointing
+
+    run = copy.copy(args)
+    run.save = run.load = directory
+    run.ckpt_format, run.async_save = ckpt_format, bool(async_save)
+    run.auto_detect_ckpt_format = False
+    for name in ("no_save_optim", "no_load_optim", "no_save_rng", "no_load_rng", "finetune"):
+        setattr(run, name, getattr(run, name, False) or False)
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, run)
+    saved = time.perf_counter()
+    maybe_finalize_async_save(blocking=True)
+    finalized = time.perf_counter()
+    checkpointing.load_checkpoint(model, optimizer, opt_param_scheduler, run)
+    loaded = time.perf_counter()
+    folder = iteration_dir(directory, iteration)
+    size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
+    return {"save": saved - start, "finalize": finalized - start, "load": loaded - finalized, "bytes": float(size)}
+
+
 __all__ = [
     "FORMAT", "GlobalTensor", "TensorLayout", "async_save_pending", "finalize_async_save", "flat_boxes",
-    "abandon_async_saves", "index_runs", "is_dist_checkpoint", "load_args", "load_checkpoint", "maybe_finalize_async_save",
+    "abandon_async_saves", "benchmark_save_load", "index_runs", "is_dist_checkpoint", "load_args", "load_checkpoint", "maybe_finalize_async_save",
     "model_layouts", "optimizer_entries", "read_common", "read_dcp_metadata", "save_checkpoint",
     "sharded_backend",
 ]
