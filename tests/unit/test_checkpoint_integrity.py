@@ -91,7 +91,8 @@ def test_checkpoint_without_manifest_loads_unverified(ckpt, capsys):
 
 def test_flipped_byte_in_distrib_optim_is_named(tmp_path):
     ckpt = tmp_path / "ckpt"
-    flags = [*TINY, "--use-distributed-optimizer", "--bf16", "--save-interval", "2", "--train-iters", "2"]
+    flags = [*TINY, "--ckpt-format", "torch", "--use-distributed-optimizer", "--bf16", "--save-interval", "2",
+             "--train-iters", "2"]
     pretrain_gpt.main([*flags, "--save", str(ckpt)])
     iteration_dir = ckpt / "iter_0000002"
     files = json.loads((iteration_dir / "checksums.json").read_text())["files"]

@@ -64,7 +64,7 @@ def malicious(tmp_path):
 def test_malicious_checkpoint_is_refused_before_anything_runs(malicious, flags):
     ckpt, path, marker = malicious
     with pytest.raises(CheckpointError) as info:
-        pretrain_gpt.main([*TINY, "--load", str(ckpt), *flags])
+        pretrain_gpt.main([*TINY, "--ckpt-format", "torch", "--load", str(ckpt), *flags])
     assert not marker.exists()
     message = str(info.value)
     assert message.startswith(f"checkpoint file {path} refers to posix.system, which is not on the list")
@@ -103,7 +103,8 @@ def test_trust_checkpoint_pickles_reads_fully_and_says_so(tmp_path, capsys):
                       "(a malicious file can run code)"]
     # the flag reaches the loader from the command line
     with pytest.raises(Exception) as info:  # the file has no model: refused later, not on unpickling
-        pretrain_gpt.main([*TINY, "--load", str(ckpt), "--finetune", "--trust-checkpoint-pickles"])
+        pretrain_gpt.main([*TINY, "--ckpt-format", "torch", "--load", str(ckpt), "--finetune",
+                           "--trust-checkpoint-pickles"])
     assert "fractions" not in str(info.value)
     assert f"WARNING: --trust-checkpoint-pickles: reading {path}" in capsys.readouterr().out
 

@@ -36,7 +36,8 @@ SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--max-position-embeddings", "16"]
 RUN = ["--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1", "--lr", "1e-3",
        "--num-workers", "0", "--eval-iters", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
-       "--vocab-size", "255", "--hidden-dropout", "0", "--attention-dropout", "0"]
+       "--vocab-size", "255", "--hidden-dropout", "0", "--attention-dropout", "0",
+       "--ckpt-format", "torch"]  # Megatron-LM's legacy files
 LOAD_WEIGHTS_ONLY = ["--finetune", "--no-load-optim", "--no-load-rng"]
 
 
