@@ -739,23 +739,38 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
     error = _broadcast(error)  # also: no rank writes before the folder is ready
     if error is not None:
         raise CheckpointError(f"checkpoint of iteration {iteration} was not saved: {error}")
+    # (model_layouts and the step's all-reduce are collectives every rank reaches; a failure after
+    # them is carried by the plans' all-gather, so that every rank raises instead of waiting)
     state, optimizer_common = _state_to_save(model, optimizer, args, rng_state if rng_state is not None
                                              else get_rng_state())
-    if asynchronous:
-        state = {k: (v.staged() if isinstance(v, GlobalTensor) else v) for k, v in state.items()}
-    common = _common_state(args, iteration, opt_param_scheduler, optimizer_common,
-                           num_floating_point_operations_so_far, _rng_key() in state)
     writer = FileSystemWriter(staging, single_file_per_rank=True, sync_files=True, thread_count=1)
     planner = _SavePlanner()
     is_coordinator = _rank() == 0
-    writer.set_up_storage_writer(is_coordinator, rank=_rank(), use_collectives=True)
-    planner.set_up_planner(state, writer.storage_meta(), is_coordinator)
-    local_plan = writer.prepare_local_plan(planner.create_local_plan())
+    local_plan, local_error, common = None, None, b""
+    try:
+        if asynchronous:
+            state = {k: (v.staged() if isinstance(v, GlobalTensor) else v) for k, v in state.items()}
+        common = _common_state(args, iteration, opt_param_scheduler, optimizer_common,
+                               num_floating_point_operations_so_far, _rng_key() in state)
+        writer.set_up_storage_writer(is_coordinator, rank=_rank(), use_collectives=True)
+        planner.set_up_planner(state, writer.storage_meta(), is_coordinator)
+        local_plan = writer.prepare_local_plan(planner.create_local_plan())
+    except Exception as exc:  # noqa: BLE001 -- reported on every rank below
+        local_error = f"rank {_rank()}: cannot prepare its pieces: {type(exc).__name__}: {exc}"
     plans: List[Any] = [None] * _world()
     if dist.is_initialized():
-        dist.all_gather_object(plans, local_plan)  # every rank gets them: a failure is seen everywhere
+        dist.all_gather_object(plans, (local_error, local_plan))  # every rank sees every failure
     else:
-        plans = [local_plan]
+        plans = [(local_error, local_plan)]
+    failed = [error for error, _ in plans if error is not None]
+    if failed:
+        if is_coordinator:
+            shutil.rmtree(staging, ignore_errors=True)
+        tracked = _tracked(save_dir)
+        note = (f"the previous checkpoint is intact: the tracker still names iteration {tracked}"
+                if tracked else "no earlier checkpoint was recorded")
+        raise CheckpointError(f"checkpoint of iteration {iteration} was not saved: {failed[0]}; {note}")
+    plans = [plan for _, plan in plans]
     metadata, plan_error, central = None, None, None
     if is_coordinator:
         try:
@@ -771,7 +786,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
         scattered = [(plan_error, central[0] if central else None)]
     plan_error, plan = scattered[0]
     if plan_error is not None:
-        shutil.rmtree(staging, ignore_errors=True) if is_coordinator else None
+        if is_coordinator:
+            shutil.rmtree(staging, ignore_errors=True)
         raise CheckpointError(f"checkpoint of iteration {iteration} was not saved: {plan_error}")
     plan = planner.finish_plan(plan)
     pending = _PendingSave(iteration, save_dir, staging, common, writer, metadata, started=time.time())

@@ -114,6 +114,22 @@ def test_loads_at_another_layout_and_continues_like_the_uninterrupted_run(dist_p
         assert resumed[iteration] == pytest.approx(losses[iteration], rel=1e-5), iteration
 
 
+# GPT-2 style: LayerNorm, biases, learned positions, embeddings tied (the last stage's copy is not written)
+GPT2 = FLAGS[:FLAGS.index("--swiglu")]
+
+
+def test_tied_embeddings_and_virtual_stages_reshard_to_one_stage(pool8, dist_pool, tmp_path):
+    ckpt = tmp_path / "gpt2"
+    losses = pool8.run(_pretrain, [*GPT2, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                   "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
+                                   "--train-iters", "3", "--save", str(ckpt), "--save-interval", "2"])[-1]
+    atomic_write(str(ckpt / "latest_checkpointed_iteration.txt"), lambda f: f.write(b"2"))
+    tensors = read_dcp_metadata(str(ckpt / "iter_0000002" / ".metadata")).state_dict_metadata
+    assert "output_layer.weight" not in tensors and "embedding.position_embeddings.weight" in tensors
+    resumed = dist_pool.run(_pretrain, [*GPT2, "--train-iters", "3", "--load", str(ckpt)])[-1]
+    assert sorted(resumed) == [3] and resumed[3] == pytest.approx(losses[3], rel=1e-5)
+
+
 def test_auto_detect_reads_either_format(dist_pool, saved, tmp_path):
     ckpt, losses = saved
     legacy = tmp_path / "legacy"
