@@ -280,11 +280,12 @@ def test_load_hf_at_tp2_trains_from_the_converted_models_loss_and_saves(converte
     source = converted["llama-gqa"][0]
     saved = tmp_path / "saved"
     direct = _torchrun(2, ["--load-hf", str(source), "--tensor-model-parallel-size", "2", *TRAIN,
-                           "--save", str(saved), "--save-interval", "1"])
+                           "--save", str(saved), "--save-interval", "1", "--ckpt-format", "torch"])
     assert direct.returncode == 0, direct.stderr[-3000:]
     tp1 = tmp_path / "tp1"
     _convert(source, tp1, "hf", "megatron", "--no-verify")
-    first = run_cli(["pretrain_gpt.py", *LLAMA_FLAGS, *TRAIN, "--load", str(tp1), "--finetune"])
+    first = run_cli(["pretrain_gpt.py", *LLAMA_FLAGS, *TRAIN, "--load", str(tp1), "--finetune",
+                     "--ckpt-format", "torch"])  # the converter writes the torch format
     assert first.returncode == 0, first.stderr[-3000:]
     loss, expected = _losses(direct.stdout)[1], _losses(first.stdout)[1]
     assert abs(loss - expected) <= 1e-5 * abs(expected), (loss, expected)
