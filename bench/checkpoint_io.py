@@ -12,7 +12,7 @@ it touched and held at once, anonymous or file-backed: VmHWM) and its peak anony
 sampled every 10 ms from /proc: what the conversion itself allocated), each also as a multiple of
 the model's bytes. The largest tensor and one layer's bytes are printed beside them.
 
-io (when torch_dist is available): save and load times of one model + Adam state through
+io: save and load times of one model + Adam state through
 megatron.checkpointing, `--ckpt-format torch` vs `torch_dist`, synchronous and `--async-save`
 (the time training waits, and the time until the checkpoint is complete).
 
@@ -186,6 +186,53 @@ def print_convert(r: Dict[str, float]) -> None:
               f"{_gb(anon):>12} {(anon - r['baseline_peak_anon']) / model:>8.2f}")
 
 
+# ----------------------------------------------------------------------------- save / load times
+
+IO_CASES = (("torch", False), ("torch_dist", False), ("torch_dist", True))
+
+
+def bench_io(hidden: int, layers: int, heads: int, vocab: int, seq: int, workdir: str) -> Dict[str, Dict[str, float]]:
+    """One real training step of pretrain_gpt.py (one process, Adam), then, where it would save, a
+    timed save + load of its model, optimizer and scheduler in each format (IO_CASES)."""
+    import megatron.checkpointing as checkpointing
+    import pretrain_gpt
+    from megatron.dist_checkpointing import benchmark_save_load
+
+    results: Dict[str, Dict[str, float]] = {}
+
+    def timed(iteration, model, optimizer, scheduler, args, *rest, **kwargs):
+        checkpointing.save_checkpoint = original  # what benchmark_save_load calls
+        for fmt, asynchronous in IO_CASES:
+            name = fmt + (" async" if asynchronous else "")
+            results[name] = benchmark_save_load(model, optimizer, scheduler, args, os.path.join(workdir, name.replace(" ", "_")),
+                                                fmt, asynchronous, iteration=iteration)
+
+    argv = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+            "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", str(vocab - 1), "--save", os.path.join(workdir, "unused"), "--save-interval", "1",
+            "--eval-iters", "0", "--num-workers", "0", "--log-interval", "1"]
+    original = checkpointing.save_checkpoint
+    checkpointing.save_checkpoint = timed
+    try:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            pretrain_gpt.main(argv)
+    finally:
+        checkpointing.save_checkpoint = original
+    if not results:
+        raise RuntimeError("pretrain_gpt.py did not save: nothing was timed")
+    return results
+
+
+def print_io(results: Dict[str, Dict[str, float]]) -> None:
+    print(f"{'format':<18} {'GiB':>6} {'save (training waits)':>22} {'complete':>9} {'load':>7}  seconds")
+    for name, r in results.items():
+        print(f"{name:<18} {r['bytes'] / 2**30:>6.2f} {r['save']:>22.2f} {r['finalize']:>9.2f} {r['load']:>7.2f}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", choices=("all", "convert", "io"), default="all")
@@ -194,6 +241,8 @@ def main(argv=None) -> None:
     parser.add_argument("--num-attention-heads", type=int, default=16)
     parser.add_argument("--vocab-size", type=int, default=50257)
     parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument("--io-hidden-size", type=int, default=1024)
+    parser.add_argument("--io-num-layers", type=int, default=8)
     parser.add_argument("--workdir", type=str, default=None, help="Scratch folder (default: a temporary one).")
     parser.add_argument("--json", action="store_true")
     options = parser.parse_args(argv)
@@ -205,6 +254,13 @@ def main(argv=None) -> None:
                                                options.vocab_size, options.seq_length, os.path.join(workdir, "c"))
             if not options.json:
                 print_convert(results["convert"])
+        if options.part in ("all", "io"):
+            results["io"] = bench_io(options.io_hidden_size, options.io_num_layers, options.num_attention_heads,
+                                     options.vocab_size, options.seq_length, os.path.join(workdir, "io"))
+            if not options.json:
+                print(f"save and load, one process, a GPT of hidden {options.io_hidden_size} x {options.io_num_layers} "
+                      "layers with its Adam state:")
+                print_io(results["io"])
     finally:
         if options.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
