@@ -1156,6 +1156,48 @@ def load_args(base_dir: str, args: argparse.Namespace) -> Tuple[Any, int]:
     return common.get("args"), int(common.get("iteration", 0))
 
 
+# ============================================================================ whole tensors, for the converter
+
+def _canonical_order(name: str) -> Tuple[int, int]:
+    """A TP = 1 state dict's order: embedding, the layers by global index, the final norm, the output layer."""
+    from megatron.convert.layout_rules import layer_index
+
+    if name.startswith("embedding."):
+        return 0, 0
+    index = layer_index(name)
+    if index is not None:
+        return 1, index
+    return (2, 0) if name.startswith("decoder.") else (3, 0)
+
+
+def open_whole(base_dir: str) -> Tuple[Any, Metadata]:
+    """(the saved args, the DCP metadata) of a torch_dist checkpoint folder, every file checked
+    against its manifest (CheckpointError otherwise); one process, no collectives."""
+    common = read_common(base_dir)
+    metadata = read_dcp_metadata(os.path.join(base_dir, DCP_METADATA))
+    if dist.is_initialized():
+        raise CheckpointError("open_whole reads a torch_dist checkpoint in one process (no process group)")
+    problem = _verify(base_dir, metadata)
+    if problem is not None:
+        raise CheckpointError(problem)
+    args = common.get("args")
+    if args is None:
+        raise CheckpointError(f"{base_dir}/{COMMON_FILE} has no saved args: the converter needs them")
+    return args, metadata
+
+
+def whole_model_tensors(base_dir: str, metadata: Metadata) -> Iterator[Tuple[str, torch.Tensor]]:
+    """The model's global tensors (TP = 1 names, layers numbered globally) in canonical order, each
+    read whole when the iterator reaches it: what tools/checkpoint's loaders send."""
+    names = [name for name, stored in metadata.state_dict_metadata.items()
+             if isinstance(stored, TensorStorageMetadata) and not name.startswith("optimizer.")]
+    for name in sorted(names, key=_canonical_order):  # stable: a layer's keys keep the saved order
+        stored = metadata.state_dict_metadata[name]
+        whole = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+        _read({name: GlobalTensor(tuple(whole.shape), [((0,) * whole.dim(), whole)])}, base_dir, metadata)
+        yield name, whole
+
+
 def benchmark_save_load(model: Any, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
                         directory: str, ckpt_format: str = FORMAT, async_save: bool = False,
                         iteration: int = 1) -> Dict[str, float]:
@@ -1191,7 +1233,7 @@ def benchmark_save_load(model: Any, optimizer: Any, opt_param_scheduler: Any, ar
 
 __all__ = [
     "FORMAT", "GlobalTensor", "TensorLayout", "async_save_pending", "finalize_async_save", "flat_boxes",
-    "abandon_async_saves", "benchmark_save_load", "index_runs", "is_dist_checkpoint", "load_args", "load_checkpoint", "maybe_finalize_async_save",
+    "abandon_async_saves", "benchmark_save_load", "open_whole", "whole_model_tensors", "index_runs", "is_dist_checkpoint", "load_args", "load_checkpoint", "maybe_finalize_async_save",
     "model_layouts", "optimizer_entries", "read_common", "read_dcp_metadata", "save_checkpoint",
     "sharded_backend",
 ]

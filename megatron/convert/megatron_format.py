@@ -198,6 +198,7 @@ class Source:
     iteration: int
     release: bool
     dialect: Dialect = field(default=OURS)
+    sharded: bool = False  # a torch_dist checkpoint: its tensors are global already
 
     @property
     def tp(self) -> int:
@@ -223,9 +224,13 @@ def open_source(load_dir: str, dialect: Dialect = OURS) -> Source:
     first = find_checkpoint_rank_0(load_dir, iteration, release)
     base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
     if first is None and os.path.isfile(os.path.join(base_dir, "metadata.json")):
-        raise CheckpointError(f"{base_dir} is a torch_dist checkpoint: it needs no conversion (pretrain_gpt.py "
-                              "--load reads it at any TP / PP); the converter reads only --ckpt-format torch "
-                              "checkpoints")
+        if dialect is not OURS:
+            raise CheckpointError(f"{base_dir} is a torch_dist checkpoint (metadata.json): read it with --loader "
+                                  "megatron")
+        from megatron.dist_checkpointing import open_whole
+
+        args, _ = open_whole(base_dir)  # the global tensors are read by read_tensors
+        return Source(load_dir, args, iteration, release, dialect, sharded=True)
     if first is None:
         raise CheckpointError(f"{load_dir}: the tracker names {'release' if release else f'iteration {iteration}'} "
                               "but no mp_rank_00* file of it exists")
@@ -274,6 +279,13 @@ def _carries_data(value: Any) -> bool:
 
 def read_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
     """Every whole tensor of the source, in canonical order (see the module docstring)."""
+    if source.sharded:
+        from megatron.dist_checkpointing import DCP_METADATA, read_dcp_metadata, whole_model_tensors
+
+        base_dir = get_checkpoint_name(source.load_dir, source.iteration, source.release, return_base_dir=True)
+        # open_source checked every file against the manifest
+        yield from whole_model_tensors(base_dir, read_dcp_metadata(os.path.join(base_dir, DCP_METADATA)))
+        return
     args, tp = source.args, source.tp
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     per_chunk = int(args.num_layers) // (source.pp * source.vp)

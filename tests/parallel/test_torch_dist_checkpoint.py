@@ -191,18 +191,32 @@ def test_kill_9_during_an_async_save_leaves_the_previous_checkpoint_latest(dist_
     assert not (ckpt / ".iter_0000004.partial").exists()  # the next save removed the killed one's pieces
 
 
-def test_the_converter_says_a_torch_dist_checkpoint_needs_no_conversion(saved, tmp_path, capsys):
-    from tools.checkpoint import convert
+def test_the_converter_reads_torch_dist(saved, tmp_path, capsys):
+    """tools/checkpoint/convert.py --loader megatron reads the TP=2 PP=2 DP=2 torch_dist checkpoint's
+    global tensors (verified by logits) and writes it at TP=1 in the torch format: one process loads
+    it and logs the uninterrupted run's loss of iteration 3 (it follows from the weights of 2)."""
+    import pretrain_gpt
+    from megatron.initialize import reset_megatron
+    from tools.checkpoint import convert, saver_megatron
 
-    ckpt, _ = saved
-    with pytest.raises(SystemExit) as exit_info:
-        convert.cli(["--model-type", "GPT", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "out"),
-                     "--target-tensor-parallel-size", "1"])
-    assert exit_info.value.code == 1
-    assert capsys.readouterr().err.strip() == (
-        f"convert.py: error: {ckpt / 'iter_0000002'} is a torch_dist checkpoint: it needs no conversion "
-        "(pretrain_gpt.py --load reads it at any TP / PP); the converter reads only --ckpt-format torch checkpoints")
-    assert not (tmp_path / "out").exists()
+    ckpt, losses = saved
+    convert.main(["--model-type", "GPT", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "tp1"),
+                  "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1"])
+    assert "-> OK" in capsys.readouterr().out
+    args, tensors = saver_megatron.read_back(str(tmp_path / "tp1"))
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
+    assert "decoder.layers.3.mlp.linear_fc1.weight" in dict(tensors)
+    try:
+        result = pretrain_gpt.main([*FLAGS, "--train-iters", "3", "--load", str(tmp_path / "tp1"), "--ckpt-format",
+                                    "torch", "--no-load-optim", "--no-load-rng"], record_history=True)
+    finally:
+        reset_megatron()
+    assert [r.iteration for r in result.history] == [3]
+    assert result.history[0].losses["lm loss"] == pytest.approx(losses[3], rel=1e-5)
+    with pytest.raises(SystemExit):  # Megatron-LM's classic reader is not for it
+        convert.cli(["--model-type", "GPT", "--loader", "legacy", "--load-dir", str(ckpt), "--save-dir",
+                     str(tmp_path / "legacy")])
+    assert "is a torch_dist checkpoint (metadata.json): read it with --loader megatron" in capsys.readouterr().err
 
 
 def test_the_bench_helper_saves_and_loads_either_format_in_one_process(tmp_path):
