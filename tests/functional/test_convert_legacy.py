@@ -419,3 +419,40 @@ def test_args_that_cannot_be_converted_are_one_line(change, message, models, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def _to_hf(loader, load_dir, save_dir):
+    convert.main(["--model-type", "GPT", "--loader", loader, "--saver", "hf", "--load-dir", str(load_dir),
+                  "--save-dir", str(save_dir)])
+
+
+@pytest.mark.parametrize("source", ["legacy", "mcore"])
+@pytest.mark.parametrize("name", list(FLAGS))
+def test_megatron_lm_checkpoint_converts_to_huggingface(name, source, models, tmp_path, capsys):
+    """Megatron-LM (classic v3.0 at TP=2 PP=2, or megatron-core TE names) -> a transformers folder
+    (--saver hf, its config built from the args): from_pretrained gives the original model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    args, whole, model = models[name]
+    write_megatron_lm(tmp_path / "megatron_lm", args, whole, "core_v0.5" if source == "legacy" else "te", 3.0)
+    _to_hf(source, tmp_path / "megatron_lm", tmp_path / "hf")
+    assert "-> OK" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True).eval()
+    tokens = verify.sample_tokens(VOCAB, 16)
+    with torch.no_grad():
+        expected = verify.logits_of(model, tokens)[..., :VOCAB]
+        got = hf(tokens).logits
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_huggingface_converts_to_megatron_core_names(models, tmp_path, capsys):
+    """ours -> HF -> --saver mcore (TE names): read back, the original model's logits."""
+    from tools.checkpoint import saver_core
+
+    args, whole, model = models["llama"]
+    write_megatron_lm(tmp_path / "mcore", args, whole, "te")
+    _to_hf("mcore", tmp_path / "mcore", tmp_path / "hf")
+    _convert("hf", "mcore", tmp_path / "hf", tmp_path / "mcore_again", 2, 2)
+    assert capsys.readouterr().out.count("-> OK") == 2
+    _assert_logits_of_original(model, saver_core.read_back, tmp_path / "mcore_again")
