@@ -111,7 +111,7 @@ def test_loads_at_another_layout_and_continues_like_the_uninterrupted_run(dist_p
     resumed = dist_pool.run(_pretrain, [*FLAGS, *layout, "--train-iters", "4", "--load", str(ckpt)])[-1]
     assert sorted(resumed) == [3, 4]
     for iteration in (3, 4):  # 3 follows from the weights, 4 also from Adam's moments
-        assert resumed[iteration] == pytest.approx(losses[iteration], rel=1e-5), iteration
+        assert resumed[iteration] == pytest.approx(losses[iteration], rel=1e-6), (iteration, resumed[iteration], losses[iteration])
 
 
 # GPT-2 style: LayerNorm, biases, learned positions, embeddings tied (the last stage's copy is not written)
@@ -127,7 +127,7 @@ def test_tied_embeddings_and_virtual_stages_reshard_to_one_stage(pool8, dist_poo
     tensors = read_dcp_metadata(str(ckpt / "iter_0000002" / ".metadata")).state_dict_metadata
     assert "output_layer.weight" not in tensors and "embedding.position_embeddings.weight" in tensors
     resumed = dist_pool.run(_pretrain, [*GPT2, "--train-iters", "3", "--load", str(ckpt)])[-1]
-    assert sorted(resumed) == [3] and resumed[3] == pytest.approx(losses[3], rel=1e-5)
+    assert sorted(resumed) == [3] and resumed[3] == pytest.approx(losses[3], rel=1e-6)
 
 
 def test_auto_detect_reads_either_format(dist_pool, saved, tmp_path):
@@ -145,7 +145,7 @@ def test_auto_detect_reads_either_format(dist_pool, saved, tmp_path):
     from_dist = dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "4", "--load", str(ckpt), "--ckpt-format",
                                           "torch", "--auto-detect-ckpt-format"])[-1]
     assert sorted(from_legacy) == [3, 4]
-    assert from_dist[3] == pytest.approx(losses[3], rel=1e-5) and from_dist[4] == pytest.approx(losses[4], rel=1e-5)
+    assert from_dist[3] == pytest.approx(losses[3], rel=1e-6) and from_dist[4] == pytest.approx(losses[4], rel=1e-6)
 
 
 def test_a_damaged_piece_is_refused_in_one_line(dist_pool, saved, tmp_path):
@@ -212,7 +212,7 @@ def test_the_converter_reads_torch_dist(saved, tmp_path, capsys):
     finally:
         reset_megatron()
     assert [r.iteration for r in result.history] == [3]
-    assert result.history[0].losses["lm loss"] == pytest.approx(losses[3], rel=1e-5)
+    assert result.history[0].losses["lm loss"] == pytest.approx(losses[3], rel=1e-6)
     with pytest.raises(SystemExit):  # Megatron-LM's classic reader is not for it
         convert.cli(["--model-type", "GPT", "--loader", "legacy", "--load-dir", str(ckpt), "--save-dir",
                      str(tmp_path / "legacy")])
