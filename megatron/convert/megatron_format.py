@@ -392,6 +392,8 @@ def resize_vocab(tensor: torch.Tensor, meta: Metadata, rows: int) -> torch.Tenso
     if tensor.shape[0] == rows:
         return tensor
     keep = meta.true_vocab_size if meta.true_vocab_size is not None else min(rows, tensor.shape[0])
+    if rows < tensor.shape[0] and not tensor[keep:rows].any():  # fewer rows, the kept padding zero already:
+        return tensor[:rows]  # a view (no copy of the largest tensor)
     out = tensor.new_zeros((rows, *tensor.shape[1:]))
     out[:keep] = tensor[:keep]
     return out

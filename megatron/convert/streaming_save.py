@@ -89,12 +89,12 @@ class StreamingFile:
     def add(self, tensor: torch.Tensor) -> TensorPlaceholder:
         """Write the tensor's bytes now; the placeholder goes where the tensor would in the object."""
         tensor = tensor.detach().cpu()
-        if not tensor.is_contiguous() or tensor.storage_offset() or \
-                tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-            tensor = tensor.clone(memory_format=torch.contiguous_format)  # exactly its own bytes
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
         key = str(self._keys)
         self._keys += 1
-        self._writer.write_record(f"data/{key}", tensor.untyped_storage(), tensor.numel() * tensor.element_size())
+        # exactly the tensor's own bytes (a view of a larger storage is not copied, nor all of it written)
+        self._writer.write_record(f"data/{key}", tensor.data_ptr(), tensor.numel() * tensor.element_size())
         return TensorPlaceholder(key, tensor.dtype, tensor.shape)
 
     def finish(self, obj: Any) -> Checksum:
