@@ -232,8 +232,12 @@ class SelfAttention(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool = False,
                 rotary_pos_emb: torch.Tensor | None = None,
-                attention_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """rotary_pos_emb: freqs [s, 1, 1, rot_dim] (RotaryEmbedding); attention_bias: ALiBi's, this rank's heads."""
+                attention_bias: torch.Tensor | None = None,
+                inference_context=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """rotary_pos_emb: freqs [s, 1, 1, rot_dim] (RotaryEmbedding); attention_bias: ALiBi's, this rank's heads.
+
+        inference_context (InferenceContext): this step's keys and values (after RoPE) join its cache
+        and the queries attend over the whole cached prefix, [offset + s] keys."""
         np_, ng, hn = (self.num_attention_heads_per_partition, self.num_query_groups_per_partition,
                        self.hidden_size_per_attention_head)
         mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, ng/t * (np/ng + 2) * hn] (s whole, also under SP)
@@ -252,6 +256,8 @@ class SelfAttention(MegatronModule):
             query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config)  # freqs [s, 1, 1, rot]
             key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config)
         query = query.reshape(s, b, np_, hn)  # [s, b, np/t, hn]
+        if inference_context is not None:
+            key, value = inference_context.append_key_value(self.layer_number, key, value)  # [offset + s, b, ng/t, hn]
         core_args = (query, key, value, attention_mask, is_causal, attention_bias)
         if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
             # Selective recompute: keep q, k, v, rerun the attention in backward.

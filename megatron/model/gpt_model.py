@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
+from megatron.inference.context import InferenceContext
 from megatron.model.embedding import LanguageModelEmbedding
 from megatron.model.layers import fused_impl
 from megatron.model.module import MegatronModule
@@ -182,17 +183,22 @@ class GPTModel(MegatronModule):
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
         decoder_input = self.embedding(input_ids, position_ids) if self.embedding is not None else None  # [s, b, h]
         rotary_pos_emb = attention_bias = None
+        # With an inference context the s tokens sit at positions offset .. offset + s - 1 (position_ids
+        # say so to the learned table) and attend over the offset + s cached ones.
+        offset = inference_context.sequence_len_offset if inference_context is not None else 0
         if self.rotary_pos_emb is not None or self.alibi is not None:
             seq_length = self._sequence_length(decoder_input)
             if self.rotary_pos_emb is not None:
-                rotary_pos_emb = self.rotary_pos_emb(seq_length).to(self._device(decoder_input))  # [s, 1, 1, rot]
+                rotary_pos_emb = self.rotary_pos_emb(seq_length, offset).to(self._device(decoder_input))  # [s, 1, 1, rot]
             else:
-                attention_bias = self.alibi(seq_length, seq_length).to(self._device(decoder_input))  # [1, np/t, s, s]
+                attention_bias = self.alibi(seq_length, offset + seq_length).to(
+                    self._device(decoder_input))  # [1, np/t, s, offset + s]
         hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary_pos_emb,
-                                     attention_bias=attention_bias)  # [s, b, h]
+                                     attention_bias=attention_bias, inference_context=inference_context)  # [s, b, h]
         if not self.post_process:
             return hidden_states
         logits, _ = self.output_layer(hidden_states, weight=self.shared_embedding_or_output_weight())  # [s, b, vocab/t]

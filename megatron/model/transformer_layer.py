@@ -82,13 +82,16 @@ class TransformerLayer(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool = False,
                 rotary_pos_emb: torch.Tensor | None = None, attention_bias: torch.Tensor | None = None,
-                context: torch.Tensor | None = None, context_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """is_causal: attention_mask is the causal mask (a hint for the fused attention)."""
+                context: torch.Tensor | None = None, context_mask: torch.Tensor | None = None,
+                inference_context=None) -> torch.Tensor:
+        """is_causal: attention_mask is the causal mask (a hint for the fused attention);
+        inference_context: the key/value cache the self-attention appends to (InferenceContext)."""
         if self.self_attention is not None:
+            kv_cache = {} if inference_context is None else {"inference_context": inference_context}
             hidden_states = self._residual_branch(
                 self.input_layernorm, hidden_states,
                 lambda x: self.self_attention(x, attention_mask, is_causal, rotary_pos_emb=rotary_pos_emb,
-                                              attention_bias=attention_bias))
+                                              attention_bias=attention_bias, **kv_cache))
         if self.cross_attention is not None and context is not None:
             hidden_states = self._residual_branch(
                 self.pre_cross_attn_layernorm, hidden_states,
@@ -171,13 +174,26 @@ class TransformerBlock(MegatronModule):
         self.input_tensor = input_tensor
 
     def forward(self, hidden_states: torch.Tensor | None, attention_mask: torch.Tensor | None,
-                rotary_pos_emb: torch.Tensor | None = None, attention_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """rotary_pos_emb [s, 1, 1, rot_dim] and attention_bias [1, np/t, s, s] reach every layer."""
+                rotary_pos_emb: torch.Tensor | None = None, attention_bias: torch.Tensor | None = None,
+                inference_context=None) -> torch.Tensor:
+        """rotary_pos_emb [s, 1, 1, rot_dim] and attention_bias [1, np/t, s, s] reach every layer.
+
+        With an inference_context the s tokens follow its sequence_len_offset cached ones: the default
+        mask is the causal one over all offset + s keys, [1, 1, s, offset + s]."""
         if not self.pre_process:
             hidden_states = self.input_tensor
         if hidden_states is None:
             raise ValueError("TransformerBlock got no input: pass hidden_states or call set_input_tensor()")
         is_causal = attention_mask is None
+        if inference_context is not None:
+            if attention_mask is None:
+                attention_mask = inference_context.causal_mask(hidden_states.shape[0], hidden_states.device)
+            # The fused kernels' causal shortcut assumes a square mask: only a prefill from position 0 has one.
+            is_causal = is_causal and inference_context.sequence_len_offset == 0
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, attention_mask, is_causal, rotary_pos_emb=rotary_pos_emb,
+                                      attention_bias=attention_bias, inference_context=inference_context)  # [s, b, h]
+            return self.final_layernorm(hidden_states) if self.final_layernorm is not None else hidden_states
         if is_causal:
             seq_length = hidden_states.shape[0]  # s, or s/t under sequence parallelism
             if self.config.sequence_parallel:

@@ -1,0 +1,63 @@
+"""InferenceContext: the key/value cache of incremental decoding (Megatron-Core's InferenceParams).
+
+Each self-attention layer keeps the keys and values of the tokens seen so far, after RoPE, in a
+preallocated buffer per layer (this rank's query groups only):
+
+    key_value_memory_dict[layer_number] = (key [max_s, max_b, ng/t, hn], value [max_s, max_b, ng/t, hn])
+
+A forward with a context runs s new tokens at absolute positions offset .. offset + s - 1
+(offset = sequence_len_offset): every layer writes their K/V at rows [offset, offset + s) and
+batch columns [batch_size_offset, batch_size_offset + b), and attends over rows [0, offset + s).
+The caller advances the offset after the forward (increment). A prefill is a forward at offset 0
+with s > 1, a decode step one with s = 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class InferenceContext:
+    """KV cache and sequence offset of one generation (Megatron-Core's InferenceParams names)."""
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int) -> None:
+        if max_batch_size < 1 or max_sequence_length < 1:
+            raise ValueError(f"max_batch_size ({max_batch_size}) and max_sequence_length "
+                             f"({max_sequence_length}) must be positive")
+        self.max_batch_size = max_batch_size
+        self.max_sequence_length = max_sequence_length
+        self.sequence_len_offset = 0
+        self.batch_size_offset = 0
+        self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def append_key_value(self, layer_number: int, key: torch.Tensor,
+                         value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's key and value [s, b, ng/t, hn] of layer `layer_number` at the offset;
+        return the cached prefix, keys and values [offset + s, b, ng/t, hn]."""
+        s, b = key.shape[:2]
+        start, end = self.sequence_len_offset, self.sequence_len_offset + s
+        first, last = self.batch_size_offset, self.batch_size_offset + b
+        if end > self.max_sequence_length or last > self.max_batch_size:
+            raise ValueError(f"the inference context holds {self.max_sequence_length} positions x "
+                             f"{self.max_batch_size} rows; this step needs positions up to {end} and rows up to {last}")
+        if layer_number not in self.key_value_memory_dict:
+            shape = (self.max_sequence_length, self.max_batch_size, *key.shape[2:])  # [max_s, max_b, ng/t, hn]
+            self.key_value_memory_dict[layer_number] = (key.new_empty(shape), value.new_empty(shape))
+        key_cache, value_cache = self.key_value_memory_dict[layer_number]
+        key_cache[start:end, first:last] = key
+        value_cache[start:end, first:last] = value
+        return key_cache[:end, first:last], value_cache[:end, first:last]  # [offset + s, b, ng/t, hn]
+
+    def causal_mask(self, s: int, device: torch.device) -> torch.Tensor:
+        """bool [1, 1, s, offset + s], True = masked out: query i (position offset + i) sees keys 0 .. offset + i."""
+        offset = self.sequence_len_offset
+        return torch.ones(s, offset + s, dtype=torch.bool, device=device).triu(offset + 1)[None, None]
+
+    def increment(self, s: int) -> None:
+        """Advance the offset past the s tokens just run."""
+        self.sequence_len_offset += s
+
+    def reset(self) -> None:
+        """Start over (the buffers are kept and overwritten)."""
+        self.sequence_len_offset = 0
+        self.batch_size_offset = 0
