@@ -1,0 +1,127 @@
+"""generate_tokens: batched autoregressive decoding with a key/value cache, Megatron-LM's loop.
+
+Prompts of different lengths come right-padded in one [b, max_prompt] tensor; every row is
+extended to max_prompt + tokens_to_generate positions. As in Megatron, decoding starts at the
+shortest prompt's length: the first forward (the prefill) runs positions [0, min_len), then one
+position per step; at each step a row whose prompt is longer keeps its prompt token and only the
+rows past their prompt take the sampled one. Since the mask is causal and padding sits only to
+the right of a row's prompt, no position ever attends to a padding token.
+
+output_log_probs[:, t] is log_softmax(logits at position t)[token t + 1] (Megatron's
+output_log_probs, over the true vocabulary: the output layer's padding rows are dropped).
+Under tensor parallelism every rank runs the loop on the same tokens: the vocab-parallel logits
+are gathered and the chosen tokens broadcast from the group's first rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.inference.context import InferenceContext
+
+
+@dataclass
+class GenerationOutput:
+    """tokens [b, L] (prompt + generated, L <= max_prompt + tokens_to_generate); lengths [b]: a row's
+    tokens end there (after its stop token, or at L); output_log_probs [b, L - 1] or None."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    output_log_probs: torch.Tensor | None = None
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    while not hasattr(model, "num_tokens") and hasattr(model, "module"):  # DDP / Float16Module wrappers
+        model = model.module
+    return model
+
+
+def vocab_logits(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """The model's logits [b, s, vocab/t or vocab] -> fp32 [b, s, num_tokens] (whole, true vocabulary)."""
+    gpt = _unwrapped(model)
+    if logits.shape[-1] != gpt.vocab_size:
+        logits = gather_from_tensor_model_parallel_region(logits)  # [b, s, vocab/t] -> [b, s, vocab]
+    return logits[..., :gpt.num_tokens].float()
+
+
+def _choose(logits: torch.Tensor, top_k: int, top_p: float, temperature: float,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """The next token of each row of logits [b, v]; the same on every tensor-parallel rank."""
+    from megatron.inference.sampling import sample  # the coordinator's module (Megatron's rules)
+
+    tokens = sample(logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:  # unseeded draws may differ by rank
+        dist.broadcast(tokens, parallel_state.get_tensor_model_parallel_src_rank(),
+                       group=parallel_state.get_tensor_model_parallel_group())
+    return tokens
+
+
+@torch.no_grad()
+def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch.Tensor, tokens_to_generate: int,
+                    *, top_k: int = 0, top_p: float = 0.0, top_p_decay: float = 0.0, top_p_bound: float = 0.0,
+                    temperature: float = 1.0, random_seed: int | None = None, stop_token: int | None = None,
+                    eod: int | None = None, prevent_newline_after_colon: bool = False,
+                    colon_token: int | None = None, newline_token: int | None = None,
+                    return_output_log_probs: bool = False, use_cache: bool = True) -> GenerationOutput:
+    """Extend each row's prompt (tokens [b, >= max(lengths)] int64, right-padded; lengths [b]) to
+    max(lengths) + tokens_to_generate tokens; stop early once every row has produced its
+    termination token (stop_token, else eod; None: never). prevent_newline_after_colon forbids
+    newline_token right after colon_token. use_cache=False reruns the whole prefix each step.
+    top_k == 1 is greedy; random_seed seeds the draws (the same on every rank)."""
+    from megatron.inference.sampling import next_top_p
+
+    if tokens_to_generate < 0:
+        raise ValueError(f"tokens_to_generate must be >= 0, got {tokens_to_generate}")
+    if prevent_newline_after_colon and (colon_token is None or newline_token is None):
+        raise ValueError("prevent_newline_after_colon needs colon_token and newline_token")
+    b = tokens.shape[0]
+    lengths = lengths.to(torch.int64)
+    min_len, total = int(lengths.min()), int(lengths.max()) + tokens_to_generate
+    if min_len < 1:
+        raise ValueError("every prompt needs at least one token")
+    padded = torch.zeros(b, total, dtype=torch.int64)  # [b, L]
+    width = min(tokens.shape[1], total)
+    padded[:, :width] = tokens[:, :width]
+    tokens = padded
+    positions = torch.arange(total).expand(b, total)  # [b, L]
+    termination = stop_token if stop_token is not None else eod
+    generator = torch.Generator().manual_seed(random_seed) if random_seed is not None else None
+    context = InferenceContext(b, total) if use_cache else None
+    output_log_probs = torch.zeros(b, total - 1) if return_output_log_probs else None
+    out_lengths = torch.full((b,), total, dtype=torch.int64)
+    finished = torch.zeros(b, dtype=torch.bool)
+    prev, end = 0, total  # positions [0, prev) have had their logits used; tokens [0, end) are returned
+    for step in range(min_len, total):
+        start = prev if use_cache else 0
+        logits = model(tokens[:, start:step], positions[:, start:step], inference_context=context)  # [b, s, v/t]
+        logits = vocab_logits(model, logits)  # [b, s, v]
+        last = logits[:, -1, :].clone()  # [b, v]
+        if prevent_newline_after_colon:
+            last[tokens[:, step - 1] == colon_token, newline_token] = -1e10
+        new = _choose(last, top_k, top_p, temperature, generator)  # [b]
+        started = lengths <= step  # rows past their prompt take the new token
+        tokens[started, step] = new[started]
+        if output_log_probs is not None:
+            log_probs = torch.log_softmax(logits[:, prev - start:], dim=-1)  # [b, step - prev, v]
+            targets = tokens[:, prev + 1:step + 1]  # [b, step - prev]
+            output_log_probs[:, prev:step] = log_probs.gather(2, targets.unsqueeze(2)).squeeze(2)
+        if context is not None:
+            context.increment(step - prev)
+        prev = step
+        top_p = next_top_p(top_p, top_p_decay, top_p_bound)
+        if termination is not None:
+            done = started & (new == termination)
+            out_lengths[done & ~finished] = step + 1
+            finished |= done
+            if bool(finished.all()):
+                end = step + 1
+                break
+    tokens = tokens[:, :end]
+    if output_log_probs is not None:
+        output_log_probs = output_log_probs[:, :end - 1]
+    return GenerationOutput(tokens, out_lengths.clamp(max=end), output_log_probs)

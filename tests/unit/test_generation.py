@@ -1,0 +1,139 @@
+"""Text generation (megatron/inference): greedy decoding equals HuggingFace's generate token for
+token, with the key/value cache and without, for a batch of prompts of different lengths.
+
+The tiny random models of test_hf_equivalence (GPT-2: learned positions, tied output; Llama:
+RoPE, grouped-query attention) mapped into ours. HF runs each prompt alone (no padding) up to the
+batch's common final length, max prompt + tokens_to_generate, as Megatron's loop extends every row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.inference.context import InferenceContext
+from megatron.inference.generation import generate_tokens
+
+from tests.unit.test_hf_equivalence import FUSED, UNFUSED, VOCAB, gpt2, llama_family, make_hf, make_ours
+
+transformers = pytest.importorskip("transformers")
+
+LENGTHS = (5, 9, 7)
+NEW = 8
+MODELS = {"gpt2": gpt2, "llama-gqa": lambda: llama_family("llama")}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def hf(request):
+    return make_hf(MODELS[request.param]())
+
+
+def prompts(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (len(LENGTHS), max(LENGTHS)), generator=generator), torch.tensor(LENGTHS)
+
+
+def hf_greedy(hf, prompt: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's greedy continuation of one prompt [n] to `total` tokens, and the log-prob of each new token."""
+    new = total - prompt.numel()
+    out = hf.generate(prompt[None], do_sample=False, max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
+                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    log_probs = torch.stack(out.logits, dim=1)[0].log_softmax(-1)  # [new, v]
+    generated = out.sequences[0, prompt.numel():]
+    return out.sequences[0], log_probs.gather(1, generated[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("flags", [FUSED, UNFUSED], ids=["fused", "unfused"])
+def test_greedy_matches_hf_generate(hf, flags):
+    ours = make_ours(hf, flags)
+    tokens, lengths = prompts()
+    out = generate_tokens(ours, tokens, lengths, NEW, top_k=1, return_output_log_probs=True)
+    total = max(LENGTHS) + NEW
+    assert out.tokens.shape == (len(LENGTHS), total)
+    assert out.output_log_probs.shape == (len(LENGTHS), total - 1)
+    assert out.lengths.tolist() == [total] * len(LENGTHS)
+    for row, n in enumerate(LENGTHS):
+        expected, expected_log_probs = hf_greedy(hf, tokens[row, :n], total)
+        assert out.tokens[row].tolist() == expected.tolist(), row
+        # output_log_probs[t] scores token t + 1: the generated ones start at column n - 1.
+        torch.testing.assert_close(out.output_log_probs[row, n - 1:], expected_log_probs, rtol=0, atol=1e-4)
+
+
+def test_cached_equals_uncached_and_prompt_log_probs_match_a_full_forward(hf):
+    ours = make_ours(hf, FUSED)
+    tokens, lengths = prompts(seed=5)
+    cached = generate_tokens(ours, tokens, lengths, NEW, top_k=1, return_output_log_probs=True)
+    uncached = generate_tokens(ours, tokens, lengths, NEW, top_k=1, return_output_log_probs=True, use_cache=False)
+    assert torch.equal(cached.tokens, uncached.tokens)
+    torch.testing.assert_close(cached.output_log_probs, uncached.output_log_probs, rtol=0, atol=1e-5)
+    # Every column, prompt tokens included, is the log-prob a single forward of the final tokens gives.
+    full = cached.tokens
+    with torch.no_grad():
+        logits = ours(full, torch.arange(full.shape[1]).expand_as(full)).log_softmax(-1)  # [b, L, v]
+    expected = logits[:, :-1].gather(2, full[:, 1:, None])[..., 0]
+    torch.testing.assert_close(cached.output_log_probs, expected, rtol=0, atol=1e-4)
+
+
+def test_kv_cache_steps_equal_a_full_forward(hf):
+    """Prefill of 6 tokens then 1-token steps: each step's logits equal the full forward's at that position."""
+    ours = make_ours(hf, UNFUSED)
+    tokens = prompts()[0][:, :9]
+    b, s = tokens.shape
+    positions = torch.arange(s).expand(b, s)
+    with torch.no_grad():
+        full = ours(tokens, positions)  # [b, s, v]
+        context = InferenceContext(b, s)
+        pieces = [ours(tokens[:, :6], positions[:, :6], inference_context=context)]
+        context.increment(6)
+        for t in range(6, s):
+            pieces.append(ours(tokens[:, t:t + 1], positions[:, t:t + 1], inference_context=context))
+            context.increment(1)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
+    assert len(context.key_value_memory_dict) == hf.config.num_hidden_layers
+    key, _ = context.key_value_memory_dict[1]
+    assert key.shape == (s, b, hf.config.num_key_value_heads if hasattr(hf.config, "num_key_value_heads")
+                         else hf.config.n_head, ours.config.kv_channels)
+
+
+def test_stops_when_every_row_produced_the_stop_token(hf):
+    ours = make_ours(hf, FUSED)
+    tokens, lengths = prompts()
+    free = generate_tokens(ours, tokens, lengths, NEW, top_k=1)
+    # The stop token: what row 0 generates at its third step (position n + 2); row 0 ends there.
+    stop = int(free.tokens[0, LENGTHS[0] + 2])
+    out = generate_tokens(ours, tokens, lengths, NEW, top_k=1, stop_token=stop)
+    first_stop = [next((t for t in range(n, free.tokens.shape[1]) if free.tokens[row, t] == stop), None)
+                  for row, n in enumerate(LENGTHS)]
+    ends = [t + 1 if t is not None else free.tokens.shape[1] for t in first_stop]
+    assert out.lengths.tolist() == ends
+    assert out.tokens.shape[1] == max(ends)
+    assert torch.equal(out.tokens, free.tokens[:, :max(ends)])
+
+
+def test_prevent_newline_after_colon_and_seeded_sampling(hf):
+    ours = make_ours(hf, FUSED)
+    tokens, lengths = prompts()
+    greedy = generate_tokens(ours, tokens, lengths, NEW, top_k=1)
+    # Call the token row 0 generates first "newline" and its prompt's last token "colon": it is now forbidden.
+    colon, newline = int(tokens[0, LENGTHS[0] - 1]), int(greedy.tokens[0, LENGTHS[0]])
+    out = generate_tokens(ours, tokens, lengths, NEW, top_k=1, prevent_newline_after_colon=True,
+                          colon_token=colon, newline_token=newline)
+    assert out.tokens[0, LENGTHS[0]] != newline
+    after_colon = (out.tokens[:, :-1] == colon) & (out.tokens[:, 1:] == newline)
+    generated = torch.arange(out.tokens.shape[1] - 1)[None] >= (lengths[:, None] - 1)
+    assert not (after_colon & generated).any()
+
+    a = generate_tokens(ours, tokens, lengths, NEW, top_k=5, temperature=0.8, random_seed=7)
+    b = generate_tokens(ours, tokens, lengths, NEW, top_k=5, temperature=0.8, random_seed=7)
+    c = generate_tokens(ours, tokens, lengths, NEW, top_k=5, temperature=0.8, random_seed=8)
+    assert torch.equal(a.tokens, b.tokens) and not torch.equal(a.tokens, c.tokens)
+    for row, n in enumerate(LENGTHS):  # prompts are kept
+        assert torch.equal(a.tokens[row, :n], tokens[row, :n])
