@@ -67,11 +67,15 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
                     temperature: float = 1.0, random_seed: int | None = None, stop_token: int | None = None,
                     eod: int | None = None, prevent_newline_after_colon: bool = False,
                     colon_token: int | None = None, newline_token: int | None = None,
+                    stop_on_eol: bool = False, stop_on_double_eol: bool = False,
+                    double_newline_token: int | None = None,
                     return_output_log_probs: bool = False, use_cache: bool = True) -> GenerationOutput:
     """Extend each row's prompt (tokens [b, >= max(lengths)] int64, right-padded; lengths [b]) to
     max(lengths) + tokens_to_generate tokens; stop early once every row has produced its
     termination token (stop_token, else eod; None: never). prevent_newline_after_colon forbids
-    newline_token right after colon_token. use_cache=False reruns the whole prefix each step.
+    newline_token right after colon_token. Megatron's stop_on_eol ends a row at a newline_token (or
+    double_newline_token), stop_on_double_eol at a double_newline_token or a second newline_token in a
+    row; either replaces the termination token. use_cache=False reruns the whole prefix each step.
     top_k == 1 is greedy; random_seed seeds the draws (the same on every rank)."""
     from megatron.inference.sampling import next_top_p
 
@@ -79,6 +83,8 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
         raise ValueError(f"tokens_to_generate must be >= 0, got {tokens_to_generate}")
     if prevent_newline_after_colon and (colon_token is None or newline_token is None):
         raise ValueError("prevent_newline_after_colon needs colon_token and newline_token")
+    if (stop_on_eol or stop_on_double_eol) and newline_token is None:
+        raise ValueError("stop_on_eol and stop_on_double_eol need newline_token")
     b = tokens.shape[0]
     lengths = lengths.to(torch.int64)
     min_len, total = int(lengths.min()), int(lengths.max()) + tokens_to_generate
@@ -114,8 +120,9 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
             context.increment(step - prev)
         prev = step
         top_p = next_top_p(top_p, top_p_decay, top_p_bound)
-        if termination is not None:
-            done = started & (new == termination)
+        if termination is not None or stop_on_eol or stop_on_double_eol:
+            done = started & _hits_stop(new, tokens[:, step - 1], termination, stop_on_eol, stop_on_double_eol,
+                                        newline_token, double_newline_token)
             out_lengths[done & ~finished] = step + 1
             finished |= done
             if bool(finished.all()):
@@ -125,3 +132,14 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
     if output_log_probs is not None:
         output_log_probs = output_log_probs[:, :end - 1]
     return GenerationOutput(tokens, out_lengths.clamp(max=end), output_log_probs)
+
+
+def _hits_stop(new: torch.Tensor, previous: torch.Tensor, termination: int | None, stop_on_eol: bool,
+               stop_on_double_eol: bool, newline: int | None, double_newline: int | None) -> torch.Tensor:
+    """Rows whose new token [b] ends their generation (Megatron's rules; previous [b]: the token before)."""
+    double = new == double_newline if double_newline is not None else torch.zeros_like(new, dtype=torch.bool)
+    if stop_on_double_eol:
+        return double | ((new == newline) & (previous == newline))
+    if stop_on_eol:
+        return double | (new == newline)
+    return new == termination

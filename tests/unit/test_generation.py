@@ -116,6 +116,9 @@ def test_stops_when_every_row_produced_the_stop_token(hf):
     assert out.lengths.tolist() == ends
     assert out.tokens.shape[1] == max(ends)
     assert torch.equal(out.tokens, free.tokens[:, :max(ends)])
+    # Megatron's stop_on_eol: the newline token ends a row instead of the termination token.
+    eol = generate_tokens(ours, tokens, lengths, NEW, top_k=1, stop_on_eol=True, newline_token=stop, eod=-1)
+    assert eol.lengths.tolist() == ends
 
 
 def test_prevent_newline_after_colon_and_seeded_sampling(hf):
@@ -137,3 +140,37 @@ def test_prevent_newline_after_colon_and_seeded_sampling(hf):
     assert torch.equal(a.tokens, b.tokens) and not torch.equal(a.tokens, c.tokens)
     for row, n in enumerate(LENGTHS):  # prompts are kept
         assert torch.equal(a.tokens[row, :n], tokens[row, :n])
+
+
+def test_api_generate_and_score_give_megatrons_response():
+    from megatron.inference.api import generate, score
+    from megatron.tokenizer.null_tokenizer import NullTokenizer
+
+    hf = make_hf(gpt2())
+    ours = make_ours(hf, FUSED)
+    tokenizer = NullTokenizer(VOCAB - 1)  # ids 0 .. 126, eod 127 (GPT-2's eos here)
+    prompts_text = ["3 1 4 1 5", "9 2 6 5 3 5 8 9", "7 9"]
+    response = generate(ours, tokenizer, prompts_text, tokens_to_generate=6, top_k=1, logprobs=True, add_BOS=True)
+    assert set(response) == {"text", "segments", "logprobs", "tokens"}
+    ids = [[tokenizer.eod] + [int(x) for x in p.split()] for p in prompts_text]
+    width = max(map(len, ids))
+    padded = torch.tensor([row + [tokenizer.eod] * (width - len(row)) for row in ids])
+    out = generate_tokens(ours, padded, torch.tensor(list(map(len, ids))), 6, top_k=1, eod=tokenizer.eod,
+                          return_output_log_probs=True)
+    for row, ids_row in enumerate(ids):
+        n = int(out.lengths[row])
+        assert response["tokens"][row] == out.tokens[row, :n].tolist()
+        assert response["tokens"][row][:len(ids_row)] == ids_row
+        assert response["text"][row] == " ".join(map(str, response["tokens"][row]))
+        assert response["segments"][row] == [str(t) for t in response["tokens"][row]]
+        assert response["logprobs"][row] == pytest.approx(out.output_log_probs[row, :n - 1].tolist(), abs=1e-6)
+
+    scored = score(ours, tokenizer, prompts_text, return_logits=True)
+    with torch.no_grad():
+        row = torch.tensor([[3, 1, 4, 1, 5]])
+        expected = hf(row).logits.log_softmax(-1)[0, :-1].gather(1, row[0, 1:, None])[:, 0]
+    assert scored["tokens"][0] == [3, 1, 4, 1, 5]
+    assert scored["logprobs"][0] == pytest.approx(expected.tolist(), abs=1e-4)
+    assert [len(lp) for lp in scored["logprobs"]] == [4, 7, 1]
+    assert scored["logits"][2].shape == (2, VOCAB)
+    assert generate(ours, tokenizer, prompts_text, tokens_to_generate=0)["logprobs"] == scored["logprobs"]
