@@ -10,7 +10,10 @@ the right of a row's prompt, no position ever attends to a padding token.
 output_log_probs[:, t] is log_softmax(logits at position t)[token t + 1] (Megatron's
 output_log_probs, over the true vocabulary: the output layer's padding rows are dropped).
 Under tensor parallelism every rank runs the loop on the same tokens: the vocab-parallel logits
-are gathered and the chosen tokens broadcast from the group's first rank.
+are gathered and the chosen tokens broadcast from the group's first rank. Under pipeline
+parallelism each stage keeps the K/V of its own layers; a step's activations go stage to stage
+(p2p_communication), the last stage chooses the tokens and broadcasts them (and, at the end, the
+log-probs) over the pipeline group.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import p2p_communication
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.inference.context import InferenceContext
 
@@ -47,6 +51,32 @@ def vocab_logits(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
     if logits.shape[-1] != gpt.vocab_size:
         logits = gather_from_tensor_model_parallel_region(logits)  # [b, s, vocab/t] -> [b, s, vocab]
     return logits[..., :gpt.num_tokens].float()
+
+
+def _stage_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                   context: InferenceContext | None) -> torch.Tensor | None:
+    """This pipeline stage's forward of tokens [b, s]: it receives the previous stage's activations
+    [s, b, h] and sends its own on; the last stage returns the logits [b, s, v] (fp32, true
+    vocabulary), the others None. Each stage's layers keep their K/V in the same context."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return vocab_logits(model, model(tokens, positions, inference_context=context))
+    config = _unwrapped(model).config
+    shape = (tokens.shape[1], tokens.shape[0], config.hidden_size)  # [s, b, h]
+    if not parallel_state.is_pipeline_first_stage():
+        model.set_input_tensor(p2p_communication.recv_forward(shape, config.params_dtype))
+    output = model(tokens, positions, inference_context=context)
+    if not parallel_state.is_pipeline_last_stage():
+        p2p_communication.send_forward(output, shape, config.params_dtype)  # [s, b, h]
+        return None
+    return vocab_logits(model, output)
+
+
+def _from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    """The last pipeline stage's tensor on every stage (a broadcast over the pipeline group)."""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(tensor, parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return tensor
 
 
 def _choose(logits: torch.Tensor, top_k: int, top_p: float, temperature: float,
@@ -104,15 +134,17 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
     prev, end = 0, total  # positions [0, prev) have had their logits used; tokens [0, end) are returned
     for step in range(min_len, total):
         start = prev if use_cache else 0
-        logits = model(tokens[:, start:step], positions[:, start:step], inference_context=context)  # [b, s, v/t]
-        logits = vocab_logits(model, logits)  # [b, s, v]
-        last = logits[:, -1, :].clone()  # [b, v]
-        if prevent_newline_after_colon:
-            last[tokens[:, step - 1] == colon_token, newline_token] = -1e10
-        new = _choose(last, top_k, top_p, temperature, generator)  # [b]
+        logits = _stage_forward(model, tokens[:, start:step], positions[:, start:step], context)  # [b, s, v] or None
+        new = torch.zeros(b, dtype=torch.int64)
+        if logits is not None:  # the last pipeline stage chooses
+            last = logits[:, -1, :].clone()  # [b, v]
+            if prevent_newline_after_colon:
+                last[tokens[:, step - 1] == colon_token, newline_token] = -1e10
+            new = _choose(last, top_k, top_p, temperature, generator)  # [b]
+        new = _from_last_stage(new)
         started = lengths <= step  # rows past their prompt take the new token
         tokens[started, step] = new[started]
-        if output_log_probs is not None:
+        if output_log_probs is not None and logits is not None:
             log_probs = torch.log_softmax(logits[:, prev - start:], dim=-1)  # [b, step - prev, v]
             targets = tokens[:, prev + 1:step + 1]  # [b, step - prev]
             output_log_probs[:, prev:step] = log_probs.gather(2, targets.unsqueeze(2)).squeeze(2)
@@ -130,7 +162,7 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
                 break
     tokens = tokens[:, :end]
     if output_log_probs is not None:
-        output_log_probs = output_log_probs[:, :end - 1]
+        output_log_probs = _from_last_stage(output_log_probs)[:, :end - 1]
     return GenerationOutput(tokens, out_lengths.clamp(max=end), output_log_probs)
 
 

@@ -1,12 +1,15 @@
-"""Text generation under tensor parallelism: TP = 2 (heads split over the ranks, the vocab-parallel
-logits gathered) gives the serial model's tokens and log-probs.
+"""Text generation under model parallelism gives the serial model's tokens and log-probs: TP = 2
+(heads split over the ranks, the vocab-parallel logits gathered), PP = 2 (one layer per stage,
+each stage's own KV cache, the last stage choosing and broadcasting the tokens) and TP = 2 x PP = 2.
 
 Each task builds a tiny random HuggingFace model (the same seed on every rank), maps it into ours
 (megatron.convert.huggingface), runs greedy generation serially (TP = 1) and then on a TP = 2
-model whose parameters are the serial ones' shards (tensor_parallel.layout.shard_for_rank), with a
-batch of prompts of different lengths, with and without the KV cache. The world has 4 ranks: two
-TP = 2 groups run the same thing side by side.
+model whose parameters are the serial ones' shards (tensor_parallel.layout.shard_for_rank; a stage
+takes its layers), with a batch of prompts of different lengths, with and without the KV cache, and
+seeded top-k sampling. The world has 4 ranks (TP = 2 or PP = 2 alone: two replicas side by side).
 """
+
+import re
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.inference.generation import generate_tokens
 from megatron.model import GPTModel, TransformerConfig
+from megatron.model.transformer_layer import get_layer_offset
 from tests.parallel.harness import init_parallel
 from tests.unit.test_hf_equivalence import VOCAB, gpt2, llama_family, make_hf
 
@@ -27,14 +31,20 @@ MODELS = {"gpt2": gpt2, "llama-gqa": lambda: llama_family("llama"),
           "llama-mqa": lambda: llama_family("llama", num_key_value_heads=1)}
 
 
-def _build(hf, tp: int) -> GPTModel:
+def _build(hf, tp: int, pp: int = 1) -> GPTModel:
+    """Our model of this rank's stage and TP shard, its parameters cut from the whole mapped state dict."""
     config_kwargs, model_kwargs = config_from_hf(hf.config, seq_length=32)
-    model = GPTModel(TransformerConfig(**config_kwargs, tensor_model_parallel_size=tp), **model_kwargs).eval()
+    config = TransformerConfig(**config_kwargs, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = GPTModel(config, **model_kwargs, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage()).eval()
     full = state_dict_from_hf(hf.state_dict(), hf.config)
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    offset, rank = get_layer_offset(config), parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(shard_for_rank(full[name], param, tp, rank))
+            key = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", name)
+            if key == "output_layer.weight" and key not in full:  # tied: the last stage's copy of the embedding
+                key = "embedding.word_embeddings.weight"
+            param.copy_(shard_for_rank(full[key], param, tp, rank))
     return model
 
 
@@ -51,26 +61,30 @@ def _generate(model: GPTModel) -> dict:
     return runs
 
 
-def _serial_and_tp2(name: str) -> dict:
+def _serial_and_parallel(name: str, layouts: list) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         hf = make_hf(MODELS[name]())
         init_parallel(tp=1)
-        serial = _generate(_build(hf, 1))
-        parallel_state.destroy_model_parallel()
-        init_parallel(tp=2)
-        parallel = _generate(_build(hf, 2))
+        results = {"serial": _generate(_build(hf, 1))}
+        for tp, pp in layouts:
+            parallel_state.destroy_model_parallel()
+            init_parallel(tp=tp, pp=pp)
+            results[f"tp{tp}-pp{pp}"] = _generate(_build(hf, tp, pp))
     finally:
         torch.set_num_threads(threads)
-    return {"serial": serial, "tp2": parallel}
+    return results
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_tp2_generation_equals_serial(dist_pool, name):
-    for rank, result in enumerate(dist_pool.run(_serial_and_tp2, name)):
-        for run, (tokens, log_probs) in result["tp2"].items():
-            expected_tokens, expected_log_probs = result["serial"][run]
-            assert torch.equal(tokens, expected_tokens), (rank, run)
-            if log_probs is not None:
-                torch.testing.assert_close(log_probs, expected_log_probs, rtol=0, atol=1e-4)
+def test_parallel_generation_equals_serial(dist_pool, name):
+    layouts = [(2, 1), (1, 2), (2, 2)]
+    for rank, result in enumerate(dist_pool.run(_serial_and_parallel, name, layouts)):
+        assert len(result) == 1 + len(layouts)
+        for layout in [f"tp{tp}-pp{pp}" for tp, pp in layouts]:
+            for run, (tokens, log_probs) in result[layout].items():
+                expected_tokens, expected_log_probs = result["serial"][run]
+                assert torch.equal(tokens, expected_tokens), (rank, layout, run)
+                if log_probs is not None:  # every stage returns the last stage's log-probs
+                    torch.testing.assert_close(log_probs, expected_log_probs, rtol=0, atol=1e-4)
