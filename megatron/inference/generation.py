@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import p2p_communication
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.inference.context import InferenceContext
+from megatron.inference.sampling import next_top_p, sample
 
 
 @dataclass
@@ -82,8 +83,6 @@ def _from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
 def _choose(logits: torch.Tensor, top_k: int, top_p: float, temperature: float,
             generator: torch.Generator | None) -> torch.Tensor:
     """The next token of each row of logits [b, v]; the same on every tensor-parallel rank."""
-    from megatron.inference.sampling import sample  # the coordinator's module (Megatron's rules)
-
     tokens = sample(logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:  # unseeded draws may differ by rank
         dist.broadcast(tokens, parallel_state.get_tensor_model_parallel_src_rank(),
@@ -107,8 +106,6 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
     double_newline_token), stop_on_double_eol at a double_newline_token or a second newline_token in a
     row; either replaces the termination token. use_cache=False reruns the whole prefix each step.
     top_k == 1 is greedy; random_seed seeds the draws (the same on every rank)."""
-    from megatron.inference.sampling import next_top_p
-
     if tokens_to_generate < 0:
         raise ValueError(f"tokens_to_generate must be >= 0, got {tokens_to_generate}")
     if prevent_newline_after_colon and (colon_token is None or newline_token is None):

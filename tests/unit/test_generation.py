@@ -103,6 +103,28 @@ def test_kv_cache_steps_equal_a_full_forward(hf):
                          else hf.config.n_head, ours.config.kv_channels)
 
 
+@pytest.mark.parametrize("position", ["alibi", "learned_absolute"])
+def test_kv_cache_steps_with_alibi_and_a_mask_free_decode(position):
+    """ALiBi's bias for queries at the offset, and a model of our own (no HF counterpart)."""
+    from megatron.model import GPTModel, TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1)
+    model = GPTModel(config, vocab_size=64, max_sequence_length=16, position_embedding_type=position).eval()
+    tokens = torch.randint(0, 64, (2, 10))
+    positions = torch.arange(10).expand(2, 10)
+    with torch.no_grad():
+        full = model(tokens, positions)
+        context = InferenceContext(2, 10)
+        pieces = [model(tokens[:, :4], positions[:, :4], inference_context=context)]
+        context.increment(4)
+        for t in range(4, 10):
+            pieces.append(model(tokens[:, t:t + 1], positions[:, t:t + 1], inference_context=context))
+            context.increment(1)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
+
+
 def test_stops_when_every_row_produced_the_stop_token(hf):
     ours = make_ours(hf, FUSED)
     tokens, lengths = prompts()
