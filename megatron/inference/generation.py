@@ -117,6 +117,10 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
     min_len, total = int(lengths.min()), int(lengths.max()) + tokens_to_generate
     if min_len < 1:
         raise ValueError("every prompt needs at least one token")
+    gpt = _unwrapped(model)
+    if getattr(gpt, "position_embedding_type", None) == "learned_absolute" and total > gpt.max_sequence_length:
+        raise ValueError(f"the longest prompt + tokens_to_generate is {total} tokens, more than the model's "
+                         f"{gpt.max_sequence_length} learned positions (--max-position-embeddings)")
     padded = torch.zeros(b, total, dtype=torch.int64)  # [b, L]
     width = min(tokens.shape[1], total)
     padded[:, :width] = tokens[:, :width]

@@ -125,6 +125,15 @@ def test_kv_cache_steps_with_alibi_and_a_mask_free_decode(position):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
 
 
+def test_refuses_more_tokens_than_learned_positions():
+    ours = make_ours(make_hf(gpt2()), FUSED)  # n_positions 64
+    tokens, lengths = prompts()
+    with pytest.raises(ValueError, match="learned positions"):
+        generate_tokens(ours, tokens, lengths, 64 - max(LENGTHS) + 1, top_k=1)
+    with pytest.raises(ValueError, match="tokens_to_generate"):
+        generate_tokens(ours, tokens, lengths, -1, top_k=1)
+
+
 def test_stops_when_every_row_produced_the_stop_token(hf):
     ours = make_ours(hf, FUSED)
     tokens, lengths = prompts()
