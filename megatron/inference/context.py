@@ -53,6 +53,15 @@ class InferenceContext:
         offset = self.sequence_len_offset
         return torch.ones(s, offset + s, dtype=torch.bool, device=device).triu(offset + 1)[None, None]
 
+    def swap_key_value_dict(self, batch_idx: torch.Tensor) -> None:
+        """Reorder the cached rows (Megatron-Core's name): row i of every layer's cache becomes the old
+        row batch_idx[i] (beam search: each new beam continues a parent beam). Only the first
+        len(batch_idx) rows are kept valid."""
+        end, n = self.sequence_len_offset, len(batch_idx)
+        for key_cache, value_cache in self.key_value_memory_dict.values():
+            for cache in (key_cache, value_cache):
+                cache[:end, :n] = cache[:end].index_select(1, batch_idx.to(cache.device))  # [offset, n, ng/t, hn]
+
     def increment(self, s: int) -> None:
         """Advance the offset past the s tokens just run."""
         self.sequence_len_offset += s

@@ -176,3 +176,46 @@ def _hits_stop(new: torch.Tensor, previous: torch.Tensor, termination: int | Non
     if stop_on_eol:
         return double | (new == newline)
     return new == termination
+
+
+def cached_next_logits(model: torch.nn.Module, max_sequence_length: int):
+    """beam_search's next_logits (megatron/inference/beam_search.py) with a key/value cache:
+    next_logits(tokens [beams, n]) -> logits [beams, num_tokens] of position n - 1.
+
+    When every row extends a row of the previous call by one token (a beam continuing its parent),
+    the cache is reordered to the parents (swap_key_value_dict) and only the new tokens run;
+    otherwise (the first call, another length) the whole prefix is prefilled. max_sequence_length:
+    the longest sequence it will see (prompt + tokens_to_generate). TP = 1, PP = 1 or any layout
+    on which every rank makes the same calls.
+    """
+    state: dict = {"context": None, "tokens": None}
+
+    @torch.no_grad()
+    def next_logits(tokens: torch.Tensor) -> torch.Tensor:
+        beams, n = tokens.shape
+        context, previous = state["context"], state["tokens"]
+        parents = _parent_rows(previous, tokens) if context is not None else None
+        if parents is None or beams > context.max_batch_size:
+            context = InferenceContext(beams, max_sequence_length)
+            start = 0
+        else:
+            context.swap_key_value_dict(parents)
+            start = n - 1
+        positions = torch.arange(start, n).expand(beams, n - start)
+        logits = _stage_forward(model, tokens[:, start:], positions, context)  # [beams, n - start, v]
+        context.increment(n - start)
+        state["context"], state["tokens"] = context, tokens.clone()
+        return logits[:, -1, :]  # [beams, v]
+
+    return next_logits
+
+
+def _parent_rows(previous: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:
+    """For each row of tokens [B, n], the index of a row of previous [B0, n - 1] that is its prefix; None
+    unless every row has one."""
+    if previous is None or previous.shape[1] != tokens.shape[1] - 1:
+        return None
+    match = (tokens[:, None, :-1] == previous[None]).all(dim=-1)  # [B, B0]
+    if not bool(match.any(dim=1).all()):
+        return None
+    return match.to(torch.int8).argmax(dim=1)  # [B]

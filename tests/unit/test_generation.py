@@ -205,3 +205,32 @@ def test_api_generate_and_score_give_megatrons_response():
     assert [len(lp) for lp in scored["logprobs"]] == [4, 7, 1]
     assert scored["logits"][2].shape == (2, VOCAB)
     assert generate(ours, tokenizer, prompts_text, tokens_to_generate=0)["logprobs"] == scored["logprobs"]
+
+
+def test_beam_search_with_the_kv_cache_equals_the_recomputed_one(hf, monkeypatch):
+    from megatron.inference import generation
+    from megatron.inference.beam_search import beam_search, model_next_logits
+    from megatron.inference.generation import cached_next_logits
+
+    prefills = []
+
+    class CountingContext(InferenceContext):
+        def __init__(self, *args):
+            prefills.append(args)
+            super().__init__(*args)
+
+    monkeypatch.setattr(generation, "InferenceContext", CountingContext)
+    ours = make_ours(hf, FUSED)
+    prompt = prompts()[0][1, :6].tolist()
+    calls = []
+    cached = cached_next_logits(ours, len(prompt) + NEW)
+
+    def counting(tokens):
+        calls.append(tokens.shape)
+        return cached(tokens)
+
+    expected = beam_search(model_next_logits(ours), prompt, 3, NEW, length_penalty=1.0, vocab_size=VOCAB)
+    result = beam_search(counting, prompt, 3, NEW, length_penalty=1.0, vocab_size=VOCAB)
+    assert result.tokens == expected.tokens
+    assert result.scores == pytest.approx(expected.scores, abs=1e-4)
+    assert len(calls) > 2 and len(prefills) == 1  # one prefill, then the reordered cache every step
