@@ -16,7 +16,9 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron.inference.generation import GenerationOutput, generate_tokens, vocab_logits
+from megatron.core import parallel_state
+from megatron.inference import beam_search as beam
+from megatron.inference.generation import GenerationOutput, cached_next_logits, generate_tokens, vocab_logits
 
 
 def tokenize_prompts(tokenizer, prompts: Sequence[str], add_BOS: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,3 +95,38 @@ def score(model: torch.nn.Module, tokenizer, prompts: Sequence[str], *, add_BOS:
     if return_logits:
         response["logits"] = [row[:n] for row, n in zip(logits, lengths.tolist())]
     return response
+
+
+def beam_search(model: torch.nn.Module, tokenizer, prompts: Sequence[str], tokens_to_generate: int, beam_width: int,
+                *, stop_token: int | None = None, num_return_gen: int = 1, length_penalty: float = 1.0,
+                add_BOS: bool = False, use_cache: bool = True) -> dict[str, Any]:
+    """Megatron's beam_search_and_post_process for one prompt: {"text", "segments", "scores"} of the
+    num_return_gen best hypotheses (prompt + generation, stop token included; scores length-penalised).
+    stop_token defaults to the tokenizer's eod. Tensor parallelism works (every rank searches the
+    same gathered logits); pipeline parallelism does not yet."""
+    if len(prompts) != 1:
+        raise ValueError(f"beam search takes one prompt, got {len(prompts)}")
+    if not 1 <= num_return_gen <= beam_width:
+        raise ValueError(f"num_return_gen ({num_return_gen}) must be in [1, beam_width ({beam_width})]")
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("beam search under pipeline parallelism is not supported yet")
+    model.eval()
+    tokens, _ = tokenize_prompts(tokenizer, prompts, add_BOS)
+    prompt = tokens[0].tolist()
+    if use_cache:
+        next_logits = cached_next_logits(model, len(prompt) + tokens_to_generate)
+    else:
+        next_logits = beam.model_next_logits(model)
+    result = beam.beam_search(next_logits, prompt, beam_width, tokens_to_generate,
+                              stop_token=tokenizer.eod if stop_token is None else stop_token,
+                              length_penalty=length_penalty, vocab_size=_num_tokens(model))
+    rows = result.tokens[:num_return_gen]
+    return {"text": [tokenizer.detokenize(row) for row in rows],
+            "segments": [[tokenizer.detokenize([token]) for token in row] for row in rows],
+            "scores": result.scores[:num_return_gen]}
+
+
+def _num_tokens(model: torch.nn.Module) -> int:
+    while not hasattr(model, "num_tokens") and hasattr(model, "module"):
+        model = model.module
+    return model.num_tokens

@@ -234,3 +234,20 @@ def test_beam_search_with_the_kv_cache_equals_the_recomputed_one(hf, monkeypatch
     assert result.tokens == expected.tokens
     assert result.scores == pytest.approx(expected.scores, abs=1e-4)
     assert len(calls) > 2 and len(prefills) == 1  # one prefill, then the reordered cache every step
+
+
+def test_api_beam_search_gives_the_best_hypotheses_as_text():
+    from megatron.inference import api
+    from megatron.inference.beam_search import beam_search, model_next_logits
+    from megatron.tokenizer.null_tokenizer import NullTokenizer
+
+    ours = make_ours(make_hf(gpt2()), FUSED)
+    tokenizer = NullTokenizer(VOCAB - 1)
+    response = api.beam_search(ours, tokenizer, ["3 1 4 1 5"], 6, 3, num_return_gen=2, length_penalty=0.5)
+    expected = beam_search(model_next_logits(ours), [3, 1, 4, 1, 5], 3, 6, stop_token=tokenizer.eod,
+                           length_penalty=0.5, vocab_size=VOCAB)
+    assert response["text"] == [" ".join(map(str, row)) for row in expected.tokens[:2]]
+    assert response["segments"][0] == [str(token) for token in expected.tokens[0]]
+    assert response["scores"] == pytest.approx(expected.scores[:2], abs=1e-4)
+    with pytest.raises(ValueError, match="one prompt"):
+        api.beam_search(ours, tokenizer, ["1", "2"], 4, 2)
