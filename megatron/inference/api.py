@@ -18,7 +18,8 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.inference import beam_search as beam
-from megatron.inference.generation import GenerationOutput, cached_next_logits, generate_tokens, vocab_logits
+from megatron.inference.generation import (GenerationOutput, from_last_stage, stage_forward, cached_next_logits,
+                                           generate_tokens)
 
 
 def tokenize_prompts(tokenizer, prompts: Sequence[str], add_BOS: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,15 +86,18 @@ def generate(model: torch.nn.Module, tokenizer, prompts: Sequence[str], tokens_t
 def score(model: torch.nn.Module, tokenizer, prompts: Sequence[str], *, add_BOS: bool = False,
           return_logits: bool = False) -> dict[str, Any]:
     """One forward over the prompts: the response dict with logprobs[i][j] = log p(token j + 1 | tokens
-    0 .. j); with return_logits also "logits", each row's [length, vocab] fp32 tensor (true vocabulary)."""
+    0 .. j), on every rank; with return_logits also "logits", each row's [length, vocab] fp32 tensor
+    (true vocabulary; under pipeline parallelism on the last stage, None elsewhere)."""
     model.eval()
     tokens, lengths = tokenize_prompts(tokenizer, prompts, add_BOS)
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    logits = vocab_logits(model, model(tokens, positions))  # [b, s, v]
-    log_probs = logits[:, :-1].log_softmax(-1).gather(2, tokens[:, 1:, None])[..., 0]  # [b, s - 1]
-    response = _response(tokenizer, tokens, lengths, log_probs)
-    if return_logits:
-        response["logits"] = [row[:n] for row, n in zip(logits, lengths.tolist())]
+    logits = stage_forward(model, tokens, positions, None)  # [b, s, v] on the last pipeline stage, else None
+    log_probs = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
+    if logits is not None:
+        log_probs = logits[:, :-1].log_softmax(-1).gather(2, tokens[:, 1:, None])[..., 0]  # [b, s - 1]
+    response = _response(tokenizer, tokens, lengths, from_last_stage(log_probs))
+    if return_logits:  # on the last pipeline stage only (None on the others)
+        response["logits"] = None if logits is None else [row[:n] for row, n in zip(logits, lengths.tolist())]
     return response
 
 

@@ -54,7 +54,7 @@ def vocab_logits(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return logits[..., :gpt.num_tokens].float()
 
 
-def _stage_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+def stage_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
                    context: InferenceContext | None) -> torch.Tensor | None:
     """This pipeline stage's forward of tokens [b, s]: it receives the previous stage's activations
     [s, b, h] and sends its own on; the last stage returns the logits [b, s, v] (fp32, true
@@ -72,7 +72,7 @@ def _stage_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torc
     return vocab_logits(model, output)
 
 
-def _from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+def from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     """The last pipeline stage's tensor on every stage (a broadcast over the pipeline group)."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(tensor, parallel_state.get_pipeline_model_parallel_last_rank(),
@@ -135,14 +135,14 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
     prev, end = 0, total  # positions [0, prev) have had their logits used; tokens [0, end) are returned
     for step in range(min_len, total):
         start = prev if use_cache else 0
-        logits = _stage_forward(model, tokens[:, start:step], positions[:, start:step], context)  # [b, s, v] or None
+        logits = stage_forward(model, tokens[:, start:step], positions[:, start:step], context)  # [b, s, v] or None
         new = torch.zeros(b, dtype=torch.int64)
         if logits is not None:  # the last pipeline stage chooses
             last = logits[:, -1, :].clone()  # [b, v]
             if prevent_newline_after_colon:
                 last[tokens[:, step - 1] == colon_token, newline_token] = -1e10
             new = _choose(last, top_k, top_p, temperature, generator)  # [b]
-        new = _from_last_stage(new)
+        new = from_last_stage(new)
         started = lengths <= step  # rows past their prompt take the new token
         tokens[started, step] = new[started]
         if output_log_probs is not None and logits is not None:
@@ -163,7 +163,7 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
                 break
     tokens = tokens[:, :end]
     if output_log_probs is not None:
-        output_log_probs = _from_last_stage(output_log_probs)[:, :end - 1]
+        output_log_probs = from_last_stage(output_log_probs)[:, :end - 1]
     return GenerationOutput(tokens, out_lengths.clamp(max=end), output_log_probs)
 
 
@@ -202,7 +202,7 @@ def cached_next_logits(model: torch.nn.Module, max_sequence_length: int):
             context.swap_key_value_dict(parents)
             start = n - 1
         positions = torch.arange(start, n).expand(beams, n - start)
-        logits = _stage_forward(model, tokens[:, start:], positions, context)  # [beams, n - start, v]
+        logits = stage_forward(model, tokens[:, start:], positions, context)  # [beams, n - start, v]
         context.increment(n - start)
         state["context"], state["tokens"] = context, tokens.clone()
         return logits[:, -1, :]  # [beams, v]

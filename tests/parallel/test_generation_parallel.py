@@ -6,7 +6,7 @@ Each task builds a tiny random HuggingFace model (the same seed on every rank), 
 (megatron.convert.huggingface), runs greedy generation serially (TP = 1) and then on a TP = 2
 model whose parameters are the serial ones' shards (tensor_parallel.layout.shard_for_rank; a stage
 takes its layers), with a batch of prompts of different lengths, with and without the KV cache, and
-seeded top-k sampling. The world has 4 ranks (TP = 2 or PP = 2 alone: two replicas side by side).
+seeded top-k sampling, and api.score's log-probs. The world has 4 ranks (TP = 2 or PP = 2 alone: two replicas side by side).
 """
 
 import re
@@ -17,9 +17,11 @@ import torch
 from megatron.convert.huggingface import config_from_hf, state_dict_from_hf
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layout import shard_for_rank
+from megatron.inference.api import score
 from megatron.inference.generation import generate_tokens
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.transformer_layer import get_layer_offset
+from megatron.tokenizer.null_tokenizer import NullTokenizer
 from tests.parallel.harness import init_parallel
 from tests.unit.test_hf_equivalence import VOCAB, gpt2, llama_family, make_hf
 
@@ -58,6 +60,8 @@ def _generate(model: GPTModel) -> dict:
         runs[f"greedy-cache={cache}"] = (out.tokens, out.output_log_probs)
     out = generate_tokens(model, tokens, lengths, NEW, top_k=4, temperature=0.9, random_seed=11)
     runs["sampled"] = (out.tokens, None)
+    scored = score(model, NullTokenizer(VOCAB - 1), ["3 1 4 1 5 9", "2 6"])
+    runs["score"] = (torch.tensor(scored["tokens"][0]), torch.tensor(scored["logprobs"][0]))
     return runs
 
 
