@@ -1,0 +1,338 @@
+"""The text generation server: Megatron's `PUT /api` and OpenAI's `POST /v1/completions`.
+
+    client --HTTP--> GenerationServer (a thread per connection)
+                       validate the body (server_requests)      -> 4xx + JSON error naming the field
+                       with the generation lock: backend.generate(request)   (one request at a time)
+                       answer: Megatron's {text, segments, logprobs, tokens} or OpenAI's completion
+
+| path | method | body | answer |
+|---|---|---|---|
+| /api | PUT | Megatron's fields (prompts, tokens_to_generate, ...) | `{"text", "segments", "logprobs", "tokens"}` |
+| /v1/completions (and Megatron's /completions) | POST | prompt, max_tokens, temperature, top_p, n, stop, logprobs, stream, ... | `{"id", "object": "text_completion", "choices", "usage"}`, or server-sent events |
+
+The standard library's ThreadingHTTPServer serves it: the server answers a handful of JSON
+routes for one model that computes one request at a time, so a framework (Flask, as Megatron
+uses) would add a dependency and nothing we use. Requests wait for one lock, so answers never mix
+and the other ranks see requests in one order; connections are read and validated outside it.
+
+The backend is the seam to the model: `generate(request) -> dict` and `tokenize(text) -> ids`.
+ApiBackend calls megatron.inference.api.generate; tools/run_text_generation_server.py wraps it so
+every rank runs the same request.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import traceback
+import uuid
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from megatron.inference.server_requests import (
+    CompletionOptions, GenerationRequest, Limits, RequestError, decode_body, parse_api_request,
+    parse_completions_request,
+)
+
+API_PATH = "/api"
+COMPLETIONS_PATHS = ("/v1/completions", "/completions")  # OpenAI's path, and Megatron's
+_ROUTES = {API_PATH: "PUT", **{path: "POST" for path in COMPLETIONS_PATHS}}
+# An oversized body is read and dropped up to this size so the client sees the 413 (closing a
+# socket with unread data resets the connection, and the answer may be lost); larger: closed.
+_DRAIN_LIMIT = 64 << 20
+
+
+class GenerationBackend:
+    """What the server needs from a model: generate a request, count a prompt's tokens."""
+
+    def generate(self, request: GenerationRequest) -> Dict[str, Any]:
+        """Megatron's response body: text, segments, logprobs (or None), tokens (one per prompt)."""
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> List[int]:
+        raise NotImplementedError
+
+
+class ApiBackend(GenerationBackend):
+    """megatron.inference.api on one model and tokenizer (imported on first use)."""
+
+    def __init__(self, model: Any, tokenizer: Any):
+        self.model, self.tokenizer = model, tokenizer
+
+    def generate(self, request: GenerationRequest) -> Dict[str, Any]:
+        from megatron.inference import api
+
+        if request.beam_width is not None:
+            beam_search = getattr(api, "beam_search", None)
+            if beam_search is None:
+                raise RequestError("beam_width", "beam search is not available in this build", status=501)
+            return beam_search(self.model, self.tokenizer, request.prompts[0],
+                               tokens_to_generate=request.tokens_to_generate, beam_size=request.beam_width,
+                               add_BOS=request.add_BOS, stop_token=request.stop_token,
+                               length_penalty=request.length_penalty,
+                               prevent_newline_after_colon=request.prevent_newline_after_colon)
+        return api.generate(self.model, self.tokenizer, list(request.prompts),
+                            tokens_to_generate=request.tokens_to_generate,
+                            return_output_log_probs=request.logprobs, top_k=request.top_k, top_p=request.top_p,
+                            top_p_decay=request.top_p_decay, top_p_bound=request.top_p_bound,
+                            temperature=request.temperature, add_BOS=request.add_BOS,
+                            stop_on_double_eol=request.stop_on_double_eol, stop_on_eol=request.stop_on_eol,
+                            prevent_newline_after_colon=request.prevent_newline_after_colon,
+                            random_seed=request.random_seed, stop_token=request.stop_token)
+
+    def tokenize(self, text: str) -> List[int]:
+        return list(self.tokenizer.tokenize(text))
+
+
+class GenerationServer(ThreadingHTTPServer):
+    """The HTTP server; `serve_forever()` (or `start()` for a background thread) and `shutdown()`."""
+
+    daemon_threads = True
+    request_queue_size = 128  # concurrent clients wait in the accept queue, not refused
+
+    def __init__(self, backend: GenerationBackend, host: str = "127.0.0.1", port: int = 5000,
+                 limits: Limits = Limits(), model_name: str = "megatron", log_requests: bool = True):
+        self.backend, self.limits, self.model_name = backend, limits, model_name
+        self.log_requests = log_requests
+        self.generation_lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        super().__init__((host, port), _Handler)
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def start(self) -> "GenerationServer":
+        """Serve in a daemon thread (tests, notebooks)."""
+        self._thread = threading.Thread(target=self.serve_forever, name="generation-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        if self._thread is not None:
+            self._thread.join()
+
+    def run_generation(self, request: GenerationRequest) -> Dict[str, Any]:
+        """backend.generate under the lock: one request at a time, in arrival order of the lock."""
+        with self.generation_lock:
+            return self.backend.generate(request)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: GenerationServer
+    timeout = 60  # a client that stops sending mid-body frees its thread after this many seconds
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_DELETE(self) -> None:
+        self._route("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._route("PATCH")
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        if self.server.log_requests:
+            super().log_message(format, *args)
+
+    def _route(self, method: str) -> None:
+        path = self.path.split("?", 1)[0]
+        try:
+            if path not in _ROUTES:
+                raise RequestError("path", f"no such path {path!r}; the paths are: {', '.join(_ROUTES)}", 404)
+            if method != _ROUTES[path]:
+                raise RequestError("method", f"{path} takes {_ROUTES[path]}, not {method}", 405)
+            body = decode_body(self._read_body())
+            if path == API_PATH:
+                self._serve_api(body)
+            else:
+                self._serve_completions(body)
+        except RequestError as error:
+            self._send_error(error)
+        except Exception as error:  # noqa: BLE001 - a bug answers 500 and the server keeps serving
+            traceback.print_exc(file=sys.stderr)
+            self._send_error(RequestError(None, f"generation failed: {type(error).__name__}: {error}", 500))
+
+    def _read_body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise RequestError("body", "chunked bodies are not accepted: send Content-Length", 411)
+        length_header = self.headers.get("Content-Length")
+        if length_header is None:
+            raise RequestError("body", "Content-Length is required", 411)
+        try:
+            length = int(length_header)
+        except ValueError:
+            raise RequestError("body", f"Content-Length must be an integer, got {length_header!r}") from None
+        if length < 0:
+            raise RequestError("body", f"Content-Length must not be negative, got {length}")
+        limit = self.server.limits.max_body_bytes
+        if length > limit:
+            if length <= _DRAIN_LIMIT:
+                self._drain(length)
+            self.close_connection = True
+            raise RequestError("body", f"the body has {length} bytes, more than the limit {limit}", 413)
+        data = self.rfile.read(length)
+        if len(data) < length:
+            raise RequestError("body", f"the body ended after {len(data)} of {length} bytes")
+        return data
+
+    def _drain(self, length: int) -> None:
+        while length > 0:
+            chunk = self.rfile.read(min(length, 1 << 16))
+            if not chunk:
+                return
+            length -= len(chunk)
+
+    def _log_request(self, body: Dict[str, Any], request: GenerationRequest) -> None:
+        if not request.no_log and self.server.log_requests:  # Megatron's request log lines
+            print(f"request IP: {self.client_address[0]}\n{json.dumps(body)}\nstart time: "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}", file=sys.stderr, flush=True)
+
+    def _serve_api(self, body: Dict[str, Any]) -> None:
+        request = parse_api_request(body, self.server.limits)
+        self._log_request(body, request)
+        self._send_json(HTTPStatus.OK, _engine_call(self.server, request))
+
+    def _serve_completions(self, body: Dict[str, Any]) -> None:
+        request, options = parse_completions_request(body, self.server.limits, self.server.model_name)
+        self._log_request(body, request)
+        result = _engine_call(self.server, request)
+        choices = completion_choices(self.server.backend, request, options, result)
+        completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if not options.stream:
+            prompt_tokens = sum(len(self.server.backend.tokenize(text)) for text in options.prompts)
+            completion_tokens = sum(len(choice["_tokens"]) for choice in choices)
+            choices = [{key: value for key, value in choice.items() if not key.startswith("_")} for choice in choices]
+            self._send_json(HTTPStatus.OK, {
+                "id": completion_id, "object": "text_completion", "created": created, "model": options.model,
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                              "total_tokens": prompt_tokens + completion_tokens}})
+            return
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        for chunk in stream_chunks(choices, options):
+            chunk.update(id=completion_id, object="text_completion", created=created, model=options.model)
+            self.wfile.write(b"data: " + json.dumps(chunk).encode("utf-8") + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+        self.close_connection = True
+
+    def _send_json(self, status: int, payload: Any) -> None:
+        data = json.dumps(payload).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_error(self, error: RequestError) -> None:
+        kind = "invalid_request_error" if error.status < 500 else "server_error"
+        payload = {"error": {"message": error.message, "field": error.field, "type": kind}}
+        if error.status == 405:
+            path = self.path.split("?", 1)[0]
+            self.send_response(error.status)
+            self.send_header("Allow", _ROUTES[path])
+            data = json.dumps(payload).encode("utf-8")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        self._send_json(error.status, payload)
+
+
+def _engine_call(server: GenerationServer, request: GenerationRequest) -> Dict[str, Any]:
+    """The generation; the engine's ValueError (a prompt longer than the model's sequence, ...)
+    is the request's fault: 400 with its message, as Megatron answers it."""
+    try:
+        return server.run_generation(request)
+    except RequestError:
+        raise
+    except ValueError as error:
+        raise RequestError("prompts", str(error)) from None
+
+
+def completion_choices(backend: GenerationBackend, request: GenerationRequest, options: CompletionOptions,
+                       result: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """OpenAI choices from Megatron's result (whose text and segments hold prompt and completion).
+
+    Each choice also carries `_segments`, `_tokens` and `_logprobs` of the completion (for the
+    stream and the usage count); the caller drops them from the answer.
+    """
+    choices = []
+    for index, prompt in enumerate(request.prompts):
+        prompt_length = len(backend.tokenize(prompt)) + (1 if request.add_BOS else 0)
+        segments = list(result["segments"][index][prompt_length:])
+        tokens = list(result["tokens"][index][prompt_length:])
+        all_logprobs = (result.get("logprobs") or [None])[index]
+        logprobs = list(all_logprobs[prompt_length - 1:]) if all_logprobs is not None else None
+        text = result["text"][index]
+        completion = text[len(prompt):] if text.startswith(prompt) else "".join(segments)
+        finish = "length" if len(tokens) >= request.tokens_to_generate else "stop"
+        cut = min((completion.find(stop) for stop in options.stop if stop in completion), default=-1)
+        if cut >= 0:
+            completion, finish = completion[:cut], "stop"
+            kept = _tokens_within(segments, cut)
+            segments, tokens = segments[:kept], tokens[:kept]
+            logprobs = logprobs[:kept] if logprobs is not None else None
+        choice: Dict[str, Any] = {"text": (prompt if options.echo else "") + completion, "index": index,
+                                  "logprobs": None, "finish_reason": finish}
+        if options.logprobs is not None and logprobs is not None:
+            choice["logprobs"] = {"tokens": segments, "token_logprobs": logprobs, "top_logprobs": None,
+                                  "text_offset": _offsets(segments, len(prompt) if options.echo else 0)}
+        choice.update(_segments=segments, _tokens=tokens, _logprobs=logprobs)
+        choices.append(choice)
+    return choices
+
+
+def _tokens_within(segments: List[str], length: int) -> int:
+    """How many leading segments fit within `length` characters."""
+    total = 0
+    for count, segment in enumerate(segments):
+        total += len(segment)
+        if total > length:
+            return count
+    return len(segments)
+
+
+def _offsets(segments: List[str], start: int) -> List[int]:
+    offsets = []
+    for segment in segments:
+        offsets.append(start)
+        start += len(segment)
+    return offsets
+
+
+def stream_chunks(choices: List[Dict[str, Any]], options: CompletionOptions) -> Iterator[Dict[str, Any]]:
+    """Server-sent event payloads: one per completion token of each choice, then its finish.
+
+    The tokens are sent once the batch is generated (the engine returns whole sequences), so a
+    client gets OpenAI's chunk format but not earlier tokens.
+    """
+    for choice in choices:
+        index, logprobs = choice["index"], choice["_logprobs"]
+        pieces: List[Tuple[str, Optional[float]]] = [(segment, logprobs[i] if logprobs is not None else None)
+                                                     for i, segment in enumerate(choice["_segments"])]
+        text = choice["text"]
+        streamed = "".join(segment for segment, _ in pieces)
+        if streamed != text:  # echo, or a stop cut inside a token: send the text whole
+            pieces = [(text, None)]
+        for segment, logprob in pieces:
+            chunk_logprobs = None
+            if options.logprobs is not None and logprob is not None:
+                chunk_logprobs = {"tokens": [segment], "token_logprobs": [logprob], "top_logprobs": None}
+            yield {"choices": [{"text": segment, "index": index, "logprobs": chunk_logprobs, "finish_reason": None}]}
+        yield {"choices": [{"text": "", "index": index, "logprobs": None, "finish_reason": choice["finish_reason"]}]}

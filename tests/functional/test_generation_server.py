@@ -1,0 +1,270 @@
+"""The text generation server (megatron/inference/server.py) and its CLI, in-process.
+
+The server runs in a thread on port 0 with ReversingTestBackend, a test double that computes
+its answer from the prompt (the prompt's characters reversed, cycled), so every answer can be
+checked against the request that asked for it.
+"""
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from megatron.inference.server import GenerationBackend, GenerationServer
+from megatron.inference.server_requests import GenerationRequest, Limits
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class ReversingTestBackend(GenerationBackend):
+    """Test double: one token per character; generates the prompt's characters in reverse, cycled.
+
+    Records every request and fails if two generations ever overlap (the server's lock).
+    """
+
+    def __init__(self):
+        self.requests, self.active, self.overlapped = [], 0, False
+        self._count_lock = threading.Lock()
+
+    def tokenize(self, text):
+        return [ord(char) for char in text]
+
+    def generate(self, request: GenerationRequest):
+        with self._count_lock:
+            self.active += 1
+            self.overlapped |= self.active > 1
+        time.sleep(0.002)  # long enough for overlapping calls to be seen
+        try:
+            self.requests.append(request)
+            result = {"text": [], "segments": [], "tokens": [], "logprobs": [] if request.logprobs else None}
+            for prompt in request.prompts:
+                ids = ([0] if request.add_BOS else []) + self.tokenize(prompt)
+                reverse = self.tokenize(prompt[::-1])
+                new = [reverse[i % len(reverse)] for i in range(request.tokens_to_generate)] if reverse else []
+                if request.stop_token in new:
+                    new = new[:new.index(request.stop_token) + 1]
+                tokens = ids + new
+                result["tokens"].append(tokens)
+                result["segments"].append(["<bos>" if t == 0 else chr(t) for t in tokens])
+                result["text"].append(prompt + "".join(chr(t) for t in new))
+                if request.logprobs:
+                    result["logprobs"].append([-(i + 1) / 100 for i in range(len(tokens) - 1)])
+            return result
+        finally:
+            with self._count_lock:
+                self.active -= 1
+
+
+@pytest.fixture(scope="module")
+def served():
+    backend = ReversingTestBackend()
+    server = GenerationServer(backend, port=0, limits=Limits(max_body_bytes=4096, max_prompts=8,
+                                                            max_tokens_to_generate=100),
+                              log_requests=False).start()
+    yield server, backend
+    server.stop()
+
+
+def call(server, method, path, body=None, raw=None, headers=None):
+    """(status, parsed JSON or text) of one request."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    text = response.read().decode()
+    connection.close()
+    if response.getheader("Content-Type") == "application/json":
+        return response.status, json.loads(text)
+    return response.status, text
+
+
+def test_api_documented_request(served):
+    server, _ = served
+    status, body = call(server, "PUT", "/api", {"prompts": ["Hello world"], "tokens_to_generate": 3})
+    assert status == 200
+    assert body["text"] == ["Hello worlddlr"]
+    assert body["tokens"] == [[ord(c) for c in "Hello worlddlr"]]
+    assert body["segments"] == [list("Hello worlddlr")]
+    assert body["logprobs"] is None
+
+
+def test_api_fields_reach_the_backend(served):
+    server, backend = served
+    status, body = call(server, "PUT", "/api", {
+        "prompts": ["ab", "xyz"], "tokens_to_generate": 2, "logprobs": True, "temperature": 0.5, "top_p": 0.9,
+        "top_p_decay": 0.5, "top_p_bound": 0.2, "random_seed": 7, "no_log": True, "stop_on_eol": True})
+    assert status == 200, body
+    assert body["text"] == ["abba", "xyzzy"]
+    assert [len(lp) for lp in body["logprobs"]] == [3, 4]
+    request = backend.requests[-1]
+    assert (request.prompts, request.temperature, request.top_p, request.top_p_decay, request.top_p_bound,
+            request.random_seed, request.stop_on_eol, request.top_k) == (("ab", "xyz"), 0.5, 0.9, 0.5, 0.2, 7,
+                                                                          True, 0)
+
+
+def test_api_beam_and_empty_prompt_with_bos(served):
+    server, backend = served
+    status, body = call(server, "PUT", "/api", {"prompts": ["q"], "tokens_to_generate": 1, "beam_width": 2,
+                                                "length_penalty": 0.5, "stop_token": 5})
+    assert status == 200 and backend.requests[-1].beam_width == 2 and backend.requests[-1].length_penalty == 0.5
+    status, body = call(server, "PUT", "/api", {"prompts": [""], "tokens_to_generate": 0, "logprobs": True,
+                                                "add_BOS": True})
+    assert status == 200 and body["tokens"] == [[0]]
+
+
+def test_completions_documented_request(served):
+    server, backend = served
+    status, body = call(server, "POST", "/v1/completions", {"model": "tiny", "prompt": "abc", "max_tokens": 4,
+                                                            "temperature": 0})
+    assert status == 200, body
+    assert body["object"] == "text_completion" and body["model"] == "tiny" and body["id"].startswith("cmpl-")
+    assert body["choices"] == [{"text": "cbac", "index": 0, "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert backend.requests[-1].top_k == 1  # temperature 0: greedy
+
+
+def test_completions_list_n_stop_logprobs(served):
+    server, _ = served
+    status, body = call(server, "POST", "/completions", {"prompt": ["ab", "xyz"], "max_tokens": 5, "n": 2,
+                                                         "stop": ["x"], "logprobs": 1})
+    assert status == 200, body
+    texts = [(choice["index"], choice["text"], choice["finish_reason"]) for choice in body["choices"]]
+    assert texts == [(0, "babab", "length"), (1, "babab", "length"), (2, "zy", "stop"), (3, "zy", "stop")]
+    assert body["choices"][0]["logprobs"]["tokens"] == list("babab")
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [-0.02, -0.03, -0.04, -0.05, -0.06]
+    assert body["choices"][2]["logprobs"]["token_logprobs"] == [-0.03, -0.04]
+
+
+def test_completions_stream(served):
+    server, _ = served
+    status, text = call(server, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 3, "stream": True})
+    assert status == 200
+    events = [line[len("data: "):] for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == "cba"
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None, None, None, "length"]
+    assert all(chunk["object"] == "text_completion" for chunk in chunks)
+
+
+MALFORMED = [
+    # (name, method, path, body or raw bytes, status, field)
+    ("bad JSON", "PUT", "/api", b'{"prompts": [', 400, "body"),
+    ("not UTF-8", "PUT", "/api", b'\xff\xfe', 400, "body"),
+    ("NaN", "PUT", "/api", b'{"prompts": ["a"], "temperature": NaN}', 400, "body"),
+    ("array body", "PUT", "/api", [1, 2], 400, "body"),
+    ("no prompts", "PUT", "/api", {"tokens_to_generate": 1}, 400, "prompts"),
+    ("prompts a string", "PUT", "/api", {"prompts": "hi"}, 400, "prompts"),
+    ("prompts of ints", "PUT", "/api", {"prompts": [1, 2]}, 400, "prompts"),
+    ("no prompt in the list", "PUT", "/api", {"prompts": []}, 400, "prompts"),
+    ("too many prompts", "PUT", "/api", {"prompts": ["a"] * 9}, 400, "prompts"),
+    ("empty prompt", "PUT", "/api", {"prompts": [""], "tokens_to_generate": 1}, 400, "prompts"),
+    ("tokens a string", "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": "5"}, 400, "tokens_to_generate"),
+    ("tokens a bool", "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": True}, 400, "tokens_to_generate"),
+    ("negative tokens", "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": -1}, 400, "tokens_to_generate"),
+    ("huge tokens", "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": 10 ** 9}, 400, "tokens_to_generate"),
+    ("0 tokens without logprobs", "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": 0}, 400,
+     "tokens_to_generate"),
+    ("logprobs an int", "PUT", "/api", {"prompts": ["a"], "logprobs": 1}, 400, "logprobs"),
+    ("temperature 0", "PUT", "/api", {"prompts": ["a"], "temperature": 0}, 400, "temperature"),
+    ("top_k over 1000", "PUT", "/api", {"prompts": ["a"], "top_k": 1001}, 400, "top_k"),
+    ("top_k with top_p", "PUT", "/api", {"prompts": ["a"], "top_k": 5, "top_p": 0.5}, 400, "top_p"),
+    ("top_p over 1", "PUT", "/api", {"prompts": ["a"], "top_p": 1.5}, 400, "top_p"),
+    ("decay without top_p", "PUT", "/api", {"prompts": ["a"], "top_p_decay": 0.5}, 400, "top_p_decay"),
+    ("bound over top_p", "PUT", "/api", {"prompts": ["a"], "top_p": 0.5, "top_p_bound": 0.7}, 400, "top_p_bound"),
+    ("negative seed", "PUT", "/api", {"prompts": ["a"], "random_seed": -3}, 400, "random_seed"),
+    ("beam_width 0", "PUT", "/api", {"prompts": ["a"], "beam_width": 0}, 400, "beam_width"),
+    ("beam_width with 2 prompts", "PUT", "/api", {"prompts": ["a", "b"], "beam_width": 2}, 400, "beam_width"),
+    ("stop_token a string", "PUT", "/api", {"prompts": ["a"], "stop_token": "x"}, 400, "stop_token"),
+    ("length_penalty a string", "PUT", "/api", {"prompts": ["a"], "length_penalty": "1"}, 400, "length_penalty"),
+    ("unknown field", "PUT", "/api", {"prompts": ["a"], "top_n": 3}, 400, "top_n"),
+    ("renamed max_len", "PUT", "/api", {"prompts": ["a"], "max_len": 3}, 400, "max_len"),
+    ("oversized body", "PUT", "/api", {"prompts": ["a" * 5000]}, 413, "body"),
+    ("wrong method on /api", "POST", "/api", {"prompts": ["a"]}, 405, "method"),
+    ("GET completions", "GET", "/v1/completions", None, 405, "method"),
+    ("unknown path", "PUT", "/generate", {"prompts": ["a"]}, 404, "path"),
+    ("completion without prompt", "POST", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("completion max_tokens 0", "POST", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("completion n too big", "POST", "/v1/completions", {"prompt": "a", "n": 9}, 400, "n"),
+    ("completion stop an int", "POST", "/v1/completions", {"prompt": "a", "stop": 3}, 400, "stop"),
+    ("completion stream a string", "POST", "/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
+    ("completion unknown field", "POST", "/v1/completions", {"prompt": "a", "presence_penalty": 1}, 400,
+     "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("name,method,path,body,status,field", MALFORMED, ids=[case[0] for case in MALFORMED])
+def test_malformed_request_is_refused_naming_the_field(served, name, method, path, body, status, field):
+    server, _ = served
+    raw = body if isinstance(body, bytes) else None
+    got_status, answer = call(server, method, path, body=None if raw else body, raw=raw)
+    assert got_status == status, answer
+    assert answer["error"]["field"] == field
+    assert answer["error"]["message"]
+    # ... and the server still answers a good request
+    assert call(server, "PUT", "/api", {"prompts": ["ok"], "tokens_to_generate": 1})[1]["text"] == ["okk"]
+
+
+def test_missing_content_length_and_405_allow_header(served):
+    server, _ = served
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.putrequest("PUT", "/api")
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 411 and json.loads(response.read())["error"]["field"] == "body"
+    connection.close()
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.request("GET", "/api")
+    response = connection.getresponse()
+    assert response.status == 405 and response.getheader("Allow") == "PUT"
+    connection.close()
+
+
+def test_50_concurrent_requests_get_their_own_answers(served):
+    server, backend = served
+    prompts = [f"p{i:02d}q" for i in range(50)]
+
+    def ask(prompt):
+        if int(prompt[1:3]) % 2:
+            return call(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 4})[1]["choices"][0]["text"]
+        return call(server, "PUT", "/api", {"prompts": [prompt], "tokens_to_generate": 4})[1]["text"][0][len(prompt):]
+
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        answers = list(pool.map(ask, prompts))
+    assert answers == [prompt[::-1] for prompt in prompts]
+    assert not backend.overlapped
+
+
+def test_binds_localhost_by_default():
+    server = GenerationServer(ReversingTestBackend(), port=0, log_requests=False)
+    try:
+        assert server.server_address[0] == "127.0.0.1"
+    finally:
+        server.server_close()
+
+
+def test_cli_talks_to_the_server(served):
+    server, _ = served
+    stdin = "Hello\n3\nabc\nnot a number\nxy\n2\n"
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "text_generation_cli.py"),
+                             f"127.0.0.1:{server.port}"], input=stdin, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 0, result.stderr
+    assert "Megatron Response: \nHellooll\n" in result.stdout
+    assert "tokens to generate must be a non-negative integer, got 'not a number'" in result.stdout
+    assert "Megatron Response: \nxyyx\n" in result.stdout
+
+
+def test_cli_bad_address():
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tools", "text_generation_cli.py"), "nohost"],
+                            input="", capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 1
+    assert result.stderr.strip() == "text_generation_cli.py: error: the address must be HOST:PORT, got 'nohost'"
