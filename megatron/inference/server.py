@@ -60,11 +60,16 @@ class ApiBackend(GenerationBackend):
     """megatron.inference.api on one model and tokenizer (imported on first use)."""
 
     def __init__(self, model: Any, tokenizer: Any):
+        import importlib
+
+        try:  # here, not at the server's import: the server and its tests need no engine
+            self.api = importlib.import_module("megatron.inference.api")
+        except ImportError as error:
+            raise RuntimeError(f"the generation engine megatron.inference.api cannot be imported: {error}") from None
         self.model, self.tokenizer = model, tokenizer
 
     def generate(self, request: GenerationRequest) -> Dict[str, Any]:
-        from megatron.inference import api
-
+        api = self.api
         if request.beam_width is not None:
             beam_search = getattr(api, "beam_search", None)
             if beam_search is None:

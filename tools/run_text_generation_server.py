@@ -1,0 +1,159 @@
+"""Serve a checkpoint over HTTP: Megatron's `PUT /api` and OpenAI's `POST /v1/completions`.
+
+    torchrun --nproc-per-node 2 tools/run_text_generation_server.py --load CKPT [model flags] \
+        --tokenizer-type GPT2BPETokenizer --vocab-file ... --merge-file ... --tensor-model-parallel-size 2
+    python tools/run_text_generation_server.py --load-hf HF_DIR --port 5000
+
+The model is built and loaded as pretraining builds it (initialize_megatron, get_model,
+load_checkpoint or the --load-hf weights; no optimizer). Rank 0 serves; before each generation
+it broadcasts the request (as JSON bytes) to every rank, and the other ranks wait in a loop for
+the next request and run the same generation, so the tensor- and pipeline-parallel collectives
+of the engine line up. Bad flags end in one line (megatron.cli).
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron.cli import run_cli  # noqa: E402
+
+_STOP, _GENERATE = 0, 1
+_DATA_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group(title="text generation server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="Address to bind (Megatron binds every interface; 0.0.0.0 for that).")
+    group.add_argument("--port", type=int, default=5000, help="Port to listen on (0: any free port).")
+    group.add_argument("--max-body-bytes", type=int, default=1 << 20, help="Largest request body accepted.")
+    group.add_argument("--max-prompts", type=int, default=128, help="Most prompts (x n) in one request.")
+    group.add_argument("--max-tokens-to-generate", type=int, default=1024,
+                       help="Largest tokens_to_generate / max_tokens accepted.")
+    group.add_argument("--served-model-name", default="megatron", help="The model name OpenAI answers carry.")
+    return parser
+
+
+class ServerFlagError(ValueError):
+    """A bad server flag: one line, exit status 1."""
+
+
+def _check_server_flags(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ServerFlagError(f"--port must be between 0 and 65535, got {args.port}")
+    for flag in ("max_body_bytes", "max_prompts", "max_tokens_to_generate"):
+        if getattr(args, flag) < 1:
+            raise ServerFlagError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.load is None and args.load_hf is None:
+        raise ServerFlagError("a checkpoint is required: --load CKPT or --load-hf HF_DIR")
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The model of this rank, loaded, in eval mode (one chunk: no virtual pipeline stages)."""
+    from megatron.global_vars import get_tokenizer
+    from megatron.load_hf import load_hf_instead, load_hf_weights
+    from megatron.training import get_model
+    from pretrain_gpt import model_provider
+
+    if args.virtual_pipeline_model_parallel_size is not None:
+        raise ServerFlagError("the server runs without virtual pipeline stages: drop "
+                              "--num-layers-per-virtual-pipeline-stage")
+    model = get_model(model_provider)
+    if load_hf_instead(args):
+        load_hf_weights(model, args, get_tokenizer().vocab_size)
+    else:
+        from megatron.checkpointing import CheckpointError, checkpoint_exists, load_checkpoint
+
+        if not checkpoint_exists(args.load):
+            raise CheckpointError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt)")
+        args.no_load_optim, args.no_load_rng = True, True  # weights only: there is no optimizer
+        args.auto_detect_ckpt_format = True  # serve a checkpoint of either format
+        load_checkpoint(model, None, None, args)
+    for chunk in model:
+        chunk.eval()
+    return model[0]
+
+
+class BroadcastBackend:
+    """Rank 0's backend: hands each request to every rank, then generates with them."""
+
+    def __init__(self, local: Any):
+        self.local = local
+
+    def generate(self, request: Any) -> Dict[str, Any]:
+        _broadcast_message(_GENERATE, request.to_json())
+        return self.local.generate(request)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self.local.tokenize(text)
+
+
+def _broadcast_message(kind: int, text: str = "") -> None:
+    from megatron.core import device
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return
+    payload = torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
+    header = torch.tensor([kind, payload.numel()], dtype=torch.int64, device=device.get_device())
+    torch.distributed.broadcast(header, 0)  # [kind, n bytes]
+    if payload.numel():
+        torch.distributed.broadcast(payload.to(device.get_device()), 0)  # [n bytes] of JSON
+
+
+def follow_rank_0(backend: Any) -> None:
+    """Ranks above 0: run each request rank 0 broadcasts, until it says stop."""
+    from megatron.core import device
+    from megatron.inference.server_requests import GenerationRequest
+
+    while True:
+        header = torch.zeros(2, dtype=torch.int64, device=device.get_device())
+        torch.distributed.broadcast(header, 0)
+        kind, size = int(header[0]), int(header[1])
+        if kind == _STOP:
+            return
+        payload = torch.zeros(size, dtype=torch.uint8, device=device.get_device())
+        torch.distributed.broadcast(payload, 0)
+        request = GenerationRequest.from_json(bytes(payload.cpu().tolist()).decode("utf-8"))
+        try:
+            backend.generate(request)
+        except ValueError:
+            pass  # rank 0 met the same error and answered the client with it
+
+
+def main(argv: List[str] = None) -> None:
+    from megatron.global_vars import get_tokenizer
+    from megatron.initialize import initialize_megatron
+    from megatron.inference.server import ApiBackend, GenerationServer
+    from megatron.inference.server_requests import Limits
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(arg.split("=")[0] in _DATA_FLAGS for arg in argv):
+        argv.append("--mock-data")  # the training checks want a data source; the server reads none
+    args = initialize_megatron(add_server_args, argv=argv, args_defaults={
+        "tokenizer_type": "GPT2BPETokenizer", "micro_batch_size": 1, "train_iters": 1,
+        "lr": 0.0})  # (no optimizer: the training flags only need to pass validation)
+    _check_server_flags(args)
+    backend = ApiBackend(build_model(args), get_tokenizer())
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        follow_rank_0(backend)
+        return
+    server = GenerationServer(BroadcastBackend(backend), host=args.host, port=args.port, limits=Limits(
+        max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
+        max_tokens_to_generate=args.max_tokens_to_generate), model_name=args.served_model_name)
+    print(json.dumps({"serving": f"http://{args.host}:{server.port}", "paths": ["/api", "/v1/completions"]}),
+          flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        _broadcast_message(_STOP)
+
+
+if __name__ == "__main__":
+    run_cli(main, "run_text_generation_server.py", errors=(ServerFlagError,), interrupted="stopped")
