@@ -156,4 +156,7 @@ def main(argv: List[str] = None) -> None:
 
 
 if __name__ == "__main__":
-    run_cli(main, "run_text_generation_server.py", errors=(ServerFlagError,), interrupted="stopped")
+    from megatron.inference.server import EngineUnavailableError
+
+    run_cli(main, "run_text_generation_server.py", errors=(ServerFlagError, EngineUnavailableError),
+            interrupted="stopped")

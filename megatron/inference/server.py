@@ -45,6 +45,10 @@ _ROUTES = {API_PATH: "PUT", **{path: "POST" for path in COMPLETIONS_PATHS}}
 _DRAIN_LIMIT = 64 << 20
 
 
+class EngineUnavailableError(RuntimeError):
+    """The generation engine cannot be imported (reported in one line by the server tool)."""
+
+
 class GenerationBackend:
     """What the server needs from a model: generate a request, count a prompt's tokens."""
 
@@ -65,7 +69,7 @@ class ApiBackend(GenerationBackend):
         try:  # here, not at the server's import: the server and its tests need no engine
             self.api = importlib.import_module("megatron.inference.api")
         except ImportError as error:
-            raise RuntimeError(f"the generation engine megatron.inference.api cannot be imported: {error}") from None
+            raise EngineUnavailableError(f"the generation engine megatron.inference.api cannot be imported: {error}") from None
         self.model, self.tokenizer = model, tokenizer
 
     def generate(self, request: GenerationRequest) -> Dict[str, Any]:

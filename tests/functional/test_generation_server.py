@@ -268,3 +268,61 @@ def test_cli_bad_address():
                             env={**os.environ, "PYTHONPATH": REPO})
     assert result.returncode == 1
     assert result.stderr.strip() == "text_generation_cli.py: error: the address must be HOST:PORT, got 'nohost'"
+
+
+TINY_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+              "--max-position-embeddings", "64", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255"]
+SERVER_SCRIPT = os.path.join(REPO, "tools", "run_text_generation_server.py")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--load", "/nonexistent", "--port", "70000"], "--port must be between 0 and 65535, got 70000"),
+    ([], "a checkpoint is required: --load CKPT or --load-hf HF_DIR"),
+], ids=["port", "no-checkpoint"])
+def test_server_tool_bad_flags_are_one_line(flags, message):
+    result = subprocess.run([sys.executable, SERVER_SCRIPT, *TINY_MODEL, *flags], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == f"run_text_generation_server.py: error: {message}"
+
+
+def _put(port, body):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    connection.request("PUT", "/api", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    connection.close()
+    return response.status, answer
+
+
+def test_end_to_end_two_ranks_serve_a_trained_checkpoint(tmp_path):
+    """torchrun, 2 ranks (data-parallel replicas): rank 0 serves, rank 1 follows each broadcast request."""
+    pytest.importorskip("megatron.inference.api")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    train = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *TINY_MODEL, "--micro-batch-size",
+                            "2", "--global-batch-size", "2", "--lr", "1e-3", "--mock-data", "--num-workers", "0",
+                            "--eval-iters", "0", "--train-iters", "1", "--save", str(tmp_path / "ckpt"),
+                            "--save-interval", "1", "--ckpt-format", "torch"], capture_output=True, text=True,
+                           timeout=300, env=env, cwd=tmp_path)
+    assert train.returncode == 0, train.stderr[-2000:]
+    server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--master-port", "0", SERVER_SCRIPT, *TINY_MODEL, "--load", str(tmp_path / "ckpt"),
+                               "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              cwd=tmp_path)
+    try:
+        port = None
+        for line in server.stdout:
+            if line.startswith('{"serving"'):
+                port = int(json.loads(line)["serving"].rsplit(":", 1)[1])
+                break
+        assert port is not None, "the server did not start"
+        request = {"prompts": ["1 2 3", "7"], "tokens_to_generate": 4, "top_k": 1, "logprobs": True}
+        status, first = _put(port, request)
+        assert status == 200, first
+        assert [len(tokens) for tokens in first["tokens"]] == [3 + 4, 1 + 4]
+        assert [len(logprobs) for logprobs in first["logprobs"]] == [6, 4]
+        assert _put(port, {"prompts": ["1"], "top_k": 2, "top_p": 0.5})[0] == 400  # refused on rank 0 only
+        assert _put(port, request) == (200, first)  # greedy: the same answer, rank 1 still in step
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
