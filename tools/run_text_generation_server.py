@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.cli import run_cli  # noqa: E402
+from megatron.inference.server import GenerationBackend  # noqa: E402
 
 _STOP, _GENERATE = 0, 1
 _DATA_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
@@ -80,7 +81,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     return model[0]
 
 
-class BroadcastBackend:
+class BroadcastBackend(GenerationBackend):
     """Rank 0's backend: hands each request to every rank, then generates with them."""
 
     def __init__(self, local: Any):
@@ -92,6 +93,9 @@ class BroadcastBackend:
 
     def tokenize(self, text: str) -> List[int]:
         return self.local.tokenize(text)
+
+    def detokenize(self, ids: List[int]) -> str:
+        return self.local.detokenize(ids)
 
 
 def _broadcast_message(kind: int, text: str = "") -> None:

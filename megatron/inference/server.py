@@ -50,13 +50,16 @@ class EngineUnavailableError(RuntimeError):
 
 
 class GenerationBackend:
-    """What the server needs from a model: generate a request, count a prompt's tokens."""
+    """What the server needs from a model: generate a request, and its tokenizer's two directions."""
 
     def generate(self, request: GenerationRequest) -> Dict[str, Any]:
         """Megatron's response body: text, segments, logprobs (or None), tokens (one per prompt)."""
         raise NotImplementedError
 
     def tokenize(self, text: str) -> List[int]:
+        raise NotImplementedError
+
+    def detokenize(self, ids: List[int]) -> str:
         raise NotImplementedError
 
 
@@ -73,27 +76,44 @@ class ApiBackend(GenerationBackend):
         self.model, self.tokenizer = model, tokenizer
 
     def generate(self, request: GenerationRequest) -> Dict[str, Any]:
-        api = self.api
         if request.beam_width is not None:
-            beam_search = getattr(api, "beam_search", None)
-            if beam_search is None:
-                raise RequestError("beam_width", "beam search is not available in this build", status=501)
-            return beam_search(self.model, self.tokenizer, request.prompts[0],
-                               tokens_to_generate=request.tokens_to_generate, beam_size=request.beam_width,
-                               add_BOS=request.add_BOS, stop_token=request.stop_token,
-                               length_penalty=request.length_penalty,
-                               prevent_newline_after_colon=request.prevent_newline_after_colon)
-        return api.generate(self.model, self.tokenizer, list(request.prompts),
-                            tokens_to_generate=request.tokens_to_generate,
-                            return_output_log_probs=request.logprobs, top_k=request.top_k, top_p=request.top_p,
-                            top_p_decay=request.top_p_decay, top_p_bound=request.top_p_bound,
-                            temperature=request.temperature, add_BOS=request.add_BOS,
-                            stop_on_double_eol=request.stop_on_double_eol, stop_on_eol=request.stop_on_eol,
-                            prevent_newline_after_colon=request.prevent_newline_after_colon,
-                            random_seed=request.random_seed, stop_token=request.stop_token)
+            return self._beam_search(request)
+        return self.api.generate(self.model, self.tokenizer, list(request.prompts),
+                                 tokens_to_generate=request.tokens_to_generate, logprobs=request.logprobs,
+                                 top_k=request.top_k, top_p=request.top_p, top_p_decay=request.top_p_decay,
+                                 top_p_bound=request.top_p_bound, temperature=request.temperature,
+                                 add_BOS=request.add_BOS, stop_on_double_eol=request.stop_on_double_eol,
+                                 stop_on_eol=request.stop_on_eol,
+                                 prevent_newline_after_colon=request.prevent_newline_after_colon,
+                                 random_seed=None if request.random_seed < 0 else request.random_seed,
+                                 stop_token=request.stop_token)
+
+    def _beam_search(self, request: GenerationRequest) -> Dict[str, Any]:
+        """Megatron's beam answer: every hypothesis, best first, with its score."""
+        import importlib
+
+        try:
+            beams = importlib.import_module("megatron.inference.beam_search")
+        except ImportError:
+            raise RequestError("beam_width", "beam search is not available in this build", status=501) from None
+        if request.tokens_to_generate < 1:
+            raise RequestError("beam_width", "beam search needs tokens_to_generate >= 1")
+        prompt = ([self.tokenizer.eod] if request.add_BOS else []) + self.tokenize(request.prompts[0])
+        if not prompt:
+            raise RequestError("prompts", "Empty prompts require add_BOS=true")
+        stop_token = self.tokenizer.eod if request.stop_token is None else request.stop_token
+        result = beams.beam_search(beams.model_next_logits(self.model), prompt, request.beam_width,
+                                   request.tokens_to_generate, stop_token=stop_token,
+                                   length_penalty=request.length_penalty, vocab_size=self.tokenizer.vocab_size)
+        return {"text": [self.tokenizer.detokenize(tokens) for tokens in result.tokens],
+                "segments": [[self.tokenizer.detokenize([token]) for token in tokens] for tokens in result.tokens],
+                "scores": list(result.scores)}
 
     def tokenize(self, text: str) -> List[int]:
         return list(self.tokenizer.tokenize(text))
+
+    def detokenize(self, ids: List[int]) -> str:
+        return self.tokenizer.detokenize(ids)
 
 
 class GenerationServer(ThreadingHTTPServer):
@@ -284,12 +304,15 @@ def completion_choices(backend: GenerationBackend, request: GenerationRequest, o
     choices = []
     for index, prompt in enumerate(request.prompts):
         prompt_length = len(backend.tokenize(prompt)) + (1 if request.add_BOS else 0)
-        segments = list(result["segments"][index][prompt_length:])
-        tokens = list(result["tokens"][index][prompt_length:])
-        all_logprobs = (result.get("logprobs") or [None])[index]
-        logprobs = list(all_logprobs[prompt_length - 1:]) if all_logprobs is not None else None
-        text = result["text"][index]
-        completion = text[len(prompt):] if text.startswith(prompt) else "".join(segments)
+        # A batch runs to its longest prompt + tokens_to_generate (Megatron's rule), so a shorter
+        # prompt's row holds more tokens than asked for: the completion keeps max_tokens of them.
+        end = prompt_length + request.tokens_to_generate
+        tokens = list(result["tokens"][index][prompt_length:end])
+        segments = list(result["segments"][index][prompt_length:end])
+        all_logprobs = (result.get("logprobs") or [None] * len(request.prompts))[index]
+        logprobs = list(all_logprobs[prompt_length - 1:end - 1]) if all_logprobs is not None else None
+        text = backend.detokenize(list(result["tokens"][index][:end]))
+        completion = text[len(prompt):] if text.startswith(prompt) else backend.detokenize(tokens)
         finish = "length" if len(tokens) >= request.tokens_to_generate else "stop"
         cut = min((completion.find(stop) for stop in options.stop if stop in completion), default=-1)
         if cut >= 0:

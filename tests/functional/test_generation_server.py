@@ -8,6 +8,8 @@ checked against the request that asked for it.
 import http.client
 import json
 import os
+import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +36,9 @@ class ReversingTestBackend(GenerationBackend):
 
     def tokenize(self, text):
         return [ord(char) for char in text]
+
+    def detokenize(self, ids):
+        return "".join("" if i == 0 else chr(i) for i in ids)
 
     def generate(self, request: GenerationRequest):
         with self._count_lock:
@@ -305,24 +310,50 @@ def test_end_to_end_two_ranks_serve_a_trained_checkpoint(tmp_path):
                             "--save-interval", "1", "--ckpt-format", "torch"], capture_output=True, text=True,
                            timeout=300, env=env, cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-2000:]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        master_port = probe.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--master-port", "0", SERVER_SCRIPT, *TINY_MODEL, "--load", str(tmp_path / "ckpt"),
+                               "--master-port", str(master_port), SERVER_SCRIPT, *TINY_MODEL, "--load", str(tmp_path / "ckpt"),
                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               cwd=tmp_path)
     try:
-        port = None
-        for line in server.stdout:
+        lines = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
+        port, seen, deadline = None, [], time.monotonic() + 120
+        while port is None and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            seen.append(line)
             if line.startswith('{"serving"'):
                 port = int(json.loads(line)["serving"].rsplit(":", 1)[1])
-                break
-        assert port is not None, "the server did not start"
+        assert port is not None, "the server did not start:\n" + "".join(seen[-20:])
         request = {"prompts": ["1 2 3", "7"], "tokens_to_generate": 4, "top_k": 1, "logprobs": True}
         status, first = _put(port, request)
         assert status == 200, first
-        assert [len(tokens) for tokens in first["tokens"]] == [3 + 4, 1 + 4]
-        assert [len(logprobs) for logprobs in first["logprobs"]] == [6, 4]
+        # Megatron's rule: every row runs to the longest prompt + tokens_to_generate
+        assert [len(tokens) for tokens in first["tokens"]] == [3 + 4, 3 + 4]
+        assert [len(logprobs) for logprobs in first["logprobs"]] == [6, 6]
+        assert first["text"][0].startswith("1 2 3") and first["text"][1].startswith("7")
         assert _put(port, {"prompts": ["1"], "top_k": 2, "top_p": 0.5})[0] == 400  # refused on rank 0 only
         assert _put(port, request) == (200, first)  # greedy: the same answer, rank 1 still in step
+        status, beams = _put(port, {"prompts": ["1 2"], "tokens_to_generate": 2, "beam_width": 2})
+        assert status == 200 and len(beams["text"]) == len(beams["scores"]) == 2, beams
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        connection.request("POST", "/v1/completions", body=json.dumps({"prompt": ["1 2 3", "7"], "max_tokens": 4,
+                                                                      "temperature": 0}))
+        completion = json.loads(connection.getresponse().read())
+        connection.close()
+        assert "choices" in completion, completion
+        assert [choice["text"] for choice in completion["choices"]] == [
+            first["text"][0][len("1 2 3"):], " ".join(first["text"][1].split()[:5])[len("7"):]]
+        assert completion["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
