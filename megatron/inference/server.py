@@ -98,6 +98,14 @@ class ApiBackend(GenerationBackend):
             raise RequestError("beam_width", "beam search is not available in this build", status=501) from None
         if request.tokens_to_generate < 1:
             raise RequestError("beam_width", "beam search needs tokens_to_generate >= 1")
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized() and (
+                parallel_state.get_tensor_model_parallel_world_size() > 1
+                or parallel_state.get_pipeline_model_parallel_world_size() > 1):
+            # beam_search.model_next_logits calls the model whole: no split vocabulary, no stages
+            raise RequestError("beam_width", "beam search runs at tensor and pipeline parallel size 1 only",
+                               status=501)
         prompt = ([self.tokenizer.eod] if request.add_BOS else []) + self.tokenize(request.prompts[0])
         if not prompt:
             raise RequestError("prompts", "Empty prompts require add_BOS=true")
