@@ -130,11 +130,25 @@ def follow_rank_0(backend: Any) -> None:
             pass  # rank 0 met the same error and answered the client with it
 
 
+def _listen(args: argparse.Namespace) -> Any:
+    """Rank 0's server, bound (its backend is set once the model is loaded)."""
+    from megatron.inference.server import GenerationServer
+    from megatron.inference.server_requests import Limits
+
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
+                    max_tokens_to_generate=args.max_tokens_to_generate)
+    try:
+        return GenerationServer(None, host=args.host, port=args.port, limits=limits,
+                                model_name=args.served_model_name)
+    except OSError as error:
+        raise ServerFlagError(f"--host {args.host} --port {args.port}: cannot listen there: "
+                              f"{error.strerror or error}") from None
+
+
 def main(argv: List[str] = None) -> None:
     from megatron.global_vars import get_tokenizer
     from megatron.initialize import initialize_megatron
-    from megatron.inference.server import ApiBackend, GenerationServer
-    from megatron.inference.server_requests import Limits
+    from megatron.inference.server import ApiBackend
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(arg.split("=")[0] in _DATA_FLAGS for arg in argv):
@@ -143,13 +157,13 @@ def main(argv: List[str] = None) -> None:
         "tokenizer_type": "GPT2BPETokenizer", "micro_batch_size": 1, "train_iters": 1,
         "lr": 0.0})  # (no optimizer: the training flags only need to pass validation)
     _check_server_flags(args)
+    serving = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    server = _listen(args) if serving else None  # before the model loads: a taken port fails at once
     backend = ApiBackend(build_model(args), get_tokenizer())
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    if not serving:
         follow_rank_0(backend)
         return
-    server = GenerationServer(BroadcastBackend(backend), host=args.host, port=args.port, limits=Limits(
-        max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
-        max_tokens_to_generate=args.max_tokens_to_generate), model_name=args.served_model_name)
+    server.backend = BroadcastBackend(backend)
     print(json.dumps({"serving": f"http://{args.host}:{server.port}", "paths": ["/api", "/v1/completions"]}),
           flush=True)
     try:

@@ -267,9 +267,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
         self.close_connection = True
 
-    def _send_json(self, status: int, payload: Any) -> None:
+    def _send_json(self, status: int, payload: Any, headers: Optional[Dict[str, str]] = None) -> None:
         data = json.dumps(payload).encode("utf-8")
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -278,17 +280,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_error(self, error: RequestError) -> None:
         kind = "invalid_request_error" if error.status < 500 else "server_error"
         payload = {"error": {"message": error.message, "field": error.field, "type": kind}}
-        if error.status == 405:
-            path = self.path.split("?", 1)[0]
-            self.send_response(error.status)
-            self.send_header("Allow", _ROUTES[path])
-            data = json.dumps(payload).encode("utf-8")
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-            return
-        self._send_json(error.status, payload)
+        headers = {"Allow": _ROUTES[self.path.split("?", 1)[0]]} if error.status == 405 else None
+        self._send_json(error.status, payload, headers)
 
 
 def _engine_call(server: GenerationServer, request: GenerationRequest) -> Dict[str, Any]:

@@ -94,6 +94,8 @@ def decode_body(raw: bytes) -> Dict[str, Any]:
         body = json.loads(raw.decode("utf-8"), parse_constant=refuse_constant)
     except UnicodeDecodeError:
         raise RequestError("body", "the body is not UTF-8 text") from None
+    except RecursionError:
+        raise RequestError("body", "the body is nested too deeply") from None
     except json.JSONDecodeError as error:
         raise RequestError("body", f"the body is not valid JSON: {error.msg} at line {error.lineno} "
                                    f"column {error.colno}") from None

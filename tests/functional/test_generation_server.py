@@ -164,6 +164,7 @@ MALFORMED = [
     ("not UTF-8", "PUT", "/api", b'\xff\xfe', 400, "body"),
     ("NaN", "PUT", "/api", b'{"prompts": ["a"], "temperature": NaN}', 400, "body"),
     ("array body", "PUT", "/api", [1, 2], 400, "body"),
+    ("nested too deeply", "PUT", "/api", b'{"prompts": ' + b"[" * 3000, 400, "body"),
     ("no prompts", "PUT", "/api", {"tokens_to_generate": 1}, 400, "prompts"),
     ("prompts a string", "PUT", "/api", {"prompts": "hi"}, 400, "prompts"),
     ("prompts of ints", "PUT", "/api", {"prompts": [1, 2]}, 400, "prompts"),
@@ -285,6 +286,19 @@ SERVER_SCRIPT = os.path.join(REPO, "tools", "run_text_generation_server.py")
     ([], "a checkpoint is required: --load CKPT or --load-hf HF_DIR"),
 ], ids=["port", "no-checkpoint"])
 def test_server_tool_bad_flags_are_one_line(flags, message):
+    _assert_tool_error(flags, message)
+
+
+def test_server_tool_taken_port_is_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        _assert_tool_error(["--load", "/nonexistent", "--port", str(port)],
+                           f"--host 127.0.0.1 --port {port}: cannot listen there: Address already in use")
+
+
+def _assert_tool_error(flags, message):
     result = subprocess.run([sys.executable, SERVER_SCRIPT, *TINY_MODEL, *flags], capture_output=True, text=True,
                             timeout=120, env={**os.environ, "PYTHONPATH": REPO})
     assert result.returncode == 1
