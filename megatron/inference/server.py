@@ -89,33 +89,17 @@ class ApiBackend(GenerationBackend):
                                  stop_token=request.stop_token)
 
     def _beam_search(self, request: GenerationRequest) -> Dict[str, Any]:
-        """Megatron's beam answer: every hypothesis, best first, with its score."""
-        import importlib
-
-        try:
-            beams = importlib.import_module("megatron.inference.beam_search")
-        except ImportError:
-            raise RequestError("beam_width", "beam search is not available in this build", status=501) from None
-        if request.tokens_to_generate < 1:
-            raise RequestError("beam_width", "beam search needs tokens_to_generate >= 1")
+        """Megatron's beam answer {text, segments, scores}: the whole beam, best first."""
         from megatron.core import parallel_state
 
-        if parallel_state.model_parallel_is_initialized() and (
-                parallel_state.get_tensor_model_parallel_world_size() > 1
-                or parallel_state.get_pipeline_model_parallel_world_size() > 1):
-            # beam_search.model_next_logits calls the model whole: no split vocabulary, no stages
-            raise RequestError("beam_width", "beam search runs at tensor and pipeline parallel size 1 only",
-                               status=501)
-        prompt = ([self.tokenizer.eod] if request.add_BOS else []) + self.tokenize(request.prompts[0])
-        if not prompt:
-            raise RequestError("prompts", "Empty prompts require add_BOS=true")
-        stop_token = self.tokenizer.eod if request.stop_token is None else request.stop_token
-        result = beams.beam_search(beams.model_next_logits(self.model), prompt, request.beam_width,
-                                   request.tokens_to_generate, stop_token=stop_token,
-                                   length_penalty=request.length_penalty, vocab_size=self.tokenizer.vocab_size)
-        return {"text": [self.tokenizer.detokenize(tokens) for tokens in result.tokens],
-                "segments": [[self.tokenizer.detokenize([token]) for token in tokens] for tokens in result.tokens],
-                "scores": list(result.scores)}
+        if request.tokens_to_generate < 1:
+            raise RequestError("beam_width", "beam search needs tokens_to_generate >= 1")
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            raise RequestError("beam_width", "beam search under pipeline parallelism is not supported yet", 501)
+        return self.api.beam_search(self.model, self.tokenizer, list(request.prompts), request.tokens_to_generate,
+                                    request.beam_width, stop_token=request.stop_token,
+                                    num_return_gen=request.beam_width, length_penalty=request.length_penalty,
+                                    add_BOS=request.add_BOS)
 
     def tokenize(self, text: str) -> List[int]:
         return list(self.tokenizer.tokenize(text))
