@@ -314,21 +314,27 @@ def _put(port, body):
     return response.status, answer
 
 
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_end_to_end_two_ranks_serve_a_trained_checkpoint(tmp_path):
-    """torchrun, 2 ranks (data-parallel replicas): rank 0 serves, rank 1 follows each broadcast request."""
+    """torchrun, 2 ranks at TP=2: rank 0 serves, rank 1 follows each broadcast request into the
+    same generation (its collectives line up, or the request would hang)."""
     pytest.importorskip("megatron.inference.api")
     env = {**os.environ, "PYTHONPATH": REPO}
-    train = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *TINY_MODEL, "--micro-batch-size",
+    train = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                            str(_free_port()), os.path.join(REPO, "pretrain_gpt.py"), *TINY_MODEL,
+                            "--tensor-model-parallel-size", "2", "--micro-batch-size",
                             "2", "--global-batch-size", "2", "--lr", "1e-3", "--mock-data", "--num-workers", "0",
                             "--eval-iters", "0", "--train-iters", "1", "--save", str(tmp_path / "ckpt"),
                             "--save-interval", "1", "--ckpt-format", "torch"], capture_output=True, text=True,
                            timeout=300, env=env, cwd=tmp_path)
     assert train.returncode == 0, train.stderr[-2000:]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        master_port = probe.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--master-port", str(master_port), SERVER_SCRIPT, *TINY_MODEL, "--load", str(tmp_path / "ckpt"),
+                               "--master-port", str(_free_port()), SERVER_SCRIPT, "--tensor-model-parallel-size", "2", *TINY_MODEL, "--load", str(tmp_path / "ckpt"),
                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               cwd=tmp_path)
     try:
