@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from typing import Any, Dict, List
 
 import torch
@@ -128,6 +129,8 @@ def follow_rank_0(backend: Any) -> None:
             backend.generate(request)
         except ValueError:
             pass  # rank 0 met the same error and answered the client with it
+        except Exception:  # noqa: BLE001 - as rank 0 answers 500 and serves on, this rank follows on
+            traceback.print_exc(file=sys.stderr)
 
 
 def _listen(args: argparse.Namespace) -> Any:

@@ -72,7 +72,8 @@ class ApiBackend(GenerationBackend):
         try:  # here, not at the server's import: the server and its tests need no engine
             self.api = importlib.import_module("megatron.inference.api")
         except ImportError as error:
-            raise EngineUnavailableError(f"the generation engine megatron.inference.api cannot be imported: {error}") from None
+            raise EngineUnavailableError(f"the generation engine megatron.inference.api cannot be imported: "
+                                         f"{error}") from None
         self.model, self.tokenizer = model, tokenizer
 
     def generate(self, request: GenerationRequest) -> Dict[str, Any]:
