@@ -32,7 +32,8 @@ $(VENV)/.installed-test: $(VENV)/.installed $(VENV)/peers/megatron_core/.install
 # ---------------------------------------------------------------- the main job
 # The built-in default: a corpus made from Python's own documentation and standard library,
 # a byte-level BPE tokenizer trained on it, the corpus preprocessed into .bin/.idx, and a tiny
-# GPT trained on it (examples/pretrain_gpt.sh: 200 iterations on CPU, checkpoints under $(DATA)/checkpoints).
+# GPT trained on it (examples/pretrain_gpt.sh: 200 iterations on CPU, checkpoints under $(DATA)/checkpoints),
+# then a few lines generated from it (tools/generate_text.py).
 $(DATA)/corpus.jsonl: tools/make_default_corpus.py | $(VENV)/.installed
 	$(PY) tools/make_default_corpus.py --output $@
 
@@ -51,6 +52,10 @@ run: $(DATA)/python_text_document.idx
 		--merge-file $(DATA)/tokenizer/merges.txt
 	PYTHON=$(PY) examples/pretrain_gpt.sh $(DATA)/python_text_document $(DATA)/tokenizer/vocab.json \
 		$(DATA)/tokenizer/merges.txt $(DATA)/checkpoints/gpt-tiny
+	$(PY) tools/generate_text.py --load $(DATA)/checkpoints/gpt-tiny --use-checkpoint-args \
+		--tokenizer-type GPT2BPETokenizer --vocab-file $(DATA)/tokenizer/vocab.json \
+		--merge-file $(DATA)/tokenizer/merges.txt --tokens-to-generate 32 \
+		--prompt "def main(" --prompt "import os" --prompt "The module"
 
 # ---------------------------------------------------------------- tests and benchmarks
 test: $(VENV)/.installed-test
