@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -50,3 +51,14 @@ def nltk_data_dir(shared_data) -> Path:
     path = _require(shared_data / "nltk_data")
     os.environ["NLTK_DATA"] = str(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Models this small run fastest on one intra-op thread (on a busy machine a second one's
+    spin-wait costs ten times the work); a module opts in with
+    `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

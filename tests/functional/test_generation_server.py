@@ -323,7 +323,6 @@ def _free_port():
 def test_end_to_end_two_ranks_serve_a_trained_checkpoint(tmp_path):
     """torchrun, 2 ranks at TP=2: rank 0 serves, rank 1 follows each broadcast request into the
     same generation (its collectives line up, or the request would hang)."""
-    pytest.importorskip("megatron.inference.api")
     env = {**os.environ, "PYTHONPATH": REPO}
     train = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                             str(_free_port()), os.path.join(REPO, "pretrain_gpt.py"), *TINY_MODEL,

@@ -17,12 +17,7 @@ BEAMS, NEW = 3, 6
 PROMPT = [5, 17, 42, 8, 99]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread
 
 
 def _sharp(hf):

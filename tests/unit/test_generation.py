@@ -23,12 +23,7 @@ NEW = 8
 MODELS = {"gpt2": gpt2, "llama-gqa": lambda: llama_family("llama")}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

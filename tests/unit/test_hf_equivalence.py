@@ -35,14 +35,7 @@ UNFUSED = dict(apply_rope_fusion=False, bias_swiglu_fusion=False, masked_softmax
 FLAGS = pytest.mark.parametrize("flags", [FUSED, UNFUSED], ids=["fused", "unfused"])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Models this small run fastest on one intra-op thread (on a busy machine a second one's
-    spin-wait costs ten times the work)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread
 
 
 def llama_family(model_type: str, **overrides):
