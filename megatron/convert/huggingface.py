@@ -444,6 +444,12 @@ def state_dict_to_hf(our_state_dict: dict[str, Tensor], hf_config: Any) -> dict[
 # ------------------------------------------------------------------ the inverse: our args -> an HF config
 
 
+def computes_tanh_gelu(values: dict) -> bool:
+    """Whether our MLP of these args (dest -> value) computes the tanh GeLU: with --openai-gelu, or
+    with the fused bias-GeLU (Megatron's default, which is the tanh one); else the erf GeLU."""
+    return bool(values.get("openai_gelu", False)) or values.get("bias_gelu_fusion", True) is not False
+
+
 def hf_config_from_args(args: Any, vocab_size: int) -> dict:
     """The config.json fields (a dict with model_type and architectures) of the HF model that computes
     what a GPTModel of our training args does; vocab_size is the true (unpadded) vocabulary.
@@ -463,8 +469,7 @@ def hf_config_from_args(args: Any, vocab_size: int) -> dict:
             "a model with --apply-layernorm-1p, --qk-layernorm, --squared-relu, --rotary-interleaved or "
             "--apply-residual-connection-post-layernorm", "no HF causal LM of this mapping has it")
     common = dict(vocab_size=vocab_size, tie_word_embeddings=tied, initializer_range=float(args.init_method_std))
-    # The GeLU our MLP computes: tanh with --openai-gelu or the (default) fused bias-GeLU, else erf.
-    gelu = "gelu_new" if args.openai_gelu or getattr(args, "bias_gelu_fusion", True) else "gelu"
+    gelu = "gelu_new" if computes_tanh_gelu(vars(args)) else "gelu"
     if args.swiglu and args.normalization == "RMSNorm" and rope:
         qwen2 = bool(args.add_qkv_bias) and not args.add_bias_linear
         _refuse(bool(args.add_qkv_bias) != bool(args.add_bias_linear) and not qwen2,

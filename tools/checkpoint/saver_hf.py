@@ -82,19 +82,13 @@ def _check_config(config: Any, args: argparse.Namespace) -> None:
                 and not (dest.startswith("rotary_") and args.position_embedding_type != "rope")
                 and not (dest == "num_query_groups" and not derived["group_query_attention"])
                 and dest != "openai_gelu"]  # compared as the GeLU computed, below
-    if not getattr(args, "swiglu", False) and _tanh_gelu(vars(args)) != _tanh_gelu(derived):
+    if not getattr(args, "swiglu", False) and huggingface.computes_tanh_gelu(vars(args)) != huggingface.computes_tanh_gelu(derived):
         names = {True: "the tanh GeLU", False: "the erf GeLU"}
-        problems.append(f"the checkpoint's model computes {names[_tanh_gelu(vars(args))]} (--openai-gelu "
+        problems.append(f"the checkpoint's model computes {names[huggingface.computes_tanh_gelu(vars(args))]} (--openai-gelu "
                         f"{getattr(args, 'openai_gelu', False)}, --bias-gelu-fusion "
-                        f"{getattr(args, 'bias_gelu_fusion', True)}), the HF config {names[_tanh_gelu(derived)]}")
+                        f"{getattr(args, 'bias_gelu_fusion', True)}), the HF config {names[huggingface.computes_tanh_gelu(derived)]}")
     if problems:
         raise CheckpointError("the HF config does not describe the checkpoint's model: " + "; ".join(problems))
-
-
-def _tanh_gelu(values: Dict[str, Any]) -> bool:
-    """Whether our MLP computes the tanh GeLU: --openai-gelu, or the fused bias-GeLU (Megatron's
-    default, which is the tanh one); else the erf GeLU."""
-    return bool(values.get("openai_gelu", False)) or values.get("bias_gelu_fusion", True) is not False
 
 
 def _generation_config(meta: Metadata, config: Any) -> Dict[str, Any]:
