@@ -82,11 +82,12 @@ def _check_config(config: Any, args: argparse.Namespace) -> None:
                 and not (dest.startswith("rotary_") and args.position_embedding_type != "rope")
                 and not (dest == "num_query_groups" and not derived["group_query_attention"])
                 and dest != "openai_gelu"]  # compared as the GeLU computed, below
-    if not getattr(args, "swiglu", False) and huggingface.computes_tanh_gelu(vars(args)) != huggingface.computes_tanh_gelu(derived):
+    ours, theirs = huggingface.computes_tanh_gelu(vars(args)), huggingface.computes_tanh_gelu(derived)
+    if not getattr(args, "swiglu", False) and ours != theirs:
         names = {True: "the tanh GeLU", False: "the erf GeLU"}
-        problems.append(f"the checkpoint's model computes {names[huggingface.computes_tanh_gelu(vars(args))]} (--openai-gelu "
+        problems.append(f"the checkpoint's model computes {names[ours]} (--openai-gelu "
                         f"{getattr(args, 'openai_gelu', False)}, --bias-gelu-fusion "
-                        f"{getattr(args, 'bias_gelu_fusion', True)}), the HF config {names[huggingface.computes_tanh_gelu(derived)]}")
+                        f"{getattr(args, 'bias_gelu_fusion', True)}), the HF config {names[theirs]}")
     if problems:
         raise CheckpointError("the HF config does not describe the checkpoint's model: " + "; ".join(problems))
 
