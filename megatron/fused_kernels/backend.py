@@ -81,13 +81,23 @@ def fast_attention_core(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         key, value = (x.repeat_interleave(np_ // ng, dim=2) for x in (key, value))  # [sk, b, np, hn]
         ng = np_
     r = np_ // ng
-    # Contiguous copies: as views of mixed_qkv their transposes would be copied inside each bmm.
+    # Copies where the rows are strided: as views of mixed_qkv their transposes would be copied inside
+    # each bmm. The inference cache's prefix ([b, ng, max_s, hn] buffers) is read in place.
     q = query.view(sq, b, ng, r, hn).permute(1, 2, 0, 3, 4).reshape(b * ng, sq * r, hn)  # [b ng, sq r, hn]
-    k, v = (x.permute(1, 2, 0, 3).reshape(b * ng, -1, hn).contiguous() for x in (key, value))  # [b ng, sk, hn]
+    k, v = (_dense_rows(x.permute(1, 2, 0, 3).reshape(b * ng, -1, hn)) for x in (key, value))  # [b ng, sk, hn]
     context = fused_core_attention.core_attention(q.contiguous(), k, v, scale=1.0 / hn ** 0.5, heads=ng,
                                                   mask=mask, causal=is_causal, queries_per_key=r)
     context = context.view(b, ng, sq, r, hn).permute(2, 0, 1, 3, 4)  # [b ng, sq r, hn] -> [sq, b, ng, r, hn]
     return context.reshape(sq, b, np_ * hn)  # [sq, b, np * hn]
+
+
+def _dense_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, n, hn] as it is where bmm reads its matrices in place -- each a dense block, or stored
+    column by column (the inference cache's keys), whatever the stride between them -- else a
+    contiguous copy."""
+    if x.stride(1) == 1 or (x.stride(2) == 1 and x.stride(1) == x.shape[2]):
+        return x
+    return x.contiguous()
 
 
 def _flash_attn_applies(query: torch.Tensor, attention_mask: torch.Tensor | None, is_causal: bool) -> bool:

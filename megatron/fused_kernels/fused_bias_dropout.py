@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.utils import apply_function
 from megatron.fused_kernels.dispatch import FusedOp, Kernels, cdiv, compiled, kernel, tl
 
 _BLOCK = 1024
@@ -245,7 +246,7 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
         raise ValueError(f"dropout probability must be in [0, 1], got {prob!r}")
     if bias is not None and bias.shape != x.shape[-1:]:
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the last dim of x {tuple(x.shape)}")
-    if torch.broadcast_shapes(x.shape, residual.shape) != x.shape:
+    if residual.shape != x.shape and torch.broadcast_shapes(x.shape, residual.shape) != x.shape:
         raise ValueError(f"residual of shape {tuple(residual.shape)} does not broadcast to x {tuple(x.shape)}")
     kernels = OP.kernels(x.device, impl)
-    return _BiasDropoutAdd.apply(x, bias, residual, float(prob), bool(training), generator, kernels)
+    return apply_function(_BiasDropoutAdd, x, bias, residual, float(prob), bool(training), generator, kernels)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron.core.utils import apply_function
 from megatron.fused_kernels.dispatch import BiasActivation, FusedOp, Kernels, cdiv, compile_pays, compiled, kernel, tl
 
 _BLOCK = 1024
@@ -178,4 +179,4 @@ def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None = None, *, impl: str 
         raise ValueError(f"bias_swiglu: the last dim of x {tuple(x.shape)} must be even (gate and up halves)")
     if bias is not None and bias.shape != x.shape[-1:]:
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match the last dim of x {tuple(x.shape)}")
-    return BiasActivation.apply(x, bias, OP.kernels(x.device, impl))
+    return apply_function(BiasActivation, x, bias, OP.kernels(x.device, impl))

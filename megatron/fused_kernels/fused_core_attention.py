@@ -41,6 +41,7 @@ import functools
 
 import torch
 
+from megatron.core.utils import apply_function
 from megatron.fused_kernels.fused_softmax import MASK_FILL_VALUE
 
 
@@ -185,5 +186,5 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: 
         raise ValueError(f"with queries_per_key {r} the mask must not differ by head (its heads dim is "
                          f"{mask.shape[-3]}); repeat K and V per head instead")
     if causal and mask is None:
-        return _CausalCoreAttention.apply(q, k, v, float(scale), r)
-    return _CoreAttention.apply(q, k, v, mask, bool(causal), int(heads), float(scale), r)
+        return apply_function(_CausalCoreAttention, q, k, v, float(scale), r)
+    return apply_function(_CoreAttention, q, k, v, mask, bool(causal), int(heads), float(scale), r)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.utils import apply_function
 from megatron.fused_kernels.dispatch import (FusedOp, Kernels, cdiv, compile_pays, compiled, kernel,
                                              next_power_of_2, tl)
 
@@ -266,11 +267,11 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     Same function as F.layer_norm(x, (h,), weight, bias, eps). impl forces an implementation.
     """
     _check(x, weight, bias)
-    return _Norm.apply(x, weight, bias, float(eps), False, LAYER_NORM.kernels(x.device, impl))
+    return apply_function(_Norm, x, weight, bias, float(eps), False, LAYER_NORM.kernels(x.device, impl))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-5, *,
              impl: str | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., h]: x / sqrt(mean(x^2) + eps) * weight; y in x's dtype."""
     _check(x, weight)
-    return _Norm.apply(x, weight, None, float(eps), True, RMS_NORM.kernels(x.device, impl))
+    return apply_function(_Norm, x, weight, None, float(eps), True, RMS_NORM.kernels(x.device, impl))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.utils import apply_function
 from megatron.fused_kernels.dispatch import FusedOp, Kernels, cdiv, compiled, kernel, next_power_of_2, tl
 
 _MAX_TILE = 4096  # elements of x one Triton program rotates (heads x pairs)
@@ -194,4 +195,4 @@ def rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = Fal
     t's dtype. impl forces an implementation; see dispatch.py.
     """
     _check(t, freqs)
-    return _RotaryPosEmb.apply(t, freqs, bool(interleaved), OP.kernels(t.device, impl))
+    return apply_function(_RotaryPosEmb, t, freqs, bool(interleaved), OP.kernels(t.device, impl))

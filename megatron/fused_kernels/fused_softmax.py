@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core.utils import apply_function
 from megatron.fused_kernels.dispatch import FusedOp, Kernels, compiled, kernel, next_power_of_2, tl
 
 MASK_FILL_VALUE = -10000.0  # Megatron's (megatron.model.utils.ATTENTION_MASK_FILL_VALUE)
@@ -193,4 +194,4 @@ def scale_mask_softmax(scores: torch.Tensor, mask: torch.Tensor | None = None, s
         raise ValueError(f"scale_mask_softmax expects scores [b, np, sq, sk], got shape {tuple(scores.shape)}")
     if mask is not None and mask.dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = masked out), got {mask.dtype}")
-    return _ScaleMaskSoftmax.apply(scores, mask, float(scale), bool(causal), OP.kernels(scores.device, impl))
+    return apply_function(_ScaleMaskSoftmax, scores, mask, float(scale), bool(causal), OP.kernels(scores.device, impl))

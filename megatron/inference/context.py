@@ -3,13 +3,24 @@
 Each self-attention layer keeps the keys and values of the tokens seen so far, after RoPE, in a
 preallocated buffer per layer (this rank's query groups only):
 
-    key_value_memory_dict[layer_number] = (key [max_s, max_b, ng/t, hn], value [max_s, max_b, ng/t, hn])
+    key_value_memory_dict[layer_number] = (key [max_b, ng/t, hn, max_s], value [max_b, ng/t, max_s, hn])
+
+Batch-major, where Megatron-Core's buffers are [max_s, max_b, ng/t, hn]: the attention multiplies,
+per (row, group), the queries by the cached keys transposed and the probabilities by the cached
+values, and in this layout each (row, group)'s cached prefix is a plain strided matrix for both
+products (K^T as [hn, offset + s], V as [offset + s, hn], with the buffer's row length), so the
+batched matmuls read the cache in place; the keys are kept transposed because the bf16 batched
+matmul copies a transposed operand. append_key_value hands the prefix back in the model's
+[s, b, ng/t, hn] order as a permuted view (no copy).
 
 A forward with a context runs s new tokens at absolute positions offset .. offset + s - 1
 (offset = sequence_len_offset): every layer writes their K/V at rows [offset, offset + s) and
 batch columns [batch_size_offset, batch_size_offset + b), and attends over rows [0, offset + s).
 The caller advances the offset after the forward (increment). A prefill is a forward at offset 0
-with s > 1, a decode step one with s = 1.
+with s > 1, a decode step one with s = 1. With materialize_only_last_token_logits (Megatron-Core's
+name) the model computes the logits of the last of the s positions only: a generation that does not
+return the prompt's log-probs needs no others, and the prefill's output layer over all of them is
+most of its cost.
 """
 
 from __future__ import annotations
@@ -20,7 +31,8 @@ import torch
 class InferenceContext:
     """KV cache and sequence offset of one generation (Megatron-Core's InferenceParams names)."""
 
-    def __init__(self, max_batch_size: int, max_sequence_length: int) -> None:
+    def __init__(self, max_batch_size: int, max_sequence_length: int,
+                 materialize_only_last_token_logits: bool = False) -> None:
         if max_batch_size < 1 or max_sequence_length < 1:
             raise ValueError(f"max_batch_size ({max_batch_size}) and max_sequence_length "
                              f"({max_sequence_length}) must be positive")
@@ -28,6 +40,7 @@ class InferenceContext:
         self.max_sequence_length = max_sequence_length
         self.sequence_len_offset = 0
         self.batch_size_offset = 0
+        self.materialize_only_last_token_logits = materialize_only_last_token_logits
         self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def append_key_value(self, layer_number: int, key: torch.Tensor,
@@ -41,12 +54,16 @@ class InferenceContext:
             raise ValueError(f"the inference context holds {self.max_sequence_length} positions x "
                              f"{self.max_batch_size} rows; this step needs positions up to {end} and rows up to {last}")
         if layer_number not in self.key_value_memory_dict:
-            shape = (self.max_sequence_length, self.max_batch_size, *key.shape[2:])  # [max_s, max_b, ng/t, hn]
-            self.key_value_memory_dict[layer_number] = (key.new_empty(shape), value.new_empty(shape))
+            groups, hn = key.shape[2:]
+            b_max, s_max = self.max_batch_size, self.max_sequence_length
+            self.key_value_memory_dict[layer_number] = (key.new_empty(b_max, groups, hn, s_max),  # K^T
+                                                        value.new_empty(b_max, groups, s_max, hn))
         key_cache, value_cache = self.key_value_memory_dict[layer_number]
-        key_cache[start:end, first:last] = key
-        value_cache[start:end, first:last] = value
-        return key_cache[:end, first:last], value_cache[:end, first:last]  # [offset + s, b, ng/t, hn]
+        key_cache[first:last, :, :, start:end] = key.permute(1, 2, 3, 0)  # [s, b, ng/t, hn] -> [b, ng/t, hn, s]
+        value_cache[first:last, :, start:end] = value.permute(1, 2, 0, 3)  # -> [b, ng/t, s, hn]
+        keys = key_cache[first:last, :, :, :end].permute(3, 0, 1, 2)  # [offset + s, b, ng/t, hn], views
+        values = value_cache[first:last, :, :end].permute(2, 0, 1, 3)
+        return keys, values
 
     def causal_mask(self, s: int, device: torch.device) -> torch.Tensor:
         """bool [1, 1, s, offset + s], True = masked out: query i (position offset + i) sees keys 0 .. offset + i."""
@@ -59,8 +76,9 @@ class InferenceContext:
         len(batch_idx) rows are kept valid."""
         end, n = self.sequence_len_offset, len(batch_idx)
         for key_cache, value_cache in self.key_value_memory_dict.values():
-            for cache in (key_cache, value_cache):
-                cache[:end, :n] = cache[:end].index_select(1, batch_idx.to(cache.device))  # [offset, n, ng/t, hn]
+            index = batch_idx.to(key_cache.device)
+            key_cache[:n, :, :, :end] = key_cache[..., :end].index_select(0, index)  # [n, ng/t, hn, offset]
+            value_cache[:n, :, :end] = value_cache[:, :, :end].index_select(0, index)  # [n, ng/t, offset, hn]
 
     def increment(self, s: int) -> None:
         """Advance the offset past the s tokens just run."""

@@ -128,7 +128,9 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
     positions = torch.arange(total).expand(b, total)  # [b, L]
     termination = stop_token if stop_token is not None else eod
     generator = torch.Generator().manual_seed(random_seed) if random_seed is not None else None
-    context = InferenceContext(b, total) if use_cache else None
+    # Without log-probs only each forward's last position is sampled: the model computes no other logits.
+    context = InferenceContext(b, total, materialize_only_last_token_logits=not return_output_log_probs) \
+        if use_cache else None
     output_log_probs = torch.zeros(b, total - 1) if return_output_log_probs else None
     out_lengths = torch.full((b,), total, dtype=torch.int64)
     finished = torch.zeros(b, dtype=torch.bool)
@@ -196,7 +198,7 @@ def cached_next_logits(model: torch.nn.Module, max_sequence_length: int):
         context, previous = state["context"], state["tokens"]
         parents = _parent_rows(previous, tokens) if context is not None else None
         if parents is None or beams > context.max_batch_size:
-            context = InferenceContext(beams, max_sequence_length)
+            context = InferenceContext(beams, max_sequence_length, materialize_only_last_token_logits=True)
             start = 0
         else:
             context.swap_key_value_dict(parents)

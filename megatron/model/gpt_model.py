@@ -201,6 +201,9 @@ class GPTModel(MegatronModule):
                                      attention_bias=attention_bias, inference_context=inference_context)  # [s, b, h]
         if not self.post_process:
             return hidden_states
+        if (inference_context is not None and inference_context.materialize_only_last_token_logits
+                and labels is None and not self.config.sequence_parallel):  # SP: the output layer gathers s
+            hidden_states = hidden_states[-1:]  # [1, b, h]: the last position's logits only
         logits, _ = self.output_layer(hidden_states, weight=self.shared_embedding_or_output_weight())  # [s, b, vocab/t]
         if labels is None:
             if not self.parallel_output:

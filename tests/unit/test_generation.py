@@ -94,8 +94,8 @@ def test_kv_cache_steps_equal_a_full_forward(hf):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
     assert len(context.key_value_memory_dict) == hf.config.num_hidden_layers
     key, _ = context.key_value_memory_dict[1]
-    assert key.shape == (s, b, hf.config.num_key_value_heads if hasattr(hf.config, "num_key_value_heads")
-                         else hf.config.n_head, ours.config.kv_channels)
+    assert key.shape == (b, hf.config.num_key_value_heads if hasattr(hf.config, "num_key_value_heads")
+                         else hf.config.n_head, ours.config.kv_channels, s)  # K^T [max_b, ng, hn, max_s]
 
 
 @pytest.mark.parametrize("position", ["alibi", "learned_absolute"])
@@ -210,9 +210,9 @@ def test_beam_search_with_the_kv_cache_equals_the_recomputed_one(hf, monkeypatch
     prefills = []
 
     class CountingContext(InferenceContext):
-        def __init__(self, *args):
+        def __init__(self, *args, **kwargs):
             prefills.append(args)
-            super().__init__(*args)
+            super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(generation, "InferenceContext", CountingContext)
     ours = make_ours(hf, FUSED)

@@ -48,6 +48,7 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.utils import VocabUtility, divide
+from megatron.core.utils import apply_function
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
@@ -314,8 +315,8 @@ class ColumnParallelLinear(nn.Module):
             input_parallel = copy_to_tensor_model_parallel_region(input_)  # [s, b, in]
         onednn = _use_onednn(self.fused_kernels_cpu_impl, input_parallel, weight)
         if self.sequence_parallel or fuse or onednn:
-            output_parallel = _LinearWithGradAccumulation.apply(
-                input_parallel, weight, bias, self.sequence_parallel, fuse, onednn)  # [s, b, out/t]
+            output_parallel = apply_function(_LinearWithGradAccumulation, input_parallel, weight, bias,
+                                             self.sequence_parallel, fuse, onednn)  # [s, b, out/t]
         else:
             output_parallel = F.linear(input_parallel, weight, bias)  # [s, b, out/t]
         if self.gather_output:
@@ -382,8 +383,8 @@ class RowParallelLinear(nn.Module):
             input_parallel = scatter_to_tensor_model_parallel_region(input_)  # [s, b, in] -> [s, b, in/t]
         onednn = _use_onednn(self.fused_kernels_cpu_impl, input_parallel, self.weight)
         if self.gradient_accumulation_fusion or onednn:
-            output_parallel = _LinearWithGradAccumulation.apply(
-                input_parallel, self.weight, None, False, self.gradient_accumulation_fusion, onednn)  # [s, b, out]
+            output_parallel = apply_function(_LinearWithGradAccumulation, input_parallel, self.weight, None, False,
+                                             self.gradient_accumulation_fusion, onednn)  # [s, b, out]
         else:
             output_parallel = F.linear(input_parallel, self.weight)  # [s, b, out], partial sum
         if self.sequence_parallel:

@@ -23,6 +23,7 @@ import torch
 
 from megatron.core import communication, parallel_state
 from megatron.core.tensor_parallel.utils import divide, split_tensor_along_last_dim
+from megatron.core.utils import apply_function
 
 
 def _tp_size() -> int:
@@ -161,27 +162,27 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """Entering a TP region with a replicated input: forward identity, backward all-reduce."""
-    return _CopyToModelParallelRegion.apply(input_)
+    return apply_function(_CopyToModelParallelRegion, input_)
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """Leaving a TP region with partial sums: forward all-reduce, backward identity."""
-    return _ReduceFromModelParallelRegion.apply(input_)
+    return apply_function(_ReduceFromModelParallelRegion, input_)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """[..., n] -> this rank's [..., n/t]; backward all-gathers the last dim."""
-    return _ScatterToModelParallelRegion.apply(input_)
+    return apply_function(_ScatterToModelParallelRegion, input_)
 
 
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """[..., n/t] -> [..., n] in rank order; backward keeps this rank's slice."""
-    return _GatherFromModelParallelRegion.apply(input_)
+    return apply_function(_GatherFromModelParallelRegion, input_)
 
 
 def scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """[s, b, h] -> this rank's [s/t, b, h]; backward all-gathers dim 0."""
-    return _ScatterToSequenceParallelRegion.apply(input_)
+    return apply_function(_ScatterToSequenceParallelRegion, input_)
 
 
 def gather_from_sequence_parallel_region(
@@ -189,9 +190,9 @@ def gather_from_sequence_parallel_region(
 ) -> torch.Tensor:
     """[s/t, b, h] -> [s, b, h]; backward reduce-scatters dim 0, or only splits it when the
     gathered tensor feeds computation replicated on every TP rank (tensor_parallel_output_grad=False)."""
-    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad)
+    return apply_function(_GatherFromSequenceParallelRegion, input_, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """Partial sums [s, b, h] -> this rank's rows of the sum [s/t, b, h]; backward all-gathers dim 0."""
-    return _ReduceScatterToSequenceParallelRegion.apply(input_)
+    return apply_function(_ReduceScatterToSequenceParallelRegion, input_)
