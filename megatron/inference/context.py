@@ -46,7 +46,8 @@ class InferenceContext:
     def append_key_value(self, layer_number: int, key: torch.Tensor,
                          value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's key and value [s, b, ng/t, hn] of layer `layer_number` at the offset;
-        return the cached prefix, keys and values [offset + s, b, ng/t, hn]."""
+        return the keys and values to attend over, [key_length(s), b, ng/t, hn]: the cached prefix
+        (offset + s positions), or the whole buffer (see key_length)."""
         s, b = key.shape[:2]
         start, end = self.sequence_len_offset, self.sequence_len_offset + s
         first, last = self.batch_size_offset, self.batch_size_offset + b
@@ -56,19 +57,43 @@ class InferenceContext:
         if layer_number not in self.key_value_memory_dict:
             groups, hn = key.shape[2:]
             b_max, s_max = self.max_batch_size, self.max_sequence_length
-            self.key_value_memory_dict[layer_number] = (key.new_empty(b_max, groups, hn, s_max),  # K^T
-                                                        value.new_empty(b_max, groups, s_max, hn))
+            # Zeros: a step that reads the whole buffer (key_length) multiplies its unwritten tail by 0.
+            self.key_value_memory_dict[layer_number] = (key.new_zeros(b_max, groups, hn, s_max),  # K^T
+                                                        value.new_zeros(b_max, groups, s_max, hn))
         key_cache, value_cache = self.key_value_memory_dict[layer_number]
         key_cache[first:last, :, :, start:end] = key.permute(1, 2, 3, 0)  # [s, b, ng/t, hn] -> [b, ng/t, hn, s]
         value_cache[first:last, :, start:end] = value.permute(1, 2, 0, 3)  # -> [b, ng/t, s, hn]
-        keys = key_cache[first:last, :, :, :end].permute(3, 0, 1, 2)  # [offset + s, b, ng/t, hn], views
-        values = value_cache[first:last, :, :end].permute(2, 0, 1, 3)
+        length = self.key_length(s)
+        keys = key_cache[first:last, :, :, :length].permute(3, 0, 1, 2)  # [key_length, b, ng/t, hn], views
+        values = value_cache[first:last, :, :length].permute(2, 0, 1, 3)
         return keys, values
 
+    def key_length(self, s: int) -> int:
+        """How many key positions a forward of s new tokens attends over: the offset + s cached ones,
+        or, for a one-token step in half precision once the cache is at least half full, the whole
+        buffer, its positions past offset + s masked out (causal_mask). The half-precision batched
+        matmul copies a strided prefix of the cache on every call; the whole buffer it reads in place,
+        and at least half full that costs less than the copy. fp32's reads a strided prefix in place."""
+        end = self.sequence_len_offset + s
+        if s == 1 and self.sequence_len_offset > 0 and 2 * end >= self.max_sequence_length:
+            key_cache, _ = next(iter(self.key_value_memory_dict.values()))  # a decode step: after a prefill
+            if key_cache.dtype in (torch.float16, torch.bfloat16):
+                return self.max_sequence_length
+        return end
+
     def causal_mask(self, s: int, device: torch.device) -> torch.Tensor:
-        """bool [1, 1, s, offset + s], True = masked out: query i (position offset + i) sees keys 0 .. offset + i."""
+        """bool [1, 1, s, key_length(s)], True = masked out: query i (position offset + i) sees keys
+        0 .. offset + i (and none of the buffer's positions past offset + s)."""
         offset = self.sequence_len_offset
-        return torch.ones(s, offset + s, dtype=torch.bool, device=device).triu(offset + 1)[None, None]
+        return torch.ones(s, self.key_length(s), dtype=torch.bool, device=device).triu(offset + 1)[None, None]
+
+    def pad_to_key_length(self, tensor: torch.Tensor, s: int, value: float | bool) -> torch.Tensor:
+        """A mask or bias [..., offset + s] of a forward of s tokens, widened to key_length(s)
+        positions with `value` (True: masked out; 0: no bias) -- the buffer's positions past offset + s."""
+        extra = self.key_length(s) - tensor.shape[-1]
+        if extra <= 0:
+            return tensor
+        return torch.cat([tensor, tensor.new_full((*tensor.shape[:-1], extra), value)], dim=-1)
 
     def swap_key_value_dict(self, batch_idx: torch.Tensor) -> None:
         """Reorder the cached rows (Megatron-Core's name): row i of every layer's cache becomes the old

@@ -197,6 +197,8 @@ class GPTModel(MegatronModule):
             else:
                 attention_bias = self.alibi(seq_length, offset + seq_length).to(
                     self._device(decoder_input))  # [1, np/t, s, offset + s]
+                if inference_context is not None:  # the keys the cache hands the attention
+                    attention_bias = inference_context.pad_to_key_length(attention_bias, seq_length, 0.0)
         hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary_pos_emb,
                                      attention_bias=attention_bias, inference_context=inference_context)  # [s, b, h]
         if not self.post_process:

@@ -179,7 +179,7 @@ class TransformerBlock(MegatronModule):
         """rotary_pos_emb [s, 1, 1, rot_dim] and attention_bias [1, np/t, s, s] reach every layer.
 
         With an inference_context the s tokens follow its sequence_len_offset cached ones: the default
-        mask is the causal one over all offset + s keys, [1, 1, s, offset + s]."""
+        mask is the causal one over all offset + s keys, [1, 1, s, key_length] (InferenceContext.key_length)."""
         if not self.pre_process:
             hidden_states = self.input_tensor
         if hidden_states is None:
@@ -188,6 +188,8 @@ class TransformerBlock(MegatronModule):
         if inference_context is not None:
             if attention_mask is None:
                 attention_mask = inference_context.causal_mask(hidden_states.shape[0], hidden_states.device)
+            else:  # [.., s, offset + s] -> [.., s, key_length]: the keys the cache hands the attention
+                attention_mask = inference_context.pad_to_key_length(attention_mask, hidden_states.shape[0], True)
             # The fused kernels' causal shortcut assumes a square mask: only a prefill from position 0 has one.
             is_causal = is_causal and inference_context.sequence_len_offset == 0
             for layer in self.layers:
