@@ -120,6 +120,86 @@ def test_kv_cache_steps_with_alibi_and_a_mask_free_decode(position):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
 
 
+def _own_model(position: str = "learned_absolute", dtype: torch.dtype = torch.float32):
+    from megatron.model import GPTModel, TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1)
+    return GPTModel(config, vocab_size=64, max_sequence_length=16, position_embedding_type=position).eval().to(dtype)
+
+
+def test_only_the_last_position_gets_logits_when_asked():
+    """materialize_only_last_token_logits: the output layer runs on the last position alone (its
+    input has one position), and those logits are the full forward's last ones; generate_tokens
+    asks for it unless it returns log-probs."""
+    model = _own_model()
+    seen = []
+    model.output_layer.register_forward_hook(lambda module, args, kwargs=None: seen.append(args[0].shape[0]))
+    tokens = torch.randint(0, 64, (2, 7))
+    positions = torch.arange(7).expand(2, 7)
+    with torch.no_grad():
+        full = model(tokens, positions)
+        last = model(tokens, positions, inference_context=InferenceContext(2, 7, materialize_only_last_token_logits=True))
+    assert last.shape == (2, 1, 64) and seen == [7, 1]
+    torch.testing.assert_close(last, full[:, -1:], rtol=0, atol=1e-6)
+    seen.clear()
+    generate_tokens(model, tokens[:, :5], torch.tensor([5, 5]), 2, top_k=1)
+    assert seen == [1, 1]  # prefill of 5 positions, then one step: one position's logits each
+    seen.clear()
+    generate_tokens(model, tokens[:, :5], torch.tensor([5, 5]), 2, top_k=1, return_output_log_probs=True)
+    assert seen == [5, 1]
+
+
+@pytest.mark.parametrize("position", ["alibi", "learned_absolute"])
+def test_half_precision_decode_over_the_whole_buffer_equals_the_prefix(position, monkeypatch):
+    """In bf16, once the cache is half full, a one-token step attends over the whole (zeroed) buffer
+    with its tail masked out (InferenceContext.key_length); its logits equal those of the same steps
+    over the cached prefix alone, with ALiBi's bias and with a mask passed in."""
+    model = _own_model(position, torch.bfloat16)
+    tokens = torch.randint(0, 64, (2, 12))
+    positions = torch.arange(12).expand(2, 12)
+
+    def decode(user_mask: bool):
+        context = InferenceContext(2, 12)
+        with torch.no_grad():
+            model(tokens[:, :4], positions[:, :4], inference_context=context)
+            context.increment(4)
+            steps, lengths = [], []
+            for t in range(4, 12):
+                lengths.append(context.key_length(1))
+                mask = torch.zeros(1, 1, 1, t + 1, dtype=torch.bool) if user_mask else None
+                steps.append(model(tokens[:, t:t + 1], positions[:, t:t + 1], attention_mask=mask,
+                                   inference_context=context).float())
+                context.increment(1)
+        return torch.cat(steps, dim=1), lengths
+
+    for user_mask in (False, True):
+        whole, lengths = decode(user_mask)
+        assert lengths == [5, 12, 12, 12, 12, 12, 12, 12]  # from offset + 1 >= 12 / 2 on: the whole buffer
+        with monkeypatch.context() as patch:
+            patch.setattr(InferenceContext, "key_length", lambda self, s: self.sequence_len_offset + s)
+            prefix, lengths = decode(user_mask)
+        assert lengths == list(range(5, 13))
+        torch.testing.assert_close(whole, prefix, rtol=0, atol=2e-2)
+    fp32 = InferenceContext(1, 4)
+    fp32.append_key_value(1, torch.zeros(2, 1, 1, 8), torch.zeros(2, 1, 1, 8))
+    fp32.increment(2)
+    assert fp32.key_length(1) == 3  # fp32's batched matmul reads a strided prefix in place
+
+
+def test_no_grad_forward_skips_the_graph_and_equals_the_grad_forward():
+    """apply_function: under no_grad the autograd Functions' forwards run directly; same logits."""
+    model = _own_model()
+    tokens = torch.randint(0, 64, (2, 7))
+    positions = torch.arange(7).expand(2, 7)
+    with_graph = model(tokens, positions)
+    with torch.no_grad():
+        without = model(tokens, positions)
+    assert with_graph.requires_grad and not without.requires_grad
+    assert torch.equal(with_graph.detach(), without)
+
+
 def test_refuses_more_tokens_than_learned_positions():
     ours = make_ours(make_hf(gpt2()), FUSED)  # n_positions 64
     tokens, lengths = prompts()
