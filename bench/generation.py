@@ -12,7 +12,7 @@ so both sides hold the same weights. For each dtype and batch size, on the same 
 * HF: model.generate(do_sample=False, use_cache=True) with its default dynamic cache.
 
 Printed per case: generated tokens per second (batch x new tokens / seconds, the median of --repeats
-runs after one warm-up), the time to the first token (a run with one new token: the prefill), and
+runs after one warm-up; ours and HF's alternate, run by run), the time to the first token (a run with one new token: the prefill), and
 whether our greedy tokens equal HF's (they should in fp32; in bf16 rounding may flip a near-tie).
 The ratio ours / HF is quoted in docs/PERFORMANCE.md. Compare figures within one run only.
 """
@@ -25,7 +25,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 
@@ -54,14 +54,19 @@ def build_models(hidden: int, layers: int, heads: int, vocab: int, positions: in
     return hf, ours
 
 
-def _median_seconds(run, repeats: int) -> float:
-    run()  # warm-up
-    times = []
+def _median_seconds(runs: Dict[str, Callable[[], object]], repeats: int) -> Dict[str, float]:
+    """The median wall time of each run, over `repeats` rounds after one warm-up round; the runs
+    alternate within a round, so a load that comes and goes on a shared machine slows both sides
+    of a ratio alike."""
+    for run in runs.values():
+        run()  # warm-up
+    times: Dict[str, List[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def bench_case(hf, ours, batch: int, prompt: int, new: int, repeats: int, uncached: bool) -> Dict[str, float]:
@@ -82,12 +87,14 @@ def bench_case(hf, ours, batch: int, prompt: int, new: int, repeats: int, uncach
 
     result: Dict[str, float] = {}
     result["same_tokens"] = float(torch.equal(ours_run(new)[:, :prompt + new], hf_run(new)[:, :prompt + new]))
-    for name, run in (("ours", lambda: ours_run(new)), ("hf", lambda: hf_run(new))):
-        result[f"{name}_tokens_per_s"] = batch * new / _median_seconds(run, repeats)
+    decode = _median_seconds({"ours": lambda: ours_run(new), "hf": lambda: hf_run(new)}, repeats)
+    for name, seconds in decode.items():
+        result[f"{name}_tokens_per_s"] = batch * new / seconds
     if uncached:
-        result["ours_uncached_tokens_per_s"] = batch * new / _median_seconds(lambda: ours_run(new, False), 1)
-    result["ours_first_token_s"] = _median_seconds(lambda: ours_run(1), repeats)
-    result["hf_first_token_s"] = _median_seconds(lambda: hf_run(1), repeats)
+        result["ours_uncached_tokens_per_s"] = batch * new / _median_seconds(
+            {"uncached": lambda: ours_run(new, False)}, 1)["uncached"]
+    first = _median_seconds({"ours": lambda: ours_run(1), "hf": lambda: hf_run(1)}, repeats)
+    result["ours_first_token_s"], result["hf_first_token_s"] = first["ours"], first["hf"]
     return result
 
 
