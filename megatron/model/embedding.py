@@ -1,4 +1,4 @@
-"""LanguageModelEmbedding: word (+ learned absolute position) embeddings, then dropout."""
+"""LanguageModelEmbedding: word (+ learned absolute position, + tokentype) embeddings, then dropout."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ class LanguageModelEmbedding(MegatronModule):
 
     State-dict keys: word_embeddings.weight [vocab/t, h] (this tensor-parallel rank's rows of
     the padded vocabulary), position_embeddings.weight [max_s, h] (replicated; only with
-    position_embedding_type "learned_absolute": RoPE and ALiBi act inside the attention).
+    position_embedding_type "learned_absolute": RoPE and ALiBi act inside the attention),
+    tokentype_embeddings.weight [num_tokentypes, h] (replicated; only with num_tokentypes > 0, BERT's
+    segment A / B: forward's tokentype_ids [b, s], None meaning type 0 everywhere as in HF).
 
     vocab_size is the padded size; num_tokens (the tokenizer's vocabulary, default vocab_size)
     is how many rows are drawn at initialisation -- the padding rows start at zero, so the
@@ -28,7 +30,8 @@ class LanguageModelEmbedding(MegatronModule):
     """
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
-                 num_tokens: int | None = None, position_embedding_type: str = "learned_absolute") -> None:
+                 num_tokens: int | None = None, position_embedding_type: str = "learned_absolute",
+                 num_tokentypes: int = 0) -> None:
         super().__init__(config)
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -42,9 +45,16 @@ class LanguageModelEmbedding(MegatronModule):
             if config.perform_initialization:
                 with torch.no_grad():
                     config.init_method(self.position_embeddings.weight)
+        self.tokentype_embeddings = None  # no table (and no state-dict key) without token types
+        if num_tokentypes > 0:  # drawn after the position table, so a GPT model's init is unchanged
+            self.tokentype_embeddings = nn.Embedding(num_tokentypes, h, dtype=dtype)
+            if config.perform_initialization:
+                with torch.no_grad():
+                    config.init_method(self.tokentype_embeddings.weight)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.position_embeddings is not None and input_ids.shape[1] > self.max_sequence_length:
             raise ValueError(
                 f"sequence length {input_ids.shape[1]} exceeds the model's max_sequence_length "
@@ -57,6 +67,13 @@ class LanguageModelEmbedding(MegatronModule):
         embeddings = self.word_embeddings(input_ids)  # [b, s, h], summed over the TP ranks' vocab slices
         if self.position_embeddings is not None:
             embeddings = embeddings + self.position_embeddings(position_ids)  # [b, s, h]
+        if self.tokentype_embeddings is not None:
+            if tokentype_ids is None:
+                embeddings = embeddings + self.tokentype_embeddings.weight[0]  # [b, s, h] + [h]
+            else:
+                embeddings = embeddings + self.tokentype_embeddings(tokentype_ids)  # [b, s, h]
+        elif tokentype_ids is not None:
+            raise ValueError("tokentype_ids given but the embedding has no tokentype table (num_tokentypes=0)")
         embeddings = embeddings.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]
         if self.config.fp32_residual_connection:
             # The residual stream is kept in fp32 from here on; layer norms hand half back.
