@@ -159,7 +159,8 @@ class BertModel(MegatronModule):
         self.post_process = post_process
         self.parallel_output = parallel_output
 
-        # Init streams as GPTModel's: 0 the embedding, 1..L the layers, L + 1 the output side.
+        # Init streams as GPTModel's: 0 the embedding, 1..L the layers, L + 1 the output layer; L + 2
+        # the heads (after an untied output layer the stream's position would depend on the padded vocab).
         init_seed = int(torch.randint(0, 2**62, (1,)).item())
         self.embedding = None
         if pre_process:
@@ -172,28 +173,29 @@ class BertModel(MegatronModule):
                                         post_process=post_process, init_seed=init_seed)
         self.lm_head = self.output_layer = self.pooler = self.binary_head = None
         if post_process:
-            with init_rng(init_seed, config.num_layers + 1):
-                self._build_heads()
+            self._build_heads(init_seed)
         self._sync_tied_embedding()
 
-    def _build_heads(self) -> None:
+    def _build_heads(self, init_seed: int) -> None:
         config, h = self.config, self.config.hidden_size
-        self.lm_head = BertLMHead(h, config)
         tied_here = self.share_embeddings_and_output_weights and self.pre_process
-        # The weight is the word embedding's when tied here (no output_layer.weight key); the bias
-        # [vocab/t] is the output layer's own (HF's cls.predictions.bias), starting at zero.
-        self.output_layer = ColumnParallelLinear(h, self.vocab_size, config=config, init_method=config.init_method,
-                                                 bias=True, gather_output=False,
-                                                 skip_weight_param_allocation=tied_here)
+        with init_rng(init_seed, config.num_layers + 1):
+            # The weight is the word embedding's when tied here (no output_layer.weight key); the bias
+            # [vocab/t] is the output layer's own (HF's cls.predictions.bias), starting at zero.
+            self.output_layer = ColumnParallelLinear(h, self.vocab_size, config=config,
+                                                     init_method=config.init_method, bias=True, gather_output=False,
+                                                     skip_weight_param_allocation=tied_here)
         if self.share_embeddings_and_output_weights and not tied_here:
             # A last pipeline stage's copy of the tied weight: zero, then the first stage's (GPTModel's rule).
             with torch.no_grad():
                 self.output_layer.weight.zero_()
             self.output_layer.weight.shared_embedding = True
             self.output_layer.weight.shared = True
-        if self.add_binary_head:
-            self.binary_head = _linear(h, 2, config)
-            self.pooler = Pooler(h, config)
+        with init_rng(init_seed, config.num_layers + 2):
+            self.lm_head = BertLMHead(h, config)
+            if self.add_binary_head:
+                self.binary_head = _linear(h, 2, config)
+                self.pooler = Pooler(h, config)
 
     # The tied weight's handling and the per-token loss are GPTModel's, reused as they are: they read
     # only the attributes both models have (embedding, output_layer, share_embeddings_and_output_weights,
