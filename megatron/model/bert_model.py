@@ -105,7 +105,8 @@ class Pooler(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
         if self.config.sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)  # [s, b, h]
+            hidden_states = gather_from_sequence_parallel_region(  # [s/t, b, h] -> [s, b, h]
+                hidden_states, tensor_parallel_output_grad=False)
         return torch.tanh(self.dense(hidden_states[sequence_index]))  # [b, h]
 
 

@@ -78,8 +78,9 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], c, add_binary_head: bool 
         "output_layer.bias": "cls.predictions.bias",
     }
     if add_binary_head:
-        same.update({"pooler.dense.weight": "bert.pooler.dense.weight", "pooler.dense.bias": "bert.pooler.dense.bias",
-                     "binary_head.weight": "cls.seq_relationship.weight", "binary_head.bias": "cls.seq_relationship.bias"})
+        for kind in ("weight", "bias"):
+            same[f"pooler.dense.{kind}"] = f"bert.pooler.dense.{kind}"
+            same[f"binary_head.{kind}"] = f"cls.seq_relationship.{kind}"
     for i in range(c.num_hidden_layers):
         ours, hf = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
         for kind in ("weight", "bias"):
@@ -97,8 +98,7 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], c, add_binary_head: bool 
             q, k, v = (hf_sd[f"{hf}{name}.{kind}"] for name in ("query", "key", "value"))  # [h, (h)] each
             heads = [t.reshape(np_, hn, *t.shape[1:]) for t in (q, k, v)]  # [np, hn, (h)]
             fused = torch.stack(heads, dim=1)  # [np, 3, hn, (h)]
-            out[f"encoder.layers.{i}.self_attention.linear_qkv.{kind}"] = fused.reshape(3 * c.hidden_size,
-                                                                                         *q.shape[1:])
+            out[f"encoder.layers.{i}.self_attention.linear_qkv.{kind}"] = fused.reshape(-1, *q.shape[1:])  # [3h, (h)]
     return out
 
 
