@@ -119,9 +119,11 @@ class BertModel(MegatronModule):
     [b, s], binary_logits) with lm_labels, the loss computed as GPTModel's (vocab-parallel, fp32,
     over the num_tokens real ids). binary_logits is [b, 2], or None without add_binary_head.
     attention_mask is the padding mask [b, s], 1 = real token (the dataset's padding_mask); every
-    pipeline stage needs it. tokentype_ids None means type 0 everywhere.
+    pipeline stage needs it. tokentype_ids None means type 0 everywhere; ids given to a model without
+    a tokentype table (num_tokentypes=0) are an error (Megatron's script passes None there).
 
     num_tokentypes: 2 with the binary head in Megatron's pretrain_bert.py, else 0 (no table).
+    transformer_layer_spec: default the GPT layer the config describes (layer_spec_from_config).
     Pipeline hooks as GPTModel's: pre_process=False takes its input from set_input_tensor();
     post_process=False returns the hidden states [s, b, h] ([s/t, b, h] under SP) and has no heads.
     The tied output weight, its copy on a last stage without the embedding, the vocabulary padding
