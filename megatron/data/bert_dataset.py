@@ -17,12 +17,20 @@ target lengths, same std::mt19937_64 shuffle), cached as `<md5>-BERTMaskedWordPi
                                               until A + B fit the target length (truncated)
 
 and masked by bert_masking.create_masked_lm_predictions. Every field is numpy int64.
+
+A training script builds the splits as Megatron's pretrain_bert.py does:
+
+    config = bert_dataset_config_from_args(args, tokenizer)   # --mask-prob, --short-seq-prob, ...
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        BERTMaskedWordPieceDataset, train_valid_test_num_samples, is_built_on_rank, config).build()
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
 import os
 import time
 from collections import OrderedDict
@@ -95,9 +103,8 @@ def bert_dataset_config_from_args(args: Any, tokenizer: Any) -> BERTMaskedWordPi
     base = gpt_dataset_config_from_args(args, tokenizer)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     return BERTMaskedWordPieceDatasetConfig(
-        **fields, masking_probability=getattr(args, "mask_prob", 0.15),
-        short_sequence_probability=getattr(args, "short_seq_prob", 0.1), masking_max_ngram=3,
-        masking_do_full_word=True, classification_head=getattr(args, "bert_binary_head", True))
+        **fields, masking_probability=args.mask_prob, short_sequence_probability=args.short_seq_prob,
+        masking_max_ngram=3, masking_do_full_word=True, classification_head=args.bert_binary_head)
 
 
 # ---------------------------------------------------------------------------- random streams
@@ -161,7 +168,7 @@ def build_sample_index(document_starts: np.ndarray, document_ends: np.ndarray, s
     long_sentences = np.concatenate(([0], np.cumsum(np.asarray(sentence_lengths) > LONG_SENTENCE_LEN)))
     has_long = long_sentences[ends] - long_sentences[starts] > 0
     usable = np.flatnonzero((counts >= min_sentences) & ~((counts > 1) & has_long))
-    lengths = np.asarray(sentence_lengths).tolist()
+    sentence_lengths = np.asarray(sentence_lengths)
     targets = _TargetLengths(seed, short_sequence_probability, max_length)
     rows: List[tuple] = []
     for epoch in range(1 if num_samples is None else np.iinfo(np.int32).max - 1):
@@ -170,14 +177,14 @@ def build_sample_index(document_starts: np.ndarray, document_ends: np.ndarray, s
         for doc in usable.tolist():
             first, last = int(starts[doc]), int(ends[doc])
             begin, tokens, sentences, goal = first, 0, 0, targets.next()
-            for sentence in range(first, last):
-                tokens += lengths[sentence]
+            for sentence, length in enumerate(sentence_lengths[first:last].tolist(), start=first):
+                tokens += length
                 sentences += 1
                 remaining = last - sentence - 1
                 if (tokens >= goal and remaining > 1 and sentences >= min_sentences) or remaining == 0:
                     rows.append((begin, sentence + 1, goal))
                     begin, tokens, sentences, goal = sentence + 1, 0, 0, targets.next()
-    dtype = np.uint32 if len(lengths) <= np.iinfo(np.uint32).max else np.uint64
+    dtype = np.uint32 if len(sentence_lengths) <= np.iinfo(np.uint32).max else np.uint64
     sample_index = np.array(rows, dtype=dtype).reshape(-1, 3)
     return sample_index[_shuffled_order(len(rows), seed + 1)]
 
@@ -187,7 +194,8 @@ class _TargetLengths:
     round(1 / short_sequence_probability), 2 + draw % (max_length - 1)."""
 
     def __init__(self, seed: int, short_sequence_probability: float, max_length: int) -> None:
-        self.ratio = int(round(1.0 / short_sequence_probability)) if short_sequence_probability > 0 else 0
+        # C++ round(): halves away from zero (Python's round() would take 2.5 to 2)
+        self.ratio = math.floor(1.0 / short_sequence_probability + 0.5) if short_sequence_probability > 0 else 0
         self.max_length = max_length
         self.generator = np.random.MT19937()
         self.generator.state = np.random.RandomState(seed % 2**32).get_state(legacy=False)
@@ -285,7 +293,7 @@ class BERTMaskedWordPieceDataset(torch.utils.data.Dataset):
         ids["masking_use_geometric_distribution"] = cfg.masking_use_geometric_distribution
         ids["classification_head"] = cfg.classification_head
         if len(self.indices) and not np.array_equal(self.indices, np.arange(self.indices[0], self.indices[-1] + 1)):
-            ids["indexed_indices"] = [int(i) for i in self.indices]
+            ids["indexed_indices"] = "md5:" + hashlib.md5(self.indices.tobytes(), usedforsecurity=False).hexdigest()
         return ids
 
     def _cache(self) -> Optional[IndexCache]:

@@ -11,8 +11,9 @@ import re
 import numpy as np
 import pytest
 
+from megatron.arguments import parse_args
 from megatron.data.bert_dataset import (MT19937_64, BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig,
-                                        _TargetLengths, build_sample_index)
+                                        _TargetLengths, bert_dataset_config_from_args, build_sample_index)
 from megatron.data.bert_masking import _choose_ngram_size
 from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError
@@ -214,6 +215,19 @@ def test_sample_index_rules():
     assert sorted(map(tuple, rows.tolist())) == [(0, 2, 4), (2, 5, 4)]
     more = build_sample_index(np.array([0]), np.array([5]), lengths, 5, 4, 0.0, 1, 2)
     assert len(more) == 6  # whole epochs until there are enough
+
+
+def test_config_from_megatron_flags(generated):
+    prefix, tokenizer = generated
+    args = parse_args(argv=["--data-path", prefix, "--split", "1,0,0", "--seq-length", "32", "--seed", "7",
+                            "--mask-prob", "0.2", "--bert-no-binary-head"])
+    config = bert_dataset_config_from_args(args, tokenizer)
+    assert (config.masking_probability, config.short_sequence_probability, config.classification_head) == (0.2, 0.1,
+                                                                                                          False)
+    assert (config.sequence_length, config.random_seed, config.masking_do_full_word) == (32, 7, True)
+    defaults = bert_dataset_config_from_args(parse_args(argv=["--data-path", prefix, "--split", "1,0,0",
+                                                              "--seq-length", "32"]), tokenizer)
+    assert defaults.classification_head and defaults.masking_probability == 0.15
 
 
 def test_unsplit_data_and_tiny_sequences_are_clear_errors(generated, tmp_path):
