@@ -6,7 +6,6 @@ here (words with '##' pieces), so they run without ../shared/data; one builds a 
 the KJV corpus with the real BERT vocabulary and BertWordPieceTokenizer.
 """
 import json
-import re
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from megatron.data.bert_masking import _choose_ngram_size
 from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError
 from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+from tools import preprocess_data
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 NUM_WORDS, NUM_PIECES = 300, 60
@@ -103,7 +103,9 @@ def test_layout_and_lengths_with_the_binary_head(generated):
         if seq_length == 16:
             assert batch["truncated"].mean() > 0.5  # most pairs had to be cut
         lengths = batch["padding_mask"].sum(1)
-        assert lengths.max() == seq_length and lengths.min() >= 5  # short targets, but two segments
+        targets = np.asarray(dataset.sample_index[:len(lengths), 2], dtype=np.int64)
+        assert np.all(lengths <= targets + 3)  # A + B cut to the sample's (maybe short) target length
+        assert lengths.max() == seq_length and lengths.min() >= 5 and (targets < seq_length - 3).any()
 
 
 def test_without_the_binary_head_one_segment_and_never_random(generated):
@@ -242,21 +244,23 @@ def test_unsplit_data_and_tiny_sequences_are_clear_errors(generated, tmp_path):
         _config(object(), prefix)
 
 
-def test_real_corpus_with_the_bert_vocab(corpus_path, bert_vocab_file, tmp_path):
-    """KJV chapters split at sentence ends, tokenized by BertWordPieceTokenizer with the real
-    vocab: layout, lengths and whole-word masking hold on real WordPiece data."""
+def _preprocess(corpus_path, bert_vocab_file, tmp_path, split_sentences):
+    """tools/preprocess_data.py on the first 20 KJV chapters; the output prefix."""
+    lines = open(corpus_path, encoding="utf-8").readlines()[:20]
+    (tmp_path / "kjv.jsonl").write_text("".join(lines), encoding="utf-8")
+    argv = ["--input", str(tmp_path / "kjv.jsonl"), "--output-prefix", str(tmp_path / "kjv"),
+            "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(bert_vocab_file), "--workers", "1"]
+    preprocess_data.main(argv + (["--split-sentences"] if split_sentences else []))
+    return str(tmp_path / ("kjv_text_sentence" if split_sentences else "kjv_text_document"))
+
+
+def test_real_corpus_with_the_bert_vocab(corpus_path, bert_vocab_file, nltk_data_dir, tmp_path):
+    """KJV chapters through tools/preprocess_data.py --split-sentences (NLTK punkt, the real BERT
+    vocab): layout, lengths and whole-word masking hold on real WordPiece data; the same chapters
+    preprocessed without --split-sentences are refused with the flag named."""
     tokenizer = BertWordPieceTokenizer(str(bert_vocab_file))
-    documents = []
-    with open(corpus_path, encoding="utf-8") as f:
-        for line in f:
-            text = json.loads(line)["text"]
-            sentences = [tokenizer.tokenize(s) for s in re.split(r"(?<=[.;:?!])\s+", text)[:40]]
-            documents.append([s for s in sentences if s])
-            if len(documents) == 30:
-                break
-    _write_dataset(tmp_path / "kjv_text_sentence", documents)
-    dataset = _dataset(tokenizer, str(tmp_path / "kjv_text_sentence"), seq_length=128, masking_do_full_word=True,
-                       masking_max_ngram=3, path_to_cache=str(tmp_path / "cache"))
+    prefix = _preprocess(corpus_path, bert_vocab_file, tmp_path, split_sentences=True)
+    dataset = _dataset(tokenizer, prefix, seq_length=128, masking_do_full_word=True, masking_max_ngram=3)
     batch = _stack(dataset, min(len(dataset), 200))
     _check_layout(batch, tokenizer, binary_head=True)
     is_continuation = lambda token: tokenizer.inv_vocab[int(token)].startswith("##")
@@ -265,4 +269,7 @@ def test_real_corpus_with_the_bert_vocab(corpus_path, bert_vocab_file, tmp_path)
         n = int(batch["padding_mask"][row].sum())
         for word in _words(original[:n].tolist(), is_continuation, {tokenizer.cls, tokenizer.sep}):
             assert batch["loss_mask"][row, word].sum() in (0, len(word))
-    assert tokenizer.decode(batch["text"][0][:3].tolist()).startswith("[CLS]")
+    assert batch["truncated"].any() and (batch["padding_mask"].sum(1) < 128).any()
+    unsplit = _preprocess(corpus_path, bert_vocab_file, tmp_path, split_sentences=False)
+    with pytest.raises(IndexedDatasetError, match="--split-sentences"):
+        _dataset(tokenizer, unsplit)
