@@ -241,7 +241,9 @@ class BertModel(MegatronModule):
             if not self.parallel_output:
                 logits = gather_from_tensor_model_parallel_region(logits)  # [s, b, vocab]
             return logits.transpose(0, 1).contiguous(), binary_logits  # [s, b, v] -> [b, s, v]
-        return self.compute_language_model_loss(lm_labels, logits), binary_logits  # [b, s]
+        # The dataset labels the unmasked positions -1 (Megatron's); their loss is multiplied by a
+        # zero loss_mask, so any in-range id stands in for them.
+        return self.compute_language_model_loss(lm_labels.clamp(min=0), logits), binary_logits  # [b, s]
 
 
 def bert_loss(lm_loss: torch.Tensor, binary_logits: torch.Tensor | None, loss_mask: torch.Tensor,
