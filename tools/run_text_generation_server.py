@@ -87,10 +87,15 @@ class BroadcastBackend(GenerationBackend):
 
     def __init__(self, local: Any):
         self.local = local
+        self.streams = local.streams
 
-    def generate(self, request: Any) -> Dict[str, Any]:
+    def generate(self, request: Any, on_step: Any = None) -> Dict[str, Any]:
         _broadcast_message(_GENERATE, request.to_json())
-        return self.local.generate(request)
+        # The other ranks run the same steps without a hook: only rank 0 writes the stream.
+        return self.local.generate(request, on_step=on_step) if on_step is not None else self.local.generate(request)
+
+    def stop_ids(self, request: Any) -> Any:
+        return self.local.stop_ids(request)
 
     def tokenize(self, text: str) -> List[int]:
         return self.local.tokenize(text)

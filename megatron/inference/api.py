@@ -57,10 +57,11 @@ def generate(model: torch.nn.Module, tokenizer, prompts: Sequence[str], tokens_t
              top_p_bound: float = 0.0, temperature: float = 1.0, add_BOS: bool = False,
              stop_on_double_eol: bool = False, stop_on_eol: bool = False, prevent_newline_after_colon: bool = False,
              random_seed: int | None = None, stop_token: int | None = None,
-             use_cache: bool = True) -> dict[str, Any]:
+             use_cache: bool = True, on_step=None) -> dict[str, Any]:
     """Continue each prompt by tokens_to_generate tokens (Megatron's generate_and_post_process);
     tokens_to_generate == 0 scores the prompts instead (score). Generation ends for a row at
-    stop_token, else the tokenizer's eod (or at a newline with stop_on_eol / stop_on_double_eol)."""
+    stop_token, else the tokenizer's eod (or at a newline with stop_on_eol / stop_on_double_eol).
+    on_step(step, new_tokens [b]) is called after each decoding step (streaming; see generate_tokens)."""
     if tokens_to_generate == 0:
         return score(model, tokenizer, prompts, add_BOS=add_BOS)
     model.eval()
@@ -78,7 +79,7 @@ def generate(model: torch.nn.Module, tokenizer, prompts: Sequence[str], tokens_t
         eod=tokenizer.eod, prevent_newline_after_colon=prevent_newline_after_colon and colon is not None,
         colon_token=colon, newline_token=newline, stop_on_eol=stop_on_eol, stop_on_double_eol=stop_on_double_eol,
         double_newline_token=double_newline, return_output_log_probs=logprobs,
-        use_cache=use_cache)
+        use_cache=use_cache, on_step=on_step)
     return _response(tokenizer, out.tokens, out.lengths, out.output_log_probs)
 
 

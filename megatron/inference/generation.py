@@ -19,6 +19,7 @@ log-probs) over the pipeline group.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -98,14 +99,16 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
                     colon_token: int | None = None, newline_token: int | None = None,
                     stop_on_eol: bool = False, stop_on_double_eol: bool = False,
                     double_newline_token: int | None = None,
-                    return_output_log_probs: bool = False, use_cache: bool = True) -> GenerationOutput:
+                    return_output_log_probs: bool = False, use_cache: bool = True,
+                    on_step: Callable[[int, torch.Tensor], None] | None = None) -> GenerationOutput:
     """Extend each row's prompt (tokens [b, >= max(lengths)] int64, right-padded; lengths [b]) to
     max(lengths) + tokens_to_generate tokens; stop early once every row has produced its
     termination token (stop_token, else eod; None: never). prevent_newline_after_colon forbids
     newline_token right after colon_token. Megatron's stop_on_eol ends a row at a newline_token (or
     double_newline_token), stop_on_double_eol at a double_newline_token or a second newline_token in a
     row; either replaces the termination token. use_cache=False reruns the whole prefix each step.
-    top_k == 1 is greedy; random_seed seeds the draws (the same on every rank)."""
+    top_k == 1 is greedy; random_seed seeds the draws (the same on every rank). on_step(step, new [b])
+    is called after each step's tokens are written to column `step` (rows still in their prompt keep theirs)."""
     if tokens_to_generate < 0:
         raise ValueError(f"tokens_to_generate must be >= 0, got {tokens_to_generate}")
     if prevent_newline_after_colon and (colon_token is None or newline_token is None):
@@ -147,6 +150,8 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
         new = from_last_stage(new)
         started = lengths <= step  # rows past their prompt take the new token
         tokens[started, step] = new[started]
+        if on_step is not None:  # streaming: the step's tokens [b], the same on every rank
+            on_step(step, new)
         if output_log_probs is not None and logits is not None:
             log_probs = torch.log_softmax(logits[:, prev - start:], dim=-1)  # [b, step - prev, v]
             targets = tokens[:, prev + 1:step + 1]  # [b, step - prev]

@@ -36,6 +36,7 @@ from megatron.inference.server_requests import (
     CompletionOptions, GenerationRequest, Limits, RequestError, decode_body, parse_api_request,
     parse_completions_request,
 )
+from megatron.inference.server_stream import IncrementalText, event, step_hook
 
 API_PATH = "/api"
 COMPLETIONS_PATHS = ("/v1/completions", "/completions")  # OpenAI's path, and Megatron's
@@ -50,10 +51,21 @@ class EngineUnavailableError(RuntimeError):
 
 
 class GenerationBackend:
-    """What the server needs from a model: generate a request, and its tokenizer's two directions."""
+    """What the server needs from a model: generate a request, and its tokenizer's two directions.
+
+    A backend whose `streams` is True takes generate(request, on_step=hook) and calls hook(step,
+    new_tokens [b]) after each decoding step (generate_tokens' on_step), and names the tokens that
+    end a row in stop_ids(request); the server then streams completions as they are generated.
+    """
+
+    streams = False
 
     def generate(self, request: GenerationRequest) -> Dict[str, Any]:
         """Megatron's response body: text, segments, logprobs (or None), tokens (one per prompt)."""
+        raise NotImplementedError
+
+    def stop_ids(self, request: GenerationRequest) -> Tuple[int, ...]:
+        """The tokens that end a generated row (a streaming backend's)."""
         raise NotImplementedError
 
     def tokenize(self, text: str) -> List[int]:
@@ -76,7 +88,9 @@ class ApiBackend(GenerationBackend):
                                          f"{error}") from None
         self.model, self.tokenizer = model, tokenizer
 
-    def generate(self, request: GenerationRequest) -> Dict[str, Any]:
+    streams = True
+
+    def generate(self, request: GenerationRequest, on_step: Any = None) -> Dict[str, Any]:
         if request.beam_width is not None:
             return self._beam_search(request)
         return self.api.generate(self.model, self.tokenizer, list(request.prompts),
@@ -87,7 +101,10 @@ class ApiBackend(GenerationBackend):
                                  stop_on_eol=request.stop_on_eol,
                                  prevent_newline_after_colon=request.prevent_newline_after_colon,
                                  random_seed=None if request.random_seed < 0 else request.random_seed,
-                                 stop_token=request.stop_token)
+                                 stop_token=request.stop_token, on_step=on_step)
+
+    def stop_ids(self, request: GenerationRequest) -> Tuple[int, ...]:
+        return (request.stop_token if request.stop_token is not None else self.tokenizer.eod,)
 
     def _beam_search(self, request: GenerationRequest) -> Dict[str, Any]:
         """Megatron's beam answer {text, segments, scores}: the whole beam, best first."""
@@ -139,10 +156,12 @@ class GenerationServer(ThreadingHTTPServer):
         if self._thread is not None:
             self._thread.join()
 
-    def run_generation(self, request: GenerationRequest) -> Dict[str, Any]:
+    def run_generation(self, request: GenerationRequest, on_step: Any = None) -> Dict[str, Any]:
         """backend.generate under the lock: one request at a time, in arrival order of the lock."""
         with self.generation_lock:
-            return self.backend.generate(request)
+            if on_step is None:
+                return self.backend.generate(request)
+            return self.backend.generate(request, on_step=on_step)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -229,6 +248,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve_completions(self, body: Dict[str, Any]) -> None:
         request, options = parse_completions_request(body, self.server.limits, self.server.model_name)
         self._log_request(body, request)
+        if options.stream and _streams_incrementally(self.server.backend, request, options):
+            self._stream_completions(request, options)
+            return
         result = _engine_call(self.server, request)
         choices = completion_choices(self.server.backend, request, options, result)
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -251,6 +273,49 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
         self.close_connection = True
+
+    def _stream_completions(self, request: GenerationRequest, options: CompletionOptions) -> None:
+        """One event per token as generate_tokens produces it (server_stream), then the finishes."""
+        backend, completion_id, created = self.server.backend, f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        fields = {"id": completion_id, "object": "text_completion", "created": created, "model": options.model}
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.close_connection = True
+        lost = []  # a client gone mid-stream: stop writing, but let generation finish (the other ranks follow it)
+
+        def send(index: int, text: str, finish: Optional[str] = None) -> None:
+            if lost:
+                return
+            try:
+                self.wfile.write(b"data: " + json.dumps(event(index, text, finish, **fields)).encode("utf-8") + b"\n\n")
+                self.wfile.flush()
+            except OSError:
+                lost.append(True)
+
+        prompt_ids = [backend.tokenize(prompt) for prompt in request.prompts]
+        stops = backend.stop_ids(request)
+        texts = [IncrementalText(backend.detokenize, ids, prompt, request.tokens_to_generate, options.stop, stops)
+                 for ids, prompt in zip(prompt_ids, request.prompts)]
+        if options.echo:
+            for index, prompt in enumerate(request.prompts):
+                send(index, prompt)
+        lengths = [len(ids) + (1 if request.add_BOS else 0) for ids in prompt_ids]
+        try:
+            result = self.server.run_generation(request, on_step=step_hook(texts, lengths, send))
+        except ValueError as error:  # before any token (a too long prompt): the stream says why
+            send(0, "", "error")
+            print(f"streamed request failed: {error}", file=sys.stderr, flush=True)
+            return
+        for choice, text in zip(completion_choices(backend, request, options, result), texts):
+            final = choice["text"][len(text.prompt):] if options.echo else choice["text"]
+            if final.startswith(text.sent) and len(final) > len(text.sent):
+                send(choice["index"], final[len(text.sent):])
+            send(choice["index"], "", choice["finish_reason"])
+        if not lost:
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
 
     def _send_json(self, status: int, payload: Any, headers: Optional[Dict[str, str]] = None) -> None:
         data = json.dumps(payload).encode("utf-8")
@@ -278,6 +343,13 @@ def _engine_call(server: GenerationServer, request: GenerationRequest) -> Dict[s
         raise
     except ValueError as error:
         raise RequestError("prompts", str(error)) from None
+
+
+def _streams_incrementally(backend: GenerationBackend, request: GenerationRequest, options: CompletionOptions) -> bool:
+    """Whether the stream is sent as tokens are generated; otherwise after the whole batch (a backend
+    without on_step; per-token logprobs, known at the end; newline stops, decided inside the engine)."""
+    return (backend.streams and options.logprobs is None and request.beam_width is None
+            and not (request.stop_on_eol or request.stop_on_double_eol))
 
 
 def completion_choices(backend: GenerationBackend, request: GenerationRequest, options: CompletionOptions,
@@ -337,8 +409,8 @@ def _offsets(segments: List[str], start: int) -> List[int]:
 def stream_chunks(choices: List[Dict[str, Any]], options: CompletionOptions) -> Iterator[Dict[str, Any]]:
     """Server-sent event payloads: one per completion token of each choice, then its finish.
 
-    The tokens are sent once the batch is generated (the engine returns whole sequences), so a
-    client gets OpenAI's chunk format but not earlier tokens.
+    The fallback stream, sent once the batch is generated, when _streams_incrementally says no
+    (per-token logprobs, newline stops, a backend without on_step); otherwise _stream_completions.
     """
     for choice in choices:
         index, logprobs = choice["index"], choice["_logprobs"]

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from megatron.inference.server import GenerationBackend, GenerationServer
 from megatron.inference.server_requests import GenerationRequest, Limits
@@ -156,6 +157,95 @@ def test_completions_stream(served):
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == "cba"
     assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None, None, None, "length"]
     assert all(chunk["object"] == "text_completion" for chunk in chunks)
+
+
+class ByteStreamingBackend(GenerationBackend):
+    """Test double for incremental streaming: one token per UTF-8 byte (0 ends a row); every prompt
+    continues with ANSWER's bytes, handed to on_step one per step. With `hold` set, steps after the
+    first wait until the test sets `release`."""
+
+    streams = True
+    ANSWER = "héllo wörld € done"
+
+    def __init__(self):
+        self.hold, self.release, self.finished = False, threading.Event(), threading.Event()
+
+    def tokenize(self, text):
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids):
+        return bytes(i for i in ids if i != 0).decode("utf-8", errors="replace")
+
+    def stop_ids(self, request):
+        return (0,)
+
+    def generate(self, request, on_step=None):
+        self.finished.clear()
+        rows = [self.tokenize(prompt) for prompt in request.prompts]
+        start = max(len(row) for row in rows)
+        answer = self.tokenize(self.ANSWER)[:request.tokens_to_generate]
+        for index, byte in enumerate(answer):
+            if on_step is not None:
+                if self.hold and index == 1:
+                    assert self.release.wait(20), "the test never read the first chunk"
+                on_step(start + index, torch.tensor([byte] * len(rows)))
+        tokens = [row + answer for row in rows]
+        self.finished.set()
+        return {"text": [self.detokenize(row) for row in tokens], "tokens": tokens, "logprobs": None,
+                "segments": [[self.detokenize([t]) for t in row] for row in tokens]}
+
+
+@pytest.fixture
+def byte_server():
+    backend = ByteStreamingBackend()
+    server = GenerationServer(backend, port=0, log_requests=False).start()
+    yield server, backend
+    backend.release.set()
+    server.stop()
+
+
+def _stream_texts(text):
+    events = [line[len("data: "):] for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event)["choices"][0] for event in events[:-1]]
+    return [chunk["text"] for chunk in chunks], [chunk["finish_reason"] for chunk in chunks]
+
+
+def test_stream_is_incremental_and_equals_the_whole_answer(byte_server):
+    server, backend = byte_server
+    backend.hold = True
+    body = {"prompt": "Say:", "max_tokens": 12, "stream": True}
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    connection.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                       headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    first = response.fp.readline()  # the first event, sent while the engine waits in its second step
+    assert first.startswith(b"data: ") and json.loads(first[6:])["choices"][0]["text"] == "h"
+    assert not backend.finished.is_set()
+    backend.release.set()
+    rest = response.read().decode()
+    connection.close()
+    pieces, finishes = _stream_texts(first.decode() + rest)
+    backend.hold = False
+    status, whole = call(server, "POST", "/v1/completions", {"prompt": "Say:", "max_tokens": 12})
+    assert status == 200 and whole["choices"][0]["text"] == "héllo wörl"  # 12 bytes
+    assert "".join(pieces) == whole["choices"][0]["text"]
+    assert all("\ufffd" not in piece for piece in pieces)  # "é", "ö": two bytes, sent once whole
+    assert pieces[:3] == ["h", "é", "l"] and finishes[-1] == "length" and finishes[:-1] == [None] * (len(finishes) - 1)
+
+
+def test_stream_stops_before_a_stop_string(byte_server):
+    server, _ = byte_server
+    for stop, expected in (["wör"], "héllo "), (["€", "xyz"], "héllo wörld "):
+        request = {"prompt": "a", "max_tokens": 30, "stop": stop, "n": 2}
+        status, text = call(server, "POST", "/v1/completions", {**request, "stream": True})
+        assert status == 200
+        events = [json.loads(line[6:])["choices"][0] for line in text.split("\n\n") if line and line != "data: [DONE]"]
+        status, whole = call(server, "POST", "/v1/completions", request)
+        for index in (0, 1):
+            streamed = "".join(event["text"] for event in events if event["index"] == index)
+            assert streamed == whole["choices"][index]["text"] == expected
+            assert [event["finish_reason"] for event in events if event["index"] == index][-1] == "stop"
 
 
 MALFORMED = [

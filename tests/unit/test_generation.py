@@ -326,3 +326,46 @@ def test_api_beam_search_gives_the_best_hypotheses_as_text():
     assert response["scores"] == pytest.approx(expected.scores[:2], abs=1e-4)
     with pytest.raises(ValueError, match="one prompt"):
         api.beam_search(ours, tokenizer, ["1", "2"], 4, 2)
+
+
+def test_on_step_sees_each_steps_tokens_as_they_are_chosen(hf):
+    ours = make_ours(hf, FUSED)
+    tokens, lengths = prompts()
+    seen = []
+    out = generate_tokens(ours, tokens, lengths, NEW, top_k=1, eod=None,
+                          on_step=lambda step, new: seen.append((step, new.clone())))
+    assert [step for step, _ in seen] == list(range(int(lengths.min()), int(lengths.max()) + NEW))
+    for step, new in seen:  # rows past their prompt keep the token chosen at that step
+        started = lengths <= step
+        assert torch.equal(out.tokens[started, step], new[started])
+
+
+def test_server_stream_equals_the_whole_greedy_answer():
+    import http.client
+    import json
+
+    from megatron.inference.server import ApiBackend, GenerationServer
+    from megatron.tokenizer.null_tokenizer import NullTokenizer
+
+    ours = make_ours(make_hf(gpt2()), FUSED)
+    server = GenerationServer(ApiBackend(ours, NullTokenizer(VOCAB - 1)), port=0, log_requests=False).start()
+    try:
+        def post(body):
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            connection.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                               headers={"Content-Type": "application/json"})
+            text = connection.getresponse().read().decode()
+            connection.close()
+            return text
+
+        request = {"prompt": ["3 1 4 1 5", "9 2"], "max_tokens": 7, "temperature": 0, "stop": [" 1 "]}
+        whole = json.loads(post(request))["choices"]
+        events = [json.loads(line[6:])["choices"][0] for line in post({**request, "stream": True}).split("\n\n")
+                  if line and line != "data: [DONE]"]
+        for index in (0, 1):
+            pieces = [event["text"] for event in events if event["index"] == index and event["text"]]
+            assert len(pieces) > 1  # token by token, not one final chunk
+            assert "".join(pieces) == whole[index]["text"]
+            assert [e["finish_reason"] for e in events if e["index"] == index][-1] == whole[index]["finish_reason"]
+    finally:
+        server.stop()
