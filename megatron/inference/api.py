@@ -107,14 +107,16 @@ def beam_search(model: torch.nn.Module, tokenizer, prompts: Sequence[str], token
                 add_BOS: bool = False, use_cache: bool = True) -> dict[str, Any]:
     """Megatron's beam_search_and_post_process for one prompt: {"text", "segments", "scores"} of the
     num_return_gen best hypotheses (prompt + generation, stop token included; scores length-penalised).
-    stop_token defaults to the tokenizer's eod. Tensor parallelism works (every rank searches the
-    same gathered logits); pipeline parallelism does not yet."""
+    stop_token defaults to the tokenizer's eod. Under tensor and pipeline parallelism every rank
+    searches the same logits (gathered over TP, broadcast from the last stage: cached_next_logits);
+    use_cache=False (the whole prefix rerun, beam_search.model_next_logits) is TP = PP = 1 only."""
     if len(prompts) != 1:
         raise ValueError(f"beam search takes one prompt, got {len(prompts)}")
     if not 1 <= num_return_gen <= beam_width:
         raise ValueError(f"num_return_gen ({num_return_gen}) must be in [1, beam_width ({beam_width})]")
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError("beam search under pipeline parallelism is not supported yet")
+    if not use_cache and (parallel_state.get_pipeline_model_parallel_world_size() > 1
+                          or parallel_state.get_tensor_model_parallel_world_size() > 1):
+        raise ValueError("beam search with use_cache=False needs TP = PP = 1")
     model.eval()
     tokens, _ = tokenize_prompts(tokenizer, prompts, add_BOS)
     prompt = tokens[0].tolist()

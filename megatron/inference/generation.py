@@ -192,8 +192,8 @@ def cached_next_logits(model: torch.nn.Module, max_sequence_length: int):
     When every row extends a row of the previous call by one token (a beam continuing its parent),
     the cache is reordered to the parents (swap_key_value_dict) and only the new tokens run;
     otherwise (the first call, another length) the whole prefix is prefilled. max_sequence_length:
-    the longest sequence it will see (prompt + tokens_to_generate). TP = 1, PP = 1 or any layout
-    on which every rank makes the same calls.
+    the longest sequence it will see (prompt + tokens_to_generate). Any TP x PP layout: the logits
+    are gathered over TP and broadcast from the last pipeline stage, so every rank chooses the same beams.
     """
     state: dict = {"context": None, "tokens": None}
 
@@ -209,10 +209,12 @@ def cached_next_logits(model: torch.nn.Module, max_sequence_length: int):
             context.swap_key_value_dict(parents)
             start = n - 1
         positions = torch.arange(start, n).expand(beams, n - start)
-        logits = stage_forward(model, tokens[:, start:], positions, context)  # [beams, n - start, v]
+        logits = stage_forward(model, tokens[:, start:], positions, context)  # [beams, n - start, v] or None
         context.increment(n - start)
         state["context"], state["tokens"] = context, tokens.clone()
-        return logits[:, -1, :]  # [beams, v]
+        if logits is None:  # not the last pipeline stage: it receives the last stage's logits
+            return from_last_stage(torch.zeros(beams, _unwrapped(model).num_tokens))
+        return from_last_stage(logits[:, -1, :].contiguous())  # [beams, v], the same on every stage
 
     return next_logits
 

@@ -108,12 +108,8 @@ class ApiBackend(GenerationBackend):
 
     def _beam_search(self, request: GenerationRequest) -> Dict[str, Any]:
         """Megatron's beam answer {text, segments, scores}: the whole beam, best first."""
-        from megatron.core import parallel_state
-
         if request.tokens_to_generate < 1:
             raise RequestError("beam_width", "beam search needs tokens_to_generate >= 1")
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            raise RequestError("beam_width", "beam search under pipeline parallelism is not supported yet", 501)
         return self.api.beam_search(self.model, self.tokenizer, list(request.prompts), request.tokens_to_generate,
                                     request.beam_width, stop_token=request.stop_token,
                                     num_return_gen=request.beam_width, length_penalty=request.length_penalty,

@@ -6,7 +6,7 @@ Each task builds a tiny random HuggingFace model (the same seed on every rank), 
 (megatron.convert.huggingface), runs greedy generation serially (TP = 1) and then on a TP = 2
 model whose parameters are the serial ones' shards (tensor_parallel.layout.shard_for_rank; a stage
 takes its layers), with a batch of prompts of different lengths, with and without the KV cache, and
-seeded top-k sampling, and api.score's log-probs. The world has 4 ranks (TP = 2 or PP = 2 alone: two replicas side by side).
+seeded top-k sampling, api.score's log-probs and api.beam_search's beams and scores. The world has 4 ranks (TP = 2 or PP = 2 alone: two replicas side by side).
 """
 
 import re
@@ -17,7 +17,7 @@ import torch
 from megatron.convert.huggingface import config_from_hf, state_dict_from_hf
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layout import shard_for_rank
-from megatron.inference.api import score
+from megatron.inference.api import beam_search, score
 from megatron.inference.generation import generate_tokens
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.transformer_layer import get_layer_offset
@@ -62,6 +62,8 @@ def _generate(model: GPTModel) -> dict:
     runs["sampled"] = (out.tokens, None)
     scored = score(model, NullTokenizer(VOCAB - 1), ["3 1 4 1 5 9", "2 6"])
     runs["score"] = (torch.tensor(scored["tokens"][0]), torch.tensor(scored["logprobs"][0]))
+    beams = beam_search(model, NullTokenizer(VOCAB - 1), ["3 1 4 1 5"], 6, 3, num_return_gen=3)
+    runs["beam"] = (torch.tensor(list("|".join(beams["text"]).encode())), torch.tensor(beams["scores"]))
     return runs
 
 
