@@ -41,15 +41,22 @@ def _single_token(tokenizer, text: str) -> int | None:
     return ids[0] if len(ids) == 1 else None
 
 
-def _response(tokenizer, tokens: torch.Tensor, lengths: torch.Tensor,
-              log_probs: torch.Tensor | None) -> dict[str, Any]:
+def _response(tokenizer, tokens: torch.Tensor, lengths: torch.Tensor, log_probs: torch.Tensor | None,
+              top_log_probs: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
     rows = [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
-    return {
+    response = {
         "text": [tokenizer.detokenize(row) for row in rows],
         "segments": [[tokenizer.detokenize([token]) for token in row] for row in rows],
         "logprobs": None if log_probs is None else [lp[:len(row) - 1] for lp, row in zip(log_probs.tolist(), rows)],
         "tokens": rows,
     }
+    if top_log_probs is not None:  # per position j: [[token j + 1 candidate id, log-prob], ...] or None
+        values, ids = (t.tolist() for t in top_log_probs)
+        response["top_logprobs"] = [
+            [[[i, v] for i, v in zip(id_row, value_row) if i >= 0] or None
+             for id_row, value_row in zip(ids[r][:len(row) - 1], values[r][:len(row) - 1])]
+            for r, row in enumerate(rows)]
+    return response
 
 
 def generate(model: torch.nn.Module, tokenizer, prompts: Sequence[str], tokens_to_generate: int = 64, *,
@@ -57,11 +64,13 @@ def generate(model: torch.nn.Module, tokenizer, prompts: Sequence[str], tokens_t
              top_p_bound: float = 0.0, temperature: float = 1.0, add_BOS: bool = False,
              stop_on_double_eol: bool = False, stop_on_eol: bool = False, prevent_newline_after_colon: bool = False,
              random_seed: int | None = None, stop_token: int | None = None,
-             use_cache: bool = True, on_step=None) -> dict[str, Any]:
+             use_cache: bool = True, on_step=None, top_logprobs: int = 0) -> dict[str, Any]:
     """Continue each prompt by tokens_to_generate tokens (Megatron's generate_and_post_process);
     tokens_to_generate == 0 scores the prompts instead (score). Generation ends for a row at
     stop_token, else the tokenizer's eod (or at a newline with stop_on_eol / stop_on_double_eol).
-    on_step(step, new_tokens [b]) is called after each decoding step (streaming; see generate_tokens)."""
+    on_step(step, new_tokens [b]) is called after each decoding step (streaming; see generate_tokens).
+    top_logprobs = k adds "top_logprobs": per row and position j, the k most likely tokens j + 1 as
+    [id, log-prob] pairs (None where the position decided no token: inside the prompt)."""
     if tokens_to_generate == 0:
         return score(model, tokenizer, prompts, add_BOS=add_BOS)
     model.eval()
@@ -79,8 +88,8 @@ def generate(model: torch.nn.Module, tokenizer, prompts: Sequence[str], tokens_t
         eod=tokenizer.eod, prevent_newline_after_colon=prevent_newline_after_colon and colon is not None,
         colon_token=colon, newline_token=newline, stop_on_eol=stop_on_eol, stop_on_double_eol=stop_on_double_eol,
         double_newline_token=double_newline, return_output_log_probs=logprobs,
-        use_cache=use_cache, on_step=on_step)
-    return _response(tokenizer, out.tokens, out.lengths, out.output_log_probs)
+        use_cache=use_cache, on_step=on_step, top_logprobs=top_logprobs)
+    return _response(tokenizer, out.tokens, out.lengths, out.output_log_probs, out.top_log_probs)
 
 
 @torch.no_grad()

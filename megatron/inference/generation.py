@@ -34,11 +34,15 @@ from megatron.inference.sampling import next_top_p, sample
 @dataclass
 class GenerationOutput:
     """tokens [b, L] (prompt + generated, L <= max_prompt + tokens_to_generate); lengths [b]: a row's
-    tokens end there (after its stop token, or at L); output_log_probs [b, L - 1] or None."""
+    tokens end there (after its stop token, or at L); output_log_probs [b, L - 1] or None;
+    top_log_probs (values, ids), each [b, L - 1, k], or None: at column t the k most likely next
+    tokens after position t and their log-probs, for the columns whose logits decided a token (the
+    decoding steps; the prompt's other columns hold -inf and id -1)."""
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     output_log_probs: torch.Tensor | None = None
+    top_log_probs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -100,14 +104,16 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
                     stop_on_eol: bool = False, stop_on_double_eol: bool = False,
                     double_newline_token: int | None = None,
                     return_output_log_probs: bool = False, use_cache: bool = True,
-                    on_step: Callable[[int, torch.Tensor], None] | None = None) -> GenerationOutput:
+                    on_step: Callable[[int, torch.Tensor], None] | None = None,
+                    top_logprobs: int = 0) -> GenerationOutput:
     """Extend each row's prompt (tokens [b, >= max(lengths)] int64, right-padded; lengths [b]) to
     max(lengths) + tokens_to_generate tokens; stop early once every row has produced its
     termination token (stop_token, else eod; None: never). prevent_newline_after_colon forbids
     newline_token right after colon_token. Megatron's stop_on_eol ends a row at a newline_token (or
     double_newline_token), stop_on_double_eol at a double_newline_token or a second newline_token in a
     row; either replaces the termination token. use_cache=False reruns the whole prefix each step.
-    top_k == 1 is greedy; random_seed seeds the draws (the same on every rank). on_step(step, new [b])
+    top_k == 1 is greedy; random_seed seeds the draws (the same on every rank). top_logprobs = k keeps
+    each step's k most likely tokens (top_log_probs). on_step(step, new [b])
     is called after each step's tokens are written to column `step` (rows still in their prompt keep theirs)."""
     if tokens_to_generate < 0:
         raise ValueError(f"tokens_to_generate must be >= 0, got {tokens_to_generate}")
@@ -135,6 +141,10 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
     context = InferenceContext(b, total, materialize_only_last_token_logits=not return_output_log_probs) \
         if use_cache else None
     output_log_probs = torch.zeros(b, total - 1) if return_output_log_probs else None
+    if top_logprobs < 0:
+        raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
+    top_values = torch.full((b, total - 1, top_logprobs), float("-inf")) if top_logprobs else None
+    top_ids = torch.full((b, total - 1, top_logprobs), -1, dtype=torch.int64) if top_logprobs else None
     out_lengths = torch.full((b,), total, dtype=torch.int64)
     finished = torch.zeros(b, dtype=torch.bool)
     prev, end = 0, total  # positions [0, prev) have had their logits used; tokens [0, end) are returned
@@ -147,6 +157,10 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
             if prevent_newline_after_colon:
                 last[tokens[:, step - 1] == colon_token, newline_token] = -1e10
             new = _choose(last, top_k, top_p, temperature, generator)  # [b]
+            if top_values is not None:  # the model's distribution at the step (before temperature and filters)
+                top = torch.log_softmax(logits[:, -1, :], dim=-1).topk(min(top_logprobs, logits.shape[-1]), dim=-1)
+                top_values[:, step - 1, :top.values.shape[1]] = top.values
+                top_ids[:, step - 1, :top.indices.shape[1]] = top.indices
         new = from_last_stage(new)
         started = lengths <= step  # rows past their prompt take the new token
         tokens[started, step] = new[started]
@@ -171,7 +185,10 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
     tokens = tokens[:, :end]
     if output_log_probs is not None:
         output_log_probs = from_last_stage(output_log_probs)[:, :end - 1]
-    return GenerationOutput(tokens, out_lengths.clamp(max=end), output_log_probs)
+    top_log_probs = None
+    if top_values is not None:
+        top_log_probs = (from_last_stage(top_values)[:, :end - 1], from_last_stage(top_ids)[:, :end - 1])
+    return GenerationOutput(tokens, out_lengths.clamp(max=end), output_log_probs, top_log_probs)
 
 
 def _hits_stop(new: torch.Tensor, previous: torch.Tensor, termination: int | None, stop_on_eol: bool,

@@ -101,7 +101,8 @@ class ApiBackend(GenerationBackend):
                                  stop_on_eol=request.stop_on_eol,
                                  prevent_newline_after_colon=request.prevent_newline_after_colon,
                                  random_seed=None if request.random_seed < 0 else request.random_seed,
-                                 stop_token=request.stop_token, on_step=on_step)
+                                 stop_token=request.stop_token, on_step=on_step,
+                                 top_logprobs=request.top_logprobs)
 
     def stop_ids(self, request: GenerationRequest) -> Tuple[int, ...]:
         return (request.stop_token if request.stop_token is not None else self.tokenizer.eod,)
@@ -365,6 +366,9 @@ def completion_choices(backend: GenerationBackend, request: GenerationRequest, o
         segments = list(result["segments"][index][prompt_length:end])
         all_logprobs = (result.get("logprobs") or [None] * len(request.prompts))[index]
         logprobs = list(all_logprobs[prompt_length - 1:end - 1]) if all_logprobs is not None else None
+        all_top = (result.get("top_logprobs") or [None] * len(request.prompts))[index]
+        top = ([None if pairs is None else {backend.detokenize([token]): value for token, value in pairs}
+                for pairs in all_top[prompt_length - 1:end - 1]] if all_top is not None else None)
         text = backend.detokenize(list(result["tokens"][index][:end]))
         completion = text[len(prompt):] if text.startswith(prompt) else backend.detokenize(tokens)
         finish = "length" if len(tokens) >= request.tokens_to_generate else "stop"
@@ -374,12 +378,14 @@ def completion_choices(backend: GenerationBackend, request: GenerationRequest, o
             kept = _tokens_within(segments, cut)
             segments, tokens = segments[:kept], tokens[:kept]
             logprobs = logprobs[:kept] if logprobs is not None else None
+            top = top[:kept] if top is not None else None
         choice: Dict[str, Any] = {"text": (prompt if options.echo else "") + completion, "index": index,
                                   "logprobs": None, "finish_reason": finish}
         if options.logprobs is not None and logprobs is not None:
-            choice["logprobs"] = {"tokens": segments, "token_logprobs": logprobs, "top_logprobs": None,
+            choice["logprobs"] = {"tokens": segments, "token_logprobs": logprobs,
+                                  "top_logprobs": top if options.logprobs > 0 else None,
                                   "text_offset": _offsets(segments, len(prompt) if options.echo else 0)}
-        choice.update(_segments=segments, _tokens=tokens, _logprobs=logprobs)
+        choice.update(_segments=segments, _tokens=tokens, _logprobs=logprobs, _top_logprobs=top)
         choices.append(choice)
     return choices
 
@@ -409,16 +415,19 @@ def stream_chunks(choices: List[Dict[str, Any]], options: CompletionOptions) -> 
     (per-token logprobs, newline stops, a backend without on_step); otherwise _stream_completions.
     """
     for choice in choices:
-        index, logprobs = choice["index"], choice["_logprobs"]
-        pieces: List[Tuple[str, Optional[float]]] = [(segment, logprobs[i] if logprobs is not None else None)
-                                                     for i, segment in enumerate(choice["_segments"])]
+        index, logprobs, tops = choice["index"], choice["_logprobs"], choice.get("_top_logprobs")
+        pieces: List[Tuple[str, Optional[float], Any]] = [
+            (segment, logprobs[i] if logprobs is not None else None,
+             tops[i] if tops is not None and options.logprobs else None)
+            for i, segment in enumerate(choice["_segments"])]
         text = choice["text"]
-        streamed = "".join(segment for segment, _ in pieces)
+        streamed = "".join(segment for segment, _, _ in pieces)
         if streamed != text:  # echo, or a stop cut inside a token: send the text whole
-            pieces = [(text, None)]
-        for segment, logprob in pieces:
+            pieces = [(text, None, None)]
+        for segment, logprob, top in pieces:
             chunk_logprobs = None
             if options.logprobs is not None and logprob is not None:
-                chunk_logprobs = {"tokens": [segment], "token_logprobs": [logprob], "top_logprobs": None}
+                chunk_logprobs = {"tokens": [segment], "token_logprobs": [logprob],
+                                  "top_logprobs": None if top is None else [top]}
             yield {"choices": [{"text": segment, "index": index, "logprobs": chunk_logprobs, "finish_reason": None}]}
         yield {"choices": [{"text": "", "index": index, "logprobs": None, "finish_reason": choice["finish_reason"]}]}

@@ -67,6 +67,7 @@ class GenerationRequest:
     beam_width: Optional[int] = None
     stop_token: Optional[int] = None  # None: the tokenizer's end-of-document id
     length_penalty: float = 1.0
+    top_logprobs: int = 0  # not an /api field: /v1/completions' logprobs=N asks for N alternatives
 
     def to_json(self) -> str:
         """The request as JSON (how rank 0 hands it to the other ranks: data, never code)."""
@@ -79,7 +80,7 @@ class GenerationRequest:
         return cls(**values)
 
 
-API_FIELDS = tuple(field.name for field in dataclasses.fields(GenerationRequest))
+API_FIELDS = tuple(field.name for field in dataclasses.fields(GenerationRequest) if field.name != "top_logprobs")
 # Megatron's renamed fields: it answers these two with a hint, so do we.
 _RENAMED = {"max_len": "max_len is no longer used. Replace with tokens_to_generate",
             "sentences": "sentences is no longer used. Replace with prompts"}
@@ -272,7 +273,7 @@ def parse_completions_request(body: Dict[str, Any], limits: Limits = Limits(), m
         prompts=tuple(text for text in prompts for _ in range(n)), tokens_to_generate=max_tokens,
         logprobs=logprobs is not None, temperature=1.0 if greedy else temperature,
         top_k=1 if greedy else top_k, top_p=0.0 if greedy or top_p == 1.0 else top_p, random_seed=seed,
-        no_log=False)
+        no_log=False, top_logprobs=logprobs or 0)
     options = CompletionOptions(model=model, prompts=tuple(prompts), n=n, stop=stop, logprobs=logprobs,
                                 echo=_bool(body, "echo", False), stream=_bool(body, "stream", False))
     return request, options

@@ -58,8 +58,9 @@ def _generate(model: GPTModel) -> dict:
     for cache in (True, False):
         out = generate_tokens(model, tokens, lengths, NEW, top_k=1, return_output_log_probs=True, use_cache=cache)
         runs[f"greedy-cache={cache}"] = (out.tokens, out.output_log_probs)
-    out = generate_tokens(model, tokens, lengths, NEW, top_k=4, temperature=0.9, random_seed=11)
+    out = generate_tokens(model, tokens, lengths, NEW, top_k=4, temperature=0.9, random_seed=11, top_logprobs=3)
     runs["sampled"] = (out.tokens, None)
+    runs["top-logprobs"] = (out.top_log_probs[1], out.top_log_probs[0].clamp(min=-1e4))  # ids; -inf in the prompt
     scored = score(model, NullTokenizer(VOCAB - 1), ["3 1 4 1 5 9", "2 6"])
     runs["score"] = (torch.tensor(scored["tokens"][0]), torch.tensor(scored["logprobs"][0]))
     beams = beam_search(model, NullTokenizer(VOCAB - 1), ["3 1 4 1 5"], 6, 3, num_return_gen=3)

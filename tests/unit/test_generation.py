@@ -369,3 +369,48 @@ def test_server_stream_equals_the_whole_greedy_answer():
             assert [e["finish_reason"] for e in events if e["index"] == index][-1] == whole[index]["finish_reason"]
     finally:
         server.stop()
+
+
+def test_top_logprobs_are_the_models_most_likely_next_tokens():
+    """generate_tokens(top_logprobs=k) and /v1/completions' logprobs=k: for every generated token the k
+    most likely tokens and their log-probs, equal to a direct forward over the final tokens."""
+    import http.client
+    import json
+
+    from megatron.inference.server import ApiBackend, GenerationServer
+    from megatron.tokenizer.null_tokenizer import NullTokenizer
+
+    ours = make_ours(make_hf(gpt2()), FUSED)
+    tokens, lengths = prompts()
+    out = generate_tokens(ours, tokens, lengths, NEW, top_k=1, top_logprobs=3)
+    values, ids = out.top_log_probs
+    with torch.no_grad():
+        full = ours(out.tokens, torch.arange(out.tokens.shape[1]).expand_as(out.tokens)).log_softmax(-1)
+    for row, n in enumerate(LENGTHS):
+        expected = full[row, n - 1:-1].topk(3, dim=-1)  # the columns that decided this row's new tokens
+        torch.testing.assert_close(values[row, n - 1:], expected.values, rtol=0, atol=1e-5)
+        assert torch.equal(ids[row, n - 1:, 0], out.tokens[row, n:])  # greedy: the top one is the token chosen
+    assert bool((ids[:, :min(LENGTHS) - 1] == -1).all())  # prompt columns decided nothing
+
+    server = GenerationServer(ApiBackend(ours, NullTokenizer(VOCAB - 1)), port=0, log_requests=False).start()
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        body = {"prompt": "3 1 4 1 5", "max_tokens": 4, "temperature": 0, "logprobs": 2}
+        connection.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                           headers={"Content-Type": "application/json"})
+        choice = json.loads(connection.getresponse().read())["choices"][0]
+        connection.close()
+    finally:
+        server.stop()
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    answer = generate_tokens(ours, prompt, torch.tensor([5]), 4, top_k=1).tokens
+    with torch.no_grad():
+        direct = ours(answer, torch.arange(9)[None]).log_softmax(-1)[0, 4:8].topk(2, dim=-1)
+    top = choice["logprobs"]["top_logprobs"]
+    assert len(top) == 4
+    for position, alternatives in enumerate(top):
+        expected = {str(int(i)): float(v) for i, v in zip(direct.indices[position], direct.values[position])}
+        assert alternatives.keys() == expected.keys()
+        for text, value in alternatives.items():
+            assert abs(value - expected[text]) < 1e-4
+        assert max(alternatives.values()) == pytest.approx(choice["logprobs"]["token_logprobs"][position], abs=1e-4)
