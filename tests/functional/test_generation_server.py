@@ -466,3 +466,51 @@ def test_end_to_end_two_ranks_serve_a_trained_checkpoint(tmp_path):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def test_serves_a_huggingface_directory_with_its_greedy_answer(tmp_path, gpt2_vocab_dir):
+    """--load-hf HF_DIR: the architecture from config.json, the weights converted on load, the
+    tokenizer from the directory's tokenizer.json; /api's greedy answer equals HF generate's."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                     activation_function="gelu_new", bos_token_id=50256, eos_token_id=50256)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    hf_dir = tmp_path / "hf"
+    hf.save_pretrained(hf_dir)
+    tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(gpt2_vocab_dir))
+    tokenizer.save_pretrained(hf_dir)
+    prompt = "In the beginning God created"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = hf.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=50256)[0]
+
+    env = {**os.environ, "PYTHONPATH": REPO}
+    server = subprocess.Popen([sys.executable, SERVER_SCRIPT, "--load-hf", str(hf_dir), "--port", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    try:
+        lines = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
+        port, seen, deadline = None, [], time.monotonic() + 120
+        while port is None and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                continue
+            seen.append(line)
+            if line.startswith('{"serving"'):
+                port = int(json.loads(line)["serving"].rsplit(":", 1)[1])
+        assert port is not None, "the server did not start:\n" + "".join(seen[-20:])
+        status, answer = _put(port, {"prompts": [prompt], "tokens_to_generate": 6, "top_k": 1})
+        assert status == 200, answer
+        assert answer["tokens"][0] == expected.tolist()
+        assert answer["text"][0] == tokenizer.decode(expected)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
