@@ -63,10 +63,14 @@ class DotProductAttention(MegatronModule):
     inside the fp32 softmax: the same function, different rounding.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+    def __init__(self, config: TransformerConfig, layer_number: int, attention_scale: float | None = None) -> None:
+        """attention_scale: the factor of q k^T, default 1/sqrt(hn); HF T5 uses 1.0 (the 1/sqrt(hn)
+        is folded into its query init). A non-default scale skips the CPU fast path (which assumes
+        1/sqrt(hn)) and runs the two matmuls."""
         super().__init__(config)
         self.layer_number = max(1, layer_number)
-        self.norm_factor = math.sqrt(config.kv_channels)
+        self.custom_scale = attention_scale is not None
+        self.norm_factor = math.sqrt(config.kv_channels) if attention_scale is None else 1.0 / attention_scale
         self.softmax_scale: float | None = None
         if config.apply_query_key_layer_scaling:
             self.softmax_scale = float(self.layer_number)
@@ -100,7 +104,7 @@ class DotProductAttention(MegatronModule):
                 attention_mask: torch.Tensor | None, is_causal: bool = False,
                 attention_bias: torch.Tensor | None = None) -> torch.Tensor:
         sq, b, np_, hn = query.shape  # [sq, b, np/t, hn]
-        if attention_bias is None and self.config.masked_softmax_fusion:
+        if attention_bias is None and self.config.masked_softmax_fusion and not self.custom_scale:
             context = backend.fast_attention_core(  # takes K/V per group: [sk, b, ng/t, hn]
                 query, key, value, attention_mask, is_causal, cpu_impl=self.config.fused_kernels_cpu_impl,
                 dropout_active=self.training and self.attention_dropout.p > 0)
@@ -265,6 +269,69 @@ class SelfAttention(MegatronModule):
         else:
             context = self.core_attention(*core_args)  # [s, b, np/t * hn]
         return self.linear_proj(context)  # ([s, b, h] or [s/t, b, h] under SP, bias [h] or None)
+
+
+@dataclass
+class CrossAttentionSubmodules:
+    """The slots of CrossAttention (Megatron-Core's names)."""
+
+    linear_q: ModuleSpec | type = ColumnParallelLinear
+    linear_kv: ModuleSpec | type = ColumnParallelLinear
+    core_attention: ModuleSpec | type = DotProductAttention
+    linear_proj: ModuleSpec | type = RowParallelLinear
+
+
+class CrossAttention(MegatronModule):
+    """Queries from the decoder's hidden states [sq, b, h], keys and values from the encoder's
+    output `context` [sk, b, h] -> ([sq, b, h], bias). Keys: linear_q.*, linear_kv.*, linear_proj.*.
+
+    Multi-head only (Megatron-Core's CrossAttention asserts num_query_groups == num_attention_heads).
+    linear_q's rows are np heads of hn; linear_kv's rows are per head its key then its value
+    ([np, 2, hn], Megatron-Core's layout), so a tensor-parallel rank's contiguous block of rows
+    (column parallel) holds its np/t heads' keys and values, as SelfAttention splits linear_qkv;
+    linear_proj is row parallel. attention_mask [b or 1, 1, sq, sk] bool, True = masked out.
+    Not supported under sequence parallelism (the encoder output would be [sk/t, b, h]).
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: CrossAttentionSubmodules | None = None,
+                 layer_number: int = 1) -> None:
+        super().__init__(config)
+        submodules = submodules or CrossAttentionSubmodules()
+        if config.num_query_groups != config.num_attention_heads:
+            raise ValueError("CrossAttention is multi-head only (num_query_groups must equal num_attention_heads)")
+        if config.sequence_parallel:
+            raise ValueError("CrossAttention does not support sequence parallelism")
+        self.layer_number = layer_number
+        tp, hn, heads = config.tensor_model_parallel_size, config.kv_channels, config.num_attention_heads
+        self.num_attention_heads_per_partition = divide(heads, tp)
+        self.hidden_size_per_attention_head = hn
+        bias = config.add_bias_linear
+        self.linear_q = build_module(submodules.linear_q, config.hidden_size, heads * hn, config=config,
+                                     init_method=config.init_method, bias=bias, gather_output=False)
+        self.linear_kv = build_module(submodules.linear_kv, config.hidden_size, 2 * heads * hn, config=config,
+                                      init_method=config.init_method, bias=bias, gather_output=False)
+        self.core_attention = build_module(submodules.core_attention, config, layer_number)
+        self.linear_proj = build_module(
+            submodules.linear_proj, heads * hn, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=bias, input_is_parallel=True,
+            skip_bias_add=config.bias_dropout_fusion)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                context: torch.Tensor | None = None,
+                attention_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if context is None:
+            raise ValueError("CrossAttention needs the encoder output (context)")
+        np_, hn = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
+        query, _ = self.linear_q(hidden_states)  # [sq, b, np/t * hn]
+        sq, b, _ = query.shape
+        query = query.view(sq, b, np_, hn)  # [sq, b, np/t, hn]
+        mixed_kv, _ = self.linear_kv(context)  # [sk, b, np/t * 2 hn]
+        sk = mixed_kv.shape[0]
+        mixed_kv = mixed_kv.view(sk, b, np_, 2 * hn)  # [sk, b, np/t, 2 hn]
+        key, value = torch.split(mixed_kv, [hn, hn], dim=-1)  # [sk, b, np/t, hn] each
+        context_layer = self.core_attention(query, key.contiguous(), value.contiguous(), attention_mask, False,
+                                            attention_bias)  # [sq, b, np/t * hn]
+        return self.linear_proj(context_layer)  # ([sq, b, h], bias [h] or None)
 
 
 def _mark_replicated_kv(linear: torch.nn.Module, first_row: int, rows: int, *, group: int, num_groups: int,

@@ -28,6 +28,8 @@ same kind (docs/model.md).
 from __future__ import annotations
 
 from megatron.model.attention import (
+    CrossAttention,
+    CrossAttentionSubmodules,
     DotProductAttention,
     FlashDotProductAttention,
     SelfAttention,
@@ -72,3 +74,26 @@ def get_llama_layer_spec(qk_layernorm: bool = False, use_flash_attn: bool = Fals
 def layer_spec_from_config(config: TransformerConfig) -> ModuleSpec:
     """The GPT layer spec the config describes (qk_layernorm, use_flash_attn; norms per config.normalization)."""
     return get_gpt_layer_spec(qk_layernorm=config.qk_layernorm, use_flash_attn=config.use_flash_attn)
+
+
+def get_t5_encoder_layer_spec(norm: type = Norm, attention_scale: float | None = None) -> ModuleSpec:
+    """T5's encoder layer: the GPT layer (pre-norm self-attention and MLP). attention_scale: the
+    core attention's factor of q k^T (default 1/sqrt(hn); HF T5's is 1.0)."""
+    spec = get_gpt_layer_spec(norm=norm)
+    if attention_scale is not None:
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            DotProductAttention, params={"attention_scale": attention_scale})
+    return spec
+
+
+def get_t5_decoder_layer_spec(norm: type = Norm, attention_scale: float | None = None) -> ModuleSpec:
+    """T5's decoder layer: pre-norm causal self-attention, pre-norm cross-attention over the
+    encoder output (pre_cross_attn_layernorm, cross_attention: linear_q, linear_kv, linear_proj), MLP."""
+    spec = get_t5_encoder_layer_spec(norm, attention_scale)
+    core = spec.submodules.self_attention.submodules.core_attention
+    spec.submodules.pre_cross_attn_layernorm = norm
+    spec.submodules.cross_attention = ModuleSpec(
+        module=CrossAttention,
+        submodules=CrossAttentionSubmodules(linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
+                                            core_attention=core, linear_proj=RowParallelLinear))
+    return spec

@@ -28,6 +28,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from megatron import fused_kernels
 from megatron.fused_kernels import backend
@@ -140,3 +141,63 @@ def _alibi_bias(slopes: tuple[float, ...], sq: int, sk: int) -> torch.Tensor:
     key = torch.arange(sk, dtype=torch.float32)[None, :]
     distance = (query - key).clamp(min=0)  # [sq, sk]
     return -torch.tensor(slopes)[None, :, None, None] * distance  # [1, heads, sq, sk]
+
+
+def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int = 32,
+                             max_distance: int = 128) -> torch.Tensor:
+    """T5's bucket of each relative position (key - query), long, same shape (Raffel et al. 2020).
+
+    Bidirectional (the encoder): half the buckets for keys after the query, half for keys before.
+    Unidirectional (the decoder): keys after the query share bucket 0 (they are masked anyway).
+    Of a direction's n buckets the first n/2 are the exact distances 0 .. n/2 - 1, the rest
+    cover n/2 .. max_distance logarithmically; farther distances take the last bucket.
+    """
+    buckets = torch.zeros_like(relative_position)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    log_ratio = torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).to(torch.long)
+    large = large.clamp(max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+    """T5's relative position bias: forward(sq, sk) -> [1, local heads, sq, sk] in the table's dtype.
+
+    Key: relative_attention_bias.weight [num_buckets, num_heads] (all heads, replicated over the
+    tensor-parallel ranks; a rank adds its heads first_head .. first_head + local_heads - 1, so its
+    gradient is partial over the ranks: the weight is marked sequence_parallel, which makes
+    finalize_model_grads sum it over the tensor-parallel group, as the q/k layer norms are).
+    One per stack, computed once per forward and shared by its layers (HF T5 keeps it in layer 0).
+    """
+
+    def __init__(self, num_heads: int, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128,
+                 first_head: int = 0, local_heads: int | None = None, dtype: torch.dtype = torch.float32,
+                 init_method=None, tensor_parallel: bool = False) -> None:
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.first_head = first_head
+        self.local_heads = num_heads if local_heads is None else local_heads
+        self.relative_attention_bias = nn.Embedding(num_buckets, num_heads, dtype=dtype)
+        if init_method is not None:
+            with torch.no_grad():
+                init_method(self.relative_attention_bias.weight)
+        if tensor_parallel:
+            self.relative_attention_bias.weight.sequence_parallel = True
+
+    def forward(self, sq: int, sk: int) -> torch.Tensor:
+        device = self.relative_attention_bias.weight.device
+        query = torch.arange(sk - sq, sk, dtype=torch.long, device=device)[:, None]  # the last sq of sk positions
+        key = torch.arange(sk, dtype=torch.long, device=device)[None, :]
+        buckets = relative_position_bucket(key - query, self.bidirectional, self.num_buckets, self.max_distance)
+        weight = self.relative_attention_bias.weight[:, self.first_head:self.first_head + self.local_heads]
+        values = F.embedding(buckets, weight)  # [sq, sk, heads/t]
+        return values.permute(2, 0, 1).unsqueeze(0)  # [1, heads/t, sq, sk]
