@@ -13,8 +13,8 @@
 
 from megatron.model.bert_model import BertModel, bert_loss
 from megatron.model.gpt_model import GPTModel
-from megatron.model.t5_model import T5Model
 from megatron.model.module import Float16Module, MegatronModule, unwrap_model
+from megatron.model.t5_model import T5Model
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.utils import get_num_parameters
 

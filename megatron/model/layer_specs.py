@@ -3,6 +3,8 @@
     get_gpt_layer_spec(qk_layernorm)     LayerNorm / RMSNorm as config.normalization says
     get_llama_layer_spec(qk_layernorm)   RMSNorm in every norm slot, whatever config.normalization
     layer_spec_from_config(config)       the GPT spec for the config (what GPTModel builds by default)
+    get_t5_encoder_layer_spec / get_t5_decoder_layer_spec   T5's (the decoder adds pre_cross_attn_layernorm
+                                         and cross_attention: CrossAttention with linear_q, linear_kv)
 
 Both are one ModuleSpec tree:
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.model import TransformerConfig
+from megatron.model.positions import relative_position_bucket
 from megatron.model.t5_model import T5Model, t5_attention_masks
 
 transformers = pytest.importorskip("transformers")
@@ -130,6 +131,16 @@ def make_batch(seed: int = 1):
 
 def our_masks(enc_pad):
     return t5_attention_masks(enc_pad, torch.ones(BATCH, S_DEC, dtype=torch.long))
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_relative_position_buckets_equal_hf(bidirectional):
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    relative = torch.arange(-200, 201)
+    for buckets, distance in ((32, 128), (8, 16)):
+        expected = T5Attention._relative_position_bucket(relative, bidirectional, buckets, distance)
+        torch.testing.assert_close(relative_position_bucket(relative, bidirectional, buckets, distance), expected)
 
 
 def test_config_is_relu_not_gated():
