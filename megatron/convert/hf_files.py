@@ -156,26 +156,25 @@ class HFCheckpoint:
                                   f"{self.config.model_type} mapping needs: {', '.join(missing[:4])}")
         present = {huggingface.HF_ALIASES.get(k, k) for k in self.weight_map}
         extra = sorted(k for k in present - needed
-                       if not huggingface.IGNORED_HF_KEYS.search(k) and not self._tied_head(k))
+                       if not huggingface.IGNORED_HF_KEYS.search(k) and k not in self._tied_copies())
         if extra:
-            raise CheckpointError(f"{self.path}: {len(extra)} tensor(s) have no counterpart in GPTModel: "
-                                  f"{', '.join(extra[:4])}")
+            family = huggingface.ARCHITECTURES[self.config.model_type].family
+            raise CheckpointError(f"{self.path}: {len(extra)} tensor(s) have no counterpart in our "
+                                  f"{'BertModel' if family == 'BERT' else 'GPTModel'}: {', '.join(extra[:4])}")
         return rules
 
-    def _tied_head(self, name: str) -> bool:
-        return name == "lm_head.weight" and bool(self.config.tie_word_embeddings)
+    def _tied_copies(self) -> Dict[str, str]:
+        return huggingface.ARCHITECTURES[self.config.model_type].tied_copies(self.config)
 
     def ours(self, rule: huggingface.WeightRule) -> torch.Tensor:
         """Our whole tensor of `rule`, from the HF tensors it names."""
         return rule.to_ours(*(self.tensor(name) for name in rule.hf)).contiguous()
 
     def check_tied_head(self) -> None:
-        """A tied model whose files still hold lm_head.weight: it must equal the embedding."""
-        if self._tied_head("lm_head.weight") and self._actual_name("lm_head.weight") is not None:
-            embedding = huggingface.ARCHITECTURES[self.config.model_type].embedding
-            if not torch.equal(self.tensor("lm_head.weight"), self.tensor(embedding)):
-                raise CheckpointError(f"{self.path}: tie_word_embeddings is set but lm_head.weight differs "
-                                      "from the word embedding")
+        """A tied model whose files still hold the tied copy (lm_head.weight): it must equal what it repeats."""
+        for copy_, repeated in self._tied_copies().items():
+            if self._actual_name(copy_) is not None and not torch.equal(self.tensor(copy_), self.tensor(repeated)):
+                raise CheckpointError(f"{self.path}: {copy_} is tied to {repeated} but differs from it")
 
     def stream(self, padded_rows: int) -> Iterator[Tuple[str, torch.Tensor]]:
         """Our whole tensors in canonical order, vocabulary rows zero-padded to padded_rows."""
@@ -311,6 +310,10 @@ def args_from_hf(checkpoint: HFCheckpoint) -> argparse.Namespace:
                 from None
     args.padded_vocab_size = padded_vocab_size(int(checkpoint.config.vocab_size),
                                                int(args.make_vocab_size_divisible_by), 1)
+    family = huggingface.ARCHITECTURES[checkpoint.config.model_type].family
+    if family == "BERT":
+        args.model_family = family  # which model the converter and verify build (tools/checkpoint/convert.py)
+        args.bert_binary_head = True  # MegatronBertForPreTraining always has the pooler and binary head
     args.hf_config = dict(checkpoint.raw_config)
     args.hf_generation_config = None if checkpoint.generation_config is None else dict(checkpoint.generation_config)
     return args

@@ -81,7 +81,8 @@ Tensor = torch.Tensor
 MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")  # HF's names of the tanh approximation
 # HF buffers (not weights) that GPTModel has no counterpart for.
-IGNORED_HF_KEYS = re.compile(r"\.(attn|attention)\.(bias|masked_bias)$|rotary_emb\.inv_freq$")
+IGNORED_HF_KEYS = re.compile(r"\.(attn|attention)\.(bias|masked_bias)$|rotary_emb\.inv_freq$"
+                             r"|^bert\.embeddings\.(position_ids|token_type_ids)$")
 # Older HF names -> the names of the installed transformers (5.x renames them on load too).
 HF_ALIASES = {"embed_out.weight": "lm_head.weight"}  # GPT-NeoX before transformers 5
 
@@ -359,6 +360,13 @@ class _Architecture:
     config: Callable[[Any, int | None], tuple[dict, dict]]
     rules: Callable[[Any], list[WeightRule]]
     embedding: str  # HF name of the word embedding (what a tied lm_head repeats)
+    family: str = "GPT"  # our model: GPTModel, or BertModel (megatron/convert/bert.py)
+
+    def tied_copies(self, hf_config: Any) -> dict[str, str]:
+        """HF names of tensors that repeat another (not written by save_pretrained) -> the one repeated."""
+        if self.family == "BERT":
+            return dict(_bert.TIED_COPIES)
+        return {"lm_head.weight": self.embedding} if hf_config.tie_word_embeddings else {}
 
 
 ARCHITECTURES = {  # by HF model_type
@@ -368,6 +376,14 @@ ARCHITECTURES = {  # by HF model_type
     "qwen2": _Architecture("Qwen2ForCausalLM", _llama_config, _llama_rules, "model.embed_tokens.weight"),
     "gpt_neox": _Architecture("GPTNeoXForCausalLM", _gpt_neox_config, _gpt_neox_rules, "gpt_neox.embed_in.weight"),
 }
+from megatron.convert import bert as _bert  # noqa: E402  (it reads this module's helpers at call time)
+
+ARCHITECTURES.update({
+    "megatron-bert": _Architecture(_bert.ARCHITECTURE, _bert.bert_config, _bert.bert_rules,
+                                   "bert.embeddings.word_embeddings.weight", family="BERT"),
+    "bert": _Architecture("BertForPreTraining", _bert.refuse_post_ln_bert, _bert.bert_rules,
+                          "bert.embeddings.word_embeddings.weight", family="BERT"),
+})
 
 
 def _architecture(hf_config: Any) -> _Architecture:
@@ -377,7 +393,8 @@ def _architecture(hf_config: Any) -> _Architecture:
                          f"(one of {', '.join(ARCHITECTURES)})")
     named = getattr(hf_config, "architectures", None) or [arch.name]
     if arch.name not in named:
-        raise ValueError(f"HF architectures {named}: only {arch.name} (the causal LM) maps onto GPTModel")
+        raise ValueError(f"HF architectures {named}: only {arch.name} maps onto our "
+                         f"{'BertModel' if arch.family == 'BERT' else 'GPTModel'}")
     return arch
 
 
@@ -408,10 +425,11 @@ def state_dict_from_hf(hf_state_dict: dict[str, Tensor], hf_config: Any) -> dict
             raise KeyError(f"HF state dict lacks {missing} (needed for {rule.ours})")
         ours[rule.ours] = rule.to_ours(*(hf[k] for k in rule.hf))
         used.update(rule.hf)
-    if hf_config.tie_word_embeddings and "lm_head.weight" in hf:
-        if not torch.equal(hf["lm_head.weight"], hf[arch.embedding]):
-            raise ValueError("tie_word_embeddings is set but lm_head.weight differs from the word embedding")
-        used.add("lm_head.weight")
+    for copy_, repeated in arch.tied_copies(hf_config).items():
+        if copy_ in hf:
+            if not torch.equal(hf[copy_], hf[repeated]):
+                raise ValueError(f"{copy_} is tied to {repeated} but differs from it")
+            used.add(copy_)
     left = sorted(k for k in hf if k not in used and not IGNORED_HF_KEYS.search(k))
     if left:
         raise ValueError(f"HF tensors with no counterpart in GPTModel ({len(left)}): {left[:6]}")
@@ -436,8 +454,8 @@ def state_dict_to_hf(our_state_dict: dict[str, Tensor], hf_config: Any) -> dict[
     hf = {}
     for rule in rules:
         hf.update(zip(rule.hf, (t.contiguous() for t in rule.to_hf(our_state_dict[rule.ours]))))
-    if hf_config.tie_word_embeddings:
-        hf["lm_head.weight"] = hf[arch.embedding]
+    for copy_, repeated in arch.tied_copies(hf_config).items():
+        hf[copy_] = hf[repeated]
     return hf
 
 
@@ -458,6 +476,8 @@ def hf_config_from_args(args: Any, vocab_size: int) -> dict:
     biases, learned positions) and GPT-NeoX (the same with RoPE); other models raise ValueError.
     config_from_hf of the result gives args back (the saver checks it).
     """
+    if getattr(args, "model_family", "GPT") == "BERT":
+        return _bert.hf_bert_config_from_args(args, vocab_size)
     heads, hidden = int(args.num_attention_heads), int(args.hidden_size)
     groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
     head_dim = int(getattr(args, "kv_channels", None) or hidden // heads)

@@ -15,6 +15,9 @@ saved args (np heads, ng query groups, hn head dim, t ranks; L. = decoder.layers
     L.mlp.linear_fc2.weight                   columns, contiguous (row parallel)
     everything else                           replicated: norms, linear_proj / linear_fc2 biases,
                                               q/k layernorms, position embeddings
+    BertModel (L. = encoder.layers.{i}.)      the same layers; output_layer.bias rows, contiguous
+                                              (the padded vocabulary); tokentype embeddings,
+                                              lm_head.*, pooler.*, binary_head.* replicated
 
 A name this table does not know is refused (UnknownTensorError) rather than guessed: a new layer
 must say how it is split before a checkpoint of it converts.
@@ -28,9 +31,10 @@ from typing import Any, Dict, Optional
 
 from megatron.model.attention import qkv_partition_rows
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_REPLICATED = re.compile(r"(layernorm|norm)\.(weight|bias)$|^embedding\.position_embeddings\.weight$"
-                         r"|linear_(proj|fc2)\.bias$")
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")
+_REPLICATED = re.compile(r"(layernorm|norm)\.(weight|bias)$|^embedding\.(position|tokentype)_embeddings\.weight$"
+                         r"|linear_(proj|fc2)\.bias$|^(lm_head|pooler\.dense|binary_head)\.")
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
 
 
 class UnknownTensorError(ValueError):
@@ -54,7 +58,7 @@ def tensor_layout(name: str, args: argparse.Namespace, tp: int, rank: int) -> Di
     replicated: Dict[str, Any] = {"tensor_model_parallel": False}
     if _REPLICATED.search(name):
         return replicated
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+    if name in VOCAB_TENSORS:
         return _split(0)
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         rows = qkv_partition_rows(int(args.num_attention_heads), query_groups(args), head_dim(args), tp, rank)
@@ -73,21 +77,21 @@ def _split(dim: int, stride: int = 1) -> Dict[str, Any]:
 
 def is_vocab_tensor(name: str) -> bool:
     """Whether the rows of `name` are the (padded) vocabulary."""
-    return name in ("embedding.word_embeddings.weight", "output_layer.weight")
+    return name in VOCAB_TENSORS
 
 
 def layer_index(name: str) -> Optional[int]:
-    """i of decoder.layers.{i}.*, else None."""
+    """i of decoder.layers.{i}.* (encoder.layers.{i}.* for BERT), else None."""
     match = _LAYER.match(name)
-    return int(match.group(1)) if match else None
+    return int(match.group(2)) if match else None
 
 
 def renumber(name: str, offset: int) -> str:
-    """decoder.layers.{i}.rest -> decoder.layers.{i + offset}.rest (other names unchanged)."""
+    """decoder.layers.{i}.rest -> decoder.layers.{i + offset}.rest (encoder. alike; other names unchanged)."""
     match = _LAYER.match(name)
     if match is None:
         return name
-    return f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
+    return f"{match.group(1)}.layers.{int(match.group(2)) + offset}.{match.group(3)}"
 
 
 def padded_vocab_size(true_vocab_size: int, divisible_by: int, tp: int) -> int:

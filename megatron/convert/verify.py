@@ -6,6 +6,10 @@ built from that side's args in fp32 without dropout; both run on the same fixed 
 are compared: max |difference| <= tolerance x max(1, max |source logit|). A conversion only
 reorders rows, so the logits agree to rounding; a wrong mapping (Q and K rows swapped, gate and up
 exchanged, layers out of order) moves them by far more than the tolerance.
+
+BERT (args.model_family "BERT"): the models are BertModels, run with a padding mask (the second
+sequence ends early) and both token types; the MLM logits are compared at the real positions and
+the binary-head logits as they are (model_logits returns the two concatenated per sequence).
 """
 
 from __future__ import annotations
@@ -58,6 +62,16 @@ def build_serial_model(args: argparse.Namespace, tensors: Iterable[Tuple[str, to
     serial.recompute_granularity = None
     config = core_transformer_config_from_args(serial)
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    if is_bert(args):
+        from megatron.model import BertModel
+
+        binary_head = bool(getattr(args, "bert_binary_head", True))
+        model = BertModel(config, vocab_size=int(args.padded_vocab_size),
+                          max_sequence_length=int(args.max_position_embeddings),
+                          num_tokentypes=2 if binary_head else 0, add_binary_head=binary_head,
+                          share_embeddings_and_output_weights=tied)
+        _fill(model, tensors)
+        return model.eval()
     model = GPTModel(config, vocab_size=int(args.padded_vocab_size),
                      max_sequence_length=int(args.max_position_embeddings),
                      share_embeddings_and_output_weights=tied, **gpt_model_kwargs(serial))
@@ -104,8 +118,32 @@ def sample_tokens(vocab: int, max_length: int) -> torch.Tensor:
     return torch.randint(0, vocab, (NUM_SEQUENCES, length), generator=generator)
 
 
+def is_bert(args: argparse.Namespace) -> bool:
+    return getattr(args, "model_family", "GPT") == "BERT"
+
+
+def bert_inputs(tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(padding_mask, tokentype_ids) [b, s] for the fixed sequences: the last one ends at 3/4 of
+    its length (padding after), each sequence's second half is token type 1."""
+    b, s = tokens.shape
+    padding_mask = torch.ones(b, s, dtype=torch.long)
+    padding_mask[-1, (3 * s) // 4:] = 0
+    types = (torch.arange(s) >= s // 2).long().unsqueeze(0).expand(b, s) * padding_mask
+    return padding_mask, types
+
+
 @torch.no_grad()
 def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    if hasattr(model, "lm_head"):  # BertModel
+        padding_mask, types = bert_inputs(tokens)
+        lm_logits, binary_logits = model(tokens, padding_mask, tokentype_ids=types)  # [b, s, v], [b, 2] or None
+        lm_logits = lm_logits.float() * padding_mask.unsqueeze(-1)  # padding queries: not the model's output
+        if binary_logits is None:
+            return lm_logits
+        # [b, s + 1, v]: the binary logits as one more "position" (zeros past its 2 columns).
+        extra = lm_logits.new_zeros(lm_logits.shape[0], 1, lm_logits.shape[-1])
+        extra[:, 0, :2] = binary_logits.float()
+        return torch.cat([lm_logits, extra], dim=1)
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)  # [b, s]
     return model(tokens, positions).float()
 

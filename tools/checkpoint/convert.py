@@ -35,7 +35,7 @@ from megatron.checkpoint_safety import CheckpointError  # noqa: E402
 from megatron.cli import run_cli  # noqa: E402
 from megatron.convert.layout_rules import UnknownTensorError  # noqa: E402
 
-MODEL_TYPES = ("GPT",)  # BERT and T5 join in their own issue
+MODEL_TYPES = ("GPT", "BERT")  # T5 joins in its own issue
 
 
 class ConversionError(ValueError):
@@ -107,11 +107,24 @@ def _staging_dir(save_dir: str) -> str:
     return tempfile.mkdtemp(prefix=f".{os.path.basename(save_dir)}.", suffix=".converting", dir=parent)
 
 
+def load(args: argparse.Namespace, loader: ModuleType) -> tuple:
+    """loader.load_checkpoint, its args marked with --model-type (args.model_family: which model
+    verify and pretrain_{gpt,bert}.py build); a checkpoint marked with another type is refused."""
+    meta, tensors = loader.load_checkpoint(args)
+    family = getattr(meta.args, "model_family", None)  # None: unmarked (GPT, or a pretrain_bert.py run's)
+    if family is not None and family != args.model_type:
+        raise ConversionError(f"--model-type {args.model_type}: the checkpoint under {args.load_dir} holds a "
+                              f"{family} model")
+    if args.model_type != "GPT":  # GPT checkpoints stay unmarked, as before BERT joined
+        meta.args.model_family = args.model_type
+    return meta, tensors
+
+
 def verify(args: argparse.Namespace, loader: ModuleType, saver: ModuleType, staging: str) -> None:
     """Compare the logits of the source and of what was written (raise ConversionError if they differ)."""
     from megatron.convert import verify as checks
 
-    meta, tensors = loader.load_checkpoint(args)
+    meta, tensors = load(args, loader)
     target_args, target_tensors = saver.read_back(staging)
     vocab = meta.true_vocab_size or min(int(meta.args.padded_vocab_size), int(target_args.padded_vocab_size))
     tokens = checks.sample_tokens(vocab, int(meta.args.max_position_embeddings))
@@ -128,7 +141,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args, loader, saver = parse_args(argv)
     staging = _staging_dir(args.save_dir)
     try:
-        meta, tensors = loader.load_checkpoint(args)
+        meta, tensors = load(args, loader)
         saver.save_checkpoint(meta, tensors, args, staging)
         if args.verify:
             verify(args, loader, saver, staging)
