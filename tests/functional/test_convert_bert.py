@@ -1,0 +1,172 @@
+"""tools/checkpoint/convert.py --model-type BERT with --loader hf / --saver hf on a tiny random
+HF MegatronBertForPreTraining (written by save_pretrained).
+
+HF -> ours at TP = 2, PP = 2 -> HF, each step verified by the converter (MLM and binary-head logits
+with a padding mask): the result must be the source bit for bit. The TP = 2 PP = 2 checkpoint,
+merged back by the megatron loader into a TP = 1 BertModel, gives HF's logits (fp32, 1e-5 at the
+real positions), and its stage files hold the keys pretrain_bert.py's BertModel stages have.
+A swapped query/key head is refused by the verification; bad input is one line.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron.checkpointing import get_checkpoint_name
+from megatron.checkpoint_safety import load_file
+from megatron.convert import verify
+from tools.checkpoint import convert, loader_megatron, saver_hf
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+VOCAB, HIDDEN, HEADS, FFN, LAYERS, POSITIONS = 100, 32, 4, 48, 2, 32
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _save_hf(path, seed=0, cls=None):
+    config = transformers.MegatronBertConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=FFN, max_position_embeddings=POSITIONS, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, initializer_range=0.2)
+    torch.manual_seed(seed)
+    model = transformers.MegatronBertForPreTraining(config).eval()
+    with torch.no_grad():  # norms and biases away from 1 and 0, so that a mix-up shows
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or ".ln." in name or "LayerNorm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(path)
+    return model
+
+
+def _convert(load_dir, save_dir, loader, saver, *extra, model_type="BERT"):
+    convert.main(["--model-type", model_type, "--loader", loader, "--saver", saver, "--load-dir", str(load_dir),
+                  "--save-dir", str(save_dir), *extra])
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bert")
+    model = _save_hf(root / "hf")
+    _convert(root / "hf", root / "tp2pp2", "hf", "megatron", "--target-tensor-parallel-size", "2",
+             "--target-pipeline-parallel-size", "2")
+    _convert(root / "tp2pp2", root / "back", "megatron", "hf")
+    return root, model
+
+
+def test_hf_to_tp2pp2_to_hf_is_bit_identical(converted):
+    root, _ = converted
+    source = safetensors_torch.load_file(str(root / "hf" / "model.safetensors"))
+    back = safetensors_torch.load_file(str(root / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(source)
+    for name, tensor in source.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    with open(root / "hf" / "config.json") as a, open(root / "back" / "config.json") as b:
+        assert json.load(a) == json.load(b)
+    reloaded = transformers.MegatronBertForPreTraining.from_pretrained(str(root / "back"), local_files_only=True)
+    assert isinstance(reloaded, transformers.MegatronBertForPreTraining)
+
+
+def test_our_converted_model_gives_hfs_logits(converted):
+    root, model = converted
+    args = argparse_namespace(load_dir=str(root / "tp2pp2"))
+    meta, tensors = loader_megatron.load_checkpoint(args)
+    assert meta.args.model_family == "BERT" and meta.args.bert_binary_head
+    assert (meta.args.tensor_model_parallel_size, meta.args.pipeline_model_parallel_size) == (2, 2)
+    ours = verify.build_serial_model(meta.args, tensors)
+    tokens = torch.randint(1, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
+    padding_mask = torch.ones_like(tokens)
+    padding_mask[1, 13:] = padding_mask[2, 7:] = 0
+    tokens = tokens * padding_mask
+    types = (torch.arange(20) >= 5).long().expand(3, 20) * padding_mask
+    with torch.no_grad():
+        expected = model(input_ids=tokens, attention_mask=padding_mask, token_type_ids=types)
+        lm_logits, binary_logits = ours(tokens, padding_mask, tokentype_ids=types)
+    real = padding_mask.bool()  # a padding query sees no key in Megatron's mask, every real key in HF's
+    assert expected.prediction_logits.abs().max() > 1.0  # logits large enough for the check to mean something
+    torch.testing.assert_close(lm_logits[..., :VOCAB][real], expected.prediction_logits[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(binary_logits, expected.seq_relationship_logits, rtol=0, atol=1e-5)
+
+
+def test_stage_files_hold_pretrain_berts_stage_keys(converted):
+    """Each TP = 2 PP = 2 file holds the keys of the BertModel stage pretrain_bert.py builds there."""
+    from megatron.model import BertModel, TransformerConfig
+
+    root, _ = converted
+    config = TransformerConfig(num_layers=LAYERS // 2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               ffn_hidden_size=FFN)
+    for stage, kind in ((0, dict(post_process=False)), (1, dict(pre_process=False))):
+        expected = set(BertModel(config, 128, POSITIONS, **kind).state_dict())
+        for rank in range(2):
+            path = get_checkpoint_name(str(root / "tp2pp2"), 0, True, pipeline_parallel=True, tensor_rank=rank,
+                                       pipeline_rank=stage)
+            state = load_file(path)
+            assert set(state["model"]) == expected, (stage, rank)
+            assert state["args"].model_family == "BERT"
+    last = load_file(get_checkpoint_name(str(root / "tp2pp2"), 0, True, pipeline_parallel=True, tensor_rank=1,
+                                         pipeline_rank=1))["model"]
+    assert last["output_layer.bias"].shape == (128,)  # the vocabulary padded to 256, over 2 ranks
+    assert last["lm_head.dense.weight"].shape == (HIDDEN, HIDDEN)  # replicated
+
+
+def test_a_swapped_query_and_key_is_refused(converted, tmp_path, monkeypatch, capsys):
+    root, _ = converted
+    rule_of = saver_hf.huggingface.weight_rules
+
+    def swapped_rules(config):
+        rules = rule_of(config)
+        index = next(i for i, rule in enumerate(rules) if rule.ours == "encoder.layers.1.self_attention.linear_qkv.weight")
+        rule = rules[index]
+        hn = HIDDEN // HEADS
+
+        def to_hf(tensor):  # the first query head and the first key head exchanged
+            q, k, v = (t.clone() for t in rule.to_hf(tensor))
+            q[:hn], k[:hn] = k[:hn].clone(), q[:hn].clone()
+            return q, k, v
+
+        rules[index] = type(rule)(rule.ours, rule.hf, rule.to_ours, to_hf)
+        return rules
+
+    monkeypatch.setattr(saver_hf.huggingface, "weight_rules", swapped_rules)
+    with pytest.raises(convert.ConversionError, match="logits differ"):
+        _convert(root / "tp2pp2", tmp_path / "swapped", "megatron", "hf")
+    assert "MISMATCH" in capsys.readouterr().out
+    assert not (tmp_path / "swapped").exists()
+
+
+def _one_line_error(argv, capsys):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        convert.cli(argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("convert.py: error: ")
+    return err
+
+
+def test_bad_input_is_one_line(converted, tmp_path, capsys):
+    root, _ = converted
+    argv = ["--loader", "hf", "--saver", "megatron", "--save-dir", str(tmp_path / "out")]
+    post_ln = tmp_path / "post_ln"
+    transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
+                            intermediate_size=FFN, architectures=["BertForPreTraining"]).save_pretrained(post_ln)
+    error = _one_line_error(["--model-type", "BERT", *argv, "--load-dir", str(post_ln)], capsys)
+    assert "BertForPreTraining (original post-LN BERT) cannot be converted" in error
+    error = _one_line_error(["--model-type", "GPT", *argv, "--load-dir", str(root / "hf")], capsys)
+    assert "--model-type GPT: the checkpoint under" in error and "holds a BERT model" in error
+    broken = tmp_path / "broken"
+    _save_hf(broken)
+    weights = safetensors_torch.load_file(str(broken / "model.safetensors"))
+    del weights["cls.seq_relationship.weight"]
+    safetensors_torch.save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    error = _one_line_error(["--model-type", "BERT", *argv, "--load-dir", str(broken)], capsys)
+    assert "lack 1 tensor(s)" in error and "cls.seq_relationship.weight" in error
+    assert not (tmp_path / "out").exists()
+
+
+def argparse_namespace(**values):
+    import argparse
+
+    return argparse.Namespace(**{"true_vocab_size": None, "vocab_file": None, "tokenizer_model": None, **values})
