@@ -1,4 +1,5 @@
-"""BertModel equals HuggingFace's MegatronBertForPreTraining after the weight mapping below.
+"""BertModel equals HuggingFace's MegatronBertForPreTraining after the converter's weight mapping
+(megatron/convert/bert.py: one mapping for the converter and this test).
 
 A tiny random HF model (2 layers, h 64, 4 heads, vocab 96, s 24) in fp32 eval mode, norm weights and
 biases perturbed so a mix-up between them shows, init std 0.1 so attention is far from uniform. The
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.convert import huggingface as hf_mapping
 from megatron.model import BertModel, TransformerConfig, bert_loss
 from megatron.model.bert_model import bert_extended_attention_mask
 
@@ -49,57 +51,17 @@ def make_hf(seed: int = 0):
 
 
 def config_from_hf(c, **flags) -> TransformerConfig:
-    """The TransformerConfig computing what the HF config does (see the module docstring)."""
-    kwargs = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
-                  ffn_hidden_size=c.intermediate_size, layernorm_epsilon=c.layer_norm_eps, hidden_dropout=0.0,
-                  attention_dropout=0.0, init_method_std=c.initializer_range)
+    """The TransformerConfig computing what the HF config does (the converter's, megatron/convert/bert.py)."""
+    kwargs, _ = hf_mapping.config_from_hf(c)
     return TransformerConfig(**{**flags, **kwargs, "bias_gelu_fusion": False})  # erf GeLU wins over the flags
 
 
 def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], c, add_binary_head: bool = True) -> dict[str, torch.Tensor]:
-    """HF MegatronBertForPreTraining names -> ours (Megatron-Core BertModel names).
-
-    The one reshuffle: HF's separate query/key/value [h, h] become linear_qkv [3h, h] with rows in
-    Megatron's [np, 3, hn] order (each head's q, k, v together); biases alike. The decoder weight is
-    tied to the word embedding on both sides (no output_layer.weight key); cls.predictions.bias is
-    the output layer's own bias.
-    """
-    np_, hn = c.num_attention_heads, c.hidden_size // c.num_attention_heads
-    same = {
-        "embedding.word_embeddings.weight": "bert.embeddings.word_embeddings.weight",
-        "embedding.position_embeddings.weight": "bert.embeddings.position_embeddings.weight",
-        "embedding.tokentype_embeddings.weight": "bert.embeddings.token_type_embeddings.weight",
-        "encoder.final_layernorm.weight": "bert.encoder.ln.weight",
-        "encoder.final_layernorm.bias": "bert.encoder.ln.bias",
-        "lm_head.dense.weight": "cls.predictions.transform.dense.weight",
-        "lm_head.dense.bias": "cls.predictions.transform.dense.bias",
-        "lm_head.layer_norm.weight": "cls.predictions.transform.LayerNorm.weight",
-        "lm_head.layer_norm.bias": "cls.predictions.transform.LayerNorm.bias",
-        "output_layer.bias": "cls.predictions.bias",
-    }
-    if add_binary_head:
-        for kind in ("weight", "bias"):
-            same[f"pooler.dense.{kind}"] = f"bert.pooler.dense.{kind}"
-            same[f"binary_head.{kind}"] = f"cls.seq_relationship.{kind}"
-    for i in range(c.num_hidden_layers):
-        ours, hf = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
-        for kind in ("weight", "bias"):
-            same.update({
-                f"{ours}input_layernorm.{kind}": f"{hf}attention.ln.{kind}",
-                f"{ours}self_attention.linear_proj.{kind}": f"{hf}attention.output.dense.{kind}",
-                f"{ours}pre_mlp_layernorm.{kind}": f"{hf}ln.{kind}",
-                f"{ours}mlp.linear_fc1.{kind}": f"{hf}intermediate.dense.{kind}",
-                f"{ours}mlp.linear_fc2.{kind}": f"{hf}output.dense.{kind}",
-            })
-    out = {ours: hf_sd[hf].clone() for ours, hf in same.items()}
-    for i in range(c.num_hidden_layers):
-        hf = f"bert.encoder.layer.{i}.attention.self."
-        for kind in ("weight", "bias"):
-            q, k, v = (hf_sd[f"{hf}{name}.{kind}"] for name in ("query", "key", "value"))  # [h, (h)] each
-            heads = [t.reshape(np_, hn, *t.shape[1:]) for t in (q, k, v)]  # [np, hn, (h)]
-            fused = torch.stack(heads, dim=1)  # [np, 3, hn, (h)]
-            out[f"encoder.layers.{i}.self_attention.linear_qkv.{kind}"] = fused.reshape(-1, *q.shape[1:])  # [3h, (h)]
-    return out
+    """HF MegatronBertForPreTraining names -> ours: the converter's mapping (megatron/convert/bert.py)."""
+    out = hf_mapping.state_dict_from_hf(hf_sd, c)
+    if not add_binary_head:
+        out = {k: t for k, t in out.items() if not k.startswith(("pooler.", "binary_head."))}
+    return {k: t.clone() for k, t in out.items()}
 
 
 def make_ours(hf, flags: dict, add_binary_head: bool = True) -> BertModel:
