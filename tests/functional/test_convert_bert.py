@@ -170,3 +170,16 @@ def argparse_namespace(**values):
     import argparse
 
     return argparse.Namespace(**{"true_vocab_size": None, "vocab_file": None, "tokenizer_model": None, **values})
+
+
+def test_the_hf_config_built_from_our_args_is_the_sources(converted):
+    """A BERT checkpoint without the HF config (one pretrain_bert.py wrote) gets the same model's config."""
+    from megatron.convert import huggingface
+
+    root, _ = converted
+    meta, _ = loader_megatron.load_checkpoint(argparse_namespace(load_dir=str(root / "tp2pp2")))
+    built = huggingface.hf_config_from_args(meta.args, VOCAB)
+    with open(root / "hf" / "config.json") as f:
+        source = json.load(f)
+    assert {key: source[key] for key in built} == built
+    assert not (root / "back" / "generation_config.json").exists()  # the source had none

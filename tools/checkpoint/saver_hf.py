@@ -1,8 +1,9 @@
-"""`--saver hf`: write a transformers model directory that AutoModelForCausalLM.from_pretrained loads.
+"""`--saver hf`: write a transformers model directory that AutoModelForCausalLM.from_pretrained loads
+(MegatronBertForPreTraining.from_pretrained for --model-type BERT).
 
     config.json                   the source's HF config when it came from HF (args.hf_config), else
                                   built from our args (huggingface.hf_config_from_args)
-    generation_config.json        the source's, else transformers' defaults for the config
+    generation_config.json        the source's, else transformers' defaults for the config (none for BERT)
     model.safetensors             the weights, or shards model-0000k-of-0000n.safetensors of at most
                                   --max-shard-size bytes each and model.safetensors.index.json
     tokenizer files               copied from --tokenizer-dir (default with --loader hf: --load-dir)
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -92,10 +93,13 @@ def _check_config(config: Any, args: argparse.Namespace) -> None:
         raise CheckpointError("the HF config does not describe the checkpoint's model: " + "; ".join(problems))
 
 
-def _generation_config(meta: Metadata, config: Any) -> Dict[str, Any]:
+def _generation_config(meta: Metadata, config: Any) -> Optional[Dict[str, Any]]:
+    """The source's generation config, else transformers' defaults; None for BERT (it generates nothing)."""
     kept = getattr(meta.args, "hf_generation_config", None)
     if isinstance(kept, dict):
         return dict(kept)
+    if huggingface.ARCHITECTURES[config.model_type].family == "BERT":
+        return None
     from transformers import GenerationConfig
 
     return GenerationConfig.from_model_config(config).to_diff_dict()
@@ -126,7 +130,9 @@ def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
     if tokenizer_dir is not None:
         copied = copy_tokenizer(tokenizer_dir, save_dir)
         print(f"copied the tokenizer files {', '.join(copied)} from {tokenizer_dir}", flush=True)
-    write_json(os.path.join(save_dir, GENERATION_CONFIG), _generation_config(meta, config))
+    generation_config = _generation_config(meta, config)
+    if generation_config is not None:
+        write_json(os.path.join(save_dir, GENERATION_CONFIG), generation_config)
     rules = {rule.ours: rule for rule in huggingface.weight_rules(config)}
     print(f"saving a {config.model_type} model ({huggingface.ARCHITECTURES[config.model_type].name}) to "
           f"{save_dir}, shards of at most {max_bytes} bytes", flush=True)
