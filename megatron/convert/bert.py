@@ -42,7 +42,8 @@ TIED_COPIES = {"cls.predictions.decoder.weight": "bert.embeddings.word_embedding
                "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
 
-def refuse_post_ln_bert(c: Any, seq_length: int | None = None) -> tuple[dict, dict]:
+def refuse_post_ln_bert(c: Any, seq_length: int | None = None) -> Any:
+    """config_from_hf and weight_rules of HF model_type "bert": always a ValueError (see the module docstring)."""
     raise ValueError("BertForPreTraining (original post-LN BERT) cannot be converted to BertModel: it normalises "
                      "after each residual add and has an embedding LayerNorm; our layer is pre-LN "
                      "(MegatronBertForPreTraining's layout), so the conversion would compute a different model")
@@ -110,7 +111,8 @@ def hf_bert_config_from_args(args: Any, vocab_size: int) -> dict:
            or getattr(args, "apply_layernorm_1p", False) or getattr(args, "qk_layernorm", False),
            "SwiGLU, RMSNorm, no biases, GQA, non-learned positions or another layer variant")
     hidden, heads = int(args.hidden_size), int(args.num_attention_heads)
-    refuse(int(getattr(args, "kv_channels", None) or hidden // heads) * heads != hidden, "kv_channels x heads != hidden")
+    head_dim = int(getattr(args, "kv_channels", None) or hidden // heads)
+    refuse(head_dim * heads != hidden, "kv_channels x heads != hidden")
     gelu = "gelu_new" if hf_map.computes_tanh_gelu(vars(args)) else "gelu"
     return dict(model_type="megatron-bert", architectures=[ARCHITECTURE], vocab_size=vocab_size, hidden_size=hidden,
                 num_hidden_layers=int(args.num_layers), num_attention_heads=heads,

@@ -11,7 +11,8 @@ rank, the vocabulary padded to a multiple of 128 x TP) is the checkpoint convert
 round trip state_dict_to_hf(state_dict_from_hf(sd, c), c) gives sd back bit for bit.
 
 Notation: np heads, ng query groups (HF num_key_value_heads), hn head dim, h hidden size,
-L. = decoder.layers.{i}. (ours); {i} the layer.
+L. = decoder.layers.{i}. (ours); {i} the layer. MegatronBertForPreTraining <-> BertModel is in
+megatron/convert/bert.py (registered in ARCHITECTURES below, family "BERT").
 
 GPT2LMHeadModel. HF's Conv1D stores a weight as [in, out]: transposed to our [out, in].
     transformer.wte.weight               embedding.word_embeddings.weight
@@ -381,7 +382,7 @@ from megatron.convert import bert as _bert  # noqa: E402  (it reads this module'
 ARCHITECTURES.update({
     "megatron-bert": _Architecture(_bert.ARCHITECTURE, _bert.bert_config, _bert.bert_rules,
                                    "bert.embeddings.word_embeddings.weight", family="BERT"),
-    "bert": _Architecture("BertForPreTraining", _bert.refuse_post_ln_bert, _bert.bert_rules,
+    "bert": _Architecture("BertForPreTraining", _bert.refuse_post_ln_bert, _bert.refuse_post_ln_bert,
                           "bert.embeddings.word_embeddings.weight", family="BERT"),
 })
 

@@ -117,7 +117,8 @@ def test_a_swapped_query_and_key_is_refused(converted, tmp_path, monkeypatch, ca
 
     def swapped_rules(config):
         rules = rule_of(config)
-        index = next(i for i, rule in enumerate(rules) if rule.ours == "encoder.layers.1.self_attention.linear_qkv.weight")
+        qkv = "encoder.layers.1.self_attention.linear_qkv.weight"
+        index = next(i for i, rule in enumerate(rules) if rule.ours == qkv)
         rule = rules[index]
         hn = HIDDEN // HEADS
 

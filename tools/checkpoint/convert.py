@@ -5,14 +5,16 @@
         --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
 
 The loader (tools/checkpoint/loader_NAME.py) yields a Metadata and then whole tensors one at a
-time under the names of a TP = 1, PP = 1 GPTModel; the saver (saver_NAME.py) writes them. Plugins
-are modules with add_arguments(parser) and load_checkpoint(args) -> (metadata, tensors), or
-save_checkpoint(metadata, tensors, args, save_dir) and read_back(save_dir) -> (args, tensors).
+time under the names of a TP = 1, PP = 1 GPTModel (BertModel with --model-type BERT); the saver
+(saver_NAME.py) writes them. Plugins are modules with add_arguments(parser) and
+load_checkpoint(args) -> (metadata, tensors), or save_checkpoint(metadata, tensors, args, save_dir)
+and read_back(save_dir) -> (args, tensors).
 Unlike Megatron-LM's the two run in one process (a generator, not a queue).
 
 The saver writes into a temporary folder beside --save-dir. Unless --no-verify, the source and the
 written checkpoint are then both built as TP = 1 models on CPU and their logits compared on fixed
-token sequences (megatron/convert/verify.py); only a conversion that matches is renamed to
+token sequences (megatron/convert/verify.py; for --model-type BERT BertModels, MLM and binary-head
+logits with a padding mask); only a conversion that matches is renamed to
 --save-dir. On any failure the temporary folder is removed: --save-dir never holds a partial or
 unverified checkpoint. docs/checkpoints.md has the details.
 """
