@@ -5,6 +5,8 @@ HF -> ours at TP = 2, PP = 2 -> HF, each step verified by the converter (MLM and
 with a padding mask): the result must be the source bit for bit. The TP = 2 PP = 2 checkpoint,
 merged back by the megatron loader into a TP = 1 BertModel, gives HF's logits (fp32, 1e-5 at the
 real positions), and its stage files hold the keys pretrain_bert.py's BertModel stages have.
+The checkpoint also runs as it is in 4 gloo processes (each rank builds its stage as
+pretrain_bert.py's model_provider does and loads its own file strictly) and gives HF's logits.
 A swapped query/key head is refused by the verification; bad input is one line.
 """
 
@@ -17,6 +19,7 @@ import torch
 from megatron.checkpointing import get_checkpoint_name
 from megatron.checkpoint_safety import load_file
 from megatron.convert import verify
+from tests.parallel.harness import DistributedPool, init_parallel
 from tools.checkpoint import convert, loader_megatron, saver_hf
 
 transformers = pytest.importorskip("transformers")
@@ -88,6 +91,68 @@ def test_our_converted_model_gives_hfs_logits(converted):
     assert expected.prediction_logits.abs().max() > 1.0  # logits large enough for the check to mean something
     torch.testing.assert_close(lm_logits[..., :VOCAB][real], expected.prediction_logits[real], rtol=0, atol=1e-5)
     torch.testing.assert_close(binary_logits, expected.seq_relationship_logits, rtol=0, atol=1e-5)
+
+
+def _inputs():
+    """tokens, padding_mask (rows 1 and 2 end early), tokentypes [3, 20]."""
+    tokens = torch.randint(1, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
+    padding_mask = torch.ones_like(tokens)
+    padding_mask[1, 13:] = padding_mask[2, 7:] = 0
+    types = (torch.arange(20) >= 5).long().expand(3, 20) * padding_mask
+    return tokens * padding_mask, padding_mask, types
+
+
+def _stage_outputs(checkpoint, tokens, padding_mask, types):
+    """Task: this rank's stage of the TP=2 PP=2 checkpoint, built as pretrain_bert.py's model_provider
+    builds it; the last stage returns (MLM logits gathered over TP, binary logits)."""
+    import torch.distributed as dist
+
+    from megatron.arguments import core_transformer_config_from_args
+    from megatron.core import parallel_state
+    from megatron.model import BertModel
+
+    init_parallel(tp=2, pp=2)
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    state = load_file(get_checkpoint_name(str(checkpoint), 0, release=True, pipeline_parallel=True,
+                                          tensor_rank=tp_rank, pipeline_rank=pp_rank))
+    args = state["args"]
+    args.hidden_dropout = args.attention_dropout = 0.0
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    model = BertModel(core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
+                      max_sequence_length=args.max_position_embeddings,
+                      num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head,
+                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                      pre_process=first, post_process=last, parallel_output=False)
+    model.load_state_dict(state["model"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        if first:
+            hidden = model(tokens, padding_mask, tokentype_ids=types)  # [s, b, h]
+            dist.send(hidden.contiguous(), parallel_state.get_pipeline_model_parallel_next_rank())
+            return None
+        received = torch.empty(tokens.shape[1], tokens.shape[0], args.hidden_size)  # [s, b, h]
+        dist.recv(received, parallel_state.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(received)
+        return model(None, padding_mask)
+
+
+def test_the_tp2pp2_checkpoint_runs_in_4_processes_with_hfs_logits(converted):
+    root, model = converted
+    tokens, padding_mask, types = _inputs()
+    with torch.no_grad():
+        expected = model(input_ids=tokens, attention_mask=padding_mask, token_type_ids=types)
+    pool = DistributedPool(4)
+    try:
+        per_rank = pool.run(_stage_outputs, str(root / "tp2pp2"), tokens, padding_mask, types)
+    finally:
+        pool.close()
+    last = [out for out in per_rank if out is not None]
+    assert len(last) == 2  # the two TP ranks of the last stage
+    real = padding_mask.bool()
+    for lm_logits, binary_logits in last:
+        torch.testing.assert_close(lm_logits[..., :VOCAB][real], expected.prediction_logits[real], rtol=0, atol=1e-5)
+        assert torch.all(lm_logits[..., VOCAB:] == 0)  # padding rows: zero weights and zero bias
+        torch.testing.assert_close(binary_logits, expected.seq_relationship_logits, rtol=0, atol=1e-5)
 
 
 def test_stage_files_hold_pretrain_berts_stage_keys(converted):
