@@ -34,6 +34,7 @@ class Comparison:
     tolerance: float
     shape: Tuple[int, ...]  # the logits compared
     tokens: int  # per sequence
+    what: str = "logits"  # BERT: "MLM + binary-head logits"
 
     @property
     def ok(self) -> bool:
@@ -41,7 +42,7 @@ class Comparison:
 
     def describe(self) -> str:
         verdict = "OK" if self.ok else "MISMATCH"
-        return (f"verification: {NUM_SEQUENCES} sequences of {self.tokens} tokens, logits over "
+        return (f"verification: {NUM_SEQUENCES} sequences of {self.tokens} tokens, {self.what} over "
                 f"{self.shape[-1]} ids: max |difference| {self.max_difference:.3g}, tolerance "
                 f"{self.tolerance:g} x {self.scale:.3g} -> {verdict}")
 
