@@ -249,3 +249,14 @@ def test_the_hf_config_built_from_our_args_is_the_sources(converted):
         source = json.load(f)
     assert {key: source[key] for key in built} == built
     assert not (root / "back" / "generation_config.json").exists()  # the source had none
+
+
+def test_pretrain_gpt_load_hf_refuses_a_bert_model(converted):
+    import argparse
+
+    from megatron.checkpoint_safety import CheckpointError
+    from megatron.load_hf import apply_hf_args
+
+    root, _ = converted
+    with pytest.raises(CheckpointError, match="a megatron-bert model is not a GPTModel"):
+        apply_hf_args(argparse.Namespace(load_hf=str(root / "hf")), argv=[])
