@@ -34,7 +34,7 @@ from megatron.core.tensor_parallel import (
     gather_from_tensor_model_parallel_region,
 )
 from megatron.model.embedding import LanguageModelEmbedding
-from megatron.model.gpt_model import GPTModel
+from megatron.model.language_module import LanguageModule
 from megatron.model.layers import LayerNorm
 from megatron.model.module import MegatronModule
 from megatron.model.spec import ModuleSpec
@@ -110,7 +110,7 @@ class Pooler(MegatronModule):
         return torch.tanh(self.dense(hidden_states[sequence_index]))  # [b, h]
 
 
-class BertModel(MegatronModule):
+class BertModel(LanguageModule):
     """Bidirectional transformer with Megatron's BERT heads (masked LM and sentence order).
 
     forward(input_ids [b, s], attention_mask, tokentype_ids [b, s] or None, lm_labels [b, s] or None)
@@ -127,7 +127,7 @@ class BertModel(MegatronModule):
     Pipeline hooks as GPTModel's: pre_process=False takes its input from set_input_tensor();
     post_process=False returns the hidden states [s, b, h] ([s/t, b, h] under SP) and has no heads.
     The tied output weight, its copy on a last stage without the embedding, the vocabulary padding
-    (num_tokens, loss_vocab_size) and the loss are GPTModel's (its methods are reused as they are).
+    (num_tokens, loss_vocab_size) and the loss are GPTModel's (LanguageModule's).
     """
 
     def __init__(
@@ -199,13 +199,6 @@ class BertModel(MegatronModule):
             if self.add_binary_head:
                 self.binary_head = _linear(h, 2, config)
                 self.pooler = Pooler(h, config)
-
-    # The tied weight's handling and the per-token loss are GPTModel's, reused as they are: they read
-    # only the attributes both models have (embedding, output_layer, share_embeddings_and_output_weights,
-    # pre/post_process, config, loss_vocab_size).
-    _sync_tied_embedding = GPTModel._sync_tied_embedding
-    shared_embedding_or_output_weight = GPTModel.shared_embedding_or_output_weight
-    compute_language_model_loss = GPTModel.compute_language_model_loss
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """Pipeline hook: activations [s, b, h] from the previous stage (a 1-element list is accepted)."""

@@ -23,16 +23,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron.core import communication, parallel_state
-from megatron.core.tensor_parallel import (
-    ColumnParallelLinear,
-    gather_from_tensor_model_parallel_region,
-    vocab_parallel_cross_entropy,
-)
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_tensor_model_parallel_region
 from megatron.inference.context import InferenceContext
 from megatron.model.embedding import LanguageModelEmbedding
-from megatron.model.layers import fused_impl
-from megatron.model.module import MegatronModule
+from megatron.model.language_module import LanguageModule
 from megatron.model.positions import ALiBi, RotaryEmbedding
 from megatron.model.spec import ModuleSpec
 from megatron.model.transformer_config import TransformerConfig
@@ -43,7 +38,7 @@ from megatron.model.utils import init_rng
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "none")
 
 
-class GPTModel(MegatronModule):
+class GPTModel(LanguageModule):
     """Decoder-only transformer language model.
 
     forward(input_ids [b, s], position_ids [b, s], attention_mask, labels) returns logits when
@@ -145,30 +140,6 @@ class GPTModel(MegatronModule):
                 self.output_layer.weight.shared = True  # its gradient norm is counted on the first stage
         self._sync_tied_embedding()
 
-    def _sync_tied_embedding(self) -> None:
-        """With pipeline stages, copy the first stage's word embedding into the last stage's zeroed
-        output weight: a sum over the embedding group (first + last stage of each pipeline).
-
-        Collective: every rank of the embedding group builds its model at the same time (get_model).
-        finalize_model_grads keeps the two copies equal by summing their gradients the same way.
-        """
-        if (not self.share_embeddings_and_output_weights
-                or parallel_state.get_pipeline_model_parallel_world_size() == 1
-                or not (self.pre_process or self.post_process)
-                or not parallel_state.is_rank_in_embedding_group()):
-            return
-        weight = self.shared_embedding_or_output_weight()
-        with torch.no_grad():
-            communication.all_reduce(weight.data, group=parallel_state.get_embedding_group())
-
-    def shared_embedding_or_output_weight(self) -> torch.Tensor:
-        """The weight [vocab/t, h] the output layer multiplies by (the word embedding when tied)."""
-        if self.output_layer is not None and self.output_layer.weight is not None:
-            return self.output_layer.weight
-        if self.embedding is None:
-            raise ValueError("this GPTModel stage has neither an embedding nor an output layer")
-        return self.embedding.word_embeddings.weight
-
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
         """Pipeline hook: activations [s, b, h] from the previous stage (a 1-element list is accepted)."""
         if isinstance(input_tensor, (list, tuple)):
@@ -224,13 +195,3 @@ class GPTModel(MegatronModule):
     def _device(self, decoder_input: torch.Tensor | None) -> torch.device:
         hidden = decoder_input if decoder_input is not None else self.decoder.input_tensor
         return hidden.device
-
-    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Per-token cross-entropy: labels [b, s], logits [s, b, vocab/t] -> losses [b, s]."""
-        # fp32 softmax unless --fp16-lm-cross-entropy; the cast happens inside (no fp32 copy of the logits here).
-        compute_dtype = logits.dtype if self.config.fp16_lm_cross_entropy else torch.float32
-        labels = labels.transpose(0, 1).contiguous()  # [b, s] -> [s, b]
-        fast = fused_impl(self.config, logits) != "reference"  # the plain path keeps the general CE
-        losses = vocab_parallel_cross_entropy(logits, labels, unpadded_vocab_size=self.loss_vocab_size,
-                                              compute_dtype=compute_dtype, one_rank_fast_path=fast)  # [s, b]
-        return losses.transpose(0, 1).contiguous()  # [s, b] -> [b, s]

@@ -45,7 +45,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_tensor_model_parallel_region
 from megatron.model.embedding import LanguageModelEmbedding
-from megatron.model.gpt_model import GPTModel
+from megatron.model.language_module import LanguageModule
 from megatron.model.layer_specs import get_t5_decoder_layer_spec, get_t5_encoder_layer_spec
 from megatron.model.layers import LayerNorm, RMSNorm
 from megatron.model.module import MegatronModule
@@ -105,7 +105,7 @@ class T5LMHead(MegatronModule):
         return logits
 
 
-class T5Model(MegatronModule):
+class T5Model(LanguageModule):
     """Encoder-decoder transformer (Megatron-Core's T5Model; see the module docstring).
 
     forward(encoder_input_ids [b, s_enc], decoder_input_ids [b, s_dec], encoder_attn_mask,
@@ -183,8 +183,6 @@ class T5Model(MegatronModule):
             with init_rng(init_seed, config.num_layers + 2):
                 self.encoder_relative_pos_emb = RelativePositionBias(config.num_attention_heads, True, **kwargs)
                 self.decoder_relative_pos_emb = RelativePositionBias(config.num_attention_heads, False, **kwargs)
-
-    compute_language_model_loss = GPTModel.compute_language_model_loss
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The weight [vocab/t, h] of the LM head (the word embedding when tied)."""
