@@ -146,14 +146,10 @@ class BertModel(LanguageModule):
         transformer_layer_spec: ModuleSpec | None = None,
     ) -> None:
         super().__init__(config)
-        if num_tokens is not None and not 0 < num_tokens <= vocab_size:
-            raise ValueError(f"num_tokens ({num_tokens}) must be in [1, vocab_size ({vocab_size})]")
         if position_embedding_type not in ("learned_absolute", "none"):
             raise ValueError(f"BertModel takes position_embedding_type 'learned_absolute' or 'none', "
                              f"got {position_embedding_type!r}")
-        self.vocab_size = vocab_size
-        self.num_tokens = num_tokens if num_tokens is not None else vocab_size
-        self.loss_vocab_size = vocab_size if config.include_padded_vocab_in_loss else self.num_tokens
+        self._set_vocab_sizes(vocab_size, num_tokens)
         self.max_sequence_length = max_sequence_length
         self.add_binary_head = add_binary_head
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights

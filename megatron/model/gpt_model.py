@@ -82,15 +82,10 @@ class GPTModel(LanguageModule):
         seq_len_interpolation_factor: float | None = None,
     ) -> None:
         super().__init__(config)
-        if num_tokens is not None and not 0 < num_tokens <= vocab_size:
-            raise ValueError(f"num_tokens ({num_tokens}) must be in [1, vocab_size ({vocab_size})]")
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type {position_embedding_type!r} is not supported "
                              f"(one of {', '.join(POSITION_EMBEDDING_TYPES)})")
-        self.vocab_size = vocab_size
-        self.num_tokens = num_tokens if num_tokens is not None else vocab_size
-        # The ids the softmax of the loss runs over: [0, loss_vocab_size).
-        self.loss_vocab_size = vocab_size if config.include_padded_vocab_in_loss else self.num_tokens
+        self._set_vocab_sizes(vocab_size, num_tokens)
         self.parallel_output = parallel_output
         self.max_sequence_length = max_sequence_length
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights

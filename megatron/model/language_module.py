@@ -18,7 +18,17 @@ from megatron.model.module import MegatronModule
 
 
 class LanguageModule(MegatronModule):
-    """Base of the language models: the tied embedding and the language-model loss."""
+    """Base of the language models: the vocabulary sizes, the tied embedding and the language-model loss."""
+
+    def _set_vocab_sizes(self, vocab_size: int, num_tokens: int | None) -> None:
+        """vocab_size: the embedding's rows (padded for TP); num_tokens: the tokenizer's ids (None: all);
+        loss_vocab_size: the ids the loss's softmax runs over, [0, loss_vocab_size) -- the tokenizer's,
+        or all rows with --include-padded-vocab-in-loss (Megatron's loss)."""
+        if num_tokens is not None and not 0 < num_tokens <= vocab_size:
+            raise ValueError(f"num_tokens ({num_tokens}) must be in [1, vocab_size ({vocab_size})]")
+        self.vocab_size = vocab_size
+        self.num_tokens = num_tokens if num_tokens is not None else vocab_size
+        self.loss_vocab_size = vocab_size if self.config.include_padded_vocab_in_loss else self.num_tokens
 
     def _sync_tied_embedding(self) -> None:
         """With pipeline stages, copy the first stage's word embedding into the last stage's zeroed

@@ -144,11 +144,7 @@ class T5Model(LanguageModule):
                              f"got {position_embedding_type!r}")
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             raise ValueError("T5Model does not support pipeline parallelism yet")
-        if num_tokens is not None and not 0 < num_tokens <= vocab_size:
-            raise ValueError(f"num_tokens ({num_tokens}) must be in [1, vocab_size ({vocab_size})]")
-        self.vocab_size = vocab_size
-        self.num_tokens = num_tokens if num_tokens is not None else vocab_size
-        self.loss_vocab_size = vocab_size if config.include_padded_vocab_in_loss else self.num_tokens
+        self._set_vocab_sizes(vocab_size, num_tokens)
         self.max_sequence_length = max_sequence_length
         self.position_embedding_type = position_embedding_type
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights

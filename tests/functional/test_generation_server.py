@@ -410,6 +410,31 @@ def _free_port():
         return probe.getsockname()[1]
 
 
+def _serving_port(server: subprocess.Popen) -> int:
+    """The port a launched server prints in its '{"serving": "HOST:PORT"}' line (within 120 s)."""
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
+    seen, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if line.startswith('{"serving"'):
+            return int(json.loads(line)["serving"].rsplit(":", 1)[1])
+    raise AssertionError("the server did not start:\n" + "".join(seen[-20:]))
+
+
+def _stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def test_end_to_end_two_ranks_serve_a_trained_checkpoint(tmp_path):
     """torchrun, 2 ranks at TP=2: rank 0 serves, rank 1 follows each broadcast request into the
     same generation (its collectives line up, or the request would hang)."""
@@ -427,18 +452,7 @@ def test_end_to_end_two_ranks_serve_a_trained_checkpoint(tmp_path):
                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                               cwd=tmp_path)
     try:
-        lines = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
-        port, seen, deadline = None, [], time.monotonic() + 120
-        while port is None and time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            seen.append(line)
-            if line.startswith('{"serving"'):
-                port = int(json.loads(line)["serving"].rsplit(":", 1)[1])
-        assert port is not None, "the server did not start:\n" + "".join(seen[-20:])
+        port = _serving_port(server)
         request = {"prompts": ["1 2 3", "7"], "tokens_to_generate": 4, "top_k": 1, "logprobs": True}
         status, first = _put(port, request)
         assert status == 200, first
@@ -460,12 +474,7 @@ def test_end_to_end_two_ranks_serve_a_trained_checkpoint(tmp_path):
             first["text"][0][len("1 2 3"):], " ".join(first["text"][1].split()[:5])[len("7"):]]
         assert completion["usage"] == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        _stop(server)
 
 
 def test_serves_a_huggingface_directory_with_its_greedy_answer(tmp_path, gpt2_vocab_dir):
@@ -491,26 +500,10 @@ def test_serves_a_huggingface_directory_with_its_greedy_answer(tmp_path, gpt2_vo
     server = subprocess.Popen([sys.executable, SERVER_SCRIPT, "--load-hf", str(hf_dir), "--port", "0"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
     try:
-        lines = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in server.stdout], daemon=True).start()
-        port, seen, deadline = None, [], time.monotonic() + 120
-        while port is None and time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            seen.append(line)
-            if line.startswith('{"serving"'):
-                port = int(json.loads(line)["serving"].rsplit(":", 1)[1])
-        assert port is not None, "the server did not start:\n" + "".join(seen[-20:])
+        port = _serving_port(server)
         status, answer = _put(port, {"prompts": [prompt], "tokens_to_generate": 6, "top_k": 1})
         assert status == 200, answer
         assert answer["tokens"][0] == expected.tolist()
         assert answer["text"][0] == tokenizer.decode(expected)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        _stop(server)

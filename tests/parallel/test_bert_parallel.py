@@ -15,7 +15,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.model import BertModel, TransformerConfig, bert_loss
 from megatron.model.transformer_layer import get_layer_offset
 from tests.parallel.harness import init_parallel
-from tests.parallel.test_tensor_parallel_gpt import _gather, _padded, _relative_error
+from tests.parallel.test_tensor_parallel_gpt import _gather, _padded, _relative_error, errors_against_serial
 
 VOCAB, SEQ, BATCH, HIDDEN, SEED = 300, 8, 2, 32, 4321
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
@@ -65,16 +65,8 @@ def _compare_with_serial(tp: int, sp: bool, untied: bool):
     init_parallel(tp=tp)
     model = _build(tp, sp, untied)
     loss, grads, weights = _loss_and_grads(model)
-    grad_errors, weight_errors, padding_grad = {}, {}, 0.0
-    for name, param in model.named_parameters():
-        grad, weight = _gather(param, grads[name]), _gather(param, weights[name])
-        serial_grad, serial_weight = serial_grads[name], serial_weights[name]
-        if name in VOCAB_PARAMS:
-            padding_grad = max(padding_grad, grad[VOCAB:].abs().max().item())
-            grad, weight, serial_grad, serial_weight = grad[:VOCAB], weight[:VOCAB], serial_grad[:VOCAB], \
-                serial_weight[:VOCAB]
-        grad_errors[name] = _relative_error(grad, serial_grad)
-        weight_errors[name] = _relative_error(weight, serial_weight)
+    grad_errors, weight_errors, padding_grad = errors_against_serial(model, grads, weights, serial_grads,
+                                                                     serial_weights, VOCAB, VOCAB_PARAMS)
     return {"serial_loss": serial_loss, "loss": loss, "grad_errors": grad_errors, "weight_errors": weight_errors,
             "padding_grad": padding_grad, "names": sorted(grads), "serial_names": sorted(serial_grads)}
 

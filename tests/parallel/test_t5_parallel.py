@@ -15,7 +15,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.model import TransformerConfig
 from megatron.model.t5_model import T5Model, t5_attention_masks
 from tests.parallel.harness import init_parallel
-from tests.parallel.test_tensor_parallel_gpt import _gather, _padded, _relative_error
+from tests.parallel.test_tensor_parallel_gpt import _padded, _relative_error, errors_against_serial
 
 VOCAB, S_ENC, S_DEC, BATCH, HIDDEN, SEED = 300, 10, 7, 2, 32, 4321
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "lm_head.output_layer.bias")
@@ -60,16 +60,8 @@ def _compare_with_serial(tp: int, position_embedding_type: str):
     init_parallel(tp=tp)
     model = _build(tp, position_embedding_type)
     loss, grads, weights = _loss_and_grads(model)
-    grad_errors, weight_errors, padding_grad = {}, {}, 0.0
-    for name, param in model.named_parameters():
-        grad, weight = _gather(param, grads[name]), _gather(param, weights[name])
-        serial_grad, serial_weight = serial_grads[name], serial_weights[name]
-        if name in VOCAB_PARAMS:
-            padding_grad = max(padding_grad, grad[VOCAB:].abs().max().item())
-            grad, weight, serial_grad, serial_weight = grad[:VOCAB], weight[:VOCAB], serial_grad[:VOCAB], \
-                serial_weight[:VOCAB]
-        grad_errors[name] = _relative_error(grad, serial_grad)
-        weight_errors[name] = _relative_error(weight, serial_weight)
+    grad_errors, weight_errors, padding_grad = errors_against_serial(model, grads, weights, serial_grads,
+                                                                     serial_weights, VOCAB, VOCAB_PARAMS)
     return {"loss_error": _relative_error(loss, serial_loss), "grad_errors": grad_errors,
             "weight_errors": weight_errors, "padding_grad": padding_grad, "names": sorted(grads),
             "serial_names": sorted(serial_grads)}

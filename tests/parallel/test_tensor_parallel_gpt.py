@@ -75,6 +75,24 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
+def errors_against_serial(model: torch.nn.Module, grads: dict, weights: dict, serial_grads: dict,
+                          serial_weights: dict, vocab: int, vocab_params) -> tuple[dict, dict, float]:
+    """Per parameter of this TP rank's model, the relative error of its gathered gradient and weight
+    against the serial run's ({name: error} twice), and the largest gradient on the padded-vocab rows
+    of `vocab_params` (those rows are left out of the comparison: the serial model has fewer)."""
+    grad_errors, weight_errors, padding_grad = {}, {}, 0.0
+    for name, param in model.named_parameters():
+        grad, weight = _gather(param, grads[name]), _gather(param, weights[name])
+        serial_grad, serial_weight = serial_grads[name], serial_weights[name]
+        if name in vocab_params:
+            padding_grad = max(padding_grad, grad[vocab:].abs().max().item())
+            grad, weight, serial_grad, serial_weight = (t[:vocab] for t in (grad, weight, serial_grad, serial_weight))
+        assert grad.shape == serial_grad.shape, (name, grad.shape, serial_grad.shape)
+        grad_errors[name] = _relative_error(grad, serial_grad)
+        weight_errors[name] = _relative_error(weight, serial_weight)
+    return grad_errors, weight_errors, padding_grad
+
+
 def _compare_with_serial(tp: int, sp: bool, untied: bool):
     init_parallel(tp=1)
     serial_loss, serial_grads, serial_weights = _loss_and_grads(_build(1, False, untied))
@@ -84,18 +102,8 @@ def _compare_with_serial(tp: int, sp: bool, untied: bool):
     model = _build(tp, sp, untied)
     loss, grads, weights = _loss_and_grads(model)
     params = dict(model.named_parameters())
-    grad_errors, weight_errors, padding_grad = {}, {}, 0.0
-    for name, param in params.items():
-        grad, weight = _gather(param, grads[name]), _gather(param, weights[name])
-        if name in VOCAB_PARAMS:
-            padding_grad = max(padding_grad, grad[VOCAB:].abs().max().item())
-            grad, weight = grad[:VOCAB], weight[:VOCAB]
-            serial_grad, serial_weight = serial_grads[name][:VOCAB], serial_weights[name][:VOCAB]
-        else:
-            serial_grad, serial_weight = serial_grads[name], serial_weights[name]
-        assert grad.shape == serial_grad.shape, (name, grad.shape, serial_grad.shape)
-        grad_errors[name] = _relative_error(grad, serial_grad)
-        weight_errors[name] = _relative_error(weight, serial_weight)
+    grad_errors, weight_errors, padding_grad = errors_against_serial(model, grads, weights, serial_grads,
+                                                                     serial_weights, VOCAB, VOCAB_PARAMS)
     return {"serial_loss": serial_loss, "loss": loss, "grad_errors": grad_errors, "weight_errors": weight_errors,
             "padding_grad": padding_grad, "names": sorted(params), "serial_names": sorted(serial_grads)}
 
