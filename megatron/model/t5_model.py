@@ -137,12 +137,17 @@ class T5Model(LanguageModule):
         output_hidden_scale: float = 1.0,
         encoder_spec: ModuleSpec | None = None,
         decoder_spec: ModuleSpec | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        add_encoder: bool = True,
+        add_decoder: bool = True,
     ) -> None:
         super().__init__(config)
         if position_embedding_type not in ("learned_absolute", "relative"):
             raise ValueError(f"T5Model takes position_embedding_type 'learned_absolute' or 'relative', "
                              f"got {position_embedding_type!r}")
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1 or not (
+                pre_process and post_process and add_encoder and add_decoder):
             raise ValueError("T5Model does not support pipeline parallelism yet")
         self._set_vocab_sizes(vocab_size, num_tokens)
         self.max_sequence_length = max_sequence_length
