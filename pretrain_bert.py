@@ -47,7 +47,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> BertM
                      max_sequence_length=args.max_position_embeddings, num_tokentypes=2 if binary_head else 0,
                      add_binary_head=binary_head,
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     pre_process=pre_process, post_process=post_process)
+                     pre_process=pre_process, post_process=post_process,
+                     post_layernorm=getattr(args, "bert_post_layernorm", False))
 
 
 def get_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:

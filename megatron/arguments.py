@@ -108,6 +108,10 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
                        help="Norm weights stored zero-centred (the layer multiplies by 1 + weight).")
     group.add_argument("--apply-residual-connection-post-layernorm", action="store_true",
                        help="Take the residual from after the layernorm (original BERT/GPT-1 style).")
+    group.add_argument("--bert-post-layernorm", action="store_true",
+                       help="BERT only (not a Megatron flag): the original BERT's layout, HF BertForPreTraining's: "
+                            "a LayerNorm on the embeddings, LayerNorm after each residual add, no final LayerNorm "
+                            "(default: Megatron's pre-LN BERT). Kept in the checkpoint's args.")
     group.add_argument("--openai-gelu", action="store_true",
                        help="Tanh-approximated GeLU (HF gelu_new), for GPT-2 checkpoints.")
     group.add_argument("--squared-relu", action="store_true", help="MLP activation relu(x)^2 instead of GeLU.")

@@ -42,6 +42,7 @@ _SHAPE_ARGS: Tuple[Tuple[str, str], ...] = (
     ("position_embedding_type", "--position-embedding-type"),
     ("rotary_percent", "--rotary-percent"),
     ("rotary_interleaved", "--rotary-interleaved"),
+    ("bert_post_layernorm", "--bert-post-layernorm"),
 )
 # Also taken from the checkpoint by load_args_from_checkpoint, but not compared on load: the
 # rotary base and scaling are what a long-context fine-tune changes on purpose.

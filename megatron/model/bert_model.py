@@ -7,6 +7,9 @@ ranks (vocab is the padded vocabulary):
     embedding.tokentype_embeddings.weight         [num_tokentypes, h], only with num_tokentypes > 0
     encoder.layers.{i}.*                          the GPT layer's keys (gpt_model.py), pre-LN
     encoder.final_layernorm.{weight,bias}
+  with post_layernorm (the original BERT, HF's BertForPreTraining) instead:
+    embedding.layernorm.{weight,bias}             after the summed embeddings
+    encoder.layers.{i}.*                          PostLNTransformerLayer's (post_ln_layer.py); no final layernorm
     lm_head.dense.{weight,bias}                   [h, h], replicated
     lm_head.layer_norm.{weight,bias}
     output_layer.bias                             [vocab/t] (the MLM output's own bias)
@@ -19,6 +22,11 @@ blocks and a final layer norm, the layout HF's MegatronBertForPreTraining has. B
 at the model only: the attention mask comes from the padding mask and is not causal, the embedding
 adds token types, and the output goes through the LM head (dense, GeLU, LayerNorm) before the tied
 projection, while the pooled first token feeds the sentence-order (binary) head.
+
+post_layernorm=True builds the original BERT (Devlin et al.; HF's BertForPreTraining) instead: a
+LayerNorm on the summed embeddings, post-LN layers (x = LN(x + f(x)) after each sublayer) and no
+final layer norm; the heads are the same. Training scripts and the converter say it with
+--bert-post-layernorm (args.bert_post_layernorm, carried in the checkpoint's args).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.model.embedding import LanguageModelEmbedding
 from megatron.model.language_module import LanguageModule
+from megatron.model.layer_specs import get_bert_post_ln_layer_spec
 from megatron.model.layers import LayerNorm
 from megatron.model.module import MegatronModule
 from megatron.model.spec import ModuleSpec
@@ -123,7 +132,9 @@ class BertModel(LanguageModule):
     a tokentype table (num_tokentypes=0) are an error (Megatron's script passes None there).
 
     num_tokentypes: 2 with the binary head in Megatron's pretrain_bert.py, else 0 (no table).
-    transformer_layer_spec: default the GPT layer the config describes (layer_spec_from_config).
+    transformer_layer_spec: default the GPT layer the config describes (layer_spec_from_config), or
+    with post_layernorm the post-LN layer (get_bert_post_ln_layer_spec).
+    post_layernorm: the original BERT (module docstring): embedding LayerNorm, no final LayerNorm.
     Pipeline hooks as GPTModel's: pre_process=False takes its input from set_input_tensor();
     post_process=False returns the hidden states [s, b, h] ([s/t, b, h] under SP) and has no heads.
     The tied output weight, its copy on a last stage without the embedding, the vocabulary padding
@@ -144,6 +155,7 @@ class BertModel(LanguageModule):
         parallel_output: bool = True,
         num_tokens: int | None = None,
         transformer_layer_spec: ModuleSpec | None = None,
+        post_layernorm: bool = False,
     ) -> None:
         super().__init__(config)
         if position_embedding_type not in ("learned_absolute", "none"):
@@ -157,6 +169,9 @@ class BertModel(LanguageModule):
         self.pre_process = pre_process
         self.post_process = post_process
         self.parallel_output = parallel_output
+        self.post_layernorm = post_layernorm
+        if post_layernorm and transformer_layer_spec is None:
+            transformer_layer_spec = get_bert_post_ln_layer_spec(config)
 
         # Init streams as GPTModel's: 0 the embedding, 1..L the layers, L + 1 the output layer; L + 2
         # the heads (after an untied output layer the stream's position would depend on the padded vocab).
@@ -167,9 +182,12 @@ class BertModel(LanguageModule):
                 self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
                                                         num_tokens=self.num_tokens,
                                                         position_embedding_type=position_embedding_type,
-                                                        num_tokentypes=num_tokentypes)
+                                                        num_tokentypes=num_tokentypes,
+                                                        layernorm=post_layernorm)
         self.encoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
                                         post_process=post_process, init_seed=init_seed)
+        if post_layernorm:  # the last post-LN layer ends in its own norm: the stack has no final one
+            self.encoder.final_layernorm = None
         self.lm_head = self.output_layer = self.pooler = self.binary_head = None
         if post_process:
             self._build_heads(init_seed)

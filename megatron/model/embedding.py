@@ -1,4 +1,4 @@
-"""LanguageModelEmbedding: word (+ learned absolute position, + tokentype) embeddings, then dropout."""
+"""LanguageModelEmbedding: word (+ learned absolute position, + tokentype) embeddings (+ a LayerNorm), then dropout."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from megatron.core.tensor_parallel import VocabParallelEmbedding, scatter_to_sequence_parallel_region
-from megatron.model.layers import tensor_parallel_dropout_context
+from megatron.model.layers import Norm, tensor_parallel_dropout_context
 from megatron.model.module import MegatronModule
 from megatron.model.transformer_config import TransformerConfig
 
@@ -19,6 +19,8 @@ class LanguageModelEmbedding(MegatronModule):
     position_embedding_type "learned_absolute": RoPE and ALiBi act inside the attention),
     tokentype_embeddings.weight [num_tokentypes, h] (replicated; only with num_tokentypes > 0, BERT's
     segment A / B: forward's tokentype_ids [b, s], None meaning type 0 everywhere as in HF).
+    layernorm.{weight,bias} [h] (only with layernorm=True: the original BERT's LayerNorm of the summed
+    embeddings, before the dropout; HF's embeddings.LayerNorm).
 
     vocab_size is the padded size; num_tokens (the tokenizer's vocabulary, default vocab_size)
     is how many rows are drawn at initialisation -- the padding rows start at zero, so the
@@ -31,7 +33,7 @@ class LanguageModelEmbedding(MegatronModule):
 
     def __init__(self, config: TransformerConfig, vocab_size: int, max_sequence_length: int,
                  num_tokens: int | None = None, position_embedding_type: str = "learned_absolute",
-                 num_tokentypes: int = 0) -> None:
+                 num_tokentypes: int = 0, layernorm: bool = False) -> None:
         super().__init__(config)
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
@@ -51,6 +53,7 @@ class LanguageModelEmbedding(MegatronModule):
             if config.perform_initialization:
                 with torch.no_grad():
                     config.init_method(self.tokentype_embeddings.weight)
+        self.layernorm = Norm(h, config) if layernorm else None  # no key without it
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
@@ -82,5 +85,7 @@ class LanguageModelEmbedding(MegatronModule):
             # Split after the position embeddings are added: their gradient then comes back
             # whole (the split's backward gathers the sequence), so it needs no TP reduction.
             embeddings = scatter_to_sequence_parallel_region(embeddings)  # [s/t, b, h]
+        if self.layernorm is not None:  # per token: on this rank's s/t tokens under SP
+            embeddings = self.layernorm(embeddings)  # [s, b, h]
         with tensor_parallel_dropout_context(partitioned=self.config.sequence_parallel):
             return self.embedding_dropout(embeddings)

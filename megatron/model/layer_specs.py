@@ -5,6 +5,8 @@
     layer_spec_from_config(config)       the GPT spec for the config (what GPTModel builds by default)
     get_t5_encoder_layer_spec / get_t5_decoder_layer_spec   T5's (the decoder adds pre_cross_attn_layernorm
                                          and cross_attention: CrossAttention with linear_q, linear_kv)
+    get_bert_post_ln_layer_spec(config)  the original BERT's post-LN layer (post_ln_layer.py): the GPT
+                                         layer's attention and MLP, post_self_attn_layernorm, post_mlp_layernorm
 
 Both are one ModuleSpec tree:
 
@@ -40,6 +42,7 @@ from megatron.model.attention import (
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.model.layers import Norm, RMSNorm
 from megatron.model.mlp import MLP, MLPSubmodules
+from megatron.model.post_ln_layer import PostLNTransformerLayer, PostLNTransformerLayerSubmodules
 from megatron.model.spec import ModuleSpec
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -99,3 +102,14 @@ def get_t5_decoder_layer_spec(norm: type = Norm, attention_scale: float | None =
         submodules=CrossAttentionSubmodules(linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
                                             core_attention=core, linear_proj=RowParallelLinear))
     return spec
+
+
+def get_bert_post_ln_layer_spec(config: TransformerConfig | None = None) -> ModuleSpec:
+    """The original BERT's layer (HF BertLayer): x = LN(x + attn(x)), then x = LN(x + mlp(x)), with the
+    GPT layer's attention and MLP; the norms as config.normalization says (BERT's: LayerNorm)."""
+    gpt = layer_spec_from_config(config).submodules if config is not None else get_gpt_layer_spec().submodules
+    return ModuleSpec(
+        module=PostLNTransformerLayer,
+        submodules=PostLNTransformerLayerSubmodules(self_attention=gpt.self_attention, post_self_attn_layernorm=Norm,
+                                                    mlp=gpt.mlp, post_mlp_layernorm=Norm),
+    )
