@@ -1,4 +1,5 @@
-"""HuggingFace MegatronBertForPreTraining <-> BertModel: config and weights (whole tensors, TP = 1).
+"""HuggingFace MegatronBertForPreTraining and BertForPreTraining <-> BertModel: config and weights
+(whole tensors, TP = 1).
 
 HF's Megatron-BERT has Megatron's layout: pre-LN blocks (attention.ln before attention, ln before
 the MLP) and a final encoder.ln, the layout of our BertModel. Notation: np heads, hn head dim,
@@ -24,10 +25,19 @@ L. = encoder.layers.{i}. (ours), H. = bert.encoder.layer.{i}. (HF).
 cls.predictions.decoder.{weight,bias} are HF's tied copies of the word embedding and of
 cls.predictions.bias (save_pretrained does not write them): accepted on the way in when equal.
 
-HF's BertForPreTraining (original BERT) is refused: it is post-LN (x = LN(x + f(x)) after each
-sublayer, a LayerNorm on the embeddings, no final norm). Our TransformerLayer normalises before each
-sublayer; its apply_residual_connection_post_layernorm only takes the residual from LN(x), which is
-not the same function, so no weight mapping gives BertForPreTraining's outputs.
+HF's BertForPreTraining (model_type "bert", the original BERT: bert-base-uncased and its kin) is
+post-LN: x = LN(x + f(x)) after each sublayer, a LayerNorm on the embeddings, no final norm. It maps
+onto BertModel(post_layernorm=True) (args.bert_post_layernorm, --bert-post-layernorm), whose layer is
+PostLNTransformerLayer; the rows above hold but for the norms:
+
+    bert.embeddings.LayerNorm.*                   embedding.layernorm.*
+    H.attention.output.LayerNorm.*                L.post_self_attn_layernorm.*
+    H.output.LayerNorm.*                          L.post_mlp_layernorm.*
+    (no final norm)
+
+Only the BertForPreTraining architecture converts: a checkpoint of BertForMaskedLM, BertModel or a
+task head (architectures in its config.json) is refused by name -- its heads are not ours (no pooler
+or binary head, or a classifier), so a BertModel with the binary head would not compute it.
 """
 
 from __future__ import annotations
@@ -37,23 +47,19 @@ from typing import Any
 from megatron.convert import huggingface as hf_map
 
 ARCHITECTURE = "MegatronBertForPreTraining"
+POST_LN_ARCHITECTURE = "BertForPreTraining"  # HF model_type "bert"
 # HF names of the tied copies (weights of the HF model, not in its files) -> the tensor each repeats.
 TIED_COPIES = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
                "cls.predictions.decoder.bias": "cls.predictions.bias"}
 
 
-def refuse_post_ln_bert(c: Any, seq_length: int | None = None) -> Any:
-    """config_from_hf and weight_rules of HF model_type "bert": always a ValueError (see the module docstring)."""
-    raise ValueError("BertForPreTraining (original post-LN BERT) cannot be converted to BertModel: it normalises "
-                     "after each residual add and has an embedding LayerNorm; our layer is pre-LN "
-                     "(MegatronBertForPreTraining's layout), so the conversion would compute a different model")
-
-
 def bert_config(c: Any, seq_length: int | None = None) -> tuple[dict, dict]:
-    """(TransformerConfig kwargs, BertModel kwargs) of an HF MegatronBertConfig."""
+    """(TransformerConfig kwargs, BertModel kwargs) of an HF MegatronBertConfig or BertConfig (post_layernorm)."""
+    post_ln = _is_post_ln(c)
+
     def refuse(condition: bool, what: str) -> None:
         if condition:
-            raise ValueError(f"Megatron-BERT with {what} cannot be converted to BertModel")
+            raise ValueError(f"{'BERT' if post_ln else 'Megatron-BERT'} with {what} cannot be converted to BertModel")
 
     types = getattr(c, "type_vocab_size", 2)
     refuse(types != 2, f"type_vocab_size {types} (BertModel has 2 tokentypes)")
@@ -67,8 +73,15 @@ def bert_config(c: Any, seq_length: int | None = None) -> tuple[dict, dict]:
                   attention_dropout=float(c.attention_probs_dropout_prob), init_method_std=c.initializer_range,
                   **hf_map._gelu(c.hidden_act))
     model = dict(vocab_size=c.vocab_size, max_sequence_length=c.max_position_embeddings,
-                 share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
+                 share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
+                 post_layernorm=post_ln)
     return config, model
+
+
+def _is_post_ln(c: Any) -> bool:
+    """Whether the HF config is the original (post-LN) BERT's, model_type "bert"."""
+    return getattr(c, "model_type", None) == "bert"
+
 
 
 def bert_rules(c: Any) -> list[hf_map.WeightRule]:
@@ -78,8 +91,16 @@ def bert_rules(c: Any) -> list[hf_map.WeightRule]:
     rules = [same("embedding.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
              same("embedding.position_embeddings.weight", "bert.embeddings.position_embeddings.weight"),
              same("embedding.tokentype_embeddings.weight", "bert.embeddings.token_type_embeddings.weight")]
-    names = (("input_layernorm", "attention.ln"), ("self_attention.linear_proj", "attention.output.dense"),
-             ("pre_mlp_layernorm", "ln"), ("mlp.linear_fc1", "intermediate.dense"), ("mlp.linear_fc2", "output.dense"))
+    post_ln = _is_post_ln(c)
+    if post_ln:
+        rules += [same(f"embedding.layernorm.{p}", f"bert.embeddings.LayerNorm.{p}") for p in ("weight", "bias")]
+        names = (("self_attention.linear_proj", "attention.output.dense"),
+                 ("post_self_attn_layernorm", "attention.output.LayerNorm"), ("mlp.linear_fc1", "intermediate.dense"),
+                 ("mlp.linear_fc2", "output.dense"), ("post_mlp_layernorm", "output.LayerNorm"))
+    else:
+        names = (("input_layernorm", "attention.ln"), ("self_attention.linear_proj", "attention.output.dense"),
+                 ("pre_mlp_layernorm", "ln"), ("mlp.linear_fc1", "intermediate.dense"),
+                 ("mlp.linear_fc2", "output.dense"))
     for i in range(c.num_hidden_layers):
         ours, hf = f"encoder.layers.{i}.", f"bert.encoder.layer.{i}."
         for p in ("weight", "bias"):
@@ -89,8 +110,9 @@ def bert_rules(c: Any) -> list[hf_map.WeightRule]:
                                              attn + "key." + p, attn + "value." + p, np_, np_, hn))
         rules += [same(f"{ours}{our_name}.{p}", f"{hf}{hf_name}.{p}")
                   for our_name, hf_name in names for p in ("weight", "bias")]
-    pairs = (("encoder.final_layernorm", "bert.encoder.ln"), ("lm_head.dense", "cls.predictions.transform.dense"),
-             ("lm_head.layer_norm", "cls.predictions.transform.LayerNorm"))
+    pairs = () if post_ln else (("encoder.final_layernorm", "bert.encoder.ln"),)
+    pairs += (("lm_head.dense", "cls.predictions.transform.dense"),
+              ("lm_head.layer_norm", "cls.predictions.transform.LayerNorm"))
     rules += [same(f"{ours}.{p}", f"{hf}.{p}") for ours, hf in pairs for p in ("weight", "bias")]
     rules.append(same("output_layer.bias", "cls.predictions.bias"))
     pairs = (("pooler.dense", "bert.pooler.dense"), ("binary_head", "cls.seq_relationship"))
@@ -98,10 +120,14 @@ def bert_rules(c: Any) -> list[hf_map.WeightRule]:
 
 
 def hf_bert_config_from_args(args: Any, vocab_size: int) -> dict:
-    """config.json fields of the MegatronBertForPreTraining computing what a BertModel of these args does."""
+    """config.json fields of the MegatronBertForPreTraining (BertForPreTraining with --bert-post-layernorm)
+    computing what a BertModel of these args does."""
+    post_ln = bool(getattr(args, "bert_post_layernorm", False))
+    architecture = POST_LN_ARCHITECTURE if post_ln else ARCHITECTURE
+
     def refuse(condition: bool, what: str) -> None:
         if condition:
-            raise ValueError(f"a BERT model with {what} has no MegatronBertForPreTraining counterpart")
+            raise ValueError(f"a BERT model with {what} has no {architecture} counterpart")
 
     refuse(not getattr(args, "bert_binary_head", True), "--bert-no-binary-head (HF's model has the binary head)")
     refuse(getattr(args, "untie_embeddings_and_output_weights", False), "--untie-embeddings-and-output-weights")
@@ -114,7 +140,8 @@ def hf_bert_config_from_args(args: Any, vocab_size: int) -> dict:
     head_dim = int(getattr(args, "kv_channels", None) or hidden // heads)
     refuse(head_dim * heads != hidden, "kv_channels x heads != hidden")
     gelu = "gelu_new" if hf_map.computes_tanh_gelu(vars(args)) else "gelu"
-    return dict(model_type="megatron-bert", architectures=[ARCHITECTURE], vocab_size=vocab_size, hidden_size=hidden,
+    return dict(model_type="bert" if post_ln else "megatron-bert", architectures=[architecture],
+                vocab_size=vocab_size, hidden_size=hidden,
                 num_hidden_layers=int(args.num_layers), num_attention_heads=heads,
                 intermediate_size=int(args.ffn_hidden_size), hidden_act=gelu,
                 max_position_embeddings=int(args.max_position_embeddings), type_vocab_size=2,

@@ -313,7 +313,8 @@ def args_from_hf(checkpoint: HFCheckpoint) -> argparse.Namespace:
     family = huggingface.ARCHITECTURES[checkpoint.config.model_type].family
     if family == "BERT":
         args.model_family = family  # which model the converter and verify build (tools/checkpoint/convert.py)
-        args.bert_binary_head = True  # MegatronBertForPreTraining always has the pooler and binary head
+        args.bert_binary_head = True  # (Megatron)BertForPreTraining always has the pooler and binary head
+        args.bert_post_layernorm = huggingface.config_from_hf(checkpoint.config)[1]["post_layernorm"]
     args.hf_config = dict(checkpoint.raw_config)
     args.hf_generation_config = None if checkpoint.generation_config is None else dict(checkpoint.generation_config)
     return args

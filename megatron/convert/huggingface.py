@@ -382,7 +382,7 @@ from megatron.convert import bert as _bert  # noqa: E402  (it reads this module'
 ARCHITECTURES.update({
     "megatron-bert": _Architecture(_bert.ARCHITECTURE, _bert.bert_config, _bert.bert_rules,
                                    "bert.embeddings.word_embeddings.weight", family="BERT"),
-    "bert": _Architecture("BertForPreTraining", _bert.refuse_post_ln_bert, _bert.refuse_post_ln_bert,
+    "bert": _Architecture(_bert.POST_LN_ARCHITECTURE, _bert.bert_config, _bert.bert_rules,
                           "bert.embeddings.word_embeddings.weight", family="BERT"),
 })
 

@@ -70,7 +70,8 @@ def build_serial_model(args: argparse.Namespace, tensors: Iterable[Tuple[str, to
         model = BertModel(config, vocab_size=int(args.padded_vocab_size),
                           max_sequence_length=int(args.max_position_embeddings),
                           num_tokentypes=2 if binary_head else 0, add_binary_head=binary_head,
-                          share_embeddings_and_output_weights=tied)
+                          share_embeddings_and_output_weights=tied,
+                          post_layernorm=bool(getattr(args, "bert_post_layernorm", False)))
         _fill(model, tensors)
         return model.eval()
     model = GPTModel(config, vocab_size=int(args.padded_vocab_size),

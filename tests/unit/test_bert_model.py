@@ -1,5 +1,6 @@
-"""BertModel equals HuggingFace's MegatronBertForPreTraining after the converter's weight mapping
-(megatron/convert/bert.py: one mapping for the converter and this test).
+"""BertModel equals HuggingFace's MegatronBertForPreTraining (pre-LN, Megatron's layout) and, with
+post_layernorm=True, HF's BertForPreTraining (the original post-LN BERT) after the converter's weight
+mapping (megatron/convert/bert.py: one mapping for the converter and this test).
 
 A tiny random HF model (2 layers, h 64, 4 heads, vocab 96, s 24) in fp32 eval mode, norm weights and
 biases perturbed so a mix-up between them shows, init std 0.1 so attention is far from uniform. The
@@ -7,8 +8,9 @@ batch has rows of different lengths (padding at the end) and both token types. O
 HF's with: hidden_act "gelu" is the exact erf GeLU, so bias_gelu_fusion=False (our fused bias-GeLU is
 the tanh approximation, Megatron's) with the default activation_func F.gelu and openai_gelu False;
 layernorm_epsilon = layer_norm_eps; dropout 0; apply_residual_connection_post_layernorm False (both
-are pre-LN with a final layer norm). Each check runs with the default (fused, CPU fast path) flags and
-with the plain path. Only real positions are compared: a padding query sees no key in Megatron's mask
+are pre-LN with a final layer norm; BertForPreTraining's post-LN layers and embedding LayerNorm are
+post_layernorm's). Each check runs for both HF classes, with the default (fused, CPU fast path) flags
+and with the plain path. Only real positions are compared: a padding query sees no key in Megatron's mask
 (b1ss) but every real key in HF's.
 """
 
@@ -32,17 +34,22 @@ FUSED = {}  # TransformerConfig's defaults: fused softmax and bias-dropout-add o
 UNFUSED = dict(masked_softmax_fusion=False, bias_gelu_fusion=False, bias_dropout_fusion=False,
                fused_kernels_cpu_impl="reference")
 FLAGS = pytest.mark.parametrize("flags", [FUSED, UNFUSED], ids=["fused", "unfused"])
+KINDS = pytest.mark.parametrize("kind", ["megatron-bert", "bert"])  # HF model_type: pre-LN, post-LN
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one intra-op thread
 
 
-def make_hf(seed: int = 0):
-    config = transformers.MegatronBertConfig(
+def make_hf(seed: int = 0, kind: str = "megatron-bert"):
+    """A tiny MegatronBertForPreTraining ("megatron-bert") or BertForPreTraining ("bert")."""
+    config_class, model_class = {
+        "megatron-bert": (transformers.MegatronBertConfig, transformers.MegatronBertForPreTraining),
+        "bert": (transformers.BertConfig, transformers.BertForPreTraining)}[kind]
+    config = config_class(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         intermediate_size=FFN, hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         max_position_embeddings=32, type_vocab_size=2, initializer_range=STD, layer_norm_eps=1e-12)
     torch.manual_seed(seed)
-    hf = transformers.MegatronBertForPreTraining(config).eval()
+    hf = model_class(config).eval()
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if name.endswith("bias") or ".ln." in name or "LayerNorm" in name:
@@ -65,8 +72,9 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], c, add_binary_head: bool 
 
 
 def make_ours(hf, flags: dict, add_binary_head: bool = True) -> BertModel:
+    post_layernorm = hf_mapping.config_from_hf(hf.config)[1]["post_layernorm"]  # True for BertForPreTraining
     ours = BertModel(config_from_hf(hf.config, **flags), VOCAB, hf.config.max_position_embeddings,
-                     num_tokentypes=2, add_binary_head=add_binary_head).eval()
+                     num_tokentypes=2, add_binary_head=add_binary_head, post_layernorm=post_layernorm).eval()
     ours.load_state_dict(state_dict_from_hf(hf.state_dict(), hf.config, add_binary_head))  # strict: the same keys
     return ours
 
@@ -89,9 +97,10 @@ def real(x: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
     return x[padding_mask.bool()]
 
 
+@KINDS
 @FLAGS
-def test_logits_equal_hf(flags):
-    hf = make_hf()
+def test_logits_equal_hf(flags, kind):
+    hf = make_hf(kind=kind)
     ours = make_ours(hf, flags)
     tokens, types, padding_mask = make_batch()
     with torch.no_grad():
@@ -107,9 +116,10 @@ def test_logits_equal_hf(flags):
     assert (real(untyped, padding_mask) - real(lm_logits, padding_mask)).abs().max() > 1e-2
 
 
+@KINDS
 @FLAGS
-def test_per_token_loss_is_cross_entropy_of_hf_logits(flags):
-    hf = make_hf()
+def test_per_token_loss_is_cross_entropy_of_hf_logits(flags, kind):
+    hf = make_hf(kind=kind)
     ours = make_ours(hf, flags)
     tokens, types, padding_mask = make_batch()
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
@@ -122,9 +132,10 @@ def test_per_token_loss_is_cross_entropy_of_hf_logits(flags):
     torch.testing.assert_close(binary_logits, expected.seq_relationship_logits, rtol=0, atol=1e-5)
 
 
-def test_gradients_equal_hf():
+@KINDS
+def test_gradients_equal_hf(kind):
     """One MLM + sentence-order loss: every gradient equals HF's on the mapped weights."""
-    hf = make_hf()
+    hf = make_hf(kind=kind)
     ours = make_ours(hf, FUSED)
     tokens, types, padding_mask = make_batch()
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
@@ -140,6 +151,7 @@ def test_gradients_equal_hf():
     hf_total.backward()
     expected = state_dict_from_hf({n: p.grad for n, p in hf.named_parameters()}
                                   | {"cls.predictions.bias": hf.cls.predictions.bias.grad}, hf.config)
+    assert set(expected) == {name for name, _ in ours.named_parameters()}
     for name, param in ours.named_parameters():
         scale = expected[name].abs().max().item()
         assert (param.grad - expected[name]).abs().max().item() <= 1e-4 * scale + 1e-7, name
@@ -174,6 +186,26 @@ def test_state_dict_keys_are_megatron_cores():
     assert "output_layer.weight" in keys and "embedding.tokentype_embeddings.weight" not in keys
 
 
+def test_post_layernorm_keys_and_layer():
+    """post_layernorm: the embedding LayerNorm, post-LN layers, no final LayerNorm; the pre-LN keys are gone."""
+    from megatron.model.post_ln_layer import PostLNTransformerLayer
+
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
+    model = BertModel(config, 64, 16, post_layernorm=True)
+    keys = set(model.state_dict())
+    assert {"embedding.layernorm.weight", "embedding.layernorm.bias",
+            "encoder.layers.1.post_self_attn_layernorm.weight", "encoder.layers.1.post_mlp_layernorm.bias",
+            "encoder.layers.1.self_attention.linear_qkv.weight", "encoder.layers.1.mlp.linear_fc2.weight"} <= keys
+    assert not any("final_layernorm" in k or "input_layernorm" in k or "pre_mlp_layernorm" in k for k in keys)
+    assert all(isinstance(layer, PostLNTransformerLayer) for layer in model.encoder.layers)
+    pre_ln = BertModel(config, 64, 16)  # the default is unchanged: pre-LN, final LayerNorm, no embedding norm
+    assert "encoder.final_layernorm.weight" in pre_ln.state_dict() and pre_ln.embedding.layernorm is None
+    with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm"):
+        BertModel(TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                                    apply_residual_connection_post_layernorm=True), 64, 16, post_layernorm=True)
+
+
 def test_pipeline_stage_pieces():
     """post_process=False returns the hidden states [s, b, h] and has no heads; pre_process=False
     has no embedding, reads set_input_tensor() and keeps its own (zeroed) copy of the tied weight."""
@@ -194,8 +226,9 @@ def test_pipeline_stage_pieces():
     assert lm_logits.shape == (2, 16, 64) and binary_logits.shape == (2, 2)
 
 
-def test_attention_is_bidirectional_and_ignores_padding():
-    hf = make_hf()
+@KINDS
+def test_attention_is_bidirectional_and_ignores_padding(kind):
+    hf = make_hf(kind=kind)
     ours = make_ours(hf, FUSED)
     tokens, types, padding_mask = make_batch()
     with torch.no_grad():
