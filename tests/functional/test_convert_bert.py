@@ -1,5 +1,6 @@
 """tools/checkpoint/convert.py --model-type BERT with --loader hf / --saver hf on a tiny random
-HF MegatronBertForPreTraining (written by save_pretrained).
+HF MegatronBertForPreTraining (pre-LN) and BertForPreTraining (the original post-LN BERT, which
+becomes BertModel(post_layernorm=True), args.bert_post_layernorm), each written by save_pretrained.
 
 HF -> ours at TP = 2, PP = 2 -> HF, each step verified by the converter (MLM and binary-head logits
 with a padding mask): the result must be the source bit for bit. The TP = 2 PP = 2 checkpoint,
@@ -7,7 +8,8 @@ merged back by the megatron loader into a TP = 1 BertModel, gives HF's logits (f
 real positions), and its stage files hold the keys pretrain_bert.py's BertModel stages have.
 The checkpoint also runs as it is in 4 gloo processes (each rank builds its stage as
 pretrain_bert.py's model_provider does and loads its own file strictly) and gives HF's logits.
-A swapped query/key head is refused by the verification; bad input is one line.
+A swapped query/key head is refused by the verification; bad input is one line (a BertForMaskedLM
+checkpoint among it). Every test runs for both HF classes.
 """
 
 import json
@@ -29,13 +31,18 @@ VOCAB, HIDDEN, HEADS, FFN, LAYERS, POSITIONS = 100, 32, 4, 48, 2, 32
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _save_hf(path, seed=0, cls=None):
-    config = transformers.MegatronBertConfig(
+KINDS = {"megatron-bert": ("MegatronBertConfig", "MegatronBertForPreTraining"),  # HF model_type -> classes
+         "bert": ("BertConfig", "BertForPreTraining")}
+
+
+def _save_hf(path, seed=0, kind="megatron-bert"):
+    config_class, model_class = (getattr(transformers, name) for name in KINDS[kind])
+    config = config_class(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         intermediate_size=FFN, max_position_embeddings=POSITIONS, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, initializer_range=0.2)
     torch.manual_seed(seed)
-    model = transformers.MegatronBertForPreTraining(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():  # norms and biases away from 1 and 0, so that a mix-up shows
         for name, param in model.named_parameters():
             if name.endswith(".bias") or ".ln." in name or "LayerNorm" in name:
@@ -49,10 +56,10 @@ def _convert(load_dir, save_dir, loader, saver, *extra, model_type="BERT"):
                   "--save-dir", str(save_dir), *extra])
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bert")
-    model = _save_hf(root / "hf")
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def converted(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    model = _save_hf(root / "hf", kind=request.param)
     _convert(root / "hf", root / "tp2pp2", "hf", "megatron", "--target-tensor-parallel-size", "2",
              "--target-pipeline-parallel-size", "2")
     _convert(root / "tp2pp2", root / "back", "megatron", "hf")
@@ -68,8 +75,9 @@ def test_hf_to_tp2pp2_to_hf_is_bit_identical(converted):
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
     with open(root / "hf" / "config.json") as a, open(root / "back" / "config.json") as b:
         assert json.load(a) == json.load(b)
-    reloaded = transformers.MegatronBertForPreTraining.from_pretrained(str(root / "back"), local_files_only=True)
-    assert isinstance(reloaded, transformers.MegatronBertForPreTraining)
+    model_class = type(converted[1])
+    reloaded = model_class.from_pretrained(str(root / "back"), local_files_only=True)
+    assert isinstance(reloaded, model_class)
 
 
 def test_our_converted_model_gives_hfs_logits(converted):
@@ -77,6 +85,7 @@ def test_our_converted_model_gives_hfs_logits(converted):
     args = argparse_namespace(load_dir=str(root / "tp2pp2"))
     meta, tensors = loader_megatron.load_checkpoint(args)
     assert meta.args.model_family == "BERT" and meta.args.bert_binary_head
+    assert meta.args.bert_post_layernorm == (model.config.model_type == "bert")
     assert (meta.args.tensor_model_parallel_size, meta.args.pipeline_model_parallel_size) == (2, 2)
     ours = verify.build_serial_model(meta.args, tensors)
     tokens = torch.randint(1, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
@@ -122,7 +131,8 @@ def _stage_outputs(checkpoint, tokens, padding_mask, types):
                       max_sequence_length=args.max_position_embeddings,
                       num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head,
                       share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                      pre_process=first, post_process=last, parallel_output=False)
+                      pre_process=first, post_process=last, parallel_output=False,
+                      post_layernorm=args.bert_post_layernorm)
     model.load_state_dict(state["model"], strict=True)
     model.eval()
     with torch.no_grad():
@@ -159,11 +169,12 @@ def test_stage_files_hold_pretrain_berts_stage_keys(converted):
     """Each TP = 2 PP = 2 file holds the keys of the BertModel stage pretrain_bert.py builds there."""
     from megatron.model import BertModel, TransformerConfig
 
-    root, _ = converted
+    root, model = converted
     config = TransformerConfig(num_layers=LAYERS // 2, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                ffn_hidden_size=FFN)
+    post_ln = model.config.model_type == "bert"
     for stage, kind in ((0, dict(post_process=False)), (1, dict(pre_process=False))):
-        expected = set(BertModel(config, 128, POSITIONS, **kind).state_dict())
+        expected = set(BertModel(config, 128, POSITIONS, post_layernorm=post_ln, **kind).state_dict())
         for rank in range(2):
             path = get_checkpoint_name(str(root / "tp2pp2"), 0, True, pipeline_parallel=True, tensor_rank=rank,
                                        pipeline_rank=stage)
@@ -202,6 +213,38 @@ def test_a_swapped_query_and_key_is_refused(converted, tmp_path, monkeypatch, ca
     assert not (tmp_path / "swapped").exists()
 
 
+def test_a_broken_post_ln_norm_is_refused(converted, tmp_path, monkeypatch, capsys):
+    """BertForPreTraining: a saver whose mapping writes a post-LN norm (attention.output.LayerNorm of
+    layer 0) with its hidden dimension reversed is caught by the verification."""
+    root, model = converted
+    if model.config.model_type != "bert":
+        pytest.skip("MegatronBertForPreTraining has no post-LN norms")
+    rule_of = saver_hf.huggingface.weight_rules
+
+    def broken_rules(config):
+        rules = rule_of(config)
+        index = next(i for i, rule in enumerate(rules)
+                     if rule.ours == "encoder.layers.0.post_self_attn_layernorm.weight")
+        rule = rules[index]
+        rules[index] = type(rule)(rule.ours, rule.hf, rule.to_ours, lambda t: (t.flip(0),))
+        return rules
+
+    monkeypatch.setattr(saver_hf.huggingface, "weight_rules", broken_rules)
+    with pytest.raises(convert.ConversionError, match="logits differ"):
+        _convert(root / "tp2pp2", tmp_path / "broken", "megatron", "hf")
+    assert "MISMATCH" in capsys.readouterr().out
+    assert not (tmp_path / "broken").exists()
+
+
+def test_hf_to_tp1_to_hf_is_bit_identical(converted, tmp_path):
+    root, _ = converted
+    _convert(root / "hf", tmp_path / "tp1", "hf", "megatron")
+    _convert(tmp_path / "tp1", tmp_path / "back", "megatron", "hf")
+    source = safetensors_torch.load_file(str(root / "hf" / "model.safetensors"))
+    back = safetensors_torch.load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(source) and all(torch.equal(back[k], t) for k, t in source.items())
+
+
 def _one_line_error(argv, capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
@@ -215,15 +258,15 @@ def _one_line_error(argv, capsys):
 def test_bad_input_is_one_line(converted, tmp_path, capsys):
     root, _ = converted
     argv = ["--loader", "hf", "--saver", "megatron", "--save-dir", str(tmp_path / "out")]
-    post_ln = tmp_path / "post_ln"
+    masked_lm = tmp_path / "masked_lm"  # BertForMaskedLM: no pooler, no binary head -- not our BertModel
     transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4,
-                            intermediate_size=FFN, architectures=["BertForPreTraining"]).save_pretrained(post_ln)
-    error = _one_line_error(["--model-type", "BERT", *argv, "--load-dir", str(post_ln)], capsys)
-    assert "BertForPreTraining (original post-LN BERT) cannot be converted" in error
+                            intermediate_size=FFN, architectures=["BertForMaskedLM"]).save_pretrained(masked_lm)
+    error = _one_line_error(["--model-type", "BERT", *argv, "--load-dir", str(masked_lm)], capsys)
+    assert "['BertForMaskedLM']: only BertForPreTraining maps onto our BertModel" in error
     error = _one_line_error(["--model-type", "GPT", *argv, "--load-dir", str(root / "hf")], capsys)
     assert "--model-type GPT: the checkpoint under" in error and "holds a BERT model" in error
     broken = tmp_path / "broken"
-    _save_hf(broken)
+    _save_hf(broken, kind=converted[1].config.model_type)
     weights = safetensors_torch.load_file(str(broken / "model.safetensors"))
     del weights["cls.seq_relationship.weight"]
     safetensors_torch.save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
@@ -257,6 +300,6 @@ def test_pretrain_gpt_load_hf_refuses_a_bert_model(converted):
     from megatron.checkpoint_safety import CheckpointError
     from megatron.load_hf import apply_hf_args
 
-    root, _ = converted
-    with pytest.raises(CheckpointError, match="a megatron-bert model is not a GPTModel"):
+    root, model = converted
+    with pytest.raises(CheckpointError, match=f"a {model.config.model_type} model is not a GPTModel"):
         apply_hf_args(argparse.Namespace(load_hf=str(root / "hf")), argv=[])

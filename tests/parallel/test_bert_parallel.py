@@ -3,7 +3,8 @@ pipeline stages (1F1B, alone and with TP=2) against the same model on one rank: 
 same loss (MLM + sentence order, with padding), same gradients. The vocabulary (300 ids) is padded to
 384 rows at t = 1 and 512 at t = 2; the padding rows (word embedding, output weight and bias) get no
 gradient. The pipeline's last stage keeps a copy of the tied word embedding, which must carry the
-serial embedding's weight and gradient.
+serial embedding's weight and gradient. Each layout runs for the pre-LN model and for the original
+post-LN BERT (post_layernorm=True: embedding LayerNorm, PostLNTransformerLayer, no final norm).
 """
 
 import pytest
@@ -21,7 +22,7 @@ VOCAB, SEQ, BATCH, HIDDEN, SEED = 300, 8, 2, 32, 4321
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
 
 
-def _build(tp: int, sp: bool, untied: bool, layers: int = 2, pp: int = 1) -> BertModel:
+def _build(tp: int, sp: bool, untied: bool, layers: int = 2, pp: int = 1, post_ln: bool = False) -> BertModel:
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     config = TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=4,
@@ -30,7 +31,7 @@ def _build(tp: int, sp: bool, untied: bool, layers: int = 2, pp: int = 1) -> Ber
     return BertModel(config, vocab_size=_padded(tp), num_tokens=VOCAB, max_sequence_length=SEQ,
                      share_embeddings_and_output_weights=not untied,
                      pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage())
+                     post_process=parallel_state.is_pipeline_last_stage(), post_layernorm=post_ln)
 
 
 def _batch(seed: int = 7):
@@ -57,13 +58,13 @@ def _loss_and_grads(model: BertModel):
         {n: p.detach().clone() for n, p in named.items()}
 
 
-def _compare_with_serial(tp: int, sp: bool, untied: bool):
+def _compare_with_serial(tp: int, sp: bool, untied: bool, post_ln: bool):
     init_parallel(tp=1)
-    serial_loss, serial_grads, serial_weights = _loss_and_grads(_build(1, False, untied))
+    serial_loss, serial_grads, serial_weights = _loss_and_grads(_build(1, False, untied, post_ln=post_ln))
     parallel_state.destroy_model_parallel()
 
     init_parallel(tp=tp)
-    model = _build(tp, sp, untied)
+    model = _build(tp, sp, untied, post_ln=post_ln)
     loss, grads, weights = _loss_and_grads(model)
     grad_errors, weight_errors, padding_grad = errors_against_serial(model, grads, weights, serial_grads,
                                                                      serial_weights, VOCAB, VOCAB_PARAMS)
@@ -71,10 +72,12 @@ def _compare_with_serial(tp: int, sp: bool, untied: bool):
             "padding_grad": padding_grad, "names": sorted(grads), "serial_names": sorted(serial_grads)}
 
 
-@pytest.mark.parametrize("tp, sp, untied", [(2, False, False), (2, True, False), (2, True, True)],
-                         ids=["tp2", "tp2-sp", "tp2-sp-untied"])
-def test_loss_and_gradients_equal_the_serial_model(dist_pool, tp, sp, untied):
-    for rank, result in enumerate(dist_pool.run(_compare_with_serial, tp, sp, untied)):
+@pytest.mark.parametrize("tp, sp, untied, post_ln",
+                         [(2, False, False, False), (2, True, False, False), (2, True, True, False),
+                          (2, False, False, True), (2, True, False, True)],
+                         ids=["tp2", "tp2-sp", "tp2-sp-untied", "tp2-postln", "tp2-sp-postln"])
+def test_loss_and_gradients_equal_the_serial_model(dist_pool, tp, sp, untied, post_ln):
+    for rank, result in enumerate(dist_pool.run(_compare_with_serial, tp, sp, untied, post_ln)):
         assert result["names"] == result["serial_names"], rank
         assert result["loss"] == pytest.approx(result["serial_loss"], rel=1e-5), rank
         assert max(result["weight_errors"].values()) == 0.0, (rank, result["weight_errors"])  # same init
@@ -97,15 +100,15 @@ def _run(model, num_microbatches: int, func, finalize):
     return [{k: v.item() for k, v in entry.items()} for entry in losses]
 
 
-def _pipeline_compare(tp: int, pp: int, layers: int = 4, m: int = 4):
+def _pipeline_compare(tp: int, pp: int, post_ln: bool = False, layers: int = 4, m: int = 4):
     init_parallel(tp=1)
-    serial = _build(1, False, False, layers)
+    serial = _build(1, False, False, layers, post_ln=post_ln)
     serial_losses = _run(serial, m, schedules.forward_backward_no_pipelining, finalize=None)
     serial_params = dict(serial.named_parameters())
     parallel_state.destroy_model_parallel()
 
     init_parallel(tp=tp, pp=pp)
-    model = _build(tp, False, False, layers, pp)
+    model = _build(tp, False, False, layers, pp, post_ln=post_ln)
     losses = _run(model, m, schedules.get_forward_backward_func(), finalize=finalize_model_grads)
     offset = get_layer_offset(model.config)
     errors, weights_equal = {}, True
@@ -123,9 +126,10 @@ def _pipeline_compare(tp: int, pp: int, layers: int = 4, m: int = 4):
             "last_stage": parallel_state.is_pipeline_last_stage()}
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "pp2-tp2"])
-def test_pipeline_loss_and_gradients_equal_the_serial_model(dist_pool, tp, pp):
-    for rank, result in enumerate(dist_pool.run(_pipeline_compare, tp, pp)):
+@pytest.mark.parametrize("tp, pp, post_ln", [(1, 2, False), (2, 2, False), (2, 2, True)],
+                         ids=["pp2", "pp2-tp2", "pp2-tp2-postln"])
+def test_pipeline_loss_and_gradients_equal_the_serial_model(dist_pool, tp, pp, post_ln):
+    for rank, result in enumerate(dist_pool.run(_pipeline_compare, tp, pp, post_ln)):
         assert result["weights_equal"], rank  # incl. the last stage's copy of the tied embedding
         bad = {name: error for name, error in result["errors"].items() if error > 1e-5}
         assert not bad, (rank, bad)
