@@ -234,3 +234,39 @@ def test_pipeline_layouts_t5_cannot_take_are_refused_by_name(dist_pool):
         assert "--pipeline-model-parallel-split-rank is for encoder-decoder models" in messages[1]
         assert "needs --pipeline-model-parallel-split-rank" in messages[2]
         assert "needs --pipeline-model-parallel-split-rank" in messages[3]
+
+
+# ------------------------------------------------------------------------------ torch_dist names
+# --ckpt-format torch_dist names every tensor as the serial model's state dict does (layers numbered
+# globally per stack); a pipeline copy (the decoder stage's embedding, the last stage's tied head) is
+# not written by the stage holding the copy.
+
+def _saved_layouts(family: str, pp: int, split):
+    from megatron.dist_checkpointing.layout import model_layouts
+    from tests.parallel import test_bert_parallel
+
+    def build():
+        if family == "t5":
+            return _stage_model(1, "learned_absolute", 2)
+        return test_bert_parallel._build(1, False, False, layers=4, pp=parallel_state.get_pipeline_model_parallel_world_size())
+
+    init_parallel(tp=1)
+    serial = {key: tuple(value.shape) for key, value in build().state_dict().items()}
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, pipeline_model_parallel_split_rank=split)
+    saved = [(layout.name, layout.global_shape) for layout, _ in model_layouts([build()]) if layout.save]
+    return serial, saved, parallel_state.get_data_parallel_rank()
+
+
+@pytest.mark.parametrize("family, pp, split", [("t5", 4, 2), ("t5", 2, 1), ("bert", 2, None)])
+def test_torch_dist_names_pipeline_stages_tensors_as_the_serial_model(dist_pool, family, pp, split):
+    results = dist_pool.run(_saved_layouts, family, pp, split)
+    serial = results[0][0]
+    written = {}
+    for rank, (_, saved, dp_rank) in enumerate(results):
+        if dp_rank != 0:
+            continue  # one pipeline
+        for name, shape in saved:
+            assert name not in written, (name, rank, written.get(name))  # each tensor from one stage
+            written[name] = shape
+    assert written == serial
