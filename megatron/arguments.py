@@ -339,6 +339,9 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(title="distributed")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None,
+                       help="Encoder-decoder models (T5): the first decoder stage; the stages before it hold "
+                            "the encoder.")
     group.add_argument("--model-parallel-size", type=int, default=None,
                        help="Old model parallel argument, do not use. Use --tensor-model-parallel-size.")
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,

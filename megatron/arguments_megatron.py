@@ -280,7 +280,6 @@ REFUSED = (
     _true("--load-model-opt-format", "ModelOpt checkpoints"),
     _value("--encoder-tensor-model-parallel-size", int, 0, "a separate encoder parallel layout"),
     _value("--encoder-pipeline-model-parallel-size", int, 0, "a separate encoder parallel layout"),
-    _value("--pipeline-model-parallel-split-rank", int, None, "encoder-decoder pipeline splits"),
     _value("--decoder-first-pipeline-num-layers", int, None, "uneven pipeline stages"),
     _value("--decoder-last-pipeline-num-layers", int, None, "uneven pipeline stages"),
     _value("--pipeline-model-parallel-layout", str, None, "custom pipeline layouts"),

@@ -330,8 +330,23 @@ def _validate_data_parallel(args: Namespace) -> None:
 
 
 def _validate_pipeline_parallel(args: Namespace) -> None:
-    """Layers split evenly over the stages (and virtual stages); the interleaved schedule's batches."""
+    """Layers split evenly over the stages (and virtual stages); the interleaved schedule's batches.
+    With --pipeline-model-parallel-split-rank (T5) each stack splits evenly over its own stages."""
     pp = args.pipeline_model_parallel_size
+    split = getattr(args, "pipeline_model_parallel_split_rank", None)
+    if split is not None:
+        if not 0 < split < pp:
+            raise ArgsError(f"--pipeline-model-parallel-split-rank ({split}) must be in [1, "
+                            f"--pipeline-model-parallel-size - 1] = [1, {pp - 1}]: the first decoder stage")
+        for name, stages in (("encoder", split), ("decoder", pp - split)):
+            if args.num_layers % stages:
+                raise ArgsError(f"--num-layers ({args.num_layers}) must be divisible by the {name}'s {stages} "
+                                f"pipeline stages (--pipeline-model-parallel-split-rank {split} of "
+                                f"--pipeline-model-parallel-size {pp})")
+        if args.num_layers_per_virtual_pipeline_stage is not None or args.num_virtual_stages_per_pipeline_rank:
+            raise ArgsError("--pipeline-model-parallel-split-rank does not take virtual pipeline stages")
+        args.virtual_pipeline_model_parallel_size = None
+        return
     if args.num_layers % pp:
         raise ArgsError(f"--num-layers ({args.num_layers}) must be divisible by --pipeline-model-parallel-size "
                         f"({pp}): every stage holds the same number of layers")

@@ -68,9 +68,10 @@ def apply_hf_args(args: argparse.Namespace, argv: Optional[List[str]] = None,
                   extra_args_provider: Optional[Callable] = None) -> HFCheckpoint:
     """Before validate_args: the model's args from --load-hf's config (CheckpointError on a conflict)."""
     checkpoint = HFCheckpoint(args.load_hf)
-    if huggingface.ARCHITECTURES[checkpoint.config.model_type].family != "GPT":
+    family = huggingface.ARCHITECTURES[checkpoint.config.model_type].family
+    if family != "GPT":
         raise CheckpointError(f"--load-hf {args.load_hf}: a {checkpoint.config.model_type} model is not a GPTModel; "
-                              "convert it with tools/checkpoint/convert.py --model-type BERT --loader hf")
+                              f"convert it with tools/checkpoint/convert.py --model-type {family} --loader hf")
     checkpoint.rules()  # missing or unknown tensors: refused before any process builds a model
     given = given_dests(argv, extra_args_provider)
     values = hf_arg_values(checkpoint.config)

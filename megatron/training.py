@@ -161,6 +161,30 @@ def _compile_transformer_layers(model: List[torch.nn.Module]) -> None:
     print_rank_0(f"> torch.compile: {len(layers)} transformer layers (compiled on their first call)")
 
 
+def _stage_roles(model_type: ModelType) -> Dict[str, bool]:
+    """What this pipeline stage builds (Megatron's get_model): pre_process (the embedding) and
+    post_process (the final norm and the output layer); an encoder-decoder model also add_encoder
+    and add_decoder, with the encoder on the stages before --pipeline-model-parallel-split-rank and
+    the decoder from it on, each stack with its own first (embedding) and last (final norm) stage."""
+    split = parallel_state.get_pipeline_model_parallel_split_rank()
+    if model_type != ModelType.encoder_and_decoder:
+        if split is not None:
+            raise ValueError("--pipeline-model-parallel-split-rank is for encoder-decoder models (T5); this model "
+                             "is one stack")
+        return dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage())
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return dict(pre_process=True, post_process=True, add_encoder=True, add_decoder=True)
+    if split is None:
+        raise ValueError("an encoder-decoder model under pipeline parallelism needs "
+                         "--pipeline-model-parallel-split-rank (the first decoder stage)")
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    return dict(pre_process=rank in (0, split), post_process=rank in (split - 1, pp - 1),
+                add_encoder=parallel_state.is_pipeline_stage_before_split(),
+                add_decoder=parallel_state.is_pipeline_stage_after_split())
+
+
 def get_model(model_provider: Callable, model_type: ModelType = ModelType.encoder_or_decoder) -> List[torch.nn.Module]:
     """The model chunks of this rank, on the device, wrapped in Float16Module under --fp16/--bf16.
 
@@ -179,8 +203,7 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
             parallel_state.set_virtual_pipeline_model_parallel_rank(chunk_id)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(args.seed)
-            chunk = model_provider(pre_process=parallel_state.is_pipeline_first_stage(),
-                                   post_process=parallel_state.is_pipeline_last_stage())
+            chunk = model_provider(**_stage_roles(model_type))
         chunk.model_type = model_type
         model.append(chunk)
     if virtual is not None:
@@ -399,6 +422,7 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     losses = forward_backward(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+        decoder_seq_length=getattr(args, "decoder_seq_length", None),
         micro_batch_size=args.micro_batch_size, forward_only=False, grad_scale_func=optimizer.scale_loss,
         calculate_per_token_loss=args.calculate_per_token_loss, finalize_model_grads_func=finalize_model_grads)
     timers("forward-backward", log_level=1).stop()
@@ -584,6 +608,7 @@ class _Loop:
                 losses += forward_backward(
                     forward_step_func=self.forward_step_func, data_iterator=data_iterator, model=self.model,
                     num_microbatches=eval_microbatches, seq_length=args.seq_length,
+                    decoder_seq_length=getattr(args, "decoder_seq_length", None),
                     micro_batch_size=args.micro_batch_size, forward_only=True,
                     calculate_per_token_loss=args.calculate_per_token_loss)
                 args.consumed_valid_samples += args.global_batch_size

@@ -38,6 +38,7 @@ import torch
 
 from megatron.checkpoint_safety import CheckpointError, load_file
 from megatron.convert import huggingface
+from megatron.convert import t5 as t5_convert
 from megatron.convert.layout_rules import is_vocab_tensor, padded_vocab_size
 from megatron.core.atomic_io import atomic_write
 
@@ -160,7 +161,7 @@ class HFCheckpoint:
         if extra:
             family = huggingface.ARCHITECTURES[self.config.model_type].family
             raise CheckpointError(f"{self.path}: {len(extra)} tensor(s) have no counterpart in our "
-                                  f"{'BertModel' if family == 'BERT' else 'GPTModel'}: {', '.join(extra[:4])}")
+                                  f"{huggingface.MODEL_CLASSES[family]}: {', '.join(extra[:4])}")
         return rules
 
     def _tied_copies(self) -> Dict[str, str]:
@@ -172,8 +173,11 @@ class HFCheckpoint:
 
     def check_tied_head(self) -> None:
         """A tied model whose files still hold the tied copy (lm_head.weight): it must equal what it repeats."""
+        t5 = huggingface.ARCHITECTURES[self.config.model_type].family == "T5"
         for copy_, repeated in self._tied_copies().items():
             if self._actual_name(copy_) is not None and not torch.equal(self.tensor(copy_), self.tensor(repeated)):
+                if t5 and copy_ == "lm_head.weight":
+                    raise CheckpointError(f"{self.path}: {t5_convert.UNTIED_HEAD}")
                 raise CheckpointError(f"{self.path}: {copy_} is tied to {repeated} but differs from it")
 
     def stream(self, padded_rows: int) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -246,9 +250,12 @@ TRAINING_FLAGS = {"hidden_dropout": "--hidden-dropout", "attention_dropout": "--
 
 
 def hf_arg_values(hf_config: Any) -> Dict[str, Any]:
-    """Our args (dest -> value) of the model hf_config describes (ARCHITECTURE_FLAGS and TRAINING_FLAGS)."""
+    """Our args (dest -> value) of the model hf_config describes (ARCHITECTURE_FLAGS and TRAINING_FLAGS;
+    for T5 also t5.T5_ARGS)."""
     try:
         config, model = huggingface.config_from_hf(hf_config)
+        if huggingface.ARCHITECTURES[hf_config.model_type].family == "T5":
+            return dict(t5_convert.t5_arg_values(hf_config), init_method_std=float(config.get("init_method_std", 0.02)))
     except ValueError as error:
         raise CheckpointError(str(error)) from None
     heads = config["num_attention_heads"]
@@ -299,7 +306,10 @@ def args_from_hf(checkpoint: HFCheckpoint) -> argparse.Namespace:
         if "tokenizer.json" in checkpoint.tokenizer_files() else []
     with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints the whole argument block
         args = parse_args(argv=[*argv, *tokenizer])
-        for dest, value in hf_arg_values(checkpoint.config).items():
+        values = hf_arg_values(checkpoint.config)
+        # T5's relative positions are refused by validate_args (a GPT run's check): set after it.
+        t5_values = {dest: values.pop(dest) for dest in t5_convert.T5_ARGS if dest in values}
+        for dest, value in values.items():
             setattr(args, dest, value)
         args.seq_length = hf_seq_length(checkpoint.config)
         args.rank, args.world_size = 0, 1
@@ -311,10 +321,13 @@ def args_from_hf(checkpoint: HFCheckpoint) -> argparse.Namespace:
     args.padded_vocab_size = padded_vocab_size(int(checkpoint.config.vocab_size),
                                                int(args.make_vocab_size_divisible_by), 1)
     family = huggingface.ARCHITECTURES[checkpoint.config.model_type].family
-    if family == "BERT":
+    if family in ("BERT", "T5"):
         args.model_family = family  # which model the converter and verify build (tools/checkpoint/convert.py)
+    if family == "BERT":
         args.bert_binary_head = True  # (Megatron)BertForPreTraining always has the pooler and binary head
         args.bert_post_layernorm = huggingface.config_from_hf(checkpoint.config)[1]["post_layernorm"]
+    for dest, value in t5_values.items():
+        setattr(args, dest, value)
     args.hf_config = dict(checkpoint.raw_config)
     args.hf_generation_config = None if checkpoint.generation_config is None else dict(checkpoint.generation_config)
     return args

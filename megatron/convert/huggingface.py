@@ -12,7 +12,8 @@ round trip state_dict_to_hf(state_dict_from_hf(sd, c), c) gives sd back bit for 
 
 Notation: np heads, ng query groups (HF num_key_value_heads), hn head dim, h hidden size,
 L. = decoder.layers.{i}. (ours); {i} the layer. MegatronBertForPreTraining <-> BertModel is in
-megatron/convert/bert.py (registered in ARCHITECTURES below, family "BERT").
+megatron/convert/bert.py (registered in ARCHITECTURES below, family "BERT"), T5ForConditionalGeneration
+<-> T5Model in megatron/convert/t5.py (family "T5").
 
 GPT2LMHeadModel. HF's Conv1D stores a weight as [in, out]: transposed to our [out, in].
     transformer.wte.weight               embedding.word_embeddings.weight
@@ -83,7 +84,9 @@ MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_
 TANH_GELUS = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")  # HF's names of the tanh approximation
 # HF buffers (not weights) that GPTModel has no counterpart for.
 IGNORED_HF_KEYS = re.compile(r"\.(attn|attention)\.(bias|masked_bias)$|rotary_emb\.inv_freq$"
-                             r"|^bert\.embeddings\.(position_ids|token_type_ids)$")
+                             r"|^bert\.embeddings\.(position_ids|token_type_ids)$"
+                             # old T5 files: a cross-attention position table HF never uses
+                             r"|^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$")
 # Older HF names -> the names of the installed transformers (5.x renames them on load too).
 HF_ALIASES = {"embed_out.weight": "lm_head.weight"}  # GPT-NeoX before transformers 5
 
@@ -361,12 +364,14 @@ class _Architecture:
     config: Callable[[Any, int | None], tuple[dict, dict]]
     rules: Callable[[Any], list[WeightRule]]
     embedding: str  # HF name of the word embedding (what a tied lm_head repeats)
-    family: str = "GPT"  # our model: GPTModel, or BertModel (megatron/convert/bert.py)
+    family: str = "GPT"  # our model: GPTModel, BertModel (megatron/convert/bert.py) or T5Model (t5.py)
 
     def tied_copies(self, hf_config: Any) -> dict[str, str]:
         """HF names of tensors that repeat another (not written by save_pretrained) -> the one repeated."""
         if self.family == "BERT":
             return dict(_bert.TIED_COPIES)
+        if self.family == "T5":
+            return dict(_t5.TIED_COPIES)
         return {"lm_head.weight": self.embedding} if hf_config.tie_word_embeddings else {}
 
 
@@ -378,13 +383,16 @@ ARCHITECTURES = {  # by HF model_type
     "gpt_neox": _Architecture("GPTNeoXForCausalLM", _gpt_neox_config, _gpt_neox_rules, "gpt_neox.embed_in.weight"),
 }
 from megatron.convert import bert as _bert  # noqa: E402  (it reads this module's helpers at call time)
+from megatron.convert import t5 as _t5  # noqa: E402  (likewise)
 
 ARCHITECTURES.update({
     "megatron-bert": _Architecture(_bert.ARCHITECTURE, _bert.bert_config, _bert.bert_rules,
                                    "bert.embeddings.word_embeddings.weight", family="BERT"),
     "bert": _Architecture(_bert.POST_LN_ARCHITECTURE, _bert.bert_config, _bert.bert_rules,
                           "bert.embeddings.word_embeddings.weight", family="BERT"),
+    "t5": _Architecture(_t5.ARCHITECTURE, _t5.t5_config, _t5.t5_rules, _t5.EMBEDDING, family="T5"),
 })
+MODEL_CLASSES = {"GPT": "GPTModel", "BERT": "BertModel", "T5": "T5Model"}  # our model of each family
 
 
 def _architecture(hf_config: Any) -> _Architecture:
@@ -394,8 +402,7 @@ def _architecture(hf_config: Any) -> _Architecture:
                          f"(one of {', '.join(ARCHITECTURES)})")
     named = getattr(hf_config, "architectures", None) or [arch.name]
     if arch.name not in named:
-        raise ValueError(f"HF architectures {named}: only {arch.name} maps onto our "
-                         f"{'BertModel' if arch.family == 'BERT' else 'GPTModel'}")
+        raise ValueError(f"HF architectures {named}: only {arch.name} maps onto our {MODEL_CLASSES[arch.family]}")
     return arch
 
 
@@ -433,7 +440,7 @@ def state_dict_from_hf(hf_state_dict: dict[str, Tensor], hf_config: Any) -> dict
             used.add(copy_)
     left = sorted(k for k in hf if k not in used and not IGNORED_HF_KEYS.search(k))
     if left:
-        raise ValueError(f"HF tensors with no counterpart in GPTModel ({len(left)}): {left[:6]}")
+        raise ValueError(f"HF tensors with no counterpart in {MODEL_CLASSES[arch.family]} ({len(left)}): {left[:6]}")
     return ours
 
 
@@ -479,6 +486,8 @@ def hf_config_from_args(args: Any, vocab_size: int) -> dict:
     """
     if getattr(args, "model_family", "GPT") == "BERT":
         return _bert.hf_bert_config_from_args(args, vocab_size)
+    if getattr(args, "model_family", "GPT") == "T5":
+        return _t5.hf_t5_config_from_args(args, vocab_size)
     heads, hidden = int(args.num_attention_heads), int(args.hidden_size)
     groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
     head_dim = int(getattr(args, "kv_channels", None) or hidden // heads)

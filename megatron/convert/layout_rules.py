@@ -17,7 +17,13 @@ saved args (np heads, ng query groups, hn head dim, t ranks; L. = decoder.layers
                                               q/k layernorms, position embeddings
     BertModel (L. = encoder.layers.{i}.)      the same layers; output_layer.bias rows, contiguous
                                               (the padded vocabulary); tokentype embeddings,
-                                              lm_head.*, pooler.*, binary_head.* replicated
+                                              lm_head.dense / layer_norm, pooler.*, binary_head.* replicated
+    T5Model (L. = encoder.layers.{i}. and     the same layers (fc1 stride 2 with t5_gated_linear_unit);
+      decoder.layers.{i}.)                    D.cross_attention.linear_q / linear_kv rows, contiguous
+                                              (whole heads: linear_kv's rows are per head [k, v]);
+                                              D.cross_attention.linear_proj columns; lm_head.output_layer.*
+                                              rows, contiguous (the padded vocabulary);
+                                              *_relative_pos_emb.* replicated (every rank holds all heads)
 
 A name this table does not know is refused (UnknownTensorError) rather than guessed: a new layer
 must say how it is split before a checkpoint of it converts.
@@ -33,8 +39,10 @@ from megatron.model.attention import qkv_partition_rows
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")
 _REPLICATED = re.compile(r"(layernorm|norm)\.(weight|bias)$|^embedding\.(position|tokentype)_embeddings\.weight$"
-                         r"|linear_(proj|fc2)\.bias$|^(lm_head|pooler\.dense|binary_head)\.")
-VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+                         r"|linear_(proj|fc2)\.bias$|^(lm_head\.(dense|layer_norm)|pooler\.dense|binary_head)\."
+                         r"|^(encoder|decoder)_relative_pos_emb\.relative_attention_bias\.weight$")
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias",
+                 "lm_head.output_layer.weight", "lm_head.output_layer.bias")  # the last two: T5Model's
 
 
 class UnknownTensorError(ValueError):
@@ -64,7 +72,10 @@ def tensor_layout(name: str, args: argparse.Namespace, tp: int, rank: int) -> Di
         rows = qkv_partition_rows(int(args.num_attention_heads), query_groups(args), head_dim(args), tp, rank)
         return {**_split(0), "partition_rows": rows}
     if name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias"):
-        return _split(0, stride=2 if getattr(args, "swiglu", False) else 1)
+        gated = getattr(args, "swiglu", False) or getattr(args, "t5_gated_linear_unit", False)
+        return _split(0, stride=2 if gated else 1)
+    if re.search(r"\.cross_attention\.linear_(q|kv)\.(weight|bias)$", name):
+        return _split(0)
     if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
         return _split(1)
     raise UnknownTensorError(f"no tensor-parallel layout rule for {name!r}: the converter does not know "

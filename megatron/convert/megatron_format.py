@@ -3,7 +3,9 @@
 The converter's exchange: a `Metadata` (the saved args, iteration, the tokenizer's true vocabulary
 size when known) and then (name, tensor) pairs, one at a time, in the order of a TP = 1, PP = 1
 GPTModel state dict (embedding, decoder.layers.0 ... L-1, final norm, output layer; a BertModel's:
-embedding, encoder.layers.0 ... L-1, final norm, heads). Names are that
+embedding, encoder.layers.0 ... L-1, final norm, heads; a T5Model's: embedding, encoder.layers.0 ...
+L-1, its norm, decoder.layers.0 ... L-1, its norm, lm_head.output_layer.bias, the two relative
+position tables; T5 at PP = 1 only). Names are that
 model's keys, layers numbered globally; tensors are whole (TP = 1) and the vocabulary rows keep the
 source's padding (args.padded_vocab_size rows). With tied embeddings the last stage's copy of the
 word embeddings (output_layer.weight at PP > 1) is not sent: it must equal the embedding.

@@ -10,12 +10,17 @@ exchanged, layers out of order) moves them by far more than the tolerance.
 BERT (args.model_family "BERT"): the models are BertModels, run with a padding mask (the second
 sequence ends early) and both token types; the MLM logits are compared at the real positions and
 the binary-head logits as they are (model_logits returns the two concatenated per sequence).
+
+T5 (args.model_family "T5"): T5Models built by megatron/convert/t5.py's t5_transformer_config_kwargs
+and t5_model_kwargs from the args; the encoder reads the sequences (the second ends early: padding
+after), the decoder the same tokens reversed; the decoder's logits are compared.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Tuple
 
@@ -63,6 +68,14 @@ def build_serial_model(args: argparse.Namespace, tensors: Iterable[Tuple[str, to
     serial.recompute_granularity = None
     config = core_transformer_config_from_args(serial)
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
+    if is_t5(args):
+        from megatron.convert.t5 import t5_model_kwargs, t5_transformer_config_kwargs
+        from megatron.model.t5_model import T5Model
+
+        config = dataclasses.replace(config, **t5_transformer_config_kwargs(args))
+        model = T5Model(config, vocab_size=int(args.padded_vocab_size), **t5_model_kwargs(args))
+        _fill(model, tensors)
+        return model.eval()
     if is_bert(args):
         from megatron.model import BertModel
 
@@ -124,6 +137,10 @@ def is_bert(args: argparse.Namespace) -> bool:
     return getattr(args, "model_family", "GPT") == "BERT"
 
 
+def is_t5(args: argparse.Namespace) -> bool:
+    return getattr(args, "model_family", "GPT") == "T5"
+
+
 def bert_inputs(tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(padding_mask, tokentype_ids) [b, s] for the fixed sequences: the last one ends at 3/4 of
     its length (padding after), each sequence's second half is token type 1."""
@@ -136,6 +153,13 @@ def bert_inputs(tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    if hasattr(model, "encode"):  # T5Model
+        from megatron.model.t5_model import t5_attention_masks
+
+        padding_mask, _ = bert_inputs(tokens)  # [b, s]: the last sequence padded after 3/4
+        decoder_tokens = tokens.flip(1)  # [b, s]
+        masks = t5_attention_masks(padding_mask, torch.ones_like(decoder_tokens))
+        return model(tokens * padding_mask, decoder_tokens, *masks).float()  # [b, s, v]
     if hasattr(model, "lm_head"):  # BertModel
         padding_mask, types = bert_inputs(tokens)
         lm_logits, binary_logits = model(tokens, padding_mask, tokentype_ids=types)  # [b, s, v], [b, 2] or None

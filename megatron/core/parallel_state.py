@@ -128,14 +128,31 @@ class RankGenerator:
         return [[rank + self.rank_offset for rank in group] for group in groups]
 
 
-def _embedding_ranks(pp_group: list[int]) -> list[int]:
+def _embedding_ranks(pp_group: list[int], split_rank: Optional[int] = None) -> list[int]:
     # The word embedding lives on the first stage and the tied output layer on the last;
-    # their gradients are all-reduced between the two.
-    return [pp_group[0], pp_group[-1]] if len(pp_group) > 1 else list(pp_group)
+    # their gradients are all-reduced between the two. An encoder-decoder split adds the first
+    # decoder stage, which embeds the decoder's input with the same table.
+    if len(pp_group) == 1:
+        return list(pp_group)
+    ranks = [pp_group[0]] + ([pp_group[split_rank]] if split_rank is not None else []) + [pp_group[-1]]
+    return list(dict.fromkeys(ranks))
+
+
+def _position_embedding_ranks(pp_group: list[int], split_rank: Optional[int] = None) -> list[int]:
+    # Learned positions: the first stage, and the first decoder stage of an encoder-decoder split.
+    return [pp_group[0]] + ([pp_group[split_rank]] if split_rank is not None and len(pp_group) > 1 else [])
+
+
+def _check_split_rank(split_rank: Optional[int], pp: int) -> None:
+    if split_rank is None:
+        return
+    if isinstance(split_rank, bool) or not isinstance(split_rank, int) or not 0 < split_rank < pp:
+        raise ValueError(f"pipeline_model_parallel_split_rank must be an integer in [1, pipeline size - 1] = "
+                         f"[1, {pp - 1}] (the first decoder stage), got {split_rank!r}")
 
 
 def _plan_rank_groups(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int,
-                      order: str) -> dict[str, list[list[int]]]:
+                      order: str, split_rank: Optional[int] = None) -> dict[str, list[list[int]]]:
     """Every group's ranks, by group name; raises ValueError (naming the sizes) on a bad layout."""
     dense = tp * pp * cp
     if world_size % dense:
@@ -161,8 +178,8 @@ def _plan_rank_groups(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: 
         "cp": decoder.get_ranks("cp"),
         "mp": decoder.get_ranks("tp-pp"),
         "tp-dp": decoder.get_ranks("tp-dp"),
-        "embd": [_embedding_ranks(group) for group in pp_groups],
-        "pos-embd": [group[:1] for group in pp_groups],
+        "embd": [_embedding_ranks(group, split_rank) for group in pp_groups],
+        "pos-embd": [_position_embedding_ranks(group, split_rank) for group in pp_groups],
         "ep": experts.get_ranks("ep"),
         "expert-dp": experts.get_ranks("dp"),
     }
@@ -187,6 +204,7 @@ class _State:
     names_by_id: dict[int, str] = field(default_factory=dict)
     virtual_pipeline_rank: Optional[int] = None
     virtual_pipeline_world_size: Optional[int] = None
+    pipeline_split_rank: Optional[int] = None  # the first decoder stage of an encoder-decoder model
 
 
 _STATE = _State()
@@ -209,13 +227,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                               order: str = "tp-cp-ep-dp-pp",
-                              expert_tensor_parallel_size: Optional[int] = None) -> None:
+                              expert_tensor_parallel_size: Optional[int] = None,
+                              pipeline_model_parallel_split_rank: Optional[int] = None) -> None:
     """Create every model/data-parallel group (Megatron's layout); call on all ranks alike.
 
     Everything is validated before the first group is created, so a bad size raises the same
     ValueError on every rank instead of leaving some ranks waiting inside `new_group`. Without
     torch.distributed only a world of one process is possible; its groups are None.
     `expert_tensor_parallel_size` defaults to the tensor-parallel size, as in Megatron.
+    `pipeline_model_parallel_split_rank` (encoder-decoder models, Megatron's
+    --pipeline-model-parallel-split-rank): stages [0, split) hold the encoder, [split, pp) the
+    decoder; the embedding groups gain the first decoder stage.
     """
     global _STATE
     if _STATE.initialized:
@@ -229,15 +251,20 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         _check_size(name, value)
     if virtual_pipeline_model_parallel_size is not None:
         _check_size("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
+    _check_split_rank(pipeline_model_parallel_split_rank, pp)
+    if pipeline_model_parallel_split_rank is not None and virtual_pipeline_model_parallel_size is not None:
+        raise ValueError("an encoder-decoder pipeline split (pipeline_model_parallel_split_rank) does not take "
+                         "virtual pipeline stages")
     rank, world_size = _global_rank_and_world()
     if not _distributed() and max(tp, pp, cp, ep, etp) > 1:
         raise ValueError(f"torch.distributed is not initialized (a world of 1 process), so every parallel size "
                          f"must be 1; got tensor ({tp}), pipeline ({pp}), context ({cp}), expert ({ep}), "
                          f"expert tensor ({etp})")
-    plan = _plan_rank_groups(world_size, tp, pp, cp, ep, etp, order)
+    plan = _plan_rank_groups(world_size, tp, pp, cp, ep, etp, order, pipeline_model_parallel_split_rank)
 
     state = _State(rank=rank, virtual_pipeline_world_size=virtual_pipeline_model_parallel_size,
-                   virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size is not None else None)
+                   virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size is not None else None,
+                   pipeline_split_rank=pipeline_model_parallel_split_rank)
     for name in _GROUP_NAMES:
         for ranks in plan[name]:
             # new_group is collective over the whole world: every rank creates every group.
@@ -468,6 +495,38 @@ def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
 
 def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
     _STATE.virtual_pipeline_world_size = world_size
+
+
+def get_pipeline_model_parallel_split_rank() -> Optional[int]:
+    """The first decoder stage of an encoder-decoder pipeline (None: no split)."""
+    return _STATE.pipeline_split_rank
+
+
+def set_pipeline_model_parallel_split_rank(rank: Optional[int]) -> None:
+    _check_split_rank(rank, get_pipeline_model_parallel_world_size())
+    _STATE.pipeline_split_rank = rank
+
+
+def is_pipeline_stage_before_split(rank: Optional[int] = None) -> bool:
+    """Whether pipeline stage `rank` (this one by default) holds encoder layers; every stage without a split."""
+    split = _STATE.pipeline_split_rank
+    if get_pipeline_model_parallel_world_size() == 1 or split is None:
+        return True
+    return (get_pipeline_model_parallel_rank() if rank is None else rank) < split
+
+
+def is_pipeline_stage_after_split(rank: Optional[int] = None) -> bool:
+    """Whether pipeline stage `rank` (this one by default) holds decoder layers; every stage without a split."""
+    split = _STATE.pipeline_split_rank
+    if get_pipeline_model_parallel_world_size() == 1 or split is None:
+        return True
+    return (get_pipeline_model_parallel_rank() if rank is None else rank) >= split
+
+
+def is_pipeline_stage_at_split() -> bool:
+    """Whether this is the last encoder stage (the next stage is the first decoder stage)."""
+    rank = get_pipeline_model_parallel_rank()
+    return is_pipeline_stage_before_split(rank) and is_pipeline_stage_after_split(rank + 1)
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:

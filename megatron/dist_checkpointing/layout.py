@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -138,18 +138,21 @@ def _chunks(model: Any) -> List[nn.Module]:
     return [_unwrap(chunk) for chunk in chunks]
 
 
-def _layer_offset(chunk: nn.Module) -> int:
-    """Global index of the chunk's first layer (its layers carry their global layer_number)."""
-    layers = getattr(getattr(chunk, "decoder", None), "layers", None)
-    if layers is None or len(layers) == 0:
-        return 0
-    return int(getattr(layers[0], "layer_number", 1)) - 1
+def _layer_offsets(chunk: nn.Module) -> Dict[str, int]:
+    """Global index of the first layer of each of the chunk's layer stacks ("decoder", and
+    "encoder" for BERT and T5), by stack name; its layers carry their global layer_number."""
+    offsets = {}
+    for stack in ("encoder", "decoder"):
+        layers = getattr(getattr(chunk, stack, None), "layers", None)
+        if layers is not None and len(layers) > 0:
+            offsets[stack] = int(getattr(layers[0], "layer_number", 1)) - 1
+    return offsets
 
 
-def _global_name(key: str, offset: int) -> str:
+def _global_name(key: str, offsets: Dict[str, int]) -> str:
     from megatron.convert.layout_rules import renumber
 
-    return renumber(key, offset)
+    return renumber(key, offsets.get(key.split(".", 1)[0], 0))
 
 
 def model_layouts(model: Any) -> List[Tuple[TensorLayout, torch.Tensor]]:
@@ -162,15 +165,17 @@ def model_layouts(model: Any) -> List[Tuple[TensorLayout, torch.Tensor]]:
     entries: List[Tuple[TensorLayout, torch.Tensor]] = []
     rows_sizes: List[Tuple[int, int]] = []  # (entry index, local max row + 1)
     for chunk in _chunks(model):
-        offset = _layer_offset(chunk)
+        offsets = _layer_offsets(chunk)
         for key, value in chunk.state_dict(keep_vars=True).items():
             if not torch.is_tensor(value):
                 continue  # _extra_state entries without data
             local_shape = tuple(value.shape)
-            name = _global_name(key, offset)
+            name = _global_name(key, offsets)
             save = True
             if getattr(value, "shared_embedding", False):
                 name, save = "embedding.word_embeddings.weight", False
+            elif getattr(value, "pipeline_copy", False):  # held (and saved) by an earlier stage too
+                save = False
             if tp > 1 and is_tensor_parallel(value):
                 dim = int(getattr(value, "partition_dim"))
                 indices = partition_indices(value, local_shape[dim], tp, rank)

@@ -290,7 +290,9 @@ class CrossAttention(MegatronModule):
     ([np, 2, hn], Megatron-Core's layout), so a tensor-parallel rank's contiguous block of rows
     (column parallel) holds its np/t heads' keys and values, as SelfAttention splits linear_qkv;
     linear_proj is row parallel. attention_mask [b or 1, 1, sq, sk] bool, True = masked out.
-    Not supported under sequence parallelism (the encoder output would be [sk/t, b, h]).
+    Under sequence parallelism hidden_states is [sq/t, b, h] and context [sk/t, b, h]: linear_q and
+    linear_kv all-gather their inputs along the sequence (and reduce-scatter the gradients), and
+    linear_proj reduce-scatters the output back to [sq/t, b, h].
     """
 
     def __init__(self, config: TransformerConfig, submodules: CrossAttentionSubmodules | None = None,
@@ -299,8 +301,6 @@ class CrossAttention(MegatronModule):
         submodules = submodules or CrossAttentionSubmodules()
         if config.num_query_groups != config.num_attention_heads:
             raise ValueError("CrossAttention is multi-head only (num_query_groups must equal num_attention_heads)")
-        if config.sequence_parallel:
-            raise ValueError("CrossAttention does not support sequence parallelism")
         self.layer_number = layer_number
         tp, hn, heads = config.tensor_model_parallel_size, config.kv_channels, config.num_attention_heads
         self.num_attention_heads_per_partition = divide(heads, tp)

@@ -147,11 +147,13 @@ class TransformerBlock(MegatronModule):
     instead of the forward argument. post_process=False: no final layer norm. Layers are
     numbered globally (layer_number = offset + i + 1), the number query-key scaling uses; with
     init_seed each layer is initialised from its own stream (see GPTModel), so its weights do
-    not depend on which stage builds it.
+    not depend on which stage builds it. layer_range (offset, count) overrides the even split of
+    config.num_layers over the stages (an encoder-decoder model splits each stack over its own stages).
     """
 
     def __init__(self, config: TransformerConfig, spec: ModuleSpec | None = None, pre_process: bool = True,
-                 post_process: bool = True, init_seed: int | None = None) -> None:
+                 post_process: bool = True, init_seed: int | None = None,
+                 layer_range: tuple[int, int] | None = None) -> None:
         super().__init__(config)
         from megatron.model.layer_specs import layer_spec_from_config  # (layer_specs imports this module)
 
@@ -160,9 +162,10 @@ class TransformerBlock(MegatronModule):
         self.post_process = post_process
         self.input_tensor: torch.Tensor | None = None
         spec = layer_spec_from_config(config) if spec is None else spec
-        offset = get_layer_offset(config)
+        offset, count = (get_layer_offset(config), get_num_layers_to_build(config)) if layer_range is None \
+            else layer_range
         layers = []
-        for i in range(get_num_layers_to_build(config)):
+        for i in range(count):
             with init_rng(init_seed, offset + i + 1):
                 layers.append(build_module(spec, config, layer_number=offset + i + 1))
         self.layers = nn.ModuleList(layers)

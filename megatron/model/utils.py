@@ -103,7 +103,8 @@ def get_num_parameters_across_model_parallel(model: nn.Module | Iterable[nn.Modu
     seen = {}
     for module in modules:
         for param in module.parameters():
-            if param_is_not_tensor_parallel_duplicate(param) and not getattr(param, "shared_embedding", False):
+            if (param_is_not_tensor_parallel_duplicate(param) and not getattr(param, "shared_embedding", False)
+                    and not getattr(param, "pipeline_copy", False)):
                 seen[id(param)] = param.numel()
                 duplicate = getattr(param, "tensor_parallel_duplicate_rows", None)
                 if duplicate is not None:  # rows replicating another TP rank's (MQA K/V): counted there

@@ -231,12 +231,12 @@ def test_swapped_query_and_key_rows_are_refused(source, monkeypatch, capsys):
     (["--model-type", "GPT", "--save-dir", "x"], "convert.py: error: --load-dir is required"),
     (["--model-type", "GPT", "--loader", "nosuch", "--load-dir", "a", "--save-dir", "b"],
      "convert.py: error: --loader nosuch: no such loader (available: core, hf, legacy, megatron)"),
-    (["--model-type", "T5", "--load-dir", "a", "--save-dir", "b"],
-     "convert.py: error: --model-type T5: not supported (supported: GPT, BERT)"),
+    (["--model-type", "RETRO", "--load-dir", "a", "--save-dir", "b"],
+     "convert.py: error: --model-type RETRO: not supported (supported: GPT, BERT, T5)"),
     (["--model-type", "GPT", "--saver", "os", "--load-dir", "a", "--save-dir", "b"],
      "convert.py: error: --saver os: module os is not a saver plugin (it has no add_arguments, save_checkpoint, "
      "read_back)"),
-], ids=["no-load-dir", "unknown-loader", "t5", "not-a-plugin"])
+], ids=["no-load-dir", "unknown-loader", "retro", "not-a-plugin"])
 def test_bad_input_is_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         convert.cli(argv)

@@ -127,6 +127,11 @@ BAD = [
      "--seq-length (30) must be divisible by --tensor-model-parallel-size (4) with --sequence-parallel"),
     ("pp-layers", "--pipeline-model-parallel-size 2 --num-layers 3", ["--num-layers"], {"WORLD_SIZE": "2"},
      "--num-layers (3) must be divisible by --pipeline-model-parallel-size (2)"),
+    ("split-rank-range", "--pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 2", [],
+     {"WORLD_SIZE": "2"}, "--pipeline-model-parallel-split-rank (2) must be in [1, "
+     "--pipeline-model-parallel-size - 1] = [1, 1]"),
+    ("split-rank-layers", "--pipeline-model-parallel-size 3 --pipeline-model-parallel-split-rank 1 --num-layers 3",
+     ["--num-layers"], {"WORLD_SIZE": "3"}, "--num-layers (3) must be divisible by the decoder's 2 pipeline stages"),
     ("vpp-both", "--pipeline-model-parallel-size 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 1 "
      "--num-virtual-stages-per-pipeline-rank 2", ["--num-layers"], {"WORLD_SIZE": "2"},
      "give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"),

@@ -1,5 +1,6 @@
-"""T5Model equals HuggingFace's T5ForConditionalGeneration after the weight mapping below, and our
-own T5 with learned absolute positions has the encoder-decoder structure.
+"""T5Model equals HuggingFace's T5ForConditionalGeneration after the converter's mapping
+(megatron/convert/t5.py: huggingface.config_from_hf and state_dict_from_hf), and our own T5 with
+learned absolute positions has the encoder-decoder structure.
 
 The HF model: tiny and random (2 + 2 layers, d_model 32, 4 heads, d_kv 12 so kv_channels != h/np,
 d_ff 48, vocab 64, 8 buckets, max distance 16), feed_forward_proj "relu" (is_gated_act False),
@@ -18,6 +19,8 @@ norms shows. Where the architectures coincide and the flags that make them compu
 Weights: HF's separate q, k, v [np hn, h] become linear_qkv [3 np hn, h] with each head's q, k, v
 rows together (Megatron's [np, 3, hn]); the cross-attention's k, v become linear_kv with each
 head's k then v rows ([np, 2, hn]). Each check runs with the fused (default) and the plain flags.
+The other feed-forwards (gated-gelu as T5 v1.1, gated-relu, gelu, gelu_new) and transformers 5's
+scale_decoder_outputs False (config tie_word_embeddings False) give HF's logits too.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron.convert import huggingface
 from megatron.model import TransformerConfig
 from megatron.model.positions import relative_position_bucket
 from megatron.model.t5_model import T5Model, t5_attention_masks
@@ -44,13 +48,12 @@ FLAGS = pytest.mark.parametrize("flags", [FUSED, UNFUSED], ids=["fused", "unfuse
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def make_hf(seed: int = 0):
+def make_hf(seed: int = 0, feed_forward_proj: str = "relu", tie_word_embeddings: bool = True):
     config = transformers.T5Config(
         vocab_size=VOCAB, d_model=D_MODEL, d_kv=D_KV, d_ff=D_FF, num_layers=LAYERS, num_decoder_layers=LAYERS,
         num_heads=HEADS, relative_attention_num_buckets=BUCKETS, relative_attention_max_distance=MAX_DISTANCE,
-        dropout_rate=0.0, layer_norm_epsilon=1e-6, feed_forward_proj="relu", tie_word_embeddings=True,
-        decoder_start_token_id=0, pad_token_id=0)
-    assert not config.is_gated_act
+        dropout_rate=0.0, layer_norm_epsilon=1e-6, feed_forward_proj=feed_forward_proj,
+        tie_word_embeddings=tie_word_embeddings, decoder_start_token_id=0, pad_token_id=0)
     torch.manual_seed(seed)
     hf = transformers.T5ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -60,61 +63,13 @@ def make_hf(seed: int = 0):
     return hf
 
 
-def config_from_hf(c, **flags) -> TransformerConfig:
-    kwargs = dict(num_layers=c.num_layers, hidden_size=c.d_model, num_attention_heads=c.num_heads,
-                  kv_channels=c.d_kv, ffn_hidden_size=c.d_ff, normalization="RMSNorm",
-                  layernorm_epsilon=c.layer_norm_epsilon, add_bias_linear=False, activation_func=F.relu,
-                  hidden_dropout=0.0, attention_dropout=0.0)
-    return TransformerConfig(**{**flags, **kwargs})
-
-
 def make_ours(hf, **flags) -> T5Model:
-    c = hf.config
-    model = T5Model(config_from_hf(c, **flags), VOCAB, max_sequence_length=64, position_embedding_type="relative",
-                    relative_attention_num_buckets=c.relative_attention_num_buckets,
-                    relative_attention_max_distance=c.relative_attention_max_distance,
-                    attention_scale=1.0, output_hidden_scale=c.d_model ** -0.5).eval()
-    missing, unexpected = model.load_state_dict(state_dict_from_hf(hf.state_dict(), c), strict=False)
-    assert missing == ["lm_head.output_layer.bias"] and not unexpected
-    with torch.no_grad():
-        model.lm_head.output_layer.bias.zero_()  # HF has no output bias
+    """Our T5Model of the HF model, through the converter's mapping (megatron/convert/t5.py)."""
+    config, model_kwargs = huggingface.config_from_hf(hf.config)
+    model = T5Model(TransformerConfig(**{**flags, **config}), **model_kwargs).eval()
+    model.load_state_dict(huggingface.state_dict_from_hf(hf.state_dict(), hf.config), strict=True)
+    assert not model.lm_head.output_layer.bias.any()  # HF has no output bias: the mapping gives zeros
     return model
-
-
-def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], c) -> dict[str, torch.Tensor]:
-    """HF T5ForConditionalGeneration names -> ours (Megatron-Core T5Model names); works on grads too."""
-    np_, hn, h = c.num_heads, c.d_kv, c.d_model
-
-    def heads(w):  # [np hn, h] -> [np, hn, h]
-        return w.reshape(np_, hn, h)
-
-    sd = {"embedding.word_embeddings.weight": hf_sd["shared.weight"],
-          "encoder.final_layernorm.weight": hf_sd["encoder.final_layer_norm.weight"],
-          "decoder.final_layernorm.weight": hf_sd["decoder.final_layer_norm.weight"],
-          "encoder_relative_pos_emb.relative_attention_bias.weight":
-              hf_sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"],
-          "decoder_relative_pos_emb.relative_attention_bias.weight":
-              hf_sd["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"]}
-    for stack in ("encoder", "decoder"):
-        mlp_index = 1 if stack == "encoder" else 2
-        for i in range(c.num_layers):
-            hf_p, ours = f"{stack}.block.{i}.layer.", f"{stack}.layers.{i}."
-            att = hf_p + "0.SelfAttention."
-            sd[ours + "input_layernorm.weight"] = hf_sd[hf_p + "0.layer_norm.weight"]
-            sd[ours + "self_attention.linear_qkv.weight"] = torch.stack(
-                [heads(hf_sd[att + n + ".weight"]) for n in "qkv"], dim=1).reshape(3 * np_ * hn, h)
-            sd[ours + "self_attention.linear_proj.weight"] = hf_sd[att + "o.weight"]
-            if stack == "decoder":
-                cross = hf_p + "1.EncDecAttention."
-                sd[ours + "pre_cross_attn_layernorm.weight"] = hf_sd[hf_p + "1.layer_norm.weight"]
-                sd[ours + "cross_attention.linear_q.weight"] = hf_sd[cross + "q.weight"]
-                sd[ours + "cross_attention.linear_kv.weight"] = torch.stack(
-                    [heads(hf_sd[cross + n + ".weight"]) for n in "kv"], dim=1).reshape(2 * np_ * hn, h)
-                sd[ours + "cross_attention.linear_proj.weight"] = hf_sd[cross + "o.weight"]
-            sd[ours + "pre_mlp_layernorm.weight"] = hf_sd[f"{hf_p}{mlp_index}.layer_norm.weight"]
-            sd[ours + "mlp.linear_fc1.weight"] = hf_sd[f"{hf_p}{mlp_index}.DenseReluDense.wi.weight"]
-            sd[ours + "mlp.linear_fc2.weight"] = hf_sd[f"{hf_p}{mlp_index}.DenseReluDense.wo.weight"]
-    return sd
 
 
 def make_batch(seed: int = 1):
@@ -148,6 +103,24 @@ def test_config_is_relu_not_gated():
     assert hf.config.dense_act_fn == "relu" and not hf.config.is_gated_act and hf.config.tie_word_embeddings
 
 
+# T5 v1.1's MLP: gated-gelu is act(wi_0 x) * wi_1 x with HF's gelu_new, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715
+# x^3))), the formula of F.gelu(approximate="tanh") (our openai_gelu). tie_word_embeddings False is transformers
+# 5's scale_decoder_outputs False (the head stays tied; no d_model ** -0.5).
+@pytest.mark.parametrize("feed_forward_proj, tied", [("gated-gelu", True), ("gated-gelu", False),
+                                                     ("gated-relu", True), ("gelu", True), ("gelu_new", False)])
+def test_logits_equal_hf_for_other_feed_forwards(feed_forward_proj, tied):
+    hf = make_hf(feed_forward_proj=feed_forward_proj, tie_word_embeddings=tied)
+    assert getattr(hf.config, "scale_decoder_outputs", tied) == tied
+    model = make_ours(hf)
+    assert model.output_hidden_scale == (D_MODEL ** -0.5 if tied else 1.0)
+    assert model.decoder.layers[0].mlp.gated == feed_forward_proj.startswith("gated")
+    enc, enc_pad, dec, _ = make_batch()
+    with torch.no_grad():
+        expected = hf(input_ids=enc, attention_mask=enc_pad, decoder_input_ids=dec).logits  # [b, s_dec, v]
+        logits = model(enc, dec, *our_masks(enc_pad))
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
 @FLAGS
 def test_logits_equal_hf_with_padded_encoder(flags):
     hf = make_hf()
@@ -173,7 +146,8 @@ def test_loss_and_gradients_equal_hf(flags):
     hf_loss.sum().backward()
     loss.sum().backward()
     hf_grads = {name: p.grad for name, p in hf.named_parameters() if p.grad is not None}
-    expected = state_dict_from_hf(hf_grads, hf.config)
+    expected = huggingface.state_dict_from_hf(hf_grads, hf.config)
+    del expected["lm_head.output_layer.bias"]  # the mapping's zeros: HF has no such parameter
     ours = dict(model.named_parameters())
     assert set(expected) == set(ours) - {"lm_head.output_layer.bias"}
     for name, grad in expected.items():

@@ -5,7 +5,8 @@
         --target-tensor-parallel-size 4 --target-pipeline-parallel-size 1
 
 The loader (tools/checkpoint/loader_NAME.py) yields a Metadata and then whole tensors one at a
-time under the names of a TP = 1, PP = 1 GPTModel (BertModel with --model-type BERT); the saver
+time under the names of a TP = 1, PP = 1 GPTModel (BertModel with --model-type BERT, T5Model with
+--model-type T5); the saver
 (saver_NAME.py) writes them. Plugins are modules with add_arguments(parser) and
 load_checkpoint(args) -> (metadata, tensors), or save_checkpoint(metadata, tensors, args, save_dir)
 and read_back(save_dir) -> (args, tensors).
@@ -14,7 +15,8 @@ Unlike Megatron-LM's the two run in one process (a generator, not a queue).
 The saver writes into a temporary folder beside --save-dir. Unless --no-verify, the source and the
 written checkpoint are then both built as TP = 1 models on CPU and their logits compared on fixed
 token sequences (megatron/convert/verify.py; for --model-type BERT BertModels, MLM and binary-head
-logits with a padding mask); only a conversion that matches is renamed to
+logits with a padding mask; for T5 T5Models, the decoder's logits over a padded encoder input);
+only a conversion that matches is renamed to
 --save-dir. On any failure the temporary folder is removed: --save-dir never holds a partial or
 unverified checkpoint. docs/checkpoints.md has the details.
 """
@@ -38,7 +40,7 @@ from megatron.checkpoint_safety import CheckpointError  # noqa: E402
 from megatron.cli import run_cli  # noqa: E402
 from megatron.convert.layout_rules import UnknownTensorError  # noqa: E402
 
-MODEL_TYPES = ("GPT", "BERT")  # T5 joins in its own issue
+MODEL_TYPES = ("GPT", "BERT", "T5")
 
 
 class ConversionError(ValueError):
@@ -114,13 +116,28 @@ def load(args: argparse.Namespace, loader: ModuleType) -> tuple:
     """loader.load_checkpoint, its args marked with --model-type (args.model_family: which model
     verify and pretrain_{gpt,bert}.py build); a checkpoint marked with another type is refused."""
     meta, tensors = loader.load_checkpoint(args)
-    family = getattr(meta.args, "model_family", None)  # None: unmarked (GPT, or a pretrain_bert.py run's)
+    family = getattr(meta.args, "model_family", None)  # None: unmarked (GPT, or a pretrain_bert/t5.py run's)
+    if family is None and isinstance(getattr(meta.args, "hf_config", None), dict):
+        family = "GPT"  # from an HF causal LM (args_from_hf marks BERT and T5)
     if family is not None and family != args.model_type:
         raise ConversionError(f"--model-type {args.model_type}: the checkpoint under {args.load_dir} holds a "
                               f"{family} model")
     if args.model_type != "GPT":  # GPT checkpoints stay unmarked, as before BERT joined
         meta.args.model_family = args.model_type
+    _refuse_t5_pipeline(args, meta.args)
     return meta, tensors
+
+
+def _refuse_t5_pipeline(args: argparse.Namespace, source: argparse.Namespace) -> None:
+    """T5 converts at PP = 1 only: its stages (encoder stages, then decoder stages, split at
+    --pipeline-model-parallel-split-rank) have no layout in the writer and reader yet."""
+    if args.model_type != "T5":
+        return
+    target = getattr(args, "target_pipeline_parallel_size", None) or 1
+    chunks = getattr(args, "target_num_layers_per_virtual_pipeline_stage", None)
+    if target > 1 or chunks is not None or int(getattr(source, "pipeline_model_parallel_size", 1) or 1) > 1:
+        raise ConversionError("--model-type T5: pipeline parallelism is not supported by the converter yet "
+                              "(the source and the target must have pipeline-parallel size 1)")
 
 
 def verify(args: argparse.Namespace, loader: ModuleType, saver: ModuleType, staging: str) -> None:

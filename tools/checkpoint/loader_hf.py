@@ -1,4 +1,5 @@
-"""`--loader hf`: a transformers model directory (GPT-2, Llama, Mistral, Qwen2, GPT-NeoX causal LMs).
+"""`--loader hf`: a transformers model directory (GPT-2, Llama, Mistral, Qwen2, GPT-NeoX causal LMs;
+MegatronBertForPreTraining with --model-type BERT, T5ForConditionalGeneration with --model-type T5).
 
 config.json gives the model (megatron/convert/hf_files.args_from_hf: our training args at TP = 1,
 PP = 1, the vocabulary padded as Megatron pads it); the weights come from model.safetensors, its

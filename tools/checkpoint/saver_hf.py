@@ -1,5 +1,5 @@
 """`--saver hf`: write a transformers model directory that AutoModelForCausalLM.from_pretrained loads
-(MegatronBertForPreTraining.from_pretrained for --model-type BERT).
+(MegatronBertForPreTraining.from_pretrained for --model-type BERT, T5ForConditionalGeneration for T5).
 
     config.json                   the source's HF config when it came from HF (args.hf_config), else
                                   built from our args (huggingface.hf_config_from_args)
@@ -28,6 +28,7 @@ from megatron.convert.hf_files import (
 )
 from megatron.convert.layout_rules import is_vocab_tensor
 from megatron.convert.megatron_format import Metadata
+from megatron.convert.t5 import T5_ARGS
 
 
 # Names in the files that differ from the model's: transformers (4 and 5) writes GPT-NeoX's output
@@ -83,8 +84,11 @@ def _check_config(config: Any, args: argparse.Namespace) -> None:
                 and not (dest.startswith("rotary_") and args.position_embedding_type != "rope")
                 and not (dest == "num_query_groups" and not derived["group_query_attention"])
                 and dest != "openai_gelu"]  # compared as the GeLU computed, below
+    if derived.get("t5_activation") is not None:  # T5: its own args (megatron/convert/t5.py)
+        problems += [f"{dest} {getattr(args, dest, None)} in the checkpoint, {derived[dest]} in the HF config"
+                     for dest in T5_ARGS if getattr(args, dest, None) != derived[dest]]
     ours, theirs = huggingface.computes_tanh_gelu(vars(args)), huggingface.computes_tanh_gelu(derived)
-    if not getattr(args, "swiglu", False) and ours != theirs:
+    if not getattr(args, "swiglu", False) and derived.get("t5_activation") is None and ours != theirs:
         names = {True: "the tanh GeLU", False: "the erf GeLU"}
         problems.append(f"the checkpoint's model computes {names[ours]} (--openai-gelu "
                         f"{getattr(args, 'openai_gelu', False)}, --bias-gelu-fusion "

@@ -89,13 +89,16 @@ class DistributedDataParallel(nn.Module):
                     module.register_forward_pre_hook(self._make_param_sync_hook(list(buckets.values())))
 
     def _pipeline_shared_embedding(self) -> List[nn.Parameter]:
-        """The tied embedding weight on the first / last pipeline stage (if any)."""
+        """The tied embedding weight on the first / last pipeline stage (if any), and the learned
+        position table an encoder-decoder split keeps on its first encoder and first decoder stage."""
         inner = unwrap_model(self.module)
         if (parallel_state.get_pipeline_model_parallel_world_size() == 1
                 or not getattr(inner, "share_embeddings_and_output_weights", False)
                 or not (getattr(inner, "pre_process", False) or getattr(inner, "post_process", False))):
             return []
-        return [inner.shared_embedding_or_output_weight()]
+        shared = [inner.shared_embedding_or_output_weight()]
+        position = split_position_embedding(inner)
+        return shared + ([position] if position is not None else [])
 
     def _grad_hook(self, param: nn.Parameter) -> None:
         if param.grad is None:
@@ -178,3 +181,14 @@ class DistributedDataParallel(nn.Module):
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         unwrap_model(self.module).set_input_tensor(input_tensor)
+
+
+def split_position_embedding(model: nn.Module) -> Optional[nn.Parameter]:
+    """The learned position table held on both sides of an encoder-decoder pipeline split (the first
+    encoder and the first decoder stage), whose gradients finalize_model_grads sums; else None."""
+    if (parallel_state.get_pipeline_model_parallel_world_size() == 1
+            or parallel_state.get_pipeline_model_parallel_split_rank() is None):
+        return None
+    table = getattr(getattr(model, "embedding", None), "position_embeddings", None)
+    return table.weight if table is not None else None
+

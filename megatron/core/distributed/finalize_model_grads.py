@@ -11,7 +11,9 @@ In this order (Megatron's):
        holding the same group (allreduce_replicated_kv_grads).
     3. embedding-group reduction (pipeline parallelism with tied input/output embeddings): the
        first stage's word embedding and the last stage's copy of it are one logical weight; their
-       gradients are summed over the embedding group, so both copies take the same step.
+       gradients are summed over the embedding group, so both copies take the same step. An
+       encoder-decoder split (T5) adds the first decoder stage's copy to the group, and sums the
+       learned position table of its first encoder and first decoder stage likewise.
     4. per-token normalisation (--calculate-per-token-loss): gradients divided by the number of
        loss tokens of the global batch (each replica's count summed over the data-parallel group;
        DistributedDataParallel summed, not averaged, the replicas' gradients).
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from megatron.core import communication, device, parallel_state
-from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel, split_position_embedding
 from megatron.core.utils import unwrap_model
 
 
@@ -103,6 +105,18 @@ def allreduce_embedding_grads(model_chunks: List[nn.Module]) -> None:
         communication.all_reduce(grad, group=parallel_state.get_embedding_group())
 
 
+def allreduce_position_embedding_grads(model_chunks: List[nn.Module]) -> None:
+    """Sum the learned position table's gradient over the first encoder and first decoder stage
+    (an encoder-decoder pipeline split holds the table on both)."""
+    if (parallel_state.get_pipeline_model_parallel_world_size() == 1
+            or not parallel_state.is_rank_in_position_embedding_group()):
+        return
+    table = split_position_embedding(unwrap_model(model_chunks[0]))
+    grad = _grad_of(table) if table is not None else None
+    if grad is not None:
+        communication.all_reduce(grad, group=parallel_state.get_position_embedding_group())
+
+
 def scale_gradients(model_chunks: List[nn.Module], factor: float) -> None:
     """Multiply every gradient by factor."""
     for chunk in model_chunks:
@@ -167,5 +181,6 @@ def finalize_model_grads(model_chunks: List[nn.Module], num_tokens: Optional[tor
     allreduce_sequence_parallel_grads(model_chunks)
     allreduce_replicated_kv_grads(model_chunks)
     allreduce_embedding_grads(model_chunks)
+    allreduce_position_embedding_grads(model_chunks)
     if num_tokens is not None:
         divide_by_global_token_count(model_chunks, num_tokens)

@@ -1,9 +1,11 @@
 """Point-to-point traffic between adjacent pipeline stages.
 
 Activations travel forward (stage p -> p+1), their gradients backward (p+1 -> p). Shapes are
-known in advance: every stage boundary carries a [s/cp (or s/(cp*t) under sequence
-parallelism), micro-batch, hidden] tensor, so receivers allocate before the data arrives and no
-shape exchange is needed. The ranks form a ring (stage pp-1's "next" is stage 0), which the
+known in advance: a stage boundary carries a [s/cp (or s/(cp*t) under sequence parallelism),
+micro-batch, hidden] tensor, or several (an encoder-decoder model's decoder stages pass their
+hidden states and the encoder output), so receivers allocate before the data arrives and no
+shape exchange is needed. A tensor_shape is one shape (one tensor each way) or a list of shapes
+(a list of tensors each way, in that order). The ranks form a ring (stage pp-1's "next" is stage 0), which the
 interleaved schedule uses to pass a model chunk's output to the first stage's next chunk.
 
 Every call posts all of its sends and receives together (torch.distributed.batch_isend_irecv)
@@ -133,35 +135,55 @@ def _timeout_error(description: str, where: Optional[Where]) -> PipelineTimeoutE
         "(see --distributed-timeout-minutes)")
 
 
-def _communicate(*, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: Optional[torch.Tensor],
-                 recv_prev: bool, recv_next: bool, tensor_shape: Sequence[int], dtype: torch.dtype,
-                 op_name: str, where: Optional[Where]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Post the sends and receives of one step together and wait; returns (from prev, from next).
+def _as_shapes(tensor_shape) -> Tuple[List[Tuple[int, ...]], bool]:
+    """(the shapes, whether the caller gave a list of them) of a tensor_shape argument."""
+    if isinstance(tensor_shape, (list, tuple)) and tensor_shape and isinstance(tensor_shape[0], (list, tuple, torch.Size)):
+        return [tuple(shape) for shape in tensor_shape], True
+    return [tuple(tensor_shape)], False
+
+
+def _as_tensors(tensors) -> List[torch.Tensor]:
+    if tensors is None:
+        return []
+    return list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
+
+
+def _communicate(*, tensor_send_next, tensor_send_prev, recv_prev: bool, recv_next: bool, tensor_shape,
+                 dtype: torch.dtype, op_name: str, where: Optional[Where]):
+    """Post the sends and receives of one step together and wait; returns (from prev, from next),
+    each a tensor, or a list of tensors when tensor_shape is a list of shapes.
 
     Received activations (from prev) require grad: the stage back-propagates into them.
     """
     group = parallel_state.get_pipeline_model_parallel_group()
     next_rank, prev_rank = _next_rank(), _prev_rank()
     where_to = device.get_device()
-    from_prev = from_next = None
-    if recv_prev:
-        from_prev = torch.empty(tuple(tensor_shape), dtype=dtype, device=where_to, requires_grad=True)
-    if recv_next:
-        from_next = torch.empty(tuple(tensor_shape), dtype=dtype, device=where_to, requires_grad=True)
+    shapes, many = _as_shapes(tensor_shape)
+
+    def buffers() -> List[torch.Tensor]:
+        return [torch.empty(shape, dtype=dtype, device=where_to, requires_grad=True) for shape in shapes]
+
+    from_prev = buffers() if recv_prev else []
+    from_next = buffers() if recv_next else []
     ops: List[dist.P2POp] = []
     waits_on: List[str] = []
+    count = f" ({len(shapes)} tensors)" if many and len(shapes) > 1 else ""
+    for tensor in _as_tensors(tensor_send_next):
+        ops.append(dist.P2POp(dist.isend, _contiguous(tensor), next_rank, group, _FORWARD_TAG))
     if tensor_send_next is not None:
-        ops.append(dist.P2POp(dist.isend, _contiguous(tensor_send_next), next_rank, group, _FORWARD_TAG))
         waits_on.append(f"send activations to {_stage_label(next_rank)}")
+    for tensor in _as_tensors(tensor_send_prev):
+        ops.append(dist.P2POp(dist.isend, _contiguous(tensor), prev_rank, group, _BACKWARD_TAG))
     if tensor_send_prev is not None:
-        ops.append(dist.P2POp(dist.isend, _contiguous(tensor_send_prev), prev_rank, group, _BACKWARD_TAG))
         waits_on.append(f"send gradients to {_stage_label(prev_rank)}")
-    if from_prev is not None:
-        ops.append(dist.P2POp(dist.irecv, from_prev.data, prev_rank, group, _FORWARD_TAG))
-        waits_on.append(f"receive activations from {_stage_label(prev_rank)}")
-    if from_next is not None:
-        ops.append(dist.P2POp(dist.irecv, from_next.data, next_rank, group, _BACKWARD_TAG))
-        waits_on.append(f"receive gradients from {_stage_label(next_rank)}")
+    for buffer in from_prev:
+        ops.append(dist.P2POp(dist.irecv, buffer.data, prev_rank, group, _FORWARD_TAG))
+    if recv_prev:
+        waits_on.append(f"receive activations{count} from {_stage_label(prev_rank)}")
+    for buffer in from_next:
+        ops.append(dist.P2POp(dist.irecv, buffer.data, next_rank, group, _BACKWARD_TAG))
+    if recv_next:
+        waits_on.append(f"receive gradients{count} from {_stage_label(next_rank)}")
     if ops:
         from megatron.core import communication
 
@@ -169,7 +191,13 @@ def _communicate(*, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: 
             communication.record("p2p_" + ("send" if op.op is dist.isend else "recv"), group, op.tensor)
         requests = dist.batch_isend_irecv(ops)
         _wait(requests, f"{op_name} ({'; '.join(waits_on)})", where, dist.get_backend(group) == "gloo")
-    return from_prev, from_next
+
+    def result(received: List[torch.Tensor]):
+        if not received:
+            return None
+        return received if many else received[0]
+
+    return result(from_prev), result(from_next)
 
 
 def _contiguous(tensor: torch.Tensor) -> torch.Tensor:

@@ -116,27 +116,38 @@ class _Run:
         last = microbatch == self.num_microbatches - 1
         with (contextlib.nullcontext() if last or no_sync is None else no_sync()), \
                 tracer.step("B", microbatch, virtual_stage):
-            if input_tensor is not None:
-                input_tensor.retain_grad()
+            inputs = _tensors(input_tensor)
+            for tensor in inputs:
+                tensor.retain_grad()
             if output_tensor_grad is None:  # the last stage: output_tensor is the loss
                 if self.grad_scale_func is not None:
                     output_tensor = self.grad_scale_func(output_tensor)
                 torch.autograd.backward(output_tensor)
             else:
-                _backward_through(output_tensor, output_tensor_grad)
-            return None if input_tensor is None else input_tensor.grad
+                _backward_through(_tensors(output_tensor), _tensors(output_tensor_grad))
+            if input_tensor is None:
+                return None
+            # An input no output depends on (none in the models here) sends a zero gradient back.
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs]
+            return grads if isinstance(input_tensor, list) else grads[0]
 
-    def release(self, output_tensor: Optional[torch.Tensor]) -> None:
+    def release(self, output_tensor, input_tensor=None) -> None:
         """Free a sent output's storage; its autograd graph (what backward needs) stays.
 
-        Callers pass None for a loss (the model's last stage sends nothing).
+        Callers pass None for a loss (the model's last stage sends nothing). An output that is one
+        of the stage's inputs passed on (a T5 decoder stage forwards the encoder output) is kept:
+        the stage's own graph still reads it.
         """
         if not self.deallocate or output_tensor is None:
             return
-        if output_tensor._base is not None:
-            raise RuntimeError("a pipeline stage's output must not be a view of another tensor: freeing its "
-                               "storage would free the base too (return a fresh tensor from the stage)")
-        output_tensor.data = torch.empty((1,), device=output_tensor.device, dtype=output_tensor.dtype)
+        inputs = _tensors(input_tensor)
+        for tensor in _tensors(output_tensor):
+            if any(tensor is received for received in inputs):
+                continue
+            if tensor._base is not None:
+                raise RuntimeError("a pipeline stage's output must not be a view of another tensor: freeing its "
+                                   "storage would free the base too (return a fresh tensor from the stage)")
+            tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
 
     def finish(self, model: List[torch.nn.Module], finalize_model_grads_func: Optional[Callable]) -> None:
         """After the last backward: the gradient reductions (and per-token scaling)."""
@@ -155,17 +166,26 @@ class _Run:
             scale_gradients(model, 1.0 / max(int(tokens), 1))
 
 
-def _backward_through(output_tensor: torch.Tensor, grad: torch.Tensor) -> None:
-    """Back-propagate grad into output_tensor's graph, whose storage may have been released.
+def _tensors(tensor) -> List[torch.Tensor]:
+    """A boundary value (None, one tensor, or a list of them) as a list."""
+    if tensor is None:
+        return []
+    return list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
 
-    torch.autograd.backward checks that grad has the tensor's shape, which a released output
+
+def _backward_through(outputs: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+    """Back-propagate grads into the outputs' graph, whose storage may have been released.
+
+    torch.autograd.backward checks that each grad has its tensor's shape, which a released output
     (a 1-element placeholder) no longer has; the engine itself needs only the graph.
     """
-    if output_tensor.shape == grad.shape:
-        torch.autograd.backward(output_tensor, grad_tensors=grad)
+    if len(outputs) != len(grads):
+        raise RuntimeError(f"a pipeline stage sent {len(outputs)} tensors but received {len(grads)} gradients")
+    if all(output.shape == grad.shape for output, grad in zip(outputs, grads)):
+        torch.autograd.backward(outputs, grad_tensors=grads)
         return
     torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(output_tensor,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        tensors=tuple(outputs), grad_tensors=tuple(grads), keep_graph=False, create_graph=False,
         inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
 
 
@@ -187,6 +207,24 @@ def _boundary_shape(model: torch.nn.Module, seq_length: Optional[int], micro_bat
             raise ValueError(f"sequence length {seq} is not divisible by the tensor-parallel size {tp}")
         seq //= tp
     return (seq, micro_batch_size, config.hidden_size), config.params_dtype
+
+
+def _boundary_shapes(model: torch.nn.Module, seq_length: Optional[int], micro_batch_size: Optional[int],
+                     decoder_seq_length: Optional[int]):
+    """(what this stage receives, what it sends, dtype). A model whose stages pass several tensors
+    declares their sequence lengths (boundary_sequence_lengths(seq_length, decoder_seq_length) ->
+    (received, sent), T5Model's); the shapes are then lists, one [s, b, h] per tensor. Otherwise
+    both are the one [seq_length, b, h] shape."""
+    declare = getattr(unwrap_model(model), "boundary_sequence_lengths", None)
+    if declare is None:
+        shape, dtype = _boundary_shape(model, seq_length, micro_batch_size)
+        return shape, shape, dtype
+    if seq_length is None:
+        raise ValueError("pipelined schedules need seq_length: receivers allocate before the data arrives")
+    received, sent = declare(seq_length, decoder_seq_length)
+    dtype = unwrap_model(model).config.params_dtype
+    return ([_boundary_shape(model, s, micro_batch_size)[0] for s in received],
+            [_boundary_shape(model, s, micro_batch_size)[0] for s in sent], dtype)
 
 
 # ------------------------------------------------------------------------------ no pipelining
@@ -238,7 +276,10 @@ def forward_backward_pipelining_without_interleaving(
     model_chunk = chunks[0]
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
-    shape, dtype = _boundary_shape(model_chunk, seq_length, micro_batch_size)
+    # A stage receives activations (and sends their gradients) in recv_shape, and sends
+    # activations (and receives their gradients) in send_shape: the same unless the model declares
+    # its boundaries (an encoder-decoder split, where the decoder stages pass two tensors).
+    recv_shape, send_shape, dtype = _boundary_shapes(model_chunk, seq_length, micro_batch_size, decoder_seq_length)
     run = _Run(forward_step_func, num_microbatches, forward_only, grad_scale_func, calculate_per_token_loss,
                deallocate_pipeline_outputs)
     p2p = p2p_communication
@@ -267,41 +308,41 @@ def forward_backward_pipelining_without_interleaving(
         return grad
 
     for _ in range(num_warmup):
-        input_tensor = p2p.recv_forward(shape, dtype, Where(next_forward))
+        input_tensor = p2p.recv_forward(recv_shape, dtype, Where(next_forward))
         output = forward(input_tensor)
-        p2p.send_forward(output, shape, dtype, Where(next_forward - 1))
+        p2p.send_forward(output, send_shape, dtype, Where(next_forward - 1))
         if not forward_only:
             inputs.append(input_tensor)
             outputs.append(output)
-            run.release(output if sends else None)
+            run.release(output if sends else None, input_tensor)
 
-    input_tensor = p2p.recv_forward(shape, dtype, Where(next_forward)) if num_steady > 0 else None
+    input_tensor = p2p.recv_forward(recv_shape, dtype, Where(next_forward)) if num_steady > 0 else None
     for i in range(num_steady):
         last = i == num_steady - 1
         output = forward(input_tensor)
         if forward_only:
-            p2p.send_forward(output, shape, dtype, Where(next_forward - 1))
+            p2p.send_forward(output, send_shape, dtype, Where(next_forward - 1))
             if not last:
-                input_tensor = p2p.recv_forward(shape, dtype, Where(next_forward))
+                input_tensor = p2p.recv_forward(recv_shape, dtype, Where(next_forward))
             continue
-        output_grad = p2p.send_forward_recv_backward(output, shape, dtype,
+        output_grad = p2p.send_forward_recv_backward(output, send_shape, dtype,
                                                      Where(next_backward, sending=next_forward - 1))
         inputs.append(input_tensor)
         outputs.append(output)
-        run.release(output if sends else None)
+        run.release(output if sends else None, input_tensor)
         input_grad = backward(output_grad)
         if last:
             input_tensor = None
-            p2p.send_backward(input_grad, shape, dtype, Where(next_backward - 1))
+            p2p.send_backward(input_grad, recv_shape, dtype, Where(next_backward - 1))
         else:
-            input_tensor = p2p.send_backward_recv_forward(input_grad, shape, dtype,
+            input_tensor = p2p.send_backward_recv_forward(input_grad, recv_shape, dtype,
                                                           Where(next_forward, sending=next_backward - 1))
 
     if not forward_only:
         for _ in range(num_warmup):
-            output_grad = p2p.recv_backward(shape, dtype, Where(next_backward))
+            output_grad = p2p.recv_backward(send_shape, dtype, Where(next_backward))
             input_grad = backward(output_grad)
-            p2p.send_backward(input_grad, shape, dtype, Where(next_backward - 1))
+            p2p.send_backward(input_grad, recv_shape, dtype, Where(next_backward - 1))
     run.finish(chunks, finalize_model_grads_func)
     return run.losses
 
@@ -338,6 +379,9 @@ def forward_backward_pipelining_with_interleaving(
     iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator] * v
     if len(iterators) != v:
         raise ValueError(f"the interleaved schedule takes one data iterator per model chunk ({v}), got {len(iterators)}")
+    if getattr(unwrap_model(chunks[0]), "boundary_sequence_lengths", None) is not None:
+        raise ValueError(f"{type(unwrap_model(chunks[0])).__name__} declares its own pipeline boundaries, which "
+                         "the interleaved schedule does not take")
     shape, dtype = _boundary_shape(chunks[0], seq_length, micro_batch_size)
     run = _Run(forward_step_func, num_microbatches, forward_only, grad_scale_func, calculate_per_token_loss,
                deallocate_pipeline_outputs)

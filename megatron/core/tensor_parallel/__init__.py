@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel.random import (
     checkpoint,
     get_cuda_rng_tracker,
     get_rng_tracker,
+    make_viewless_tensor,
     model_parallel_cuda_manual_seed,
 )
 from megatron.core.tensor_parallel.utils import (

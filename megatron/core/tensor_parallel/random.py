@@ -175,6 +175,12 @@ class _MakeViewless(torch.autograd.Function):
         return grad_output
 
 
+def make_viewless_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor itself, or when it is a view an alias that is not (Megatron's make_viewless_tensor):
+    a pipeline stage's output can then be released (its .data swapped) after it is sent."""
+    return tensor if tensor._base is None else _MakeViewless.apply(tensor)
+
+
 class CheckpointFunction(torch.autograd.Function):
     """Runs `function(*args)` without keeping its activations; backward reruns it (Megatron's).
 
