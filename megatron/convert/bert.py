@@ -139,7 +139,14 @@ def hf_bert_config_from_args(args: Any, vocab_size: int) -> dict:
     hidden, heads = int(args.hidden_size), int(args.num_attention_heads)
     head_dim = int(getattr(args, "kv_channels", None) or hidden // heads)
     refuse(head_dim * heads != hidden, "kv_channels x heads != hidden")
-    gelu = "gelu_new" if hf_map.computes_tanh_gelu(vars(args)) else "gelu"
+    # HF's one hidden_act serves the MLP and the LM head; ours may differ: the fused bias-GeLU
+    # (Megatron's default) is the tanh form, the LM head's GeLU the erf one unless --openai-gelu.
+    tanh_mlp, tanh_head = hf_map.computes_tanh_gelu(vars(args)), bool(getattr(args, "openai_gelu", False))
+    refuse(tanh_mlp != tanh_head,
+           "the tanh GeLU in its MLP (the fused bias-GeLU, Megatron's default) and the erf GeLU in its LM head "
+           "(HF's single hidden_act computes one of them; the logits would differ by about 1e-4: train with "
+           "--no-bias-gelu-fusion for erf in both, or --openai-gelu for tanh in both)")
+    gelu = "gelu_new" if tanh_mlp else "gelu"
     return dict(model_type="bert" if post_ln else "megatron-bert", architectures=[architecture],
                 vocab_size=vocab_size, hidden_size=hidden,
                 num_hidden_layers=int(args.num_layers), num_attention_heads=heads,
