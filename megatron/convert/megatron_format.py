@@ -5,10 +5,12 @@ size when known) and then (name, tensor) pairs, one at a time, in the order of a
 GPTModel state dict (embedding, decoder.layers.0 ... L-1, final norm, output layer; a BertModel's:
 embedding, encoder.layers.0 ... L-1, final norm, heads; a T5Model's: embedding, encoder.layers.0 ...
 L-1, its norm, decoder.layers.0 ... L-1, its norm, lm_head.output_layer.bias, the two relative
-position tables; T5 at PP = 1 only). Names are that
+position tables). Names are that
 model's keys, layers numbered globally; tensors are whole (TP = 1) and the vocabulary rows keep the
 source's padding (args.padded_vocab_size rows). With tied embeddings the last stage's copy of the
-word embeddings (output_layer.weight at PP > 1) is not sent: it must equal the embedding.
+word embeddings (output_layer.weight at PP > 1) is not sent: it must equal the embedding. T5's
+stages (encoder stages, then decoder stages, at args.pipeline_model_parallel_split_rank; their
+copies of the embedding) are in megatron/convert/t5_stages.py.
 
 Megatron-LM's own files share this layout and differ inside each file: a `Dialect` translates one
 file's args, version check and model entry (megatron/convert/legacy.py: `--loader legacy`,
@@ -38,6 +40,7 @@ from megatron.checkpointing import (
 from megatron.convert.layout_rules import (
     is_vocab_tensor, layer_index, padded_vocab_size, query_groups, renumber, tensor_layout,
 )
+from megatron.convert.t5_stages import T5Stages, is_t5, split_problems
 from megatron.core.atomic_io import Checksum, atomic_write
 from megatron.convert.streaming_save import StreamingFile
 from megatron.core.tensor_parallel.layout import merge_shards, shard_for_rank
@@ -289,29 +292,66 @@ def read_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
         # open_source checked every file against the manifest
         yield from whole_model_tensors(base_dir, read_dcp_metadata(os.path.join(base_dir, DCP_METADATA)))
         return
-    args, tp = source.args, source.tp
+    if is_t5(source.args) and source.pp > 1:
+        yield from _t5_stage_tensors(source)
+        return
+    args = source.args
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     per_chunk = int(args.num_layers) // (source.pp * source.vp)
     embedding = None  # kept when tied, to check the last stage's copy against it
     for chunk in range(source.vp):  # chunk v of stage p is model chunk v * pp + p
         for pp_rank in range(source.pp):
-            models = _stage_models(source, pp_rank, chunk)
             offset = (chunk * source.pp + pp_rank) * per_chunk
-            for name in list(models[0]):
-                shards = [m.pop(name) for m in models]  # freed once merged: the stage's memory shrinks
-                if name.endswith("_extra_state"):
-                    if any(_carries_data(shard) for shard in shards):
-                        raise CheckpointError(f"{name} carries data (FP8 state?) the converter cannot place")
-                    continue
-                whole = _merged(name, shards, args, tp, pp_rank)
-                del shards
+            for name, whole in _stage_tensors(source, pp_rank, chunk):
                 if tied and name == TIED_COPY:  # the last stage's copy of the tied embedding: not sent
                     _check_tied_copy(embedding, whole)
                     continue
                 if tied and name == EMBEDDING:
                     embedding = whole
                 yield renumber(name, offset), whole
-            del models
+
+
+def _stage_tensors(source: Source, pp_rank: int, chunk: int) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(local name, whole tensor) of model chunk `chunk` of stage pp_rank, its TP shards merged."""
+    models = _stage_models(source, pp_rank, chunk)
+    for name in list(models[0]):
+        shards = [m.pop(name) for m in models]  # freed once merged: the stage's memory shrinks
+        if name.endswith("_extra_state"):
+            if any(_carries_data(shard) for shard in shards):
+                raise CheckpointError(f"{name} carries data (FP8 state?) the converter cannot place")
+            continue
+        whole = _merged(name, shards, source.args, source.tp, pp_rank)
+        del shards
+        yield name, whole
+    del models
+
+
+def _t5_stage_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
+    """A T5 checkpoint's stages (megatron/convert/t5_stages.py) as the stream of a PP = 1 T5Model:
+    layers renumbered per stack, the copies of stage 0's embedding checked and dropped, the small
+    relative position tables held back to the end (where a PP = 1 state dict has them)."""
+    split = getattr(source.args, "pipeline_model_parallel_split_rank", None)
+    problems = split_problems(source.args, source.pp, split, source.vp)
+    if problems:
+        raise CheckpointError(f"{source.load_dir}: a T5 checkpoint at pipeline-parallel size {source.pp} with "
+                              f"pipeline_model_parallel_split_rank {split}: " + "; ".join(problems))
+    stages = T5Stages.of(source.args)
+    firsts: Dict[str, torch.Tensor] = {}  # stage 0's embedding.*: what the copies must equal
+    tables = []
+    for pp_rank in range(source.pp):
+        for name, whole in _stage_tensors(source, pp_rank, 0):
+            original = stages.is_copy(pp_rank, name)
+            if original is not None:
+                _check_tied_copy(firsts.get(original), whole, f"stage {pp_rank}'s copy of {original}")
+                continue
+            if pp_rank == 0 and name.startswith("embedding."):
+                firsts[name] = whole
+            name = stages.global_name(pp_rank, name)
+            if "_relative_pos_emb." in name:
+                tables.append((name, whole))
+            else:
+                yield name, whole
+    yield from tables
 
 
 def _merged(name: str, shards: List[torch.Tensor], args: argparse.Namespace, tp: int, stage: int) -> torch.Tensor:
@@ -322,20 +362,22 @@ def _merged(name: str, shards: List[torch.Tensor], args: argparse.Namespace, tp:
         raise CheckpointError(f"cannot merge the TP shards of {name} (stage {stage}): {error}") from error
 
 
-def _check_tied_copy(embedding: Optional[torch.Tensor], copy_: torch.Tensor) -> None:
+def _check_tied_copy(embedding: Optional[torch.Tensor], copy_: torch.Tensor,
+                     what: str = "the last stage's copy of the tied word embeddings") -> None:
     # Training keeps the two equal (their gradients are summed over the embedding group); a
     # difference means the source was not a consistent tied model, and the embedding wins.
     if embedding is not None and not torch.equal(embedding, copy_):
         difference = (embedding - copy_).abs().max().item() if embedding.shape == copy_.shape else float("inf")
-        print(f"WARNING: the last stage's copy of the tied word embeddings differs from the first stage's "
+        print(f"WARNING: {what} differs from the first stage's "
               f"(max difference {difference:.3g}); the first stage's is converted", flush=True)
 
 
 # ----------------------------------------------------------------------------- writing
 
 
-def check_target(args: argparse.Namespace, tp: int, pp: int, vp: int = 1) -> None:
-    """Refuse target sizes the model's shape does not split into (CheckpointError naming the flag)."""
+def check_target(args: argparse.Namespace, tp: int, pp: int, vp: int = 1, split: Optional[int] = None) -> None:
+    """Refuse target sizes the model's shape does not split into (CheckpointError naming the flag);
+    `split`: T5's split rank (megatron/convert/t5_stages.py), where each stack splits over its stages."""
     heads, groups = int(args.num_attention_heads), query_groups(args)
     ffn = int(getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size)
     problems = []
@@ -348,19 +390,27 @@ def check_target(args: argparse.Namespace, tp: int, pp: int, vp: int = 1) -> Non
             problems.append(f"{groups} query groups neither split over nor divide {tp} TP ranks")
         if ffn % tp:
             problems.append(f"ffn hidden size {ffn} does not split over {tp} TP ranks")
-        if int(args.num_layers) % (pp * vp):
+        if is_t5(args):
+            problems += split_problems(args, pp, split, vp)
+        elif split is not None:
+            problems.append("a pipeline split rank is for T5 (encoder stages, then decoder stages)")
+        elif int(args.num_layers) % (pp * vp):
             problems.append(f"{args.num_layers} layers do not split over {pp} pipeline stages"
                             + (f" x {vp} virtual stages" if vp > 1 else ""))
         if vp > 1 and pp == 1:
             problems.append("virtual stages need a pipeline-parallel size > 1")
     if problems:
         raise CheckpointError(f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
+                              + (f" --target-pipeline-model-parallel-split-rank {split}" if split is not None else "")
                               + (f" ({vp} virtual stages)" if vp > 1 else "") + ": " + "; ".join(problems))
 
 
-def target_args(meta: Metadata, tp: int, pp: int, vp: int = 1) -> argparse.Namespace:
-    """The source args at the target sizes (vp model chunks per stage), with the target's padded vocabulary."""
+def target_args(meta: Metadata, tp: int, pp: int, vp: int = 1, split: Optional[int] = None) -> argparse.Namespace:
+    """The source args at the target sizes (vp model chunks per stage; T5: split rank `split`, which
+    training then reads as --pipeline-model-parallel-split-rank), with the target's padded vocabulary."""
     args = copy.deepcopy(meta.args)
+    if is_t5(args):
+        args.pipeline_model_parallel_split_rank = split if pp > 1 else None
     args.padded_vocab_size = target_vocab_size(meta, tp)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
     args.virtual_pipeline_model_parallel_size = vp if vp > 1 else None
@@ -410,12 +460,14 @@ class StageWriter:
     into its TP shards and each shard written at once into its rank's file (streaming_save); a file
     is finished (its pickle written, then renamed into place) when the stream has moved past its
     stage's last chunk. So the writer holds one tensor's shards, whatever the target layout.
+    A T5Model (split rank `split`) goes by megatron/convert/t5_stages.py instead: `t5`.
     """
 
     def __init__(self, save_dir: str, meta: Metadata, tp: int, pp: int, vp: int = 1,
-                 dialect: Dialect = OURS) -> None:
+                 dialect: Dialect = OURS, split: Optional[int] = None) -> None:
         self.save_dir, self.meta, self.tp, self.pp, self.vp, self.dialect = save_dir, meta, tp, pp, vp, dialect
-        self.args = target_args(meta, tp, pp, vp)
+        self.args = target_args(meta, tp, pp, vp, split)
+        self.t5 = T5Stages.of(self.args) if is_t5(self.args) else None
         self.file_args = dialect.file_args(self.args)
         self.per_chunk = int(self.args.num_layers) // (pp * vp)
         self.files: Dict[str, Checksum] = {}
@@ -483,15 +535,16 @@ class StageWriter:
 
 
 def write_tensors(save_dir: str, meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
-                  tp: int, pp: int, vp: int = 1, dialect: Dialect = OURS) -> None:
-    """Write the stream as a checkpoint at TP=tp, PP=pp (vp virtual stages) under save_dir (new).
+                  tp: int, pp: int, vp: int = 1, dialect: Dialect = OURS, split: Optional[int] = None) -> None:
+    """Write the stream as a checkpoint at TP=tp, PP=pp (vp virtual stages; T5: split rank `split`)
+    under save_dir (new).
 
     The stream must come in canonical order (a stage's files are finished once the stream moves
     past its last chunk) and hold every layer with the same keys; CheckpointError otherwise.
     """
-    writer = StageWriter(save_dir, meta, tp, pp, vp, dialect)
+    writer = StageWriter(save_dir, meta, tp, pp, vp, dialect, split)
     try:
-        _write_stream(writer, meta, tensors)
+        (_write_t5_stream if writer.t5 is not None else _write_stream)(writer, meta, tensors)
     except BaseException:
         writer.abandon()
         raise
@@ -525,6 +578,27 @@ def _write_stream(writer: StageWriter, meta: Metadata, tensors: Iterator[Tuple[s
     if tied_copy and not embedding_sent:
         raise CheckpointError("the source sent no word embeddings")
     for stage in range(writer.finished, pp):
+        writer.finish_stage(stage)
+
+
+def _write_t5_stream(writer: StageWriter, meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]]) -> None:
+    """The stream of a T5Model on the stages of writer.t5, each tensor with its copies (the first
+    decoder stage's embedding, the last stage's LM head weight). The relative position tables come
+    after the decoder (a PP = 1 state dict's order), so every stage's file is finished at the end:
+    it holds only placeholders till then, its shards are on disk already."""
+    rows = writer.args.padded_vocab_size
+    seen = _StreamCheck(int(meta.args.num_layers))
+    for name, tensor in tensors:
+        seen.add(name)
+        if is_vocab_tensor(name):
+            tensor = resize_vocab(tensor, meta, rows)
+        for stage, local in writer.t5.placements(name):
+            writer.add(stage, local, tensor)
+        del tensor
+    seen.check()
+    if EMBEDDING not in seen.names:
+        raise CheckpointError("the source sent no word embeddings")
+    for stage in range(writer.pp):
         writer.finish_stage(stage)
 
 

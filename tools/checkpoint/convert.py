@@ -124,20 +124,7 @@ def load(args: argparse.Namespace, loader: ModuleType) -> tuple:
                               f"{family} model")
     if args.model_type != "GPT":  # GPT checkpoints stay unmarked, as before BERT joined
         meta.args.model_family = args.model_type
-    _refuse_t5_pipeline(args, meta.args)
     return meta, tensors
-
-
-def _refuse_t5_pipeline(args: argparse.Namespace, source: argparse.Namespace) -> None:
-    """T5 converts at PP = 1 only: its stages (encoder stages, then decoder stages, split at
-    --pipeline-model-parallel-split-rank) have no layout in the writer and reader yet."""
-    if args.model_type != "T5":
-        return
-    target = getattr(args, "target_pipeline_parallel_size", None) or 1
-    chunks = getattr(args, "target_num_layers_per_virtual_pipeline_stage", None)
-    if target > 1 or chunks is not None or int(getattr(source, "pipeline_model_parallel_size", 1) or 1) > 1:
-        raise ConversionError("--model-type T5: pipeline parallelism is not supported by the converter yet "
-                              "(the source and the target must have pipeline-parallel size 1)")
 
 
 def verify(args: argparse.Namespace, loader: ModuleType, saver: ModuleType, staging: str) -> None:

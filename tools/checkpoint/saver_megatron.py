@@ -7,7 +7,7 @@ No optimizer or RNG state is written (as Megatron-LM's converter): train from it
 from __future__ import annotations
 
 import argparse
-from typing import Iterator, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -15,6 +15,7 @@ from megatron.checkpoint_safety import CheckpointError
 from megatron.convert.megatron_format import (
     OURS, Dialect, Metadata, check_target, open_source, read_tensors, write_tensors,
 )
+from megatron.convert.t5_stages import is_t5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Layers per virtual pipeline stage (model chunk) of the new checkpoint, for the "
                             "interleaved schedule: train it with the same --num-layers-per-virtual-pipeline-stage "
                             "(default: no virtual stages).")
+    group.add_argument("--target-pipeline-model-parallel-split-rank", type=int, default=None,
+                       help="T5 at a pipeline-parallel size > 1: the first decoder stage (stages before it hold "
+                            "the encoder), written into the checkpoint's args as --pipeline-model-parallel-split-rank "
+                            "(default: the source's at the source's pipeline size, else half the stages, PP // 2).")
 
 
 def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]], args: argparse.Namespace,
@@ -42,10 +47,22 @@ def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
             raise CheckpointError(f"--target-num-layers-per-virtual-pipeline-stage {per_chunk}: {layers} layers "
                                   f"do not split into {pp} pipeline stages of chunks of {per_chunk} layers")
         vp = layers // (pp * per_chunk)
-    check_target(meta.args, tp, pp, vp)
+    split = _split_rank(meta.args, pp, getattr(args, "target_pipeline_model_parallel_split_rank", None))
+    check_target(meta.args, tp, pp, vp, split)
     virtual = f" ({vp} virtual stages of {per_chunk} layers)" if vp > 1 else ""
+    virtual += f", split rank {split}" if split is not None else ""
     print(f"saving at tensor-parallel size {tp}, pipeline-parallel size {pp}{virtual} to {save_dir}", flush=True)
-    write_tensors(save_dir, meta, tensors, tp, pp, vp, dialect)
+    write_tensors(save_dir, meta, tensors, tp, pp, vp, dialect, split)
+
+
+def _split_rank(source: argparse.Namespace, pp: int, given: Optional[int]) -> Optional[int]:
+    """T5's first decoder stage at the target: the flag, else the source's at the same pipeline size,
+    else pp // 2; None at pp = 1 and for models of one stack (check_target refuses the flag there)."""
+    if given is not None or not is_t5(source) or pp == 1:
+        return given
+    same_size = int(getattr(source, "pipeline_model_parallel_size", 1) or 1) == pp
+    kept = getattr(source, "pipeline_model_parallel_split_rank", None)
+    return kept if same_size and kept is not None else pp // 2
 
 
 def read_back(save_dir: str,
