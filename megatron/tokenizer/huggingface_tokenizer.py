@@ -8,8 +8,14 @@ Both libraries are optional extras, imported only here and only when this type i
 
 As in Megatron, ``tokenize`` is the library's default encoding, so a post-processor that
 adds special tokens (e.g. Llama's BOS) runs; ``detokenize`` keeps special tokens.
+
+``additional_special_tokens_ids`` are the T5 sentinels ``<extra_id_i>`` of the vocabulary in
+order of i (what span corruption takes: the first span gets ``<extra_id_0>``). HF's T5
+vocabulary counts them down from its last id (``<extra_id_0>`` = 32099 in t5's), so the order
+comes from the names, not from the ids.
 """
 import os
+import re
 from typing import Dict, List, Optional, Sequence
 
 from megatron.tokenizer.base import MegatronTokenizer
@@ -24,6 +30,7 @@ _CANDIDATES = {
     "sep": ("[SEP]", "<sep>"),
     "mask": ("[MASK]", "<mask>"),
 }
+_SENTINEL = re.compile(r"<extra_id_(\d+)>")
 
 
 def _import_tokenizers():
@@ -63,6 +70,8 @@ class HuggingFaceTokenizer(MegatronTokenizer):
             self._backend = tokenizers.Tokenizer.from_file(file)
             self._vocab = dict(self._backend.get_vocab(with_added_tokens=True))
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        sentinels = ((_SENTINEL.fullmatch(t), i) for t, i in self._vocab.items())
+        self._sentinel_ids = [i for _, i in sorted((int(m.group(1)), i) for m, i in sentinels if m)]
 
     @property
     def vocab_size(self) -> int:
@@ -117,3 +126,8 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     @property
     def mask(self) -> int:
         return self._special("mask")
+
+    @property
+    def additional_special_tokens_ids(self) -> List[int]:
+        """Ids of <extra_id_0>, <extra_id_1>, ... ([] when the vocabulary has none)."""
+        return list(self._sentinel_ids)

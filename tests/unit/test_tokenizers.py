@@ -329,3 +329,33 @@ def test_huggingface_missing_library_says_what_to_install(tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
     with pytest.raises(ImportError, match=r"pip install -e \.\[huggingface\]"):
         HuggingFaceTokenizer(str(tmp_path / "tokenizer.json"))
+
+
+def _t5_like_tokenizer(sentinels: int):
+    """A tiny word-level tokenizers model whose <extra_id_i> come after the words counting down, as
+    in HF's T5 vocabulary (<extra_id_0> the last id); a look-alike that is no sentinel before them."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = {"<pad>": 0, "</s>": 1, "<unk>": 2, "hello": 3, "world": 4}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<extra_id_x>"] + [f"<extra_id_{i}>" for i in reversed(range(sentinels))])
+    return tok
+
+
+def test_huggingface_sentinels_in_order_of_their_number(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    tok = _t5_like_tokenizer(12)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    extras = [f"<extra_id_{i}>" for i in reversed(range(12))]
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>",
+                                                unk_token="<unk>", additional_special_tokens=extras)
+    fast.save_pretrained(str(tmp_path / "saved"))
+    expected = [17 - i for i in range(12)]  # <extra_id_0> = 17 (the last id) ... <extra_id_11> = 6
+    for path in (tmp_path / "tokenizer.json", tmp_path / "saved"):
+        ours = HuggingFaceTokenizer(str(path))
+        assert ours.additional_special_tokens_ids == expected, path
+        assert [ours.inv_vocab[i] for i in ours.additional_special_tokens_ids[:3]] == \
+            ["<extra_id_0>", "<extra_id_1>", "<extra_id_2>"]
+        assert ours.tokenize("hello <extra_id_0> world")[:3] == [3, 17, 4]
+    _t5_like_tokenizer(0).save(str(tmp_path / "none.json"))
+    assert HuggingFaceTokenizer(str(tmp_path / "none.json")).additional_special_tokens_ids == []
