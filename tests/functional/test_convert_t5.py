@@ -4,11 +4,11 @@ T5ForConditionalGeneration (written by save_pretrained).
 HF -> ours at TP = 1 -> ours at TP = 2 -> HF, each step verified by the converter (the decoder's
 logits over a padded encoder input): the result must be the source bit for bit, config included.
 The TP = 2 checkpoint, merged back by the megatron loader into a TP = 1 T5Model, gives HF's logits
-(fp32, 1e-5); it also runs as it is in 2 gloo processes (each rank builds T5Model from the saved
-args and loads its own file strictly; twice, as 2 data-parallel replicas) with HF's logits. A swapped query/key head is refused by the
-verification; what is not mapped (a missing tensor, an untied head, num_decoder_layers !=
-num_layers, another activation, relative positions over more than 2 pipeline stages, a non-zero
-output bias) is one line.
+(fp32, 1e-5); it also runs as it is at TP = 2 in gloo processes (each rank builds T5Model from the
+saved args and loads its own file strictly; 2 data-parallel replicas) with HF's logits. A swapped
+query/key head is refused by the verification; what is not mapped (a missing tensor, an untied
+head, num_decoder_layers != num_layers, another activation, relative positions over more than 2
+pipeline stages, a non-zero output bias) is one line.
 
 Pipeline stages (the split rank in the args): HF -> TP 1 x PP 2 -> HF and HF -> TP 2 x PP 2 -> TP 1
 x PP 1 -> HF are bit-identical; the TP 2 x PP 2 files are each a T5Model stage's state dict (4 gloo

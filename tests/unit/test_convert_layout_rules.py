@@ -101,6 +101,38 @@ def test_target_sizes_that_do_not_split_are_refused():
         check_target(argparse.Namespace(**{**vars(args), "num_attention_heads": 32}), 32, 1)
 
 
+def test_t5_stages_place_each_stack_on_its_own_stages():
+    from megatron.convert.t5_stages import T5Stages
+
+    t5 = argparse.Namespace(num_attention_heads=8, hidden_size=32, ffn_hidden_size=48, num_layers=4,
+                            model_family="T5", position_embedding_type="learned_absolute")
+    with pytest.raises(CheckpointError, match="the decoder's 4 layers do not split over its 3 pipeline stages"):
+        check_target(t5, 1, 5, split=2)
+    check_target(t5, 2, 6, split=2)  # encoder 2 x 2 layers, decoder 4 x 1
+    stages = T5Stages(num_layers=4, pp=6, split=2)
+    fc1 = "layers.{}.mlp.linear_fc1.weight"
+    assert stages.placements("encoder." + fc1.format(3)) == [(1, "encoder." + fc1.format(1))]
+    assert stages.placements("decoder." + fc1.format(3)) == [(5, "decoder." + fc1.format(0))]
+    assert stages.placements("embedding.word_embeddings.weight") == [
+        (0, "embedding.word_embeddings.weight"), (2, "embedding.word_embeddings.weight"),
+        (5, "lm_head.output_layer.weight")]
+    assert stages.placements("embedding.position_embeddings.weight") == [
+        (0, "embedding.position_embeddings.weight"), (2, "embedding.position_embeddings.weight")]
+    assert [stages.stage_of(n) for n in ("encoder.final_layernorm.weight", "decoder.final_layernorm.weight",
+                                         "lm_head.output_layer.bias")] == [1, 5, 5]
+    assert stages.global_name(4, "decoder." + fc1.format(0)) == "decoder." + fc1.format(2)
+    assert stages.is_copy(2, "embedding.word_embeddings.weight") == "embedding.word_embeddings.weight"
+    assert stages.is_copy(5, "lm_head.output_layer.weight") == "embedding.word_embeddings.weight"
+    assert T5Stages(num_layers=4, pp=2, split=1).placements("embedding.word_embeddings.weight") == [
+        (0, "embedding.word_embeddings.weight"), (1, "embedding.word_embeddings.weight")]  # the head is stage 1's
+    relative = argparse.Namespace(**{**vars(t5), "position_embedding_type": "relative"})
+    check_target(relative, 1, 2, split=1)
+    with pytest.raises(CheckpointError, match="relative position buckets .* need each stack on one stage"):
+        check_target(relative, 1, 4, split=2)
+    with pytest.raises(CheckpointError, match="a pipeline split rank is for T5"):
+        check_target(argparse.Namespace(**{**vars(t5), "model_family": None}), 1, 2, split=1)
+
+
 def _meta(num_layers=2):
     args = argparse.Namespace(num_layers=num_layers, padded_vocab_size=128, make_vocab_size_divisible_by=128,
                               untie_embeddings_and_output_weights=True, num_attention_heads=2, hidden_size=4,
