@@ -292,7 +292,8 @@ def read_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
         # open_source checked every file against the manifest
         yield from whole_model_tensors(base_dir, read_dcp_metadata(os.path.join(base_dir, DCP_METADATA)))
         return
-    if is_t5(source.args) and source.pp > 1:
+    split = getattr(source.args, "pipeline_model_parallel_split_rank", None)
+    if source.pp > 1 and (is_t5(source.args) or split is not None):  # a split rank: encoder-decoder stages
         yield from _t5_stage_tensors(source)
         return
     args = source.args
