@@ -62,7 +62,7 @@ class T5Stages:
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> "T5Stages":
-        """The layout the checkpoint's args describe (CheckpointError-free: callers check split_problems)."""
+        """The layout the checkpoint's args describe (callers check split_problems first)."""
         pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
         return cls(int(args.num_layers), pp, getattr(args, "pipeline_model_parallel_split_rank", None))
 
