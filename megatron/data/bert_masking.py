@@ -1,7 +1,7 @@
 """Masked-LM predictions for WordPiece samples, with Megatron-Core's semantics and random draws.
 
-Given the tokens of one sample ([CLS] A [SEP] B [SEP]) and the sample's own numpy RandomState,
-choose about `masking_probability` of the tokens to predict:
+Given the tokens of one sample ([CLS] A [SEP] B [SEP] for BERT, plain sentences for T5) and the
+sample's own numpy RandomState, choose about `masking_probability` of the tokens to predict:
 
     candidates   every token but [CLS]/[SEP]; with whole-word masking a '##' continuation
                  piece joins the candidate before it, so a word is chosen whole or not at all
@@ -10,7 +10,9 @@ choose about `masking_probability` of the tokens to predict:
     N-grams      each candidate, in a shuffled order, is the start of an N-gram of N candidates,
                  N in 1..max_ngram with P(N) proportional to 1/N (reversed with longer N-grams,
                  or geometric p=0.2 as SpanBERT), shortened while it would overshoot the count
-    replacement  per chosen token: 80% [MASK], 10% a random vocabulary id, 10% unchanged
+    replacement  style "bert": per chosen token 80% [MASK], 10% a random vocabulary id, 10%
+                 unchanged; style "t5": always [MASK], with no draw (Megatron's masking_style;
+                 the T5 dataset then replaces each masked span by one sentinel)
 
 The draws are made from the RandomState in Megatron's order (shuffle, then per N-gram one
 choice and per token one or two uniforms and maybe a randint), so a RandomState seeded as
@@ -35,6 +37,11 @@ class MaskingOptions:
     do_full_word: bool = True
     use_longer_ngrams: bool = False
     use_geometric_distribution: bool = False
+    style: str = "bert"  # "bert" (80/10/10) or "t5" (always [MASK]), Megatron's masking_style
+
+    def __post_init__(self) -> None:
+        if self.style not in ("bert", "t5"):
+            raise ValueError(f"masking style must be 'bert' or 't5', got {self.style!r}")
 
 
 def masking_candidates(token_ids: Sequence[int], special_ids: Sequence[int], is_continuation: np.ndarray,
@@ -70,9 +77,9 @@ def _choose_ngram_size(rng: np.random.RandomState, cdf: List[float]) -> int:
     return bisect.bisect_right(cdf, rng.random_sample()) + 1
 
 
-def _replacement(rng: np.random.RandomState, mask_id: int, token_lookup: Sequence[int]) -> Optional[int]:
-    """80% [MASK], 10% a random vocabulary id, 10% None (keep the token)."""
-    if rng.random() < 0.8:
+def _replacement(rng: np.random.RandomState, mask_id: int, token_lookup: Sequence[int], style: str) -> Optional[int]:
+    """style "bert": 80% [MASK], 10% a random vocabulary id, 10% None (keep the token); "t5": [MASK]."""
+    if style == "t5" or rng.random() < 0.8:
         return mask_id
     if rng.random() >= 0.5:
         return int(token_lookup[rng.randint(0, len(token_lookup))])
@@ -87,6 +94,18 @@ def create_masked_lm_predictions(token_ids: Sequence[int], target_length: int, r
     token_lookup: the ids a random replacement is drawn from (the tokenizer's inv_vocab keys,
     in order, as Megatron draws them).
     """
+    masked, spans = create_masked_spans(token_ids, target_length, rng, options, special_ids, is_continuation,
+                                        mask_id, token_lookup)
+    positions_and_labels = sorted((p, label) for positions, labels in spans for p, label in zip(positions, labels))
+    return masked, [p for p, _ in positions_and_labels], [label for _, label in positions_and_labels]
+
+
+def create_masked_spans(token_ids: Sequence[int], target_length: int, rng: np.random.RandomState,
+                        options: MaskingOptions, special_ids: Sequence[int], is_continuation: np.ndarray,
+                        mask_id: int, token_lookup: Sequence[int]) -> Tuple[List[int], List[Tuple[List[int], List[int]]]]:
+    """(masked token ids, spans): each span one chosen N-gram as (its positions, their original
+    ids), the spans sorted by their first position (Megatron-Core's masked_spans). Spans never
+    overlap; two may touch (T5 gives each its own sentinel, as Megatron)."""
     candidates = masking_candidates(token_ids, special_ids, is_continuation, options.do_full_word)
     n_maskings = min(options.probability * target_length,
                      max(1, int(round(len(token_ids) * options.probability))))
@@ -98,19 +117,20 @@ def create_masked_lm_predictions(token_ids: Sequence[int], target_length: int, r
     rng.shuffle(candidate_ngrams)
 
     masked = list(token_ids)
-    positions_and_labels: List[Tuple[int, int]] = []
+    spans: List[Tuple[List[int], List[int]]] = []
+    num_masked = 0
     taken = set()
     for ngrams in candidate_ngrams:
-        if len(positions_and_labels) >= n_maskings:
+        if num_masked >= n_maskings:
             break
         if options.use_geometric_distribution:
-            n = min(int(rng.geometric(0.2)), options.max_ngram)
+            n = min(int(rng.geometric(0.2)), options.max_ngram)  # SpanBERT's p = 0.2, as Megatron
         else:
             n = _choose_ngram_size(rng, cdf)
         indices = None
         while n > 0:  # shorten the N-gram until it fits in the count
             ngram = [p for word in ngrams[n - 1] for p in word]
-            if n_maskings >= len(positions_and_labels) + len(ngram):
+            if n_maskings >= num_masked + len(ngram):
                 indices = ngram
                 break
             n -= 1
@@ -118,8 +138,9 @@ def create_masked_lm_predictions(token_ids: Sequence[int], target_length: int, r
             continue
         for index in indices:
             taken.add(index)
-            replacement = _replacement(rng, mask_id, token_lookup)
+            replacement = _replacement(rng, mask_id, token_lookup, options.style)
             masked[index] = token_ids[index] if replacement is None else replacement
-            positions_and_labels.append((index, int(token_ids[index])))
-    positions_and_labels.sort(key=lambda pair: pair[0])
-    return masked, [p for p, _ in positions_and_labels], [label for _, label in positions_and_labels]
+        num_masked += len(indices)
+        spans.append((indices, [int(token_ids[i]) for i in indices]))
+    spans.sort(key=lambda span: span[0][0])
+    return masked, spans
