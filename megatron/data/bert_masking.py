@@ -9,7 +9,7 @@ sample's own numpy RandomState, choose about `masking_probability` of the tokens
                  sequence, [CLS]/[SEP] included, as Megatron counts
     N-grams      each candidate, in a shuffled order, is the start of an N-gram of N candidates,
                  N in 1..max_ngram with P(N) proportional to 1/N (reversed with longer N-grams,
-                 or geometric p=0.2 as SpanBERT), shortened while it would overshoot the count
+                 or geometric, p = 0.2 as SpanBERT and Megatron), shortened while it would overshoot the count
     replacement  style "bert": per chosen token 80% [MASK], 10% a random vocabulary id, 10%
                  unchanged; style "t5": always [MASK], with no draw (Megatron's masking_style;
                  the T5 dataset then replaces each masked span by one sentinel)
@@ -38,10 +38,13 @@ class MaskingOptions:
     use_longer_ngrams: bool = False
     use_geometric_distribution: bool = False
     style: str = "bert"  # "bert" (80/10/10) or "t5" (always [MASK]), Megatron's masking_style
+    geometric_p: float = 0.2  # P(N) = p (1 - p)^(N - 1): SpanBERT's 0.2, Megatron's (mean 1 / p before clipping)
 
     def __post_init__(self) -> None:
         if self.style not in ("bert", "t5"):
             raise ValueError(f"masking style must be 'bert' or 't5', got {self.style!r}")
+        if not 0.0 < self.geometric_p <= 1.0:
+            raise ValueError(f"the geometric span-length probability must be in (0, 1], got {self.geometric_p}")
 
 
 def masking_candidates(token_ids: Sequence[int], special_ids: Sequence[int], is_continuation: np.ndarray,
@@ -124,7 +127,7 @@ def create_masked_spans(token_ids: Sequence[int], target_length: int, rng: np.ra
         if num_masked >= n_maskings:
             break
         if options.use_geometric_distribution:
-            n = min(int(rng.geometric(0.2)), options.max_ngram)  # SpanBERT's p = 0.2, as Megatron
+            n = min(int(rng.geometric(options.geometric_p)), options.max_ngram)
         else:
             n = _choose_ngram_size(rng, cdf)
         indices = None

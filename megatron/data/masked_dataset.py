@@ -64,6 +64,8 @@ class MaskedWordPieceDatasetConfig(GPTDatasetConfig):
     masking_do_full_word: bool = True
     masking_use_longer_ngrams: bool = False
     masking_use_geometric_distribution: bool = False
+    # Ours: the geometric distribution's p (Megatron fixes SpanBERT's 0.2; 1 / 3 gives T5's mean span 3).
+    masking_geometric_p: float = 0.2
 
     model_name: ClassVar[str] = "masked-LM"
     tokenizer_needs: ClassVar[Tuple[str, ...]] = ("pad", "mask", "inv_vocab")
@@ -80,6 +82,8 @@ class MaskedWordPieceDatasetConfig(GPTDatasetConfig):
             raise ValueError(f"--short-seq-prob must be in [0, 1], got {self.short_sequence_probability}")
         if not (isinstance(self.masking_max_ngram, int) and self.masking_max_ngram >= 1):
             raise ValueError(f"masking_max_ngram must be a positive int, got {self.masking_max_ngram!r}")
+        if not 0.0 < self.masking_geometric_p <= 1.0:
+            raise ValueError(f"masking_geometric_p must be in (0, 1], got {self.masking_geometric_p}")
         missing = missing_tokenizer_ids(self.tokenizer, self.tokenizer_needs)
         if missing:
             raise ValueError(f"the {self.model_name} dataset needs a WordPiece tokenizer (BertWordPieceLowerCase/"
@@ -90,7 +94,7 @@ class MaskedWordPieceDatasetConfig(GPTDatasetConfig):
         """The masking fields, for bert_masking."""
         return MaskingOptions(self.masking_probability, self.masking_max_ngram, self.masking_do_full_word,
                               self.masking_use_longer_ngrams, self.masking_use_geometric_distribution,
-                              self.masking_style)
+                              self.masking_style, self.masking_geometric_p)
 
 
 # ---------------------------------------------------------------------------- random streams
@@ -298,6 +302,8 @@ class MaskedWordPieceDataset(torch.utils.data.Dataset):
         ids["masking_do_permutation"] = False
         ids["masking_use_longer_ngrams"] = cfg.masking_use_longer_ngrams
         ids["masking_use_geometric_distribution"] = cfg.masking_use_geometric_distribution
+        if cfg.masking_geometric_p != 0.2:  # ours: named only when it differs from Megatron's fixed 0.2
+            ids["masking_geometric_p"] = cfg.masking_geometric_p
         ids.update(self.extra_identifiers())
         if len(self.indices) and not np.array_equal(self.indices, np.arange(self.indices[0], self.indices[-1] + 1)):
             ids["indexed_indices"] = "md5:" + hashlib.md5(self.indices.tobytes(), usedforsecurity=False).hexdigest()
