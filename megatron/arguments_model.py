@@ -4,10 +4,15 @@ embeddings and the rotary settings, grouped-query attention, the MLP activation 
 | function | refuses | derives |
 |---|---|---|
 | default_ffn_hidden_size | --swiglu at a width that rounds to 0 | 4h, or int(4h x 2/3 / 64) x 64 with --swiglu |
-| _validate_position_embedding | relative / mrope; bad --rotary-*; --use-rope-scaling without rope | apply_rope_fusion off without rope |
+| _validate_position_embedding | relative (but for T5) / mrope; bad --rotary-*; --use-rope-scaling without rope | apply_rope_fusion off without rope |
+| _validate_t5 | (T5 only) no --decoder-seq-length or --vocab-extra-ids, positions neither learned_absolute nor relative, a position table shorter than the decoder, bad relative buckets, --decoder-num-layers other than --num-layers | |
 | _validate_query_groups | groups that do not divide the heads, or fit neither way with TP | |
 | _validate_activation | two activations at once | |
 | layer_spec_from_flag | --spec that is not MODULE NAME, does not import, or names no spec | the ModuleSpec |
+
+The model family comes from the entry script's args_defaults: pretrain_t5.py gives
+{"model_family": "t5"} (T5_ARGS_DEFAULTS), which allows relative positions and turns on T5's
+rules; without it (GPT, BERT) args.model_family is None.
 
 Megatron-LM silently ignores --rotary-* (and --num-query-groups without --group-query-attention);
 so do we, with one WARNING line naming them. Errors are ArgsError naming the flags.
@@ -23,9 +28,18 @@ from megatron.utils import print_line
 ROPE_ONLY_FLAGS = (("rotary_base", 10000), ("rotary_percent", 1.0), ("rotary_interleaved", False),
                    ("rotary_seq_len_interpolation_factor", None), ("rope_scaling_factor", 8.0))
 REFUSED_POSITION_EMBEDDINGS = {
-    "relative": "T5-style relative attention biases (Megatron has them only in Transformer Engine)",
+    "relative": "T5-style relative attention biases (only pretrain_t5.py takes them)",
     "mrope": "multimodal rotary embeddings",
 }
+
+
+T5_FAMILY = "t5"
+T5_POSITION_EMBEDDINGS = ("learned_absolute", "relative")
+
+
+def is_t5(args: Namespace) -> bool:
+    """Whether the entry script is pretrain_t5.py (its args_defaults set model_family "t5")."""
+    return getattr(args, "model_family", None) == T5_FAMILY
 
 
 def _errors():
@@ -56,7 +70,7 @@ def default_ffn_hidden_size(args: Namespace) -> int:
 def _validate_position_embedding(args: Namespace) -> None:
     ArgsError, flag = _errors()
     kind = args.position_embedding_type
-    if kind in REFUSED_POSITION_EMBEDDINGS:
+    if kind in REFUSED_POSITION_EMBEDDINGS and not (kind == "relative" and is_t5(args)):
         raise ArgsError(f"--position-embedding-type {kind}: {REFUSED_POSITION_EMBEDDINGS[kind]} are not "
                         "supported; use learned_absolute, rope, alibi or none")
     if kind != "rope":
@@ -113,8 +127,36 @@ def _validate_activation(args: Namespace) -> None:
         raise ArgsError(f"{' and '.join(chosen)} each choose the MLP activation; give one of them")
 
 
+def _validate_t5(args: Namespace) -> None:
+    """T5's lengths, sentinels and positions (Megatron's pretrain_t5.py needs both lengths; the
+    learned position table serves the encoder and the decoder, each counting from 0)."""
+    ArgsError, _ = _errors()
+    kind = args.position_embedding_type
+    if kind not in T5_POSITION_EMBEDDINGS:
+        raise ArgsError(f"--position-embedding-type {kind}: T5 takes learned_absolute (Megatron's default) or "
+                        "relative (T5's relative attention buckets)")
+    decoder = args.decoder_seq_length
+    if decoder is None or decoder < 2:
+        raise ArgsError(f"T5 needs --decoder-seq-length >= 2 (the decoder input and labels; Megatron uses 128 "
+                        f"with --encoder-seq-length 512), got {decoder}")
+    if kind == "learned_absolute" and args.max_position_embeddings < decoder:
+        raise ArgsError(f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
+                        f"--decoder-seq-length ({decoder}): the learned positions serve both stacks")
+    if not getattr(args, "vocab_extra_ids", 0):
+        raise ArgsError("T5 needs sentinel tokens for its masked spans: give --vocab-extra-ids (e.g. 100, "
+                        "the <extra_id_i> tokens)")
+    for dest in ("relative_attention_num_buckets", "relative_attention_max_distance"):
+        if getattr(args, dest) < 1:
+            raise ArgsError(f"--{dest.replace('_', '-')} must be >= 1, got {getattr(args, dest)}")
+    if args.decoder_num_layers not in (None, args.num_layers):
+        raise ArgsError(f"--decoder-num-layers {args.decoder_num_layers} with --num-layers {args.num_layers}: "
+                        "a decoder deeper or shallower than the encoder is not supported yet; remove it")
+
+
 def validate_model_architecture(args: Namespace) -> None:
     """The architecture rules above, after kv_channels and ffn_hidden_size are derived."""
+    if is_t5(args):
+        _validate_t5(args)
     _validate_position_embedding(args)
     _validate_query_groups(args)
     _validate_activation(args)

@@ -176,3 +176,46 @@ def test_unknown_position_embedding_type_is_argparses_error(capsys):
     with pytest.raises(SystemExit):
         parse_args(argv=[*BASE, "--position-embedding-type", "sinusoidal"])
     assert re.search(r"invalid choice: 'sinusoidal'", capsys.readouterr().err)
+
+
+# ----------------------------------------------------------------------------- T5 (pretrain_t5.py)
+
+T5 = "--decoder-seq-length 16 --vocab-extra-ids 100"
+
+
+def run_t5(flags=""):
+    """validate_args as pretrain_t5.py calls it (its args_defaults carry model_family "t5")."""
+    from pretrain_t5 import T5_ARGS_DEFAULTS
+
+    defaults = {**T5_ARGS_DEFAULTS, "tokenizer_type": "NullTokenizer"}  # BASE's tokenizer, no warning
+    return parse_and_validate_args(argv=[*BASE, *flags.split()], args_defaults=defaults)
+
+
+def test_t5_takes_relative_positions_and_its_flags_without_warnings(capsys):
+    args = run_t5(f"{T5} --position-embedding-type relative --relative-attention-num-buckets 16 --mask-prob 0.2 "
+                  "--short-seq-prob 0.05 --relative-attention-max-distance 64")
+    assert (args.model_family, args.position_embedding_type, args.decoder_seq_length) == ("t5", "relative", 16)
+    assert (args.relative_attention_num_buckets, args.relative_attention_max_distance, args.mask_prob) == (16, 64, 0.2)
+    assert warnings(capsys.readouterr().out) == []
+    assert run_t5(f"{T5} --encoder-seq-length 24 --seq-length 24").seq_length == 24
+
+
+def test_gpt_still_refuses_relative_and_warns_on_the_t5_flags(capsys):
+    with pytest.raises(ArgsError, match="--position-embedding-type relative: T5-style"):
+        run("--position-embedding-type relative")
+    run("--decoder-seq-length 16")
+    assert any("--decoder-seq-length" in line for line in warnings(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--vocab-extra-ids 100", r"T5 needs --decoder-seq-length >= 2"),
+    ("--decoder-seq-length 16", r"give --vocab-extra-ids \(e.g. 100"),
+    (f"{T5} --decoder-seq-length 64", r"--max-position-embeddings \(32\) must be >= --decoder-seq-length \(64\)"),
+    (f"{T5} --position-embedding-type rope", "T5 takes learned_absolute .* or relative"),
+    (f"{T5} --position-embedding-type relative --relative-attention-num-buckets 0",
+     "--relative-attention-num-buckets must be >= 1"),
+    (f"{T5} --decoder-num-layers 3", "--decoder-num-layers 3 with --num-layers 2: .* not supported yet"),
+], ids=["no-decoder-length", "no-sentinels", "short-position-table", "rope", "buckets", "decoder-layers"])
+def test_t5_errors(flags, message):
+    with pytest.raises(ArgsError, match=message):
+        run_t5(flags)
