@@ -5,7 +5,7 @@ embeddings and the rotary settings, grouped-query attention, the MLP activation 
 |---|---|---|
 | default_ffn_hidden_size | --swiglu at a width that rounds to 0 | 4h, or int(4h x 2/3 / 64) x 64 with --swiglu |
 | _validate_position_embedding | relative (but for T5) / mrope; bad --rotary-*; --use-rope-scaling without rope | apply_rope_fusion off without rope |
-| _validate_t5 | (T5 only) no --decoder-seq-length or --vocab-extra-ids, positions neither learned_absolute nor relative, a position table shorter than the decoder, bad relative buckets, --decoder-num-layers other than --num-layers | |
+| _validate_t5 | (T5 only) no --decoder-seq-length or --vocab-extra-ids, fewer sentinels than spans, a decoder too short for the masked tokens, positions neither learned_absolute nor relative, a position table shorter than the decoder, bad relative buckets, --decoder-num-layers other than --num-layers | |
 | _validate_query_groups | groups that do not divide the heads, or fit neither way with TP | |
 | _validate_activation | two activations at once | |
 | layer_spec_from_flag | --spec that is not MODULE NAME, does not import, or names no spec | the ModuleSpec |
@@ -142,9 +142,27 @@ def _validate_t5(args: Namespace) -> None:
     if kind == "learned_absolute" and args.max_position_embeddings < decoder:
         raise ArgsError(f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
                         f"--decoder-seq-length ({decoder}): the learned positions serve both stacks")
-    if not getattr(args, "vocab_extra_ids", 0):
+    from megatron.data.t5_dataset import t5_max_spans, t5_min_decoder_length
+
+    if args.seq_length is None or args.seq_length < 3:
+        raise ArgsError(f"T5 needs --encoder-seq-length (or --seq-length) >= 3 (its text, BOS and EOS), "
+                        f"got {args.seq_length}")
+    if not 0.0 < args.mask_prob < 1.0:
+        raise ArgsError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
+    sentinels, spans = getattr(args, "vocab_extra_ids", 0), t5_max_spans(args.mask_prob, args.seq_length)
+    if not sentinels:
         raise ArgsError("T5 needs sentinel tokens for its masked spans: give --vocab-extra-ids (e.g. 100, "
                         "the <extra_id_i> tokens)")
+    if sentinels < spans:
+        raise ArgsError(f"--vocab-extra-ids {sentinels}: a T5 sample of --encoder-seq-length {args.seq_length} "
+                        f"can have {spans} masked spans (--mask-prob {args.mask_prob}), one sentinel each; "
+                        f"give --vocab-extra-ids >= {spans}")
+    needed = t5_min_decoder_length(args.mask_prob, args.seq_length)
+    if decoder < needed:
+        raise ArgsError(f"--decoder-seq-length {decoder} is too short: a full sample of --encoder-seq-length "
+                        f"{args.seq_length} masks about {needed - 2} tokens (--mask-prob {args.mask_prob}), and the "
+                        f"decoder holds BOS, a sentinel per span and those tokens; give >= {needed} (1 + 2 x "
+                        f"{spans} = {1 + 2 * spans} always fits; Megatron uses 128 with 512)")
     for dest in ("relative_attention_num_buckets", "relative_attention_max_distance"):
         if getattr(args, dest) < 1:
             raise ArgsError(f"--{dest.replace('_', '-')} must be >= 1, got {getattr(args, dest)}")

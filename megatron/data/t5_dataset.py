@@ -32,10 +32,23 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from megatron.data.bert_masking import create_masked_spans
+from megatron.data.indexed_dataset import IndexedDatasetError
 from megatron.data.masked_dataset import MaskedWordPieceDataset, MaskedWordPieceDatasetConfig
 
 # The decoder's [BOS] and the labels' [EOS]: Megatron keeps the encoder's target 2 shorter for them.
 NUM_SPECIAL_TOKENS = 2
+
+
+def t5_max_spans(masking_probability: float, encoder_length: int) -> int:
+    """The most masked spans (so sentinels) a sample can have: each span is at least one of the at
+    most masking_probability x (encoder_length - 2) masked tokens."""
+    return math.floor(masking_probability * (encoder_length - NUM_SPECIAL_TOKENS))
+
+
+def t5_min_decoder_length(masking_probability: float, encoder_length: int) -> int:
+    """BOS, the about round(p x target) tokens a full-length sample masks, and one sentinel: below
+    this nearly every full sample overflows the decoder (1 + 2 x t5_max_spans always fits)."""
+    return 1 + round(masking_probability * (encoder_length - NUM_SPECIAL_TOKENS)) + 1
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ class T5MaskedWordPieceDatasetConfig(MaskedWordPieceDatasetConfig):
                              f"{NUM_SPECIAL_TOKENS} tokens for BOS and EOS (--encoder-seq-length >= 3)")
         if decoder is None:
             raise ValueError("the T5 dataset needs --decoder-seq-length (the decoder input and labels length)")
-        needed = 1 + round(self.masking_probability * self.sample_target_length) + 1
+        needed = t5_min_decoder_length(self.masking_probability, encoder)
         if decoder < needed:
             raise ValueError(
                 f"--decoder-seq-length {decoder} is too short: a full-length sample (--encoder-seq-length "
@@ -88,7 +101,7 @@ class T5MaskedWordPieceDatasetConfig(MaskedWordPieceDatasetConfig):
     def max_spans(self) -> int:
         """The most spans a sample can have: each span is at least one of the at most
         masking_probability x target tokens masked."""
-        return math.floor(self.masking_probability * self.sample_target_length)
+        return t5_max_spans(self.masking_probability, self.sequence_length)
 
 
 def t5_dataset_config_from_args(args: Any, tokenizer: Any) -> T5MaskedWordPieceDatasetConfig:
@@ -148,8 +161,8 @@ class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
         decoder, labels = [tokenizer.bos] + targets, targets + [tokenizer.eos]
         limit = self.config.sequence_length_decoder
         if len(decoder) > limit:
-            raise ValueError(
-                f"T5 sample {idx} needs {len(decoder)} decoder tokens (BOS, {len(spans)} sentinels and "
+            raise IndexedDatasetError(
+                f"{self.dataset_path}: T5 sample {idx} needs {len(decoder)} decoder tokens (BOS, {len(spans)} sentinels and "
                 f"{len(targets) - len(spans)} masked tokens) but --decoder-seq-length is {limit}; raise it (at "
                 f"most 1 + 2 x {self.config.max_spans} = {1 + 2 * self.config.max_spans} can be needed)")
         return encoder, decoder, labels

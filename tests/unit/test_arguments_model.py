@@ -215,7 +215,12 @@ def test_gpt_still_refuses_relative_and_warns_on_the_t5_flags(capsys):
     (f"{T5} --position-embedding-type relative --relative-attention-num-buckets 0",
      "--relative-attention-num-buckets must be >= 1"),
     (f"{T5} --decoder-num-layers 3", "--decoder-num-layers 3 with --num-layers 2: .* not supported yet"),
-], ids=["no-decoder-length", "no-sentinels", "short-position-table", "rope", "buckets", "decoder-layers"])
+    ("--decoder-seq-length 16 --vocab-extra-ids 3", r"--vocab-extra-ids 3: .* can have 4 masked spans"),
+    ("--decoder-seq-length 5 --vocab-extra-ids 100", r"--decoder-seq-length 5 is too short: .* give >= 6 "
+                                                     r"\(1 \+ 2 x 4 = 9 always fits"),
+    (f"{T5} --mask-prob 1.5", r"--mask-prob must be in \(0, 1\), got 1.5"),
+], ids=["no-decoder-length", "no-sentinels", "short-position-table", "rope", "buckets", "decoder-layers",
+        "few-sentinels", "short-decoder", "mask-prob"])
 def test_t5_errors(flags, message):
     with pytest.raises(ArgsError, match=message):
         run_t5(flags)
