@@ -7,7 +7,9 @@ span, the decoder writes the spans).
         --decoder-seq-length 128 --max-position-embeddings 512 --vocab-extra-ids 100 \
         --data-path t5_text_sentence --vocab-file vocab.txt [--position-embedding-type relative]
 
-The same machinery as pretrain_gpt.py (TP, DP, the distributed optimizer); the recipe:
+The same machinery as pretrain_gpt.py (TP, SP, DP, the distributed optimizer) and Megatron's
+encoder-decoder pipelines (--pipeline-model-parallel-split-rank S: stages [0, S) the encoder,
+[S, PP) the decoder; docs/parallelism.md); the recipe:
 
     model_provider: T5Model (shared embeddings, bidirectional encoder, causal decoder with
         cross-attention, the LM head tied to the embeddings with its own bias); learned absolute
@@ -42,30 +44,26 @@ from pretrain_gpt import loss_func  # noqa: E402  (Megatron's pretrain_t5.py tak
 BATCH_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask")
 # The model family marks the T5 rules of validate_args (arguments_model.is_t5): relative positions,
 # --decoder-seq-length and --vocab-extra-ids required, the T5 flags read.
-T5_ARGS_DEFAULTS = {"tokenizer_type": "BertWordPieceLowerCase", "model_family": "t5"}
+# "T5" is the converter's mark too (megatron/convert/t5.py), so a checkpoint of this script is a T5 one.
+T5_ARGS_DEFAULTS = {"tokenizer_type": "BertWordPieceLowerCase", "model_family": "T5"}
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, add_encoder: bool = True,
                    add_decoder: bool = True) -> T5Model:
-    """A T5Model shaped by the flags; the four stage flags go to the model as Megatron's."""
+    """A T5Model shaped by the flags; the four stage flags go to the model as Megatron's. The T5
+    choices a converted HF checkpoint's args carry (activation, attention scale, output scale:
+    megatron/convert/t5.py) apply with --use-checkpoint-args; without them it is Megatron's T5."""
+    import dataclasses
+
     from megatron.arguments import core_transformer_config_from_args
+    from megatron.convert.t5 import t5_model_kwargs, t5_transformer_config_kwargs
 
     args = get_args()
     print_rank_0("building T5 model ...")
-    config = core_transformer_config_from_args(args)
-    model = T5Model(config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                    position_embedding_type=args.position_embedding_type,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    parallel_output=True, num_tokens=get_tokenizer().vocab_size,
-                    relative_attention_num_buckets=args.relative_attention_num_buckets,
-                    relative_attention_max_distance=args.relative_attention_max_distance,
-                    pre_process=pre_process, post_process=post_process, add_encoder=add_encoder,
-                    add_decoder=add_decoder)
-    if not hasattr(model, "set_input_tensor"):
-        # Until T5Model's pipeline stages land (they bring set_input_tensor): the schedules call it on
-        # every stage, and without pipeline parallelism there is no input tensor to set.
-        model.set_input_tensor = lambda input_tensor: None
-    return model
+    config = dataclasses.replace(core_transformer_config_from_args(args), **t5_transformer_config_kwargs(args))
+    return T5Model(config, vocab_size=args.padded_vocab_size, parallel_output=True,
+                   num_tokens=get_tokenizer().vocab_size, pre_process=pre_process, post_process=post_process,
+                   add_encoder=add_encoder, add_decoder=add_decoder, **t5_model_kwargs(args))
 
 
 def get_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:

@@ -11,11 +11,12 @@
 # the tokenizer adds the 100 sentinels <extra_id_i> of --vocab-extra-ids itself). Run it again and
 # it resumes from the last checkpoint. CORPUS names another JSON-lines corpus; TRAIN_ITERS sets the
 # length; POSITIONS=relative trains T5's relative position buckets instead of Megatron's learned
-# positions; EXTRA_ARGS passes more flags (they come last, so they override). Tensor parallelism:
+# positions; EXTRA_ARGS passes more flags (they come last, so they override). Parallel layouts:
+# NPROC processes split as TP x PP x DP; with PP > 1 the first SPLIT stages (PP / 2 by default) run
+# the encoder and the rest the decoder (--pipeline-model-parallel-split-rank), e.g.
 #
-#   NPROC=2 TP=2 examples/pretrain_t5.sh
-#
-# (pipeline and sequence parallelism are not supported for T5 yet).
+#   NPROC=2 TP=2 examples/pretrain_t5.sh          # with sequence parallelism
+#   NPROC=2 PP=2 examples/pretrain_t5.sh          # encoder on rank 0, decoder on rank 1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -28,6 +29,7 @@ VOCAB_SIZE=${VOCAB_SIZE:-8192}
 TRAIN_ITERS=${TRAIN_ITERS:-200}
 NPROC=${NPROC:-1}
 TP=${TP:-1}
+PP=${PP:-1}
 
 # The data: corpus -> WordPiece vocab.txt -> sentence-level .bin/.idx, each made once.
 if [ ! -f "$CORPUS" ] && [ "$CORPUS" = data/default/corpus.jsonl ]; then
@@ -44,7 +46,9 @@ if [ ! -f "$DATA_PATH.idx" ]; then
         "${TOKENIZER_ARGS[@]}" --split-sentences --workers "${WORKERS:-2}"
 fi
 
-PARALLEL_ARGS=(--tensor-model-parallel-size "$TP")
+PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+if [ "$TP" -gt 1 ]; then PARALLEL_ARGS+=(--sequence-parallel); fi
+if [ "$PP" -gt 1 ]; then PARALLEL_ARGS+=(--pipeline-model-parallel-split-rank "${SPLIT:-$((PP / 2))}"); fi
 DISTRIBUTED_ARGS=(--nproc-per-node "$NPROC" --nnodes 1 --master-addr localhost --master-port "${MASTER_PORT:-29521}")
 
 # Megatron's T5 (examples/t5/train_t5_220m.sh, smaller): an encoder and a decoder of --num-layers

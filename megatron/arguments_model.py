@@ -11,7 +11,7 @@ embeddings and the rotary settings, grouped-query attention, the MLP activation 
 | layer_spec_from_flag | --spec that is not MODULE NAME, does not import, or names no spec | the ModuleSpec |
 
 The model family comes from the entry script's args_defaults: pretrain_t5.py gives
-{"model_family": "t5"} (T5_ARGS_DEFAULTS), which allows relative positions and turns on T5's
+{"model_family": "T5"} (T5_ARGS_DEFAULTS; the converter marks T5 checkpoints' args alike), which allows relative positions and turns on T5's
 rules; without it (GPT, BERT) args.model_family is None.
 
 Megatron-LM silently ignores --rotary-* (and --num-query-groups without --group-query-attention);
@@ -33,12 +33,12 @@ REFUSED_POSITION_EMBEDDINGS = {
 }
 
 
-T5_FAMILY = "t5"
+T5_FAMILY = "T5"  # the converter's mark as well (megatron/convert/t5.py)
 T5_POSITION_EMBEDDINGS = ("learned_absolute", "relative")
 
 
 def is_t5(args: Namespace) -> bool:
-    """Whether the entry script is pretrain_t5.py (its args_defaults set model_family "t5")."""
+    """Whether the entry script is pretrain_t5.py (its args_defaults set model_family "T5")."""
     return getattr(args, "model_family", None) == T5_FAMILY
 
 
@@ -166,6 +166,9 @@ def _validate_t5(args: Namespace) -> None:
     for dest in ("relative_attention_num_buckets", "relative_attention_max_distance"):
         if getattr(args, dest) < 1:
             raise ArgsError(f"--{dest.replace('_', '-')} must be >= 1, got {getattr(args, dest)}")
+    if args.pipeline_model_parallel_size > 1 and getattr(args, "pipeline_model_parallel_split_rank", None) is None:
+        raise ArgsError(f"T5 with --pipeline-model-parallel-size {args.pipeline_model_parallel_size} needs "
+                        "--pipeline-model-parallel-split-rank S (stages [0, S) run the encoder, the rest the decoder)")
     if args.decoder_num_layers not in (None, args.num_layers):
         raise ArgsError(f"--decoder-num-layers {args.decoder_num_layers} with --num-layers {args.num_layers}: "
                         "a decoder deeper or shallower than the encoder is not supported yet; remove it")

@@ -184,7 +184,7 @@ T5 = "--decoder-seq-length 16 --vocab-extra-ids 100"
 
 
 def run_t5(flags=""):
-    """validate_args as pretrain_t5.py calls it (its args_defaults carry model_family "t5")."""
+    """validate_args as pretrain_t5.py calls it (its args_defaults carry model_family "T5")."""
     from pretrain_t5 import T5_ARGS_DEFAULTS
 
     defaults = {**T5_ARGS_DEFAULTS, "tokenizer_type": "NullTokenizer"}  # BASE's tokenizer, no warning
@@ -194,7 +194,7 @@ def run_t5(flags=""):
 def test_t5_takes_relative_positions_and_its_flags_without_warnings(capsys):
     args = run_t5(f"{T5} --position-embedding-type relative --relative-attention-num-buckets 16 --mask-prob 0.2 "
                   "--short-seq-prob 0.05 --relative-attention-max-distance 64")
-    assert (args.model_family, args.position_embedding_type, args.decoder_seq_length) == ("t5", "relative", 16)
+    assert (args.model_family, args.position_embedding_type, args.decoder_seq_length) == ("T5", "relative", 16)
     assert (args.relative_attention_num_buckets, args.relative_attention_max_distance, args.mask_prob) == (16, 64, 0.2)
     assert warnings(capsys.readouterr().out) == []
     assert run_t5(f"{T5} --encoder-seq-length 24 --seq-length 24").seq_length == 24
@@ -224,3 +224,12 @@ def test_gpt_still_refuses_relative_and_warns_on_the_t5_flags(capsys):
 def test_t5_errors(flags, message):
     with pytest.raises(ArgsError, match=message):
         run_t5(flags)
+
+
+def test_t5_pipeline_needs_the_split_rank(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ArgsError, match="T5 with --pipeline-model-parallel-size 2 needs "
+                                        "--pipeline-model-parallel-split-rank S"):
+        run_t5(f"{T5} --pipeline-model-parallel-size 2")
+    assert run_t5(f"{T5} --pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 1") \
+        .pipeline_model_parallel_split_rank == 1
