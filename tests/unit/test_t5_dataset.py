@@ -175,3 +175,66 @@ def _few_sentinel_tokenizer(tokenizer, count):
     few = object.__new__(Few)
     few.__dict__.update(tokenizer.__dict__)
     return few
+
+
+# Megatron-Core's T5MaskedWordPieceDataset on the same .bin/.idx and vocabulary, in a process of its
+# own (its package is called `megatron`, like ours); the install is `make setup-test`'s.
+MCORE = '''
+import json, sys, numpy, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=0, world_size=1)
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
+from megatron.core.datasets.utils import Split
+spec = json.load(open(sys.argv[1]))
+class Tokenizer:  # the attributes the dataset reads
+    unique_identifiers = {"class": "Tokenizer"}
+    def __init__(self):
+        self.inv_vocab = {int(k): v for k, v in spec["inv_vocab"].items()}
+        for name in ("cls", "sep", "mask", "bos", "eos", "pad", "additional_special_tokens_ids"):
+            setattr(self, name, spec[name])
+config = T5MaskedWordPieceDatasetConfig(
+    random_seed=1234, sequence_length=128, sequence_length_decoder=40, blend=([spec["prefix"]], None), split="1,0,0",
+    tokenizer=Tokenizer(), path_to_cache=spec["cache"], masking_probability=0.15, short_sequence_probability=0.1,
+    masking_max_ngram=10, masking_do_full_word=True, masking_do_permutation=False, masking_use_longer_ngrams=False,
+    masking_use_geometric_distribution=True)  # Megatron's pretrain_t5.py
+data = IndexedDataset(spec["prefix"])
+dataset = T5MaskedWordPieceDataset(data, spec["prefix"], numpy.arange(data.document_indices.shape[0] - 1),
+                                   spec["count"], Split.train, config)
+json.dump({"sample_index": numpy.asarray(dataset.sample_index).tolist(),
+           "samples": [{k: numpy.asarray(v).tolist() for k, v in dataset[i].items()} for i in range(spec["count"])]},
+          open(sys.argv[2], "w"))
+'''
+
+
+def test_samples_equal_megatron_cores(kjv, tmp_path):
+    """Megatron-Core's T5 dataset (its C++ build_mapping, its masking) and ours, Megatron's
+    pretrain_t5.py settings: the same sample index and the same 300 samples, key for key."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    mcore = Path(os.environ.get("MEGATRON_CORE_PATH", Path(__file__).resolve().parents[2] / ".venv" / "peers"
+                                / "megatron_core"))
+    if not (mcore / "megatron" / "core" / "datasets" / "t5_dataset.py").is_file():
+        pytest.skip(f"megatron-core not installed at {mcore} (make setup-test)")
+    prefix, tokenizer = kjv
+    spec = dict(inv_vocab={str(k): v for k, v in tokenizer.inv_vocab.items()}, cls=tokenizer.cls, sep=tokenizer.sep,
+                mask=tokenizer.mask, bos=tokenizer.bos, eos=tokenizer.eos, pad=tokenizer.pad,
+                additional_special_tokens_ids=tokenizer.additional_special_tokens_ids, prefix=prefix,
+                cache=str(tmp_path / "mcore_cache"), count=300)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "mcore.py").write_text(MCORE)
+    proc = subprocess.run([sys.executable, str(tmp_path / "mcore.py"), str(tmp_path / "spec.json"),
+                           str(tmp_path / "out.json"), str(tmp_path / "pg")], env=dict(os.environ, PYTHONPATH=str(mcore)),
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = json.loads((tmp_path / "out.json").read_text())
+    ours = _dataset(tokenizer, prefix, num_samples=300, encoder=128, decoder=40, path_to_cache=str(tmp_path / "ours"))
+    assert np.array_equal(np.asarray(reference["sample_index"]), ours.sample_index)
+    for i, sample in enumerate(reference["samples"]):
+        mine = ours[i]
+        assert set(sample) == set(mine)
+        for key, value in sample.items():
+            assert np.array_equal(np.asarray(value), np.asarray(mine[key])), (i, key)
