@@ -87,3 +87,75 @@ def test_resume_continues_exactly(script_run, tmp_path, positions):
     assert _losses(first) == _losses(straight)[:4]
     assert _losses(resumed) == _losses(straight)[4:]
     assert _losses(straight)[-1] < _losses(straight)[0]
+
+
+# ------------------------------------------------------------------------------ parallel layouts
+# pretrain_t5.main on 4 gloo ranks (a pool spawned for this module): the same data and model at
+# DP=4, TP=2 x DP=2 with sequence parallelism, encoder/decoder PP=2 x DP=2 with the distributed
+# optimizer, and TP=2 x PP=2 give the same losses; a torch_dist checkpoint of the PP=2 run loads
+# at TP=2 x DP=2 and continues with the uninterrupted run's losses.
+
+LAYOUTS = {
+    "dp4": [],
+    "tp2-sp-dp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "pp2-dp2-distopt": ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-split-rank", "1",
+                        "--use-distributed-optimizer"],
+    "tp2-pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                "--pipeline-model-parallel-split-rank", "1"],
+}
+
+
+def _pretrain_t5(argv):
+    """Every rank: train with argv; the last rank's {iteration: lm loss} (it logs the losses)."""
+    from megatron.initialize import reset_megatron
+
+    try:
+        result = pretrain_t5.main(list(argv), record_history=True)
+    finally:
+        reset_megatron()
+    return {record.iteration: record.losses.get("lm loss") for record in result.history}
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    from tests.parallel.harness import DistributedPool
+
+    pool = DistributedPool(4)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def layout_runs(script_run, pool4, tmp_path_factory):
+    _, _, data, vocab = script_run
+    root = tmp_path_factory.mktemp("t5_layouts")
+    common = [*MODEL.split(), "--data-path", data, "--vocab-file", vocab, "--train-iters", "6",
+              "--micro-batch-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0",
+              "--make-vocab-size-divisible-by", "64", "--data-cache-path", str(root / "cache")]
+    runs = {}
+    for name, flags in LAYOUTS.items():
+        extra = ["--save", str(root / "pp2-ckpt"), "--save-interval", "3"] if name == "pp2-dp2-distopt" else []
+        runs[name] = pool4.run(_pretrain_t5, [*common, *flags, *extra])[-1]
+    return common, root, runs
+
+
+def test_parallel_layouts_train_with_the_same_losses(layout_runs):
+    _, _, runs = layout_runs
+    reference = runs["dp4"]
+    assert sorted(reference) == list(range(1, 7))
+    for name, losses in runs.items():
+        assert sorted(losses) == sorted(reference), name
+        for iteration, loss in reference.items():
+            assert losses[iteration] == pytest.approx(loss, rel=1e-5), (name, iteration)
+
+
+def test_a_pipeline_checkpoint_resumes_at_another_layout(layout_runs, pool4):
+    common, root, runs = layout_runs
+    tracker = root / "pp2-ckpt" / "latest_checkpointed_iteration.txt"
+    from megatron.core.atomic_io import atomic_write
+
+    atomic_write(str(tracker), lambda f: f.write(b"3"))
+    resumed = pool4.run(_pretrain_t5, [*common, *LAYOUTS["tp2-sp-dp2"], "--load", str(root / "pp2-ckpt")])[-1]
+    assert sorted(resumed) == [4, 5, 6]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(runs["pp2-dp2-distopt"][iteration], rel=1e-5), iteration
