@@ -109,7 +109,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
 def main(argv: Optional[List[str]] = None, record_history: bool = False):
     """Train with the flags in argv (None: sys.argv); returns megatron.training.TrainingResult."""
     return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                    forward_step, args_defaults={"tokenizer_type": "BertWordPieceLowerCase"}, argv=argv,
+                    forward_step, args_defaults={"tokenizer_type": "BertWordPieceLowerCase", "model_family": "BERT"}, argv=argv,
                     record_history=record_history)
 
 

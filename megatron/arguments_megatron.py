@@ -323,15 +323,18 @@ def refusal_rows() -> tuple:
     return tuple((row.dest, row.names[0], row.default, row.why) for row in REFUSED)
 
 
-# NO_EFFECT flags that pretrain_t5.py reads (args.model_family "T5": arguments_model.is_t5).
+# NO_EFFECT flags that pretrain_t5.py and pretrain_bert.py read (their args_defaults set
+# args.model_family "T5" / "BERT"; arguments_model.is_t5).
 T5_FLAGS = ("--decoder-seq-length", "--decoder-num-layers", "--relative-attention-num-buckets",
             "--relative-attention-max-distance", "--mask-prob", "--short-seq-prob")
+BERT_FLAGS = ("--bert-no-binary-head", "--mask-prob", "--short-seq-prob")
+FAMILY_FLAGS = {"T5": T5_FLAGS, "BERT": BERT_FLAGS}
 
 
 def no_effect_flags_given(args: Namespace) -> list:
-    """The NO_EFFECT flags whose value is not the default, as the user spelled them (for T5, not
-    the T5 flags it reads)."""
-    used = T5_FLAGS if getattr(args, "model_family", None) == "T5" else ()
+    """The NO_EFFECT flags whose value is not the default, as the user spelled them (for T5 and
+    BERT, not the flags their scripts read)."""
+    used = FAMILY_FLAGS.get(getattr(args, "model_family", None), ())
     return [row.names[0] for row in NO_EFFECT
             if getattr(args, row.dest, row.default) != row.default and row.names[0] not in used]
 

@@ -72,6 +72,7 @@ def test_pretrain_bert_script_builds_sentence_data_and_learns(trained):
 def test_pretrain_bert_script_without_the_binary_head(tmp_path, nltk_data_dir):
     out, rows = run_script(tmp_path, nltk_data_dir, binary_head=False)
     assert re.search(r"^  bert_binary_head \.+ False$", out, re.M)
+    assert "WARNING: these Megatron-LM flags have no effect" not in out  # BERT reads its flags
     assert [r[0] for r in rows] == list(range(1, ITERS + 1))
     assert all(r[2] is None for r in rows) and "sop loss" not in out  # the lm loss alone
 
