@@ -174,10 +174,24 @@ def _validate_t5(args: Namespace) -> None:
                         "a decoder deeper or shallower than the encoder is not supported yet; remove it")
 
 
+def _validate_bert(args: Namespace) -> None:
+    """BERT's masking flags and its data (the masked-WordPiece dataset reads real sentence data)."""
+    ArgsError, _ = _errors()
+    if not 0.0 < args.mask_prob < 1.0:
+        raise ArgsError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
+    if not 0.0 <= args.short_seq_prob <= 1.0:
+        raise ArgsError(f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
+    if getattr(args, "mock_data", False):
+        raise ArgsError("--mock-data: the BERT dataset has no mock data; give --data-path (a --split-sentences "
+                        "dataset, PREFIX_text_sentence)")
+
+
 def validate_model_architecture(args: Namespace) -> None:
     """The architecture rules above, after kv_channels and ffn_hidden_size are derived."""
     if is_t5(args):
         _validate_t5(args)
+    if getattr(args, "model_family", None) == "BERT":
+        _validate_bert(args)
     _validate_position_embedding(args)
     _validate_query_groups(args)
     _validate_activation(args)

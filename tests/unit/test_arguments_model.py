@@ -233,3 +233,27 @@ def test_t5_pipeline_needs_the_split_rank(monkeypatch):
         run_t5(f"{T5} --pipeline-model-parallel-size 2")
     assert run_t5(f"{T5} --pipeline-model-parallel-size 2 --pipeline-model-parallel-split-rank 1") \
         .pipeline_model_parallel_split_rank == 1
+
+
+# ----------------------------------------------------------------------------- BERT (pretrain_bert.py)
+
+def run_bert(flags: str, data: bool = True):
+    """validate_args as pretrain_bert.py calls it (its args_defaults carry model_family "BERT"),
+    on a --data-path x that exists (empty files: validation only checks that they are there)."""
+    base = [word for word in BASE if word != "--mock-data"] + (["--data-path", "x"] if data else ["--mock-data"])
+    defaults = {"model_family": "BERT", "tokenizer_type": "NullTokenizer"}
+    return parse_and_validate_args(argv=[*base, *flags.split()], args_defaults=defaults)
+
+
+@pytest.mark.parametrize("flags, data, message", [
+    ("--mask-prob 0", True, r"--mask-prob must be in \(0, 1\), got 0.0"),
+    ("--short-seq-prob 1.5", True, r"--short-seq-prob must be in \[0, 1\], got 1.5"),
+    ("", False, r"--mock-data: the BERT dataset has no mock data; give --data-path"),
+], ids=["mask-prob", "short-seq-prob", "mock-data"])
+def test_bert_errors_before_any_data_is_read(flags, data, message, monkeypatch, tmp_path):
+    for suffix in ("bin", "idx"):
+        (tmp_path / f"x.{suffix}").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ArgsError, match=message):
+        run_bert(flags, data)
+    run_bert("--mask-prob 0.2 --short-seq-prob 0")  # in range: accepted
