@@ -114,10 +114,21 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
     return datasets
 
 
+def add_t5_args(parser):
+    """pretrain_t5.py's own flag (Megatron's extra_args_provider)."""
+    group = parser.add_argument_group(title="T5 span corruption")
+    group.add_argument("--mean-noise-span-length", type=float, default=None,
+                       help="Ours (T5's name): the mean length of a masked span, in words, before the cap of 10; "
+                            "spans are geometric with p = 1 / L. Default: Megatron's p = 0.2 (SpanBERT's; about "
+                            "4.5 words); 3 gives T5's setting.")
+    return parser
+
+
 def main(argv: Optional[List[str]] = None, record_history: bool = False):
     """Train with the flags in argv (None: sys.argv); returns megatron.training.TrainingResult."""
     return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_and_decoder,
-                    forward_step, args_defaults=dict(T5_ARGS_DEFAULTS), argv=argv, record_history=record_history)
+                    forward_step, extra_args_provider=add_t5_args, args_defaults=dict(T5_ARGS_DEFAULTS), argv=argv,
+                    record_history=record_history)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,9 @@ def _validate_t5(args: Namespace) -> None:
                         f"{args.seq_length} masks about {needed - 2} tokens (--mask-prob {args.mask_prob}), and the "
                         f"decoder holds BOS, a sentinel per span and those tokens; give >= {needed} (1 + 2 x "
                         f"{spans} = {1 + 2 * spans} always fits; Megatron uses 128 with 512)")
+    span = getattr(args, "mean_noise_span_length", None)
+    if span is not None and span < 1:
+        raise ArgsError(f"--mean-noise-span-length must be >= 1 (a span has at least one word), got {span}")
     for dest in ("relative_attention_num_buckets", "relative_attention_max_distance"):
         if getattr(args, dest) < 1:
             raise ArgsError(f"--{dest.replace('_', '-')} must be >= 1, got {getattr(args, dest)}")

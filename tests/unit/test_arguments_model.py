@@ -187,8 +187,10 @@ def run_t5(flags=""):
     """validate_args as pretrain_t5.py calls it (its args_defaults carry model_family "T5")."""
     from pretrain_t5 import T5_ARGS_DEFAULTS
 
+    from pretrain_t5 import add_t5_args
+
     defaults = {**T5_ARGS_DEFAULTS, "tokenizer_type": "NullTokenizer"}  # BASE's tokenizer, no warning
-    return parse_and_validate_args(argv=[*BASE, *flags.split()], args_defaults=defaults)
+    return parse_and_validate_args(add_t5_args, argv=[*BASE, *flags.split()], args_defaults=defaults)
 
 
 def test_t5_takes_relative_positions_and_its_flags_without_warnings(capsys):
@@ -219,8 +221,9 @@ def test_gpt_still_refuses_relative_and_warns_on_the_t5_flags(capsys):
     ("--decoder-seq-length 5 --vocab-extra-ids 100", r"--decoder-seq-length 5 is too short: .* give >= 6 "
                                                      r"\(1 \+ 2 x 4 = 9 always fits"),
     (f"{T5} --mask-prob 1.5", r"--mask-prob must be in \(0, 1\), got 1.5"),
+    (f"{T5} --mean-noise-span-length 0.5", r"--mean-noise-span-length must be >= 1 .* got 0.5"),
 ], ids=["no-decoder-length", "no-sentinels", "short-position-table", "rope", "buckets", "decoder-layers",
-        "few-sentinels", "short-decoder", "mask-prob"])
+        "few-sentinels", "short-decoder", "mask-prob", "mean-span"])
 def test_t5_errors(flags, message):
     with pytest.raises(ArgsError, match=message):
         run_t5(flags)

@@ -5,6 +5,8 @@ Statistics over all samples: the masked fraction of the text and the mean span l
 their settings; every sample: the layout (sentinels in order, one per span, the decoder input the
 labels shifted right), the text given back by filling the sentinels, the lengths; determinism per
 seed; the one-line errors."""
+import argparse
+
 import numpy as np
 import pytest
 
@@ -141,6 +143,12 @@ def test_config_from_megatron_flags(kjv):
     assert (config.masking_probability, config.short_sequence_probability) == (0.1, 0.1)
     assert (config.masking_max_ngram, config.masking_do_full_word, config.masking_use_geometric_distribution,
             config.masking_geometric_p) == (10, True, True, 0.2)  # Megatron's pretrain_t5.py
+    import pretrain_t5
+
+    args = pretrain_t5.add_t5_args(argparse.ArgumentParser()).parse_args(["--mean-noise-span-length", "3"])
+    args = argparse.Namespace(**{**vars(parse_args(argv=["--data-path", prefix, "--split", "1,0,0", "--seq-length",
+                                                         "256", "--decoder-seq-length", "64"])), **vars(args)})
+    assert t5_dataset_config_from_args(args, tokenizer).masking_geometric_p == pytest.approx(1 / 3)  # T5's mean 3
 
 
 def test_errors(kjv, bert_vocab_file, tmp_path):
