@@ -1,4 +1,4 @@
-"""The CUDA-only helpers megatron-core's GPT path calls, redone on CPU (MCORE_CPU_PATCHES).
+"""The CUDA-only helpers megatron-core's GPT, BERT and T5 paths call, redone on CPU (MCORE_CPU_PATCHES).
 
 Imported only inside processes that run megatron-core (its package is also called `megatron`):
 bench/compare_peers.py's worker and the reference snippets of tests/mcore_reference.py, which
@@ -14,6 +14,8 @@ MCORE_CPU_PATCHES = (
     "the unfused attention's baddbmm buffer)",
     "fusions.fused_softmax.get_default_causal_mask -> the same mask built on CPU (it uses device='cuda')",
     "torch.cuda.current_device -> 'cpu' (RotaryEmbedding.get_emb moves its CPU inv_freq to that device)",
+    "models.T5.t5_spec.TENorm -> its LNImpl when Transformer Engine is missing (the local block specs take "
+    "their final norms from TENorm, None without TE: no final norm at all, unlike a T5 written with TE)",
 )
 
 
@@ -49,3 +51,7 @@ def patch_for_cpu() -> None:
     torch.cuda.current_device = lambda: "cpu"
     fused_softmax.get_default_causal_mask = functools.lru_cache(None)(
         lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1))
+    from megatron.core.models.T5 import t5_spec
+
+    if t5_spec.TENorm is None:
+        t5_spec.TENorm = t5_spec.LNImpl

@@ -339,6 +339,30 @@ def check_extra_state(value: Any, name: str, path: str) -> None:
                           "cannot convert; save the checkpoint without FP8 or drop its extra state")
 
 
+# megatron-core's T5Model holds two modules under a second name as well (position_embeddings for
+# finalize_model_grads' position-embedding all-reduce, output_layer = lm_head.output_layer), so its
+# state dict has their tensors twice: alias prefix -> the prefix of the one copy we keep
+CORE_ALIASES = (("position_embeddings.", "embedding.position_embeddings."),
+                ("output_layer.", "lm_head.output_layer."))
+
+
+def drop_core_aliases(entry: Dict[str, Any], path: str = "") -> Dict[str, Any]:
+    """`entry` without megatron-core's second names of one tensor (CORE_ALIASES): a key is an alias
+    only when the key it aliases is there too (BERT's and GPT's output_layer.* are their own), and
+    the two must hold the same values."""
+    out = dict(entry)
+    for alias, original in CORE_ALIASES:
+        for key in [k for k in entry if k.startswith(alias)]:
+            twin = original + key[len(alias):]
+            if twin not in entry:
+                continue
+            if torch.is_tensor(entry[key]) and not torch.equal(entry[key], entry[twin]):
+                raise CheckpointError(f"{path}: {key} and {twin} are one tensor in megatron-core's T5Model "
+                                      "but hold different values")
+            del out[key]
+    return out
+
+
 def core_name(name: str) -> str:
     """Our name of a megatron-core key (the TE spec's fused norm names become the local spec's)."""
     match = _LAYER_PART.match(name)
@@ -367,7 +391,7 @@ class CoreDialect(Dialect):
             raise CheckpointError(f"{path} is in Megatron-LM's classic naming (model.language_model.*): "
                                   "use --loader legacy")
         model: Dict[str, Any] = {}
-        for key_, value in entry.items():
+        for key_, value in drop_core_aliases(entry, path).items():
             if key_.endswith("_extra_state"):
                 check_extra_state(value, key_, path)
                 continue
