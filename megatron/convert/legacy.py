@@ -14,6 +14,19 @@ megatron_format's reader and writer take that difference as a `Dialect`:
              (linear_qkv.layer_norm_*, mlp.linear_fc1.layer_norm_*) and
              adds `_extra_state` entries (FP8 metadata, or empty)
 
+BERT (--model-type BERT: the loaders pass the family to the dialect) has the same layers under
+encoder.layers.* (classic language_model.encoder.layers.*) and these heads:
+
+    classic (Megatron-LM's legacy BertModel)                   ours = megatron-core's BertModel
+    language_model.embedding.tokentype_embeddings.weight       embedding.tokentype_embeddings.weight
+    language_model.encoder.final_layernorm | final_norm        encoder.final_layernorm
+    language_model.pooler.dense                                pooler.dense
+    lm_head.dense                                              lm_head.dense
+    lm_head.layernorm | lm_head.norm (core_v0.5+)              lm_head.layer_norm
+    lm_head.bias                                               output_layer.bias
+    binary_head                                                binary_head
+    word_embeddings_for_head.weight                            output_layer.weight (the last stage's copy)
+
 (np heads and ng groups of the shard: np/tp and ng/tp.) Layers are numbered per stage (and per
 virtual chunk) in both, as in ours. A classic layer is
 
@@ -66,6 +79,8 @@ _BOOLEAN_FLAGS = {  # our flag: Megatron-LM's field (default False when absent)
     "--apply-residual-connection-post-layernorm": "apply_residual_connection_post_layernorm",
     "--fp32-residual-connection": "fp32_residual_connection", "--use-rope-scaling": "use_rope_scaling",
 }
+# Megatron-LM's fields that are True by default (absent: True), and our flag that turns each off
+_DEFAULT_TRUE_FLAGS = {"--no-bias-gelu-fusion": "bias_gelu_fusion"}
 # copied as they are after validation (tokenizer, counters); absent ones keep our defaults
 _CARRIED = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", "vocab_extra_ids",
             "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples", "fp16", "bf16",
@@ -101,8 +116,9 @@ def position_embedding_type(raw: argparse.Namespace, path: str) -> str:
     return "rope" if rotary else "learned_absolute" if learned else "none"
 
 
-def megatron_lm_args(raw: argparse.Namespace, path: str) -> argparse.Namespace:
-    """Our validated args of a Megatron-LM checkpoint's args (see the module docstring)."""
+def megatron_lm_args(raw: argparse.Namespace, path: str, family: str = "GPT") -> argparse.Namespace:
+    """Our validated args of a Megatron-LM checkpoint's args (see the module docstring); family
+    "BERT" also carries bert_binary_head (pretrain_bert.py's num_tokentypes 2 with it, else 0)."""
     if not isinstance(raw, argparse.Namespace):
         raise CheckpointError(f"{path}: the saved args are a {type(raw).__name__}, not an argparse Namespace")
     for name in _UNSUPPORTED:
@@ -133,6 +149,8 @@ def megatron_lm_args(raw: argparse.Namespace, path: str) -> argparse.Namespace:
     if getattr(raw, "group_query_attention", False):
         flags += ["--group-query-attention", "--num-query-groups", str(_required(raw, path, "num_query_groups"))]
     flags += [flag for flag, name in _BOOLEAN_FLAGS.items() if getattr(raw, name, False)]
+    # --no-bias-gelu-fusion: the MLP's GeLU is then the erf one, not the fused tanh form
+    flags += [flag for flag, name in _DEFAULT_TRUE_FLAGS.items() if getattr(raw, name, True) is False]
     # add_bias_linear since 2023; before, biases were always on; foundation models say disable_bias_linear
     bias = getattr(raw, "add_bias_linear", None)
     if bias is None:
@@ -159,6 +177,10 @@ def megatron_lm_args(raw: argparse.Namespace, path: str) -> argparse.Namespace:
             setattr(args, name, getattr(raw, name))
     if not isinstance(args.params_dtype, torch.dtype):
         args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if family == "BERT":
+        if getattr(raw, "bert_post_layernorm", False):
+            raise CheckpointError(f"{path}: a post-LN Megatron-LM BERT is not one BertModel computes")
+        args.bert_binary_head = getattr(raw, "bert_binary_head", True) is not False
     return args
 
 
@@ -234,20 +256,36 @@ def flatten(entry: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return flat
 
 
-def classic_name(name: str) -> str:
-    """Our name of a flattened classic key (CheckpointError for one this GPT does not have)."""
+_CLASSIC_BERT_TOP = {  # the heads of Megatron-LM's legacy BertModel (bert_model.py, language_model.py)
+    "language_model.embedding.tokentype_embeddings.weight": "embedding.tokentype_embeddings.weight",
+    "language_model.pooler.dense.weight": "pooler.dense.weight",
+    "language_model.pooler.dense.bias": "pooler.dense.bias",
+    "lm_head.dense.weight": "lm_head.dense.weight", "lm_head.dense.bias": "lm_head.dense.bias",
+    "lm_head.layernorm.weight": "lm_head.layer_norm.weight", "lm_head.layernorm.bias": "lm_head.layer_norm.bias",
+    "lm_head.norm.weight": "lm_head.layer_norm.weight", "lm_head.norm.bias": "lm_head.layer_norm.bias",
+    "lm_head.bias": "output_layer.bias",  # the MLM output's own bias [vocab/t]
+    "binary_head.weight": "binary_head.weight", "binary_head.bias": "binary_head.bias",
+}
+
+
+def classic_name(name: str, family: str = "GPT") -> str:
+    """Our name of a flattened classic key of `family` (GPT: decoder.*; BERT: encoder.* and its
+    heads); CheckpointError for one that model does not have."""
+    stack = "encoder" if family == "BERT" else "decoder"
     if name in _CLASSIC_TOP:
         return _CLASSIC_TOP[name]
+    if family == "BERT" and name in _CLASSIC_BERT_TOP:
+        return _CLASSIC_BERT_TOP[name]
     match = _CLASSIC_FINAL.match(name)
     if match:
-        return f"decoder.final_layernorm.{match.group(1)}"
+        return f"{stack}.final_layernorm.{match.group(1)}"
     match = _CLASSIC_LAYER.match(name)
     if match:
         index, rest = match.groups()
         for old, new in _CLASSIC_PARTS:
             if rest.startswith(old):
-                return f"decoder.layers.{index}.{new}{rest[len(old):]}"
-    raise CheckpointError(f"model.{name}: a key of Megatron-LM's classic GPT the converter has no name for")
+                return f"{stack}.layers.{index}.{new}{rest[len(old):]}"
+    raise CheckpointError(f"model.{name}: a key of Megatron-LM's classic {family} the converter has no name for")
 
 
 def qkv_to_current_order(shard: torch.Tensor, version: float, heads: int, hn: int) -> torch.Tensor:
@@ -273,13 +311,23 @@ def _version(state: Dict[str, Any], path: str) -> float:
     return float(version)
 
 
+def _family(family: str) -> str:
+    if family not in ("GPT", "BERT"):
+        raise CheckpointError(f"--model-type {family}: Megatron-LM's own {family} checkpoints are not supported by "
+                              "the legacy and mcore loaders (GPT and BERT are)")
+    return family
+
+
 class LegacyDialect(Dialect):
-    """Megatron-LM's classic GPT (`model.language_model.*`), checkpoint_version 0 to 3."""
+    """Megatron-LM's classic GPT or BERT (`model.language_model.*`), checkpoint_version 0 to 3."""
+
+    def __init__(self, family: str = "GPT") -> None:
+        self.family = _family(family)
 
     def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
         raw = super().args(state, path)
         version = _version(state, path)
-        args = megatron_lm_args(raw, path)
+        args = megatron_lm_args(raw, path, self.family)
         if version < 2.0 and query_groups(args) != args.num_attention_heads:
             raise CheckpointError(f"{path}: checkpoint_version {version} with grouped-query attention: "
                                   "Megatron-LM never wrote that (GQA came with version 3.0)")
@@ -301,7 +349,7 @@ class LegacyDialect(Dialect):
             if classic.endswith("_extra_state"):
                 check_extra_state(value, f"model.{classic}", path)
                 continue
-            name = classic_name(classic)
+            name = classic_name(classic, self.family)
             if name in model:
                 raise CheckpointError(f"{path}: model.{classic} and another key both name {name}")
             if version < 2.0 and ".linear_qkv." in name:
@@ -315,7 +363,7 @@ class LegacyDialect(Dialect):
 # Transformer Engine's spec fuses each layer norm into the linear that follows it
 _TE_NORMS = (("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
              ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."))
-_LAYER_PART = re.compile(r"^(decoder\.layers\.\d+\.)(.+)$")
+_LAYER_PART = re.compile(r"^((?:decoder|encoder)\.layers\.\d+\.)(.+)$")  # encoder: BERT's
 # modules whose `_extra_state` megatron-core saves: its own linears (None) and, with TE, TE's modules
 LOCAL_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 TE_EXTRA_STATE = LOCAL_EXTRA_STATE + ("self_attention.core_attention",)
@@ -377,13 +425,14 @@ def core_name(name: str) -> str:
 class CoreDialect(Dialect):
     """Megatron-LM checkpoints in megatron-core naming (TE or local spec); writes `transformer_impl`'s."""
 
-    def __init__(self, transformer_impl: str = "transformer_engine") -> None:
+    def __init__(self, transformer_impl: str = "transformer_engine", family: str = "GPT") -> None:
         if transformer_impl not in ("transformer_engine", "local"):
             raise CheckpointError(f"--saver-transformer-impl {transformer_impl}: one of transformer_engine, local")
         self.transformer_impl = transformer_impl
+        self.family = _family(family)
 
     def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
-        return megatron_lm_args(super().args(state, path), path)
+        return megatron_lm_args(super().args(state, path), path, self.family)
 
     def model(self, state: Dict[str, Any], key: str, path: str, source: Source) -> Dict[str, Any]:
         entry = model_entry(state, key, path)
@@ -421,8 +470,8 @@ class CoreDialect(Dialect):
         for prefix in layers:  # what Transformer Engine writes without FP8; megatron-core's linears: None
             for module in (TE_EXTRA_STATE if te else LOCAL_EXTRA_STATE):
                 out[f"{prefix}{module}._extra_state"] = empty()
-        if "decoder.final_layernorm.weight" in model:  # the last stage has the output layer (its weight may be tied)
-            out["output_layer._extra_state"] = None
+        if "decoder.final_layernorm.weight" in model or "lm_head.dense.weight" in model:
+            out["output_layer._extra_state"] = None  # the last stage has the output layer (its weight may be tied)
         return out
 
     def file_args(self, args: argparse.Namespace) -> argparse.Namespace:

@@ -29,4 +29,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_checkpoint(args: argparse.Namespace) -> Tuple[Metadata, Iterator[Tuple[str, torch.Tensor]]]:
     """(metadata in our terms, the whole tensors one at a time under our names)."""
-    return loader_megatron.load_checkpoint(args, CoreDialect())
+    return loader_megatron.load_checkpoint(args, CoreDialect(family=getattr(args, "model_type", None) or "GPT"))

@@ -25,4 +25,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_checkpoint(args: argparse.Namespace) -> Tuple[Metadata, Iterator[Tuple[str, torch.Tensor]]]:
     """(metadata in our terms, the whole tensors one at a time under our names)."""
-    return loader_megatron.load_checkpoint(args, LegacyDialect())
+    return loader_megatron.load_checkpoint(args, LegacyDialect(getattr(args, "model_type", None) or "GPT"))
