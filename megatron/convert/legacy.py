@@ -178,6 +178,7 @@ def megatron_lm_args(raw: argparse.Namespace, path: str, family: str = "GPT") ->
     if not isinstance(args.params_dtype, torch.dtype):
         args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     if family == "BERT":
+        args.model_family = "BERT"  # what verify and pretrain_bert.py build
         if getattr(raw, "bert_post_layernorm", False):
             raise CheckpointError(f"{path}: a post-LN Megatron-LM BERT is not one BertModel computes")
         args.bert_binary_head = getattr(raw, "bert_binary_head", True) is not False
@@ -318,6 +319,13 @@ def _family(family: str) -> str:
     return family
 
 
+def _file_family(raw: argparse.Namespace, family: str) -> str:
+    """The family of a file: Megatron-LM's args do not say it (the loader's --model-type does);
+    files our --saver mcore wrote carry model_family (read back by the verification)."""
+    saved = getattr(raw, "model_family", None)
+    return _family(saved) if isinstance(saved, str) else family
+
+
 class LegacyDialect(Dialect):
     """Megatron-LM's classic GPT or BERT (`model.language_model.*`), checkpoint_version 0 to 3."""
 
@@ -327,7 +335,7 @@ class LegacyDialect(Dialect):
     def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
         raw = super().args(state, path)
         version = _version(state, path)
-        args = megatron_lm_args(raw, path, self.family)
+        args = megatron_lm_args(raw, path, _file_family(raw, self.family))
         if version < 2.0 and query_groups(args) != args.num_attention_heads:
             raise CheckpointError(f"{path}: checkpoint_version {version} with grouped-query attention: "
                                   "Megatron-LM never wrote that (GQA came with version 3.0)")
@@ -432,7 +440,8 @@ class CoreDialect(Dialect):
         self.family = _family(family)
 
     def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
-        return megatron_lm_args(super().args(state, path), path, self.family)
+        raw = super().args(state, path)
+        return megatron_lm_args(raw, path, _file_family(raw, self.family))
 
     def model(self, state: Dict[str, Any], key: str, path: str, source: Source) -> Dict[str, Any]:
         entry = model_entry(state, key, path)

@@ -313,3 +313,62 @@ def test_megatron_core_bert_converts_to_ours_at_tp2_with_megatron_cores_logits(m
         logits, binary = model(batch["tokens"], batch["padding"], tokentype_ids=batch["types"])
     torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(binary, reference["binary"], rtol=1e-5, atol=1e-5)
+
+
+MCORE_LOAD_BERT = '''
+import torch
+patch_for_cpu()
+from megatron.core import parallel_state
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:@PORT@", rank=0, world_size=1)
+parallel_state.initialize_model_parallel()
+model_parallel_cuda_manual_seed(1)
+state = torch.load("@PATH@", weights_only=False)
+args = state["args"]
+config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                           num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+                           hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=args.bias_gelu_fusion,
+                           use_cpu_initialization=True)
+model = BertModel(config, num_tokentypes=2 if args.bert_binary_head else 0, transformer_layer_spec=bert_layer_local_spec,
+                  vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                  share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                  add_binary_head=args.bert_binary_head).eval()
+model.load_state_dict(state["model"], strict=True)
+batch = torch.load("@BATCH@")
+with torch.no_grad():
+    logits, binary = model(batch["tokens"], batch["padding"], tokentype_ids=batch["types"])
+torch.save({"logits": logits, "binary": binary, "impl": args.transformer_impl, "version": state["checkpoint_version"]},
+           "@OUT@")
+'''
+
+
+def test_classic_bert_to_mcore_saver_loads_strictly_in_megatron_core_with_our_outputs(bert, tmp_path, capsys):
+    """classic TP2 PP2 -> --saver mcore (local spec names) -> megatron-core's BertModel.load_state_dict(strict)."""
+    import dataclasses
+
+    require_mcore()
+    args, whole, model = bert
+    _write_classic(tmp_path / "megatron_lm", args, whole)
+    _convert("legacy", "mcore", tmp_path / "megatron_lm", tmp_path / "mcore", "--target-tensor-parallel-size", "1",
+             "--target-pipeline-parallel-size", "1", "--saver-transformer-impl", "local")
+    assert "-> OK" in capsys.readouterr().out
+    tokens = verify.sample_tokens(VOCAB, SEQ)
+    padding, types = verify.bert_inputs(tokens)
+    torch.save({"tokens": tokens, "padding": padding, "types": types}, tmp_path / "batch.pt")
+    path = get_checkpoint_name(str(tmp_path / "mcore"), ITERATION, release=False)
+    snippet = (MCORE_LOAD_BERT.replace("@PORT@", str(_port())).replace("@PATH@", path)
+               .replace("@BATCH@", str(tmp_path / "batch.pt")).replace("@OUT@", str(tmp_path / "out.pt")))
+    run_mcore(snippet)
+    reference = torch.load(tmp_path / "out.pt")
+    assert reference["impl"] == "local" and reference["version"] == 3.0
+    # ours with megatron-core's fp32 softmax (a padding query: 1/sk), the same weights
+    unfused = BertModel(dataclasses.replace(model.config, masked_softmax_fusion=False), VOCAB, SEQ,
+                        num_tokentypes=2, add_binary_head=True).eval()
+    unfused.load_state_dict(whole, strict=True)
+    with torch.no_grad():
+        logits, binary = unfused(tokens, padding, tokentype_ids=types)
+    torch.testing.assert_close(reference["logits"], logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reference["binary"], binary, rtol=1e-5, atol=1e-5)
