@@ -177,12 +177,30 @@ def megatron_lm_args(raw: argparse.Namespace, path: str, family: str = "GPT") ->
             setattr(args, name, getattr(raw, name))
     if not isinstance(args.params_dtype, torch.dtype):
         args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if family == "T5":
+        _t5_args(raw, args, path)
     if family == "BERT":
         args.model_family = "BERT"  # what verify and pretrain_bert.py build
         if getattr(raw, "bert_post_layernorm", False):
             raise CheckpointError(f"{path}: a post-LN Megatron-LM BERT is not one BertModel computes")
         args.bert_binary_head = getattr(raw, "bert_binary_head", True) is not False
     return args
+
+
+def _t5_args(raw: argparse.Namespace, args: argparse.Namespace, path: str) -> None:
+    """Megatron-LM's T5 (pretrain_t5.py, megatron-core T5Model): one layer count for both stacks here,
+    learned positions (our T5's other kind is HF's relative buckets), the GeLU MLP of our flags."""
+    encoder = int(_get(raw, "encoder_num_layers", "num_layers", default=args.num_layers))
+    decoder = int(_get(raw, "decoder_num_layers", default=encoder))
+    if encoder != decoder:
+        raise CheckpointError(f"{path}: a T5 with {encoder} encoder and {decoder} decoder layers; our T5Model "
+                              "has one layer count for both")
+    if args.position_embedding_type != "learned_absolute":
+        raise CheckpointError(f"{path}: a Megatron-LM T5 with {args.position_embedding_type} positions; only "
+                              "learned_absolute (Megatron's T5) converts")
+    args.model_family = "T5"
+    if getattr(raw, "decoder_seq_length", None) is not None:
+        args.decoder_seq_length = int(raw.decoder_seq_length)
 
 
 def _virtual_stages(raw: argparse.Namespace, args: argparse.Namespace, path: str) -> Optional[int]:
@@ -312,18 +330,19 @@ def _version(state: Dict[str, Any], path: str) -> float:
     return float(version)
 
 
-def _family(family: str) -> str:
-    if family not in ("GPT", "BERT"):
-        raise CheckpointError(f"--model-type {family}: Megatron-LM's own {family} checkpoints are not supported by "
-                              "the legacy and mcore loaders (GPT and BERT are)")
+def _family(family: str, supported: tuple = ("GPT", "BERT")) -> str:
+    if family not in supported:
+        raise CheckpointError(f"--model-type {family}: Megatron-LM's own {family} checkpoints in "
+                              f"{'megatron-core' if 'T5' in supported else 'classic'} names are not supported "
+                              f"by the converter ({', '.join(supported)} are)")
     return family
 
 
-def _file_family(raw: argparse.Namespace, family: str) -> str:
+def _file_family(raw: argparse.Namespace, family: str, supported: tuple = ("GPT", "BERT")) -> str:
     """The family of a file: Megatron-LM's args do not say it (the loader's --model-type does);
     files our --saver mcore wrote carry model_family (read back by the verification)."""
     saved = getattr(raw, "model_family", None)
-    return _family(saved) if isinstance(saved, str) else family
+    return _family(saved, supported) if isinstance(saved, str) else family
 
 
 class LegacyDialect(Dialect):
@@ -430,6 +449,9 @@ def core_name(name: str) -> str:
     return name
 
 
+CORE_FAMILIES = ("GPT", "BERT", "T5")  # megatron-core's T5Model: its local/TE spec names are ours
+
+
 class CoreDialect(Dialect):
     """Megatron-LM checkpoints in megatron-core naming (TE or local spec); writes `transformer_impl`'s."""
 
@@ -437,11 +459,11 @@ class CoreDialect(Dialect):
         if transformer_impl not in ("transformer_engine", "local"):
             raise CheckpointError(f"--saver-transformer-impl {transformer_impl}: one of transformer_engine, local")
         self.transformer_impl = transformer_impl
-        self.family = _family(family)
+        self.family = _family(family, CORE_FAMILIES)
 
     def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
         raw = super().args(state, path)
-        return megatron_lm_args(raw, path, _file_family(raw, self.family))
+        return megatron_lm_args(raw, path, _file_family(raw, self.family, CORE_FAMILIES))
 
     def model(self, state: Dict[str, Any], key: str, path: str, source: Source) -> Dict[str, Any]:
         entry = model_entry(state, key, path)

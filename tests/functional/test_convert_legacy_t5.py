@@ -1,0 +1,147 @@
+"""Megatron-LM's megatron-core T5 checkpoints through `convert.py --model-type T5 --loader mcore`.
+
+A T5Model built and run by megatron-core 0.16.1 itself (tests/mcore_reference.py; local block specs
+with the final norms the CPU patches give them, learned positions, tied embeddings), saved by the
+snippet in Megatron-LM's file layout with pretrain_t5.py-style args (encoder/decoder_num_layers,
+bias_gelu_fusion False), also renamed to the Transformer Engine spec's fused norm names: converted
+to ours (at TP = 2), it gives megatron-core's logits on megatron-core's masks. Its state dict holds
+position_embeddings.weight and output_layer.bias twice (legacy.drop_core_aliases). Megatron-LM's
+classic T5 files (`--loader legacy`) are refused by name (tests/functional/test_convert_legacy_bert.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from megatron.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
+from megatron.convert import verify
+from megatron.model.t5_model import t5_attention_masks
+from tests.mcore_reference import require_mcore, run_mcore
+from tools.checkpoint import convert, saver_megatron
+
+LAYERS, HIDDEN, HEADS, SEQ, DEC_SEQ, VOCAB, NULL_VOCAB, ITERATION = 2, 32, 4, 16, 12, 256, 255, 3
+
+MCORE_T5 = '''
+import argparse, os
+import torch
+patch_for_cpu()
+from megatron.core import parallel_state
+from megatron.core.models.T5.t5_model import T5Model
+from megatron.core.models.T5.t5_spec import get_t5_decoder_with_local_block_spec, get_t5_encoder_with_local_block_spec
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:@PORT@", rank=0, world_size=1)
+parallel_state.initialize_model_parallel()
+model_parallel_cuda_manual_seed(77)
+config = TransformerConfig(num_layers=@LAYERS@, hidden_size=@HIDDEN@, num_attention_heads=@HEADS@, hidden_dropout=0.0,
+                           attention_dropout=0.0, init_method_std=0.1, use_cpu_initialization=True)
+model = T5Model(config, config, get_t5_encoder_with_local_block_spec(@LAYERS@),
+                get_t5_decoder_with_local_block_spec(@LAYERS@), vocab_size=@VOCAB@, max_sequence_length=@SEQ@,
+                share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute").eval()
+gen = torch.Generator().manual_seed(9)
+with torch.no_grad():
+    for param in model.parameters():
+        param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+batch = torch.load("@DIR@/batch.pt")
+with torch.no_grad():
+    logits = model(batch["tokens"], batch["dec_tokens"], *batch["masks"])
+torch.save(logits, "@DIR@/logits.pt")
+args = argparse.Namespace(num_layers=@LAYERS@, encoder_num_layers=@LAYERS@, decoder_num_layers=@LAYERS@,
+                          hidden_size=@HIDDEN@, num_attention_heads=@HEADS@, ffn_hidden_size=4 * @HIDDEN@,
+                          kv_channels=@HIDDEN@ // @HEADS@, max_position_embeddings=@SEQ@, seq_length=@SEQ@,
+                          encoder_seq_length=@SEQ@, decoder_seq_length=@DEC_SEQ@, padded_vocab_size=@VOCAB@,
+                          make_vocab_size_divisible_by=128, tokenizer_type="NullTokenizer", vocab_size=@NULL_VOCAB@,
+                          position_embedding_type="learned_absolute", normalization="LayerNorm", norm_epsilon=1e-5,
+                          add_bias_linear=True, bias_gelu_fusion=False, untie_embeddings_and_output_weights=False,
+                          tensor_model_parallel_size=1, pipeline_model_parallel_size=1, world_size=1,
+                          transformer_impl="local", use_legacy_models=False, ckpt_format="torch", fp16=False,
+                          bf16=False, iteration=@ITERATION@)
+folder = "@DIR@/mcore/iter_@ITER7@/mp_rank_00"
+os.makedirs(folder)
+torch.save({"args": args, "iteration": @ITERATION@, "checkpoint_version": 3.0, "model": model.state_dict()},
+           folder + "/model_optim_rng.pt")
+with open("@DIR@/mcore/latest_checkpointed_iteration.txt", "w") as f:
+    f.write("@ITERATION@")
+'''
+TE_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+@pytest.fixture(scope="module")
+def mcore_t5(tmp_path_factory):
+    require_mcore()
+    folder = tmp_path_factory.mktemp("mcore_t5_ckpt")
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, VOCAB, (3, SEQ), generator=gen)
+    dec_tokens = torch.randint(0, VOCAB, (3, DEC_SEQ), generator=gen)
+    padding = (torch.arange(SEQ) < torch.tensor([[SEQ], [11], [6]])).long()
+    dec_padding = (torch.arange(DEC_SEQ) < torch.tensor([[DEC_SEQ], [8], [5]])).long()
+    batch = {"tokens": tokens, "dec_tokens": dec_tokens, "masks": t5_attention_masks(padding, dec_padding)}
+    torch.save(batch, folder / "batch.pt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    snippet = MCORE_T5
+    for key, value in {"@PORT@": port, "@DIR@": folder, "@LAYERS@": LAYERS, "@HIDDEN@": HIDDEN, "@HEADS@": HEADS,
+                       "@VOCAB@": VOCAB, "@NULL_VOCAB@": NULL_VOCAB, "@SEQ@": SEQ, "@DEC_SEQ@": DEC_SEQ,
+                       "@ITER7@": f"{ITERATION:07d}", "@ITERATION@": ITERATION}.items():
+        snippet = snippet.replace(key, str(value))
+    run_mcore(snippet)
+    return folder, batch, torch.load(folder / "logits.pt")
+
+
+def _te_copy(source, target) -> None:
+    """The checkpoint in the Transformer Engine spec's names (fused norms, TE's empty `_extra_state`)."""
+    state = torch.load(get_checkpoint_name(str(source), ITERATION), weights_only=False)
+    entry = {}
+    for name, value in state["model"].items():
+        for local, fused in TE_NORMS.items():
+            name = name.replace(f".{local}", f".{fused}")
+        if name.endswith("_extra_state") and ".layers." in name:
+            value = torch.empty(0, dtype=torch.uint8)
+        entry[name] = value
+    state["model"], state["args"].transformer_impl = entry, "transformer_engine"
+    out = get_checkpoint_name(str(target), ITERATION)
+    os.makedirs(os.path.dirname(out))
+    torch.save(state, out)
+    with open(get_checkpoint_tracker_filename(str(target)), "w") as f:
+        f.write(str(ITERATION))
+
+
+@pytest.mark.parametrize("naming", ["local", "te"])
+def test_megatron_core_t5_converts_to_ours_with_megatron_cores_logits(mcore_t5, naming, tmp_path, capsys):
+    folder, batch, reference = mcore_t5
+    source = folder / "mcore"
+    if naming == "te":
+        _te_copy(source, tmp_path / "te")
+        source = tmp_path / "te"
+    convert.main(["--model-type", "T5", "--loader", "mcore", "--saver", "megatron", "--load-dir", str(source),
+                  "--save-dir", str(tmp_path / "ours"), "--target-tensor-parallel-size", "2"])
+    assert "-> OK" in capsys.readouterr().out
+    target_args, tensors = saver_megatron.read_back(str(tmp_path / "ours"))
+    assert target_args.model_family == "T5" and target_args.decoder_seq_length == DEC_SEQ
+    target_args.masked_softmax_fusion = False  # megatron-core's fp32 softmax: a padding query gets 1/sk
+    model = verify.build_serial_model(target_args, tensors)
+    with torch.no_grad():
+        logits = model(batch["tokens"], batch["dec_tokens"], *batch["masks"])
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_unequal_encoder_and_decoder_depths_are_one_line(mcore_t5, tmp_path, capsys):
+    folder = mcore_t5[0]
+    state = torch.load(get_checkpoint_name(str(folder / "mcore"), ITERATION), weights_only=False)
+    state["args"].decoder_num_layers = LAYERS + 1
+    out = get_checkpoint_name(str(tmp_path / "bad"), ITERATION)
+    os.makedirs(os.path.dirname(out))
+    torch.save(state, out)
+    with open(get_checkpoint_tracker_filename(str(tmp_path / "bad")), "w") as f:
+        f.write(str(ITERATION))
+    with pytest.raises(SystemExit):
+        convert.cli(["--model-type", "T5", "--loader", "mcore", "--saver", "megatron", "--load-dir",
+                     str(tmp_path / "bad"), "--save-dir", str(tmp_path / "out")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "one layer count for both" in err[0], err
