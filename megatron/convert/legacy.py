@@ -394,6 +394,7 @@ _LAYER_PART = re.compile(r"^((?:decoder|encoder)\.layers\.\d+\.)(.+)$")  # encod
 # modules whose `_extra_state` megatron-core saves: its own linears (None) and, with TE, TE's modules
 LOCAL_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 TE_EXTRA_STATE = LOCAL_EXTRA_STATE + ("self_attention.core_attention",)
+CROSS_EXTRA_STATE = ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.linear_proj")
 
 
 def check_extra_state(value: Any, name: str, path: str) -> None:
@@ -485,12 +486,12 @@ class CoreDialect(Dialect):
     def to_file(self, model: Dict[str, Any], add: Callable[[torch.Tensor], Any]) -> Dict[str, Any]:
         te = self.transformer_impl == "transformer_engine"
         out: Dict[str, Any] = {}
-        layers: Dict[str, None] = {}
+        layers: Dict[str, bool] = {}  # layer prefix -> it has a cross-attention (T5's decoder)
         for name, tensor in model.items():
             match = _LAYER_PART.match(name)
             if match is not None:
                 prefix, rest = match.groups()
-                layers[prefix] = None
+                layers[prefix] = layers.get(prefix, False) or rest.startswith("cross_attention.")
                 if te:
                     for fused, local in _TE_NORMS:
                         if rest.startswith(local):
@@ -498,11 +499,22 @@ class CoreDialect(Dialect):
                 name = prefix + rest
             out[name] = tensor
         empty = (lambda: add(torch.empty(0, dtype=torch.uint8))) if te else (lambda: None)
-        for prefix in layers:  # what Transformer Engine writes without FP8; megatron-core's linears: None
-            for module in (TE_EXTRA_STATE if te else LOCAL_EXTRA_STATE):
+        # what Transformer Engine writes without FP8; megatron-core's linears: None
+        for prefix, cross in layers.items():
+            modules = TE_EXTRA_STATE if te else LOCAL_EXTRA_STATE
+            if cross:
+                modules += CROSS_EXTRA_STATE + (("cross_attention.core_attention",) if te else ())
+            for module in modules:
                 out[f"{prefix}{module}._extra_state"] = empty()
         if "decoder.final_layernorm.weight" in model or "lm_head.dense.weight" in model:
             out["output_layer._extra_state"] = None  # the last stage has the output layer (its weight may be tied)
+        t5 = any(value for value in layers.values()) or any(k.startswith("lm_head.output_layer.") for k in model)
+        if t5:  # megatron-core's T5Model: the aliases its state dict has (CORE_ALIASES), the LM head's extra state
+            for alias, original in CORE_ALIASES:
+                for name in [k for k in out if k.startswith(original)]:
+                    out[alias + name[len(original):]] = out[name]
+            if "lm_head.output_layer.bias" in model:
+                out["lm_head.output_layer._extra_state"] = None
         return out
 
     def file_args(self, args: argparse.Namespace) -> argparse.Namespace:

@@ -145,3 +145,52 @@ def test_unequal_encoder_and_decoder_depths_are_one_line(mcore_t5, tmp_path, cap
                      str(tmp_path / "bad"), "--save-dir", str(tmp_path / "out")])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "one layer count for both" in err[0], err
+
+
+MCORE_LOAD_T5 = '''
+import torch
+patch_for_cpu()
+from megatron.core import parallel_state
+from megatron.core.models.T5.t5_model import T5Model
+from megatron.core.models.T5.t5_spec import get_t5_decoder_with_local_block_spec, get_t5_encoder_with_local_block_spec
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:@PORT@", rank=0, world_size=1)
+parallel_state.initialize_model_parallel()
+model_parallel_cuda_manual_seed(1)
+state = torch.load("@PATH@", weights_only=False)
+args = state["args"]
+config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                           num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+                           hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=args.bias_gelu_fusion,
+                           use_cpu_initialization=True)
+model = T5Model(config, config, get_t5_encoder_with_local_block_spec(args.num_layers),
+                get_t5_decoder_with_local_block_spec(args.num_layers), vocab_size=args.padded_vocab_size,
+                max_sequence_length=args.max_position_embeddings,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                position_embedding_type=args.position_embedding_type).eval()
+model.load_state_dict(state["model"], strict=True)
+batch = torch.load("@BATCH@")
+with torch.no_grad():
+    torch.save(model(batch["tokens"], batch["dec_tokens"], *batch["masks"]), "@OUT@")
+'''
+
+
+def test_our_t5_through_the_mcore_saver_loads_strictly_in_megatron_core(mcore_t5, tmp_path, capsys):
+    """megatron-core's T5 -> ours (TP 2) -> --saver mcore (local names, with megatron-core's alias
+    keys and extra state) -> megatron-core's T5Model.load_state_dict(strict) -> the first logits."""
+    folder, batch, reference = mcore_t5
+    convert.main(["--model-type", "T5", "--loader", "mcore", "--saver", "megatron", "--load-dir",
+                  str(folder / "mcore"), "--save-dir", str(tmp_path / "ours"), "--target-tensor-parallel-size", "2"])
+    convert.main(["--model-type", "T5", "--loader", "megatron", "--saver", "mcore", "--load-dir",
+                  str(tmp_path / "ours"), "--save-dir", str(tmp_path / "mcore"), "--target-tensor-parallel-size",
+                  "1", "--saver-transformer-impl", "local"])
+    assert capsys.readouterr().out.count("-> OK") == 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    snippet = (MCORE_LOAD_T5.replace("@PORT@", str(port))
+               .replace("@PATH@", get_checkpoint_name(str(tmp_path / "mcore"), ITERATION))
+               .replace("@BATCH@", str(folder / "batch.pt")).replace("@OUT@", str(tmp_path / "out.pt")))
+    run_mcore(snippet)
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), reference, rtol=1e-5, atol=1e-5)
