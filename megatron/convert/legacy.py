@@ -27,6 +27,13 @@ encoder.layers.* (classic language_model.encoder.layers.*) and these heads:
     binary_head                                                binary_head
     word_embeddings_for_head.weight                            output_layer.weight (the last stage's copy)
 
+T5 (--model-type T5; checkpoint_version 2.0 / 3.0, one layer count for both stacks, learned
+positions): megatron-core's T5Model names are ours, less two aliases it saves twice (CORE_ALIASES);
+Megatron-LM's legacy T5Model has language_model.{encoder, decoder}.layers.{i}.* (a decoder layer:
+post_attention_norm -> pre_cross_attn_layernorm, inter_attention.{query, key_value, dense} ->
+cross_attention.linear_{q, kv, proj}, post_inter_attention_norm -> pre_mlp_layernorm),
+{encoder, decoder}.final_norm and lm_head.bias -> lm_head.output_layer.bias.
+
 (np heads and ng groups of the shard: np/tp and ng/tp.) Layers are numbered per stage (and per
 virtual chunk) in both, as in ours. A classic layer is
 
@@ -287,9 +294,48 @@ _CLASSIC_BERT_TOP = {  # the heads of Megatron-LM's legacy BertModel (bert_model
 }
 
 
+# Megatron-LM's legacy T5Model (t5_model.py; its decoder layers' inter_attention in transformer.py)
+_CLASSIC_T5_LAYER = re.compile(r"^language_model\.(encoder|decoder)\.layers\.(\d+)\.(.+)$")
+_CLASSIC_T5_FINAL = re.compile(r"^language_model\.(encoder|decoder)\.final_(?:layer)?norm\.(weight|bias)$")
+_CLASSIC_T5_PARTS = (  # before _CLASSIC_PARTS: in a decoder layer the post-attention norm precedes the cross-attention
+    ("post_inter_attention_layernorm.", "pre_mlp_layernorm."), ("post_inter_attention_norm.", "pre_mlp_layernorm."),
+    ("inter_attention.query.", "cross_attention.linear_q."),
+    ("inter_attention.key_value.", "cross_attention.linear_kv."),  # per head [k hn ; v hn], as ours
+    ("inter_attention.dense.", "cross_attention.linear_proj."),
+)
+_CLASSIC_T5_TOP = {"lm_head.bias": "lm_head.output_layer.bias",
+                   "word_embeddings_for_head.weight": "lm_head.output_layer.weight"}
+
+
+def _classic_t5_name(name: str) -> Optional[str]:
+    if name in _CLASSIC_T5_TOP:
+        return _CLASSIC_T5_TOP[name]
+    match = _CLASSIC_T5_FINAL.match(name)
+    if match:
+        return f"{match.group(1)}.final_layernorm.{match.group(2)}"
+    match = _CLASSIC_T5_LAYER.match(name)
+    if match is None:
+        return None
+    stack, index, rest = match.groups()
+    parts = _CLASSIC_T5_PARTS + _CLASSIC_PARTS
+    if stack == "decoder":
+        parts = (("post_attention_layernorm.", "pre_cross_attn_layernorm."),
+                 ("post_attention_norm.", "pre_cross_attn_layernorm.")) + parts
+    for old, new in parts:
+        if rest.startswith(old):
+            return f"{stack}.layers.{index}.{new}{rest[len(old):]}"
+    return None
+
+
 def classic_name(name: str, family: str = "GPT") -> str:
     """Our name of a flattened classic key of `family` (GPT: decoder.*; BERT: encoder.* and its
-    heads); CheckpointError for one that model does not have."""
+    heads; T5: encoder.*, decoder.* with the cross-attention, lm_head.output_layer.bias);
+    CheckpointError for one that model does not have."""
+    if family == "T5" and name not in _CLASSIC_TOP:
+        ours = _classic_t5_name(name)
+        if ours is None:
+            raise CheckpointError(f"model.{name}: a key of Megatron-LM's classic T5 the converter has no name for")
+        return ours
     stack = "encoder" if family == "BERT" else "decoder"
     if name in _CLASSIC_TOP:
         return _CLASSIC_TOP[name]
@@ -330,15 +376,17 @@ def _version(state: Dict[str, Any], path: str) -> float:
     return float(version)
 
 
-def _family(family: str, supported: tuple = ("GPT", "BERT")) -> str:
+FAMILIES = ("GPT", "BERT", "T5")  # the --model-type values both dialects read
+
+
+def _family(family: str, supported: tuple = FAMILIES) -> str:
     if family not in supported:
-        raise CheckpointError(f"--model-type {family}: Megatron-LM's own {family} checkpoints in "
-                              f"{'megatron-core' if 'T5' in supported else 'classic'} names are not supported "
+        raise CheckpointError(f"--model-type {family}: Megatron-LM's own {family} checkpoints are not supported "
                               f"by the converter ({', '.join(supported)} are)")
     return family
 
 
-def _file_family(raw: argparse.Namespace, family: str, supported: tuple = ("GPT", "BERT")) -> str:
+def _file_family(raw: argparse.Namespace, family: str, supported: tuple = FAMILIES) -> str:
     """The family of a file: Megatron-LM's args do not say it (the loader's --model-type does);
     files our --saver mcore wrote carry model_family (read back by the verification)."""
     saved = getattr(raw, "model_family", None)
@@ -346,15 +394,20 @@ def _file_family(raw: argparse.Namespace, family: str, supported: tuple = ("GPT"
 
 
 class LegacyDialect(Dialect):
-    """Megatron-LM's classic GPT or BERT (`model.language_model.*`), checkpoint_version 0 to 3."""
+    """Megatron-LM's classic GPT, BERT or T5 (`model.language_model.*`), checkpoint_version 0 to 3
+    (T5: 2.0 and 3.0)."""
 
     def __init__(self, family: str = "GPT") -> None:
-        self.family = _family(family)
+        self.family = _family(family, FAMILIES)
 
     def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
         raw = super().args(state, path)
         version = _version(state, path)
-        args = megatron_lm_args(raw, path, _file_family(raw, self.family))
+        family = _file_family(raw, self.family, FAMILIES)
+        if family == "T5" and version < 2.0:
+            raise CheckpointError(f"{path}: a T5 with checkpoint_version {version}: its attention rows are in an "
+                                  "older order the converter does not reorder for the cross-attention")
+        args = megatron_lm_args(raw, path, family)
         if version < 2.0 and query_groups(args) != args.num_attention_heads:
             raise CheckpointError(f"{path}: checkpoint_version {version} with grouped-query attention: "
                                   "Megatron-LM never wrote that (GQA came with version 3.0)")
@@ -450,9 +503,6 @@ def core_name(name: str) -> str:
     return name
 
 
-CORE_FAMILIES = ("GPT", "BERT", "T5")  # megatron-core's T5Model: its local/TE spec names are ours
-
-
 class CoreDialect(Dialect):
     """Megatron-LM checkpoints in megatron-core naming (TE or local spec); writes `transformer_impl`'s."""
 
@@ -460,11 +510,11 @@ class CoreDialect(Dialect):
         if transformer_impl not in ("transformer_engine", "local"):
             raise CheckpointError(f"--saver-transformer-impl {transformer_impl}: one of transformer_engine, local")
         self.transformer_impl = transformer_impl
-        self.family = _family(family, CORE_FAMILIES)
+        self.family = _family(family, FAMILIES)
 
     def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
         raw = super().args(state, path)
-        return megatron_lm_args(raw, path, _file_family(raw, self.family, CORE_FAMILIES))
+        return megatron_lm_args(raw, path, _file_family(raw, self.family, FAMILIES))
 
     def model(self, state: Dict[str, Any], key: str, path: str, source: Source) -> Dict[str, Any]:
         entry = model_entry(state, key, path)

@@ -172,15 +172,6 @@ def test_classic_bert_is_refused_by_the_gpt_names(bert, tmp_path, capsys):
     assert not (tmp_path / "ours").exists()
 
 
-def test_megatron_lm_t5_is_refused_by_name(tmp_path, capsys):
-    (tmp_path / "t5").mkdir()
-    with pytest.raises(SystemExit):
-        convert.cli(["--model-type", "T5", "--loader", "legacy", "--saver", "megatron", "--load-dir",
-                     str(tmp_path / "t5"), "--save-dir", str(tmp_path / "ours")])
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "T5" in err[0] and "not supported" in err[0], err
-
-
 # ----------------------------------------------------------------------------- written by megatron-core
 
 MCORE_BERT = '''
@@ -332,7 +323,8 @@ config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_s
                            num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
                            hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=args.bias_gelu_fusion,
                            use_cpu_initialization=True)
-model = BertModel(config, num_tokentypes=2 if args.bert_binary_head else 0, transformer_layer_spec=bert_layer_local_spec,
+model = BertModel(config, num_tokentypes=2 if args.bert_binary_head else 0,
+                  transformer_layer_spec=bert_layer_local_spec,
                   vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                   share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                   add_binary_head=args.bert_binary_head).eval()

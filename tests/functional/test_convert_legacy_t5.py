@@ -5,8 +5,13 @@ with the final norms the CPU patches give them, learned positions, tied embeddin
 snippet in Megatron-LM's file layout with pretrain_t5.py-style args (encoder/decoder_num_layers,
 bias_gelu_fusion False), also renamed to the Transformer Engine spec's fused norm names: converted
 to ours (at TP = 2), it gives megatron-core's logits on megatron-core's masks. Its state dict holds
-position_embeddings.weight and output_layer.bias twice (legacy.drop_core_aliases). Megatron-LM's
-classic T5 files (`--loader legacy`) are refused by name (tests/functional/test_convert_legacy_bert.py).
+position_embeddings.weight and output_layer.bias twice (legacy.drop_core_aliases); ours written
+back with --saver mcore loads strictly in megatron-core's T5Model with the first logits.
+
+classic: Megatron-LM's legacy T5Model (language_model.{embedding, encoder, decoder}, the decoder
+layers' post_attention_norm / inter_attention.{query, key_value, dense} / post_inter_attention_norm,
+lm_head.bias) at TP = 2, checkpoint_version 3.0, written by this test from one of our seeded T5Models
+with its own table: converted, the same tensors and logits.
 """
 
 from __future__ import annotations
@@ -194,3 +199,83 @@ def test_our_t5_through_the_mcore_saver_loads_strictly_in_megatron_core(mcore_t5
                .replace("@BATCH@", str(folder / "batch.pt")).replace("@OUT@", str(tmp_path / "out.pt")))
     run_mcore(snippet)
     torch.testing.assert_close(torch.load(tmp_path / "out.pt"), reference, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- classic (legacy) T5
+
+CLASSIC_LAYER = {"input_layernorm.": "input_norm.", "self_attention.linear_qkv.": "self_attention.query_key_value.",
+                 "self_attention.linear_proj.": "self_attention.dense.", "pre_mlp_layernorm.": "post_attention_norm.",
+                 "mlp.linear_fc1.": "mlp.dense_h_to_4h.", "mlp.linear_fc2.": "mlp.dense_4h_to_h."}
+CLASSIC_DECODER_LAYER = {**CLASSIC_LAYER, "pre_cross_attn_layernorm.": "post_attention_norm.",
+                         "pre_mlp_layernorm.": "post_inter_attention_norm.",
+                         "cross_attention.linear_q.": "inter_attention.query.",
+                         "cross_attention.linear_kv.": "inter_attention.key_value.",
+                         "cross_attention.linear_proj.": "inter_attention.dense."}
+CLASSIC_FLAGS = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS),
+                 "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", "1",
+                 "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                 "--vocab-size", str(NULL_VOCAB), "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _classic_t5_entry(whole: dict, args, tp: int, rank: int) -> dict:
+    """One TP rank's model entry, nested as Megatron-LM's legacy T5Model.state_dict_for_save_checkpoint."""
+    from megatron.convert.layout_rules import tensor_layout
+    from megatron.core.tensor_parallel.layout import shard_for_rank
+
+    language_model: dict = {}
+    entry: dict = {"language_model": language_model}
+    for name, tensor in whole.items():
+        shard = shard_for_rank(tensor, tensor_layout(name, args, tp, rank), tp, rank).clone()
+        stack = name.split(".")[0]
+        if name.startswith("embedding."):
+            _, table, leaf = name.split(".")
+            language_model.setdefault("embedding", {}).setdefault(table, {})[leaf] = shard
+        elif ".layers." in name:
+            _, _, index, rest = name.split(".", 3)
+            table = CLASSIC_DECODER_LAYER if stack == "decoder" else CLASSIC_LAYER
+            old = next(prefix for prefix in table if rest.startswith(prefix))
+            language_model.setdefault(stack, {})[f"layers.{index}.{table[old]}{rest[len(old):]}"] = shard
+        elif ".final_layernorm." in name:
+            language_model.setdefault(stack, {})[f"final_norm.{name.rsplit('.', 1)[1]}"] = shard
+        elif name == "lm_head.output_layer.bias":
+            entry["lm_head"] = {"bias": shard}
+        else:
+            raise AssertionError(name)
+    return entry
+
+
+def test_classic_t5_tp2_converts_to_the_same_tensors_and_logits(tmp_path, capsys):
+    import argparse
+
+    from megatron.arguments import core_transformer_config_from_args, parse_and_validate_args
+    from megatron.model.t5_model import T5Model
+
+    args = parse_and_validate_args(argv=CLASSIC_FLAGS)
+    args.padded_vocab_size, args.model_family = VOCAB, "T5"
+    torch.manual_seed(31)
+    model = T5Model(core_transformer_config_from_args(args), VOCAB, SEQ).eval()
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if "norm" in key or key.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.3)
+    whole = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    raw = argparse.Namespace(**vars(args))
+    del raw.model_family
+    raw.encoder_num_layers = raw.decoder_num_layers = LAYERS
+    raw.tensor_model_parallel_size, raw.world_size, raw.use_legacy_models = 2, 2, True
+    for rank in range(2):
+        path = get_checkpoint_name(str(tmp_path / "classic"), ITERATION, pipeline_parallel=False, tensor_rank=rank)
+        os.makedirs(os.path.dirname(path))
+        torch.save({"args": raw, "iteration": ITERATION, "checkpoint_version": 3.0,
+                    "model": _classic_t5_entry(whole, args, 2, rank)}, path)
+    with open(get_checkpoint_tracker_filename(str(tmp_path / "classic")), "w") as f:
+        f.write(str(ITERATION))
+    convert.main(["--model-type", "T5", "--loader", "legacy", "--saver", "megatron", "--load-dir",
+                  str(tmp_path / "classic"), "--save-dir", str(tmp_path / "ours"),
+                  "--target-tensor-parallel-size", "1"])
+    assert "-> OK" in capsys.readouterr().out
+    target_args, tensors = saver_megatron.read_back(str(tmp_path / "ours"))
+    tensors = dict(tensors)
+    assert tensors.keys() == whole.keys() and all(torch.equal(tensors[k], whole[k]) for k in whole)
+    result = verify.compare(model, verify.build_serial_model(target_args, tensors.items()), VOCAB, SEQ)
+    assert result.ok, result.describe()
