@@ -6,7 +6,8 @@ MEGATRON_CORE_PATH environment variable overrides the folder); `run_mcore` runs 
 snippet in a process whose PYTHONPATH is that folder alone, and the snippet hands its result back
 by calling `emit(obj)` (JSON). Each snippet gets a process of its own, forked from one server
 interpreter that imported megatron-core once for the session. `patch_for_cpu()` (megatron-core's
-CUDA-only helpers redone on CPU, bench/mcore_cpu_patches.py) is defined in every snippet. Tests
+CUDA-only helpers redone on CPU, bench/mcore_cpu_patches.py) and `init_one_rank(seed)` (a one-process
+gloo group and megatron-core's parallel state) are defined in every snippet. Tests
 that need the reference skip, with the install command, when it is missing.
 
     from tests.mcore_reference import run_mcore
@@ -54,6 +55,19 @@ assert os.path.realpath(megatron.core.__file__).startswith({mcore!r}), megatron.
 
 def emit(obj):
     print("\\n@@MCORE@@" + json.dumps(obj), flush=True)
+
+
+def init_one_rank(seed):
+    """A one-process gloo group, megatron-core's parallel state and its model-parallel RNG seed
+    (call after patch_for_cpu())."""
+    import tempfile
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    rendezvous = tempfile.mktemp(prefix="mcore-pg-")
+    torch.distributed.init_process_group("gloo", init_method="file://" + rendezvous, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(seed)
 
 '''
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 
 import pytest
 import torch
@@ -178,14 +177,10 @@ MCORE_BERT = '''
 import argparse, os
 import torch
 patch_for_cpu()
-from megatron.core import parallel_state
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:@PORT@", rank=0, world_size=1)
-parallel_state.initialize_model_parallel()
-model_parallel_cuda_manual_seed(99)
+init_one_rank(99)
 config = TransformerConfig(num_layers=@LAYERS@, hidden_size=@HIDDEN@, num_attention_heads=@HEADS@, hidden_dropout=0.0,
                            attention_dropout=0.0, init_method_std=0.1, bias_activation_fusion=False,
                            use_cpu_initialization=True)
@@ -221,12 +216,6 @@ TE_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mcore_bert(tmp_path_factory):
     """(folder with mcore/ (the local spec's checkpoint), the batch, megatron-core's outputs)."""
@@ -237,7 +226,7 @@ def mcore_bert(tmp_path_factory):
     batch = {"tokens": tokens, "padding": padding, "types": types}
     torch.save(batch, folder / "batch.pt")
     snippet = MCORE_BERT
-    for key, value in {"@PORT@": _port(), "@DIR@": folder, "@LAYERS@": LAYERS, "@HIDDEN@": HIDDEN, "@HEADS@": HEADS,
+    for key, value in {"@DIR@": folder, "@LAYERS@": LAYERS, "@HIDDEN@": HIDDEN, "@HEADS@": HEADS,
                        "@VOCAB@": VOCAB, "@NULL_VOCAB@": NULL_VOCAB, "@SEQ@": SEQ, "@ITER7@": f"{ITERATION:07d}",
                        "@ITERATION@": ITERATION}.items():
         snippet = snippet.replace(key, str(value))
@@ -309,14 +298,10 @@ def test_megatron_core_bert_converts_to_ours_at_tp2_with_megatron_cores_logits(m
 MCORE_LOAD_BERT = '''
 import torch
 patch_for_cpu()
-from megatron.core import parallel_state
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:@PORT@", rank=0, world_size=1)
-parallel_state.initialize_model_parallel()
-model_parallel_cuda_manual_seed(1)
+init_one_rank(1)
 state = torch.load("@PATH@", weights_only=False)
 args = state["args"]
 config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -351,7 +336,7 @@ def test_classic_bert_to_mcore_saver_loads_strictly_in_megatron_core_with_our_ou
     padding, types = verify.bert_inputs(tokens)
     torch.save({"tokens": tokens, "padding": padding, "types": types}, tmp_path / "batch.pt")
     path = get_checkpoint_name(str(tmp_path / "mcore"), ITERATION, release=False)
-    snippet = (MCORE_LOAD_BERT.replace("@PORT@", str(_port())).replace("@PATH@", path)
+    snippet = (MCORE_LOAD_BERT.replace("@PATH@", path)
                .replace("@BATCH@", str(tmp_path / "batch.pt")).replace("@OUT@", str(tmp_path / "out.pt")))
     run_mcore(snippet)
     reference = torch.load(tmp_path / "out.pt")

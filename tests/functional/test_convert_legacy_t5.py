@@ -17,7 +17,6 @@ with its own table: converted, the same tensors and logits.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -34,14 +33,10 @@ MCORE_T5 = '''
 import argparse, os
 import torch
 patch_for_cpu()
-from megatron.core import parallel_state
 from megatron.core.models.T5.t5_model import T5Model
 from megatron.core.models.T5.t5_spec import get_t5_decoder_with_local_block_spec, get_t5_encoder_with_local_block_spec
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:@PORT@", rank=0, world_size=1)
-parallel_state.initialize_model_parallel()
-model_parallel_cuda_manual_seed(77)
+init_one_rank(77)
 config = TransformerConfig(num_layers=@LAYERS@, hidden_size=@HIDDEN@, num_attention_heads=@HEADS@, hidden_dropout=0.0,
                            attention_dropout=0.0, init_method_std=0.1, use_cpu_initialization=True)
 model = T5Model(config, config, get_t5_encoder_with_local_block_spec(@LAYERS@),
@@ -87,11 +82,8 @@ def mcore_t5(tmp_path_factory):
     dec_padding = (torch.arange(DEC_SEQ) < torch.tensor([[DEC_SEQ], [8], [5]])).long()
     batch = {"tokens": tokens, "dec_tokens": dec_tokens, "masks": t5_attention_masks(padding, dec_padding)}
     torch.save(batch, folder / "batch.pt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     snippet = MCORE_T5
-    for key, value in {"@PORT@": port, "@DIR@": folder, "@LAYERS@": LAYERS, "@HIDDEN@": HIDDEN, "@HEADS@": HEADS,
+    for key, value in {"@DIR@": folder, "@LAYERS@": LAYERS, "@HIDDEN@": HIDDEN, "@HEADS@": HEADS,
                        "@VOCAB@": VOCAB, "@NULL_VOCAB@": NULL_VOCAB, "@SEQ@": SEQ, "@DEC_SEQ@": DEC_SEQ,
                        "@ITER7@": f"{ITERATION:07d}", "@ITERATION@": ITERATION}.items():
         snippet = snippet.replace(key, str(value))
@@ -155,14 +147,10 @@ def test_unequal_encoder_and_decoder_depths_are_one_line(mcore_t5, tmp_path, cap
 MCORE_LOAD_T5 = '''
 import torch
 patch_for_cpu()
-from megatron.core import parallel_state
 from megatron.core.models.T5.t5_model import T5Model
 from megatron.core.models.T5.t5_spec import get_t5_decoder_with_local_block_spec, get_t5_encoder_with_local_block_spec
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:@PORT@", rank=0, world_size=1)
-parallel_state.initialize_model_parallel()
-model_parallel_cuda_manual_seed(1)
+init_one_rank(1)
 state = torch.load("@PATH@", weights_only=False)
 args = state["args"]
 config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -191,11 +179,7 @@ def test_our_t5_through_the_mcore_saver_loads_strictly_in_megatron_core(mcore_t5
                   str(tmp_path / "ours"), "--save-dir", str(tmp_path / "mcore"), "--target-tensor-parallel-size",
                   "1", "--saver-transformer-impl", "local"])
     assert capsys.readouterr().out.count("-> OK") == 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    snippet = (MCORE_LOAD_T5.replace("@PORT@", str(port))
-               .replace("@PATH@", get_checkpoint_name(str(tmp_path / "mcore"), ITERATION))
+    snippet = (MCORE_LOAD_T5.replace("@PATH@", get_checkpoint_name(str(tmp_path / "mcore"), ITERATION))
                .replace("@BATCH@", str(folder / "batch.pt")).replace("@OUT@", str(tmp_path / "out.pt")))
     run_mcore(snippet)
     torch.testing.assert_close(torch.load(tmp_path / "out.pt"), reference, rtol=1e-5, atol=1e-5)

@@ -44,14 +44,10 @@ VARIANTS = {
 MCORE_LLAMA = '''
 import torch, torch.nn.functional as F
 patch_for_cpu()
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:" + str(@PORT@), rank=0, world_size=1)
-parallel_state.initialize_model_parallel()
-model_parallel_cuda_manual_seed(1234)
+init_one_rank(1234)
 out = {}
 tokens = torch.tensor(@TOKENS@)
 for name, (config_kwargs, model_kwargs) in @VARIANTS@.items():
@@ -79,13 +75,8 @@ def _our_llama(config_kwargs, model_kwargs, **overrides) -> GPTModel:
 
 @pytest.fixture(scope="module")
 def mcore_llama():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     tokens = [[(7 * i + 3) % VOCAB for i in range(SEQ)], [(11 * i + 5) % VOCAB for i in range(SEQ)]]
-    snippet = (MCORE_LLAMA.replace("@PORT@", str(port)).replace("@TOKENS@", repr(tokens))
+    snippet = (MCORE_LLAMA.replace("@TOKENS@", repr(tokens))
                .replace("@VARIANTS@", repr(VARIANTS)).replace("@LLAMA@", repr(LLAMA))
                .replace("@VOCAB@", str(VOCAB)).replace("@SEQ@", str(SEQ)))
     return torch.tensor(tokens), run_mcore(snippet)

@@ -35,7 +35,6 @@ The flags that make the two coincide:
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -52,12 +51,6 @@ DEC_SEQ, DEC_LENGTHS = 12, (12, 8, 5)
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, hidden_dropout=0.0,
              attention_dropout=0.0, layernorm_epsilon=1e-5, init_method_std=0.1)
 FUSED = {"fused": True, "unfused": False}  # megatron-core's bias_activation_fusion = our bias_gelu_fusion
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch():
@@ -83,12 +76,8 @@ def _perturb(model: torch.nn.Module) -> None:
 _PRELUDE = '''
 import torch, torch.nn.functional as F
 patch_for_cpu()
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
-torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:@PORT@", rank=0, world_size=1)
-parallel_state.initialize_model_parallel()
-model_parallel_cuda_manual_seed(1234)
+init_one_rank(1234)
 batch = torch.load("@DIR@/batch.pt")
 
 def perturb(model):
@@ -159,7 +148,7 @@ torch.save(outputs(theirs), "@DIR@/mcore_with_ours_t5.pt")
 
 
 def _snippet(template: str, folder) -> str:
-    for key, value in {"@PORT@": _port(), "@DIR@": folder, "@SHAPE@": repr(SHAPE), "@VOCAB@": VOCAB,
+    for key, value in {"@DIR@": folder, "@SHAPE@": repr(SHAPE), "@VOCAB@": VOCAB,
                        "@SEQ@": SEQ, "@FUSED@": repr(FUSED)}.items():
         template = template.replace(key, str(value))
     return template
