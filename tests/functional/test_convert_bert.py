@@ -21,6 +21,7 @@ import torch
 from megatron.checkpointing import get_checkpoint_name
 from megatron.checkpoint_safety import load_file
 from megatron.convert import verify
+from tests.functional.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
 from tests.parallel.harness import DistributedPool, init_parallel
 from tools.checkpoint import convert, loader_megatron, saver_hf
 
@@ -189,24 +190,8 @@ def test_stage_files_hold_pretrain_berts_stage_keys(converted):
 
 def test_a_swapped_query_and_key_is_refused(converted, tmp_path, monkeypatch, capsys):
     root, _ = converted
-    rule_of = saver_hf.huggingface.weight_rules
-
-    def swapped_rules(config):
-        rules = rule_of(config)
-        qkv = "encoder.layers.1.self_attention.linear_qkv.weight"
-        index = next(i for i, rule in enumerate(rules) if rule.ours == qkv)
-        rule = rules[index]
-        hn = HIDDEN // HEADS
-
-        def to_hf(tensor):  # the first query head and the first key head exchanged
-            q, k, v = (t.clone() for t in rule.to_hf(tensor))
-            q[:hn], k[:hn] = k[:hn].clone(), q[:hn].clone()
-            return q, k, v
-
-        rules[index] = type(rule)(rule.ours, rule.hf, rule.to_ours, to_hf)
-        return rules
-
-    monkeypatch.setattr(saver_hf.huggingface, "weight_rules", swapped_rules)
+    break_hf_saver_rule(monkeypatch, saver_hf, "encoder.layers.1.self_attention.linear_qkv.weight",
+                        first_query_and_key_heads_swapped(HIDDEN // HEADS))
     with pytest.raises(convert.ConversionError, match="logits differ"):
         _convert(root / "tp2pp2", tmp_path / "swapped", "megatron", "hf")
     assert "MISMATCH" in capsys.readouterr().out
@@ -219,17 +204,8 @@ def test_a_broken_post_ln_norm_is_refused(converted, tmp_path, monkeypatch, caps
     root, model = converted
     if model.config.model_type != "bert":
         pytest.skip("MegatronBertForPreTraining has no post-LN norms")
-    rule_of = saver_hf.huggingface.weight_rules
-
-    def broken_rules(config):
-        rules = rule_of(config)
-        index = next(i for i, rule in enumerate(rules)
-                     if rule.ours == "encoder.layers.0.post_self_attn_layernorm.weight")
-        rule = rules[index]
-        rules[index] = type(rule)(rule.ours, rule.hf, rule.to_ours, lambda t: (t.flip(0),))
-        return rules
-
-    monkeypatch.setattr(saver_hf.huggingface, "weight_rules", broken_rules)
+    break_hf_saver_rule(monkeypatch, saver_hf, "encoder.layers.0.post_self_attn_layernorm.weight",
+                        lambda rule: lambda tensor: (tensor.flip(0),))
     with pytest.raises(convert.ConversionError, match="logits differ"):
         _convert(root / "tp2pp2", tmp_path / "broken", "megatron", "hf")
     assert "MISMATCH" in capsys.readouterr().out

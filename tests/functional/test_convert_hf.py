@@ -19,6 +19,7 @@ import torch
 from megatron.checkpoint_safety import CheckpointError, load_file
 from megatron.checkpointing import get_checkpoint_name
 from megatron.convert import megatron_format
+from tests.functional.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
 from tests.parallel.harness import DistributedPool, init_parallel
 from tools.checkpoint import convert, loader_hf, saver_hf
 
@@ -238,23 +239,8 @@ def test_a_bad_max_shard_size_is_one_line(converted, tmp_path, capsys):
 
 def test_a_swapped_query_and_key_in_the_saver_is_refused(converted, tmp_path, monkeypatch, capsys):
     source, _, _ = converted["llama-gqa"]
-    rule_of = saver_hf.huggingface.weight_rules
-
-    def swapped_rules(config):
-        rules = rule_of(config)
-        index = next(i for i, rule in enumerate(rules) if rule.ours == "decoder.layers.1.self_attention.linear_qkv.weight")
-        rule = rules[index]
-        hn = HIDDEN // HEADS
-
-        def to_hf(tensor):  # the first query head and group 0's key head exchanged
-            q, k, v = (t.clone() for t in rule.to_hf(tensor))
-            q[:hn], k[:hn] = k[:hn].clone(), q[:hn].clone()
-            return q, k, v
-
-        rules[index] = type(rule)(rule.ours, rule.hf, rule.to_ours, to_hf)
-        return rules
-
-    monkeypatch.setattr(saver_hf.huggingface, "weight_rules", swapped_rules)
+    break_hf_saver_rule(monkeypatch, saver_hf, "decoder.layers.1.self_attention.linear_qkv.weight",
+                        first_query_and_key_heads_swapped(HIDDEN // HEADS))  # group 0's key head
     with pytest.raises(convert.ConversionError, match="logits differ"):
         _convert(source, tmp_path / "swapped", "hf", "hf")
     assert "MISMATCH" in capsys.readouterr().out

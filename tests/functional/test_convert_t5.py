@@ -27,6 +27,7 @@ import torch
 from megatron.checkpoint_safety import CheckpointError, load_file
 from megatron.checkpointing import get_checkpoint_name
 from megatron.convert import huggingface, megatron_format, t5, verify
+from tests.functional.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
 from tests.parallel.harness import DistributedPool, init_parallel
 from tools.checkpoint import convert, loader_megatron, saver_hf
 
@@ -182,23 +183,8 @@ def test_the_tp2_checkpoint_runs_tensor_parallel_with_hfs_logits(converted, pool
 
 def test_a_swapped_query_and_key_is_refused(converted, tmp_path, monkeypatch, capsys):
     root, _ = converted
-    rule_of = saver_hf.huggingface.weight_rules
-
-    def swapped_rules(config):
-        rules = rule_of(config)
-        qkv = "decoder.layers.1.self_attention.linear_qkv.weight"
-        index = next(i for i, rule in enumerate(rules) if rule.ours == qkv)
-        rule = rules[index]
-
-        def to_hf(tensor):  # the first query head and the first key head exchanged
-            q, k, v = (t.clone() for t in rule.to_hf(tensor))
-            q[:D_KV], k[:D_KV] = k[:D_KV].clone(), q[:D_KV].clone()
-            return q, k, v
-
-        rules[index] = type(rule)(rule.ours, rule.hf, rule.to_ours, to_hf)
-        return rules
-
-    monkeypatch.setattr(saver_hf.huggingface, "weight_rules", swapped_rules)
+    break_hf_saver_rule(monkeypatch, saver_hf, "decoder.layers.1.self_attention.linear_qkv.weight",
+                        first_query_and_key_heads_swapped(D_KV))
     with pytest.raises(convert.ConversionError, match="logits differ"):
         _convert(root / "tp2", tmp_path / "swapped", "megatron", "hf")
     assert "MISMATCH" in capsys.readouterr().out
