@@ -329,7 +329,7 @@ def _stage_tensors(source: Source, pp_rank: int, chunk: int) -> Iterator[Tuple[s
 
 def _t5_stage_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
     """A T5 checkpoint's stages (megatron/convert/t5_stages.py) as the stream of a PP = 1 T5Model:
-    layers renumbered per stack, the copies of stage 0's embedding checked and dropped, the small
+    layers renumbered per stack, the copies (stage 0's embedding, a stack's table) checked and dropped, the small
     relative position tables held back to the end (where a PP = 1 state dict has them)."""
     split = getattr(source.args, "pipeline_model_parallel_split_rank", None)
     problems = split_problems(source.args, source.pp, split, source.vp)
@@ -337,7 +337,7 @@ def _t5_stage_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
         raise CheckpointError(f"{source.load_dir}: a T5 checkpoint at pipeline-parallel size {source.pp} with "
                               f"pipeline_model_parallel_split_rank {split}: " + "; ".join(problems))
     stages = T5Stages.of(source.args)
-    firsts: Dict[str, torch.Tensor] = {}  # stage 0's embedding.*: what the copies must equal
+    firsts: Dict[str, torch.Tensor] = {}  # stage 0's embedding.*, a stack's first table: what copies equal
     tables = []
     for pp_rank in range(source.pp):
         for name, whole in _stage_tensors(source, pp_rank, 0):
@@ -345,7 +345,7 @@ def _t5_stage_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
             if original is not None:
                 _check_tied_copy(firsts.get(original), whole, f"stage {pp_rank}'s copy of {original}")
                 continue
-            if pp_rank == 0 and name.startswith("embedding."):
+            if stages.is_original(pp_rank, name):
                 firsts[name] = whole
             name = stages.global_name(pp_rank, name)
             if "_relative_pos_emb." in name:

@@ -7,14 +7,16 @@ keys numbered locally on each stage (E = L/S, D = L/(PP-S)):
     stage        holds
     0            embedding.* (word embeddings; learned positions if any)
     p < S        encoder.layers.{i}, i = global - p E
-    S - 1        encoder.final_layernorm.*, encoder_relative_pos_emb.* (relative positions: S = 1)
+    p < S        encoder_relative_pos_emb.* (relative positions): stage 0's, copied on the others
+    S - 1        encoder.final_layernorm.*
     S            embedding.*: a copy of stage 0's (Megatron's embedding group)
     p >= S       decoder.layers.{i}, i = global - (p - S) D
-    PP - 1       decoder.final_layernorm.*, lm_head.output_layer.bias, decoder_relative_pos_emb.*;
+    p >= S       decoder_relative_pos_emb.*: stage S's, copied on the later stages
+    PP - 1       decoder.final_layernorm.*, lm_head.output_layer.bias;
                  lm_head.output_layer.weight, a copy of the word embeddings, when PP - 1 != S
 
 At PP = 1 everything is on stage 0 (S is None). The copies are not in the converter's stream: the
-reader checks them against stage 0's tensors and drops them, the writer adds them.
+reader checks them against the originals and drops them, the writer adds them.
 """
 
 from __future__ import annotations
@@ -41,9 +43,6 @@ def split_problems(args: argparse.Namespace, pp: int, split: Optional[int], vp: 
         return [f"the split rank ({split}) must be in [1, {pp - 1}]: the first decoder stage"]
     problems = [f"the {name}'s {layers} layers do not split over its {stages} pipeline stages"
                 for name, stages in (("encoder", split), ("decoder", pp - split)) if layers % stages]
-    if getattr(args, "position_embedding_type", None) == "relative" and pp != 2:
-        problems.append("relative position buckets (one table per stack, HF T5's) need each stack on one "
-                        "stage: pipeline-parallel size 2, split rank 1")
     if vp > 1:
         problems.append("T5 takes no virtual pipeline stages")
     if getattr(args, "untie_embeddings_and_output_weights", False):
@@ -90,9 +89,11 @@ class T5Stages:
         index = layer_index(name)
         if index is not None:
             return self._first(stack) + index // self._per_stage(stack)
-        if name.startswith("encoder"):  # encoder.final_layernorm.*, encoder_relative_pos_emb.*
+        if _is_table(name):  # on every stage of its stack; the first one's is the original
+            return self._first("encoder" if name.startswith("encoder") else "decoder")
+        if name.startswith("encoder"):  # encoder.final_layernorm.*
             return self.split - 1
-        return self.pp - 1  # the decoder's norm and table, the LM head
+        return self.pp - 1  # the decoder's norm, the LM head
 
     def placements(self, name: str) -> List[Tuple[int, str]]:
         """(stage, local name) of every copy of global `name` in a checkpoint of this layout."""
@@ -100,6 +101,9 @@ class T5Stages:
         index = layer_index(name)
         local = renumber(name, -self.offset(stage, name.split(".", 1)[0])) if index is not None else name
         places = [(stage, local)]
+        if self.pp > 1 and _is_table(name):
+            stages = self.encoder_stages if name.startswith("encoder") else self.decoder_stages
+            places += [(stage + i, name) for i in range(1, stages)]  # the stack's later stages' copies
         if self.pp > 1 and name.startswith("embedding."):
             places.append((self.split, name))  # the first decoder stage's copy
             if name == WORD_EMBEDDING and self.pp - 1 != self.split:
@@ -108,7 +112,11 @@ class T5Stages:
 
     def is_copy(self, stage: int, name: str) -> Optional[str]:
         """The global name of stage 0's tensor that local `name` of `stage` copies, else None."""
-        if self.pp == 1 or stage == 0:
+        if self.pp == 1:
+            return None
+        if _is_table(name) and stage != self.stage_of(name):
+            return name
+        if stage == 0:
             return None
         if stage == self.split and name.startswith("embedding."):
             return name
@@ -116,9 +124,20 @@ class T5Stages:
             return WORD_EMBEDDING
         return None
 
+    def is_original(self, stage: int, name: str) -> bool:
+        """Whether local `name` of `stage` is a tensor other stages hold copies of."""
+        if self.pp == 1:
+            return False
+        return (stage == 0 and name.startswith("embedding.")) or (_is_table(name) and stage == self.stage_of(name))
+
     def global_name(self, stage: int, name: str) -> str:
         """Local `name` of `stage` under its global layer number."""
         stack = self.stack_of_stage(stage)
         if stack is None or layer_index(name) is None:
             return name
         return renumber(name, self.offset(stage, stack))
+
+
+def _is_table(name: str) -> bool:
+    """encoder_relative_pos_emb.* / decoder_relative_pos_emb.*: a stack's relative position table."""
+    return name.split(".", 1)[0] in ("encoder_relative_pos_emb", "decoder_relative_pos_emb")

@@ -30,7 +30,7 @@ _AXIS_WORDS = {"tp": "tensor", "cp": "context", "ep": "expert", "dp": "data", "p
 
 # Groups created by initialize_model_parallel, in creation order (every rank creates every group
 # in this same order, as torch.distributed requires), keyed by the name group_name() reports.
-_GROUP_NAMES = ("tp", "pp", "dp", "dp-cp", "cp", "mp", "tp-dp", "embd", "pos-embd", "ep", "expert-dp")
+_GROUP_NAMES = ("tp", "pp", "dp", "dp-cp", "cp", "mp", "tp-dp", "embd", "pos-embd", "pp-stack", "ep", "expert-dp")
 # Groups spanning the whole world in the trivial (uninitialised) layout; every other group is one rank.
 _WORLD_WIDE_WHEN_TRIVIAL = ("dp", "dp-cp", "tp-dp", "expert-dp")
 
@@ -143,6 +143,14 @@ def _position_embedding_ranks(pp_group: list[int], split_rank: Optional[int] = N
     return [pp_group[0]] + ([pp_group[split_rank]] if split_rank is not None and len(pp_group) > 1 else [])
 
 
+def _stack_ranks(pp_group: list[int], split_rank: Optional[int] = None) -> list[list[int]]:
+    # The stages of each stack of an encoder-decoder split (T5's relative position table of a stack
+    # lives on all of them); without a split the whole pipeline is one stack.
+    if split_rank is None or len(pp_group) == 1:
+        return [list(pp_group)]
+    return [pp_group[:split_rank], pp_group[split_rank:]]
+
+
 def _check_split_rank(split_rank: Optional[int], pp: int) -> None:
     if split_rank is None:
         return
@@ -180,6 +188,7 @@ def _plan_rank_groups(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: 
         "tp-dp": decoder.get_ranks("tp-dp"),
         "embd": [_embedding_ranks(group, split_rank) for group in pp_groups],
         "pos-embd": [_position_embedding_ranks(group, split_rank) for group in pp_groups],
+        "pp-stack": [stack for group in pp_groups for stack in _stack_ranks(group, split_rank)],
         "ep": experts.get_ranks("ep"),
         "expert-dp": experts.get_ranks("dp"),
     }
@@ -449,6 +458,20 @@ def get_expert_data_parallel_world_size() -> int:
 
 def get_expert_data_parallel_rank() -> int:
     return _rank_in("expert-dp")
+
+
+def get_pipeline_stack_group() -> Optional[dist.ProcessGroup]:
+    """The pipeline stages of this rank's stack: with an encoder-decoder split the encoder's stages
+    [0, split) or the decoder's [split, pp) of its pipeline, else the whole pipeline group."""
+    return _group("pp-stack")
+
+
+def get_pipeline_stack_world_size() -> int:
+    return _size_of("pp-stack")
+
+
+def get_pipeline_stack_rank() -> int:
+    return _rank_in("pp-stack")
 
 
 def get_embedding_group() -> Optional[dist.ProcessGroup]:

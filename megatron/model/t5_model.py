@@ -42,7 +42,8 @@ embedding group); the last encoder stage has the encoder's final norm and the la
 decoder's and the LM head (post_process). An encoder stage sends its hidden states [s_enc, b, h];
 a decoder stage sends [its hidden states [s_dec, b, h], the encoder output [s_enc, b, h]], and the
 encoder output's gradient flows back through every decoder stage (boundary_sequence_lengths tells
-the schedule the shapes). Relative position tables need each stack on one stage (PP = 2).
+the schedule the shapes). A relative position table is on every stage of its stack, its gradient
+summed over them (the pipeline-stack group).
 
 Sequence parallelism: both stacks run on [s/t, b, h]; the cross-attention gathers the encoder output.
 
@@ -171,8 +172,7 @@ class T5Model(LanguageModule):
         if parallel_state.get_pipeline_model_parallel_world_size() > 1 and not share_embeddings_and_output_weights:
             raise ValueError("T5 under pipeline parallelism needs the LM head tied to the word embeddings "
                              "(drop --untie-embeddings-and-output-weights)")
-        encoder_range, decoder_range = _stage_layer_ranges(config.num_layers, add_encoder, add_decoder,
-                                                           position_embedding_type)
+        encoder_range, decoder_range = _stage_layer_ranges(config.num_layers, add_encoder, add_decoder)
 
         norm = RMSNorm if config.normalization == "RMSNorm" else LayerNorm
         encoder_spec = encoder_spec or get_t5_encoder_layer_spec(norm, attention_scale)
@@ -230,8 +230,26 @@ class T5Model(LanguageModule):
                 decoder_table = RelativePositionBias(config.num_attention_heads, False, **kwargs)
             self.encoder_relative_pos_emb = encoder_table if add_encoder else None
             self.decoder_relative_pos_emb = decoder_table if add_decoder else None
+            self._mark_stack_tables()
         self._sync_tied_embedding()
         self._sync_position_embedding()
+
+    def _mark_stack_tables(self) -> None:
+        """A stack on several pipeline stages has its relative position table on each of them
+        (the same init stream): finalize_model_grads sums their gradients over the stack's stages
+        (pipeline_stack_shared), and only the stack's first stage counts it in the gradient norm and
+        writes it to a torch_dist checkpoint."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return
+        first_of_stack = parallel_state.get_pipeline_stack_rank() == 0
+        for table in (self.encoder_relative_pos_emb, self.decoder_relative_pos_emb):
+            if table is None:
+                continue
+            for param in table.parameters():
+                param.pipeline_stack_shared = True
+                if not first_of_stack:
+                    param.shared = True
+                    param.pipeline_copy = True
 
     def _sync_position_embedding(self) -> None:
         """Learned positions on the first encoder and the first decoder stage: the first stage's
@@ -355,7 +373,7 @@ class T5Model(LanguageModule):
         return self.compute_language_model_loss(lm_labels, logits)  # [b, s_dec]
 
 
-def _stage_layer_ranges(num_layers: int, add_encoder: bool, add_decoder: bool, position_embedding_type: str
+def _stage_layer_ranges(num_layers: int, add_encoder: bool, add_decoder: bool
                         ) -> tuple[tuple[int, int], tuple[int, int]]:
     """(offset, count) of this stage's encoder layers and of its decoder layers: each stack is split
     evenly over its stages, the encoder over [0, split), the decoder over [split, pp)."""
@@ -379,9 +397,6 @@ def _stage_layer_ranges(num_layers: int, add_encoder: bool, add_decoder: bool, p
         if num_layers % stages:
             raise ValueError(f"the {name}'s {num_layers} layers do not split evenly over its {stages} pipeline "
                              f"stages (--pipeline-model-parallel-split-rank {split} of {pp})")
-        if position_embedding_type == "relative" and stages > 1:
-            raise ValueError(f"relative position buckets need each stack on one pipeline stage; the {name} has "
-                             f"{stages} (--pipeline-model-parallel-split-rank {split} of {pp})")
     if rank < split:
         per = num_layers // split
         return (rank * per, per), (0, 0)

@@ -229,9 +229,9 @@ def test_what_is_not_mapped_is_one_line(converted, tmp_path, capsys):
     error = _one_line_error([*argv, "--load-dir", str(tmp_path / "silu")], capsys)
     assert "feed_forward_proj 'gated-silu'" in error and "cannot be converted to T5Model" in error
     error = _one_line_error([*argv, "--load-dir", str(root / "hf"), "--target-pipeline-parallel-size", "4",
-                             "--target-pipeline-model-parallel-split-rank", "2"], capsys)
-    assert "--target-pipeline-parallel-size 4 --target-pipeline-model-parallel-split-rank 2" in error
-    assert "relative position buckets (one table per stack, HF T5's) need each stack on one stage" in error
+                             "--target-pipeline-model-parallel-split-rank", "3"], capsys)
+    assert "--target-pipeline-parallel-size 4 --target-pipeline-model-parallel-split-rank 3" in error
+    assert "the encoder's 2 layers do not split over its 3 pipeline stages" in error
     error = _one_line_error([*argv, "--load-dir", str(root / "hf"), "--target-pipeline-parallel-size", "2",
                              "--target-pipeline-model-parallel-split-rank", "2"], capsys)
     assert "the split rank (2) must be in [1, 1]" in error
@@ -297,10 +297,12 @@ def pipelined(converted):
     _convert(root / "tp2pp2", root / "tp1pp1", "megatron", "megatron", "--target-tensor-parallel-size", "1",
              "--target-pipeline-parallel-size", "1")
     _convert(root / "tp1pp1", root / "tp1pp1-back", "megatron", "hf")
+    _convert(root / "hf", root / "pp4", "hf", "megatron", "--target-pipeline-parallel-size", "4")  # split 2
+    _convert(root / "pp4", root / "pp4-back", "megatron", "hf")
     return root, model
 
 
-@pytest.mark.parametrize("back", ["pp2-back", "tp1pp1-back"])
+@pytest.mark.parametrize("back", ["pp2-back", "tp1pp1-back", "pp4-back"])
 def test_hf_through_pipeline_stages_is_bit_identical(pipelined, back):
     root, _ = pipelined
     _assert_same_hf(root / "hf", root / back)
@@ -367,6 +369,24 @@ def test_the_tp2_pp2_files_are_t5_stages_with_hfs_loss(pipelined, pool4):
     assert losses[0] == losses[1] == []  # ranks 0, 1: stage 0 (TP ranks 0, 1); ranks 2, 3: the last stage
     for loss in losses[2:]:
         assert loss == pytest.approx([expected], abs=1e-5)
+
+
+def test_the_pp4_files_keep_each_stacks_table_on_its_stages_with_hfs_loss(pipelined, pool4):
+    """HF's relative position tables at PP 4, split 2: each stack's table on both of its stages (the
+    later stage's a copy), and the 4-stage pipeline gives HF's loss."""
+    root, model = pipelined
+    stages = [load_file(get_checkpoint_name(str(root / "pp4"), 0, True, pipeline_parallel=True,
+                                            pipeline_rank=p))["model"] for p in range(4)]
+    for stack, held in (("encoder", (0, 1)), ("decoder", (2, 3))):
+        name = f"{stack}_relative_pos_emb.relative_attention_bias.weight"
+        assert [name in stage for stage in stages] == [p in held for p in range(4)], stack
+        assert torch.equal(stages[held[0]][name], stages[held[1]][name])
+    logits = _hf_logits(model)
+    padded = torch.cat([logits, logits.new_zeros(*logits.shape[:-1], 128 - VOCAB)], dim=-1)
+    expected = torch.nn.functional.cross_entropy(padded.flatten(0, 1), _labels().flatten()).item()
+    losses = pool4.run(_stage_loss, str(root / "pp4"))
+    assert losses[:3] == [[], [], []]
+    assert losses[3] == pytest.approx([expected], abs=1e-5)
 
 
 @pytest.fixture(scope="module")

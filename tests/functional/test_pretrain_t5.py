@@ -92,7 +92,7 @@ def test_resume_continues_exactly(script_run, tmp_path, positions):
 # ------------------------------------------------------------------------------ parallel layouts
 # pretrain_t5.main on 4 gloo ranks (a pool spawned for this module): the same data and model at
 # DP=4, TP=2 x DP=2 with sequence parallelism, encoder/decoder PP=2 x DP=2 with the distributed
-# optimizer, and TP=2 x PP=2 give the same losses; a torch_dist checkpoint of the PP=2 run loads
+# optimizer, TP=2 x PP=2, and PP=4 split at 2 with the distributed optimizer give the same losses; a torch_dist checkpoint of the PP=2 run loads
 # at TP=2 x DP=2 and continues with the uninterrupted run's losses.
 
 LAYOUTS = {
@@ -102,6 +102,8 @@ LAYOUTS = {
                         "--use-distributed-optimizer"],
     "tp2-pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                 "--pipeline-model-parallel-split-rank", "1"],
+    "pp4-split2-distopt": ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-split-rank", "2",
+                           "--use-distributed-optimizer"],
 }
 
 

@@ -186,7 +186,10 @@ def _pipeline_compare(tp: int, pp: int, split: int, position_embedding_type: str
     (1, 4, 2, "learned_absolute", 2, False),
     (1, 4, 1, "learned_absolute", 3, False),
     (2, 1, None, "relative", 2, True),
-], ids=["pp2", "pp2-relative", "tp2-pp2", "tp2-pp2-sp", "pp4-split2", "pp4-split1", "tp2-sp-relative"])
+    (1, 4, 2, "relative", 2, False),
+    (1, 4, 1, "relative", 3, False),
+], ids=["pp2", "pp2-relative", "tp2-pp2", "tp2-pp2-sp", "pp4-split2", "pp4-split1", "tp2-sp-relative",
+        "pp4-split2-relative", "pp4-split1-relative"])
 def test_pipeline_loss_and_gradients_equal_the_serial_model(dist_pool, tp, pp, split, position_embedding_type,
                                                             layers, sp):
     results = dist_pool.run(_pipeline_compare, tp, pp, split, position_embedding_type, layers, sp)
@@ -212,11 +215,11 @@ def _refusals():
     from megatron.training import _stage_roles
 
     messages = []
-    for pp, split, kind in ((4, 2, "relative"), (2, None, "learned_absolute")):
+    for pp, split, kind in ((4, 2, "learned_absolute"), (2, None, "learned_absolute")):
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp,
                                                  pipeline_model_parallel_split_rank=split)
         try:
-            _stage_model(1, kind, 2)
+            _stage_model(1, kind, 3)
         except ValueError as error:
             messages.append(str(error))
         try:
@@ -230,7 +233,7 @@ def _refusals():
 def test_pipeline_layouts_t5_cannot_take_are_refused_by_name(dist_pool):
     for messages in dist_pool.run(_refusals):
         assert len(messages) == 4, messages
-        assert "relative position buckets need each stack on one pipeline stage; the encoder has 2" in messages[0]
+        assert "the encoder's 3 layers do not split evenly over its 2 pipeline stages" in messages[0]
         assert "--pipeline-model-parallel-split-rank is for encoder-decoder models" in messages[1]
         assert "needs --pipeline-model-parallel-split-rank" in messages[2]
         assert "needs --pipeline-model-parallel-split-rank" in messages[3]
@@ -238,16 +241,16 @@ def test_pipeline_layouts_t5_cannot_take_are_refused_by_name(dist_pool):
 
 # ------------------------------------------------------------------------------ torch_dist names
 # --ckpt-format torch_dist names every tensor as the serial model's state dict does (layers numbered
-# globally per stack); a pipeline copy (the decoder stage's embedding, the last stage's tied head) is
-# not written by the stage holding the copy.
+# globally per stack); a pipeline copy (the decoder stage's embedding, the last stage's tied head, a
+# relative position table on a stack's later stages) is not written by the stage holding the copy.
 
 def _saved_layouts(family: str, pp: int, split):
     from megatron.dist_checkpointing.layout import model_layouts
     from tests.parallel import test_bert_parallel
 
     def build():
-        if family == "t5":
-            return _stage_model(1, "learned_absolute", 2)
+        if family.startswith("t5"):
+            return _stage_model(1, "relative" if family == "t5-relative" else "learned_absolute", 2)
         return test_bert_parallel._build(1, False, False, layers=4, pp=parallel_state.get_pipeline_model_parallel_world_size())
 
     init_parallel(tp=1)
@@ -258,7 +261,7 @@ def _saved_layouts(family: str, pp: int, split):
     return serial, saved, parallel_state.get_data_parallel_rank()
 
 
-@pytest.mark.parametrize("family, pp, split", [("t5", 4, 2), ("t5", 2, 1), ("bert", 2, None)])
+@pytest.mark.parametrize("family, pp, split", [("t5", 4, 2), ("t5", 2, 1), ("t5-relative", 4, 2), ("bert", 2, None)])
 def test_torch_dist_names_pipeline_stages_tensors_as_the_serial_model(dist_pool, family, pp, split):
     results = dist_pool.run(_saved_layouts, family, pp, split)
     serial = results[0][0]

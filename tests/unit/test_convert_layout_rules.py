@@ -127,8 +127,11 @@ def test_t5_stages_place_each_stack_on_its_own_stages():
         (0, "embedding.word_embeddings.weight"), (1, "embedding.word_embeddings.weight")]  # the head is stage 1's
     relative = argparse.Namespace(**{**vars(t5), "position_embedding_type": "relative"})
     check_target(relative, 1, 2, split=1)
-    with pytest.raises(CheckpointError, match="relative position buckets .* need each stack on one stage"):
-        check_target(relative, 1, 4, split=2)
+    check_target(relative, 1, 4, split=2)  # each stack's table on each of its stages
+    table = "decoder_relative_pos_emb.relative_attention_bias.weight"
+    stages = T5Stages(num_layers=4, pp=4, split=2)
+    assert stages.placements(table) == [(2, table), (3, table)]
+    assert (stages.is_copy(3, table), stages.is_copy(2, table), stages.is_original(2, table)) == (table, None, True)
     with pytest.raises(CheckpointError, match="a pipeline split rank is for T5"):
         check_target(argparse.Namespace(**{**vars(t5), "model_family": None}), 1, 2, split=1)
 

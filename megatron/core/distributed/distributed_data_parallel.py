@@ -89,16 +89,21 @@ class DistributedDataParallel(nn.Module):
                     module.register_forward_pre_hook(self._make_param_sync_hook(list(buckets.values())))
 
     def _pipeline_shared_embedding(self) -> List[nn.Parameter]:
-        """The tied embedding weight on the first / last pipeline stage (if any), and the learned
-        position table an encoder-decoder split keeps on its first encoder and first decoder stage."""
+        """The parameters held on several pipeline stages whose gradients are summed between them:
+        the tied embedding weight on the first / last stage (and an encoder-decoder split's first
+        decoder stage), the learned position table of a split's first encoder and first decoder
+        stage, and the parameters on every stage of a stack (T5's relative position tables)."""
         inner = unwrap_model(self.module)
-        if (parallel_state.get_pipeline_model_parallel_world_size() == 1
-                or not getattr(inner, "share_embeddings_and_output_weights", False)
-                or not (getattr(inner, "pre_process", False) or getattr(inner, "post_process", False))):
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             return []
-        shared = [inner.shared_embedding_or_output_weight()]
+        shared = []
+        if (getattr(inner, "share_embeddings_and_output_weights", False)
+                and (getattr(inner, "pre_process", False) or getattr(inner, "post_process", False))
+                and parallel_state.is_rank_in_embedding_group(ignore_virtual=True)):
+            shared.append(inner.shared_embedding_or_output_weight())
         position = split_position_embedding(inner)
-        return shared + ([position] if position is not None else [])
+        shared += [position] if position is not None else []
+        return shared + [p for p in inner.parameters() if getattr(p, "pipeline_stack_shared", False)]
 
     def _grad_hook(self, param: nn.Parameter) -> None:
         if param.grad is None:

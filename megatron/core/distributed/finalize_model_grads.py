@@ -13,7 +13,8 @@ In this order (Megatron's):
        first stage's word embedding and the last stage's copy of it are one logical weight; their
        gradients are summed over the embedding group, so both copies take the same step. An
        encoder-decoder split (T5) adds the first decoder stage's copy to the group, and sums the
-       learned position table of its first encoder and first decoder stage likewise.
+       learned position table of its first encoder and first decoder stage likewise, and a
+       stack's relative position table over the stack's stages.
     4. per-token normalisation (--calculate-per-token-loss): gradients divided by the number of
        loss tokens of the global batch (each replica's count summed over the data-parallel group;
        DistributedDataParallel summed, not averaged, the replicas' gradients).
@@ -117,6 +118,19 @@ def allreduce_position_embedding_grads(model_chunks: List[nn.Module]) -> None:
         communication.all_reduce(grad, group=parallel_state.get_position_embedding_group())
 
 
+def allreduce_pipeline_stack_grads(model_chunks: List[nn.Module]) -> None:
+    """Sum the gradients of the parameters every stage of a stack holds (T5's relative position
+    tables, marked pipeline_stack_shared) over the stack's pipeline stages."""
+    if (parallel_state.get_pipeline_model_parallel_world_size() == 1
+            or parallel_state.get_pipeline_stack_world_size() == 1):
+        return
+    for chunk in model_chunks:
+        for param in unwrap_model(chunk).parameters():
+            grad = _grad_of(param) if getattr(param, "pipeline_stack_shared", False) else None
+            if grad is not None:
+                communication.all_reduce(grad, group=parallel_state.get_pipeline_stack_group())
+
+
 def scale_gradients(model_chunks: List[nn.Module], factor: float) -> None:
     """Multiply every gradient by factor."""
     for chunk in model_chunks:
@@ -182,5 +196,6 @@ def finalize_model_grads(model_chunks: List[nn.Module], num_tokens: Optional[tor
     allreduce_replicated_kv_grads(model_chunks)
     allreduce_embedding_grads(model_chunks)
     allreduce_position_embedding_grads(model_chunks)
+    allreduce_pipeline_stack_grads(model_chunks)
     if num_tokens is not None:
         divide_by_global_token_count(model_chunks, num_tokens)
