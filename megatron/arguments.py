@@ -290,6 +290,10 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load the RNG state.")
     group.add_argument("--finetune", action="store_true",
                        help="Load the model only and start from iteration 0.")
+    group.add_argument("--pretrained-checkpoint", type=str, default=None,
+                       help="Directory containing a pretrained model checkpoint for finetuning: loaded (model "
+                            "only, as with --finetune) when --load holds no checkpoint yet; tasks/main.py's "
+                            "fine-tuning tasks start from it.")
     group.add_argument("--use-checkpoint-args", action="store_true",
                        help="Take the model-shape arguments from the checkpoint.")
     group.add_argument("--exit-on-missing-checkpoint", action="store_true",

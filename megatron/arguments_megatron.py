@@ -270,7 +270,6 @@ REFUSED = (
     _value("--decoupled-lr", float, None, "a separate learning rate for the embedding and output layers"),
     _value("--decoupled-min-lr", float, None, "a separate learning rate for the embedding and output layers"),
     _value("--non-persistent-save-interval", int, None, "non-persistent (local) checkpoints"),
-    _value("--pretrained-checkpoint", str, None, "a separate pretrained checkpoint (use --load with --finetune)"),
     _value("--ckpt-step", int, None, "loading a chosen iteration (point the tracker file at it)"),
     _true("--use-mp-args-from-checkpoint-args", "taking the parallel sizes from the checkpoint"),
     _value("--ckpt-convert-format", str, None, "converting checkpoints while training (use tools/checkpoint)",

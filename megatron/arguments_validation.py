@@ -563,7 +563,8 @@ def _validate_data(args: Namespace) -> None:
                         "give one blend split by --split, or one path per split")
     if args.mock_data and given:
         raise ArgsError(f"--mock-data cannot be combined with {', '.join(given)}; drop one of them")
-    if not given and not args.mock_data:
+    # tasks/main.py's tasks read their own files (--train-data / --valid-data)
+    if not given and not args.mock_data and getattr(args, "task", None) is None:
         raise ArgsError("no training data: give --data-path (with --split), --train-data-path/"
                         "--valid-data-path/--test-data-path, or --mock-data")
     if per_split and args.split is not None:

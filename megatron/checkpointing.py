@@ -494,18 +494,28 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
     calculator from them.
     """
     load_dir = getattr(args, load_arg, None)
+    flag = "--" + load_arg.replace("_", "-")
+    pretrained = getattr(args, "pretrained_checkpoint", None) if load_arg == "load" else None
+    if pretrained is not None and not checkpoint_exists(load_dir):
+        # Megatron's --pretrained-checkpoint: a run that saved nothing yet under --load starts
+        # from the pretrained model (weights only, iteration 0); later runs resume from --load.
+        _print_rank_0(f"no checkpoint under --load {load_dir}: finetuning from --pretrained-checkpoint {pretrained}")
+        check_load_directory(pretrained, "--pretrained-checkpoint")
+        if not checkpoint_exists(pretrained):
+            raise CheckpointError(f"--pretrained-checkpoint {pretrained}: no checkpoint there (no {_TRACKER_NAME})")
+        load_dir, flag = pretrained, "--pretrained-checkpoint"
+        args.finetune = True
     if load_dir is None:
         _handle_missing(args, load_dir)
         return 0, 0
-    found = _saved_format(load_dir, args, "--" + load_arg.replace("_", "-"))
+    found = _saved_format(load_dir, args, flag)
     if found is not None and found[0] == "torch_dist":
         from megatron import dist_checkpointing
 
         _, base_dir, iteration, release = found
         return dist_checkpointing.load_checkpoint(_as_chunks(model), optimizer, opt_param_scheduler, args,
                                                   load_dir, base_dir, iteration, release, strict)
-    state_dict, checkpoint_name, release = _load_base_checkpoint(
-        load_dir, args=args, flag="--" + load_arg.replace("_", "-"))
+    state_dict, checkpoint_name, release = _load_base_checkpoint(load_dir, args=args, flag=flag)
     if state_dict is None:
         _handle_missing(args, load_dir)
         return 0, 0

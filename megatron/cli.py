@@ -45,6 +45,7 @@ USER_INPUT_ERRORS = (
     ("megatron.tokenizer.tokenizer", "TokenizerConfigError"),
     ("megatron.optimizer_param_scheduler", "SchedulerMismatchError"),
     ("megatron.training", "NaNLossError"),
+    ("tasks.errors", "TaskError"),
 )
 # OSErrors about a path the user named; their message carries the path.
 _PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)

@@ -294,7 +294,7 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType) -
     if load_hf_instead(args):  # --load-hf, and no checkpoint of this run under --load yet
         load_hf_weights(model, args, get_tokenizer().vocab_size)
         optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
-    elif args.load is not None:
+    elif args.load is not None or args.pretrained_checkpoint is not None:
         from megatron.checkpointing import load_checkpoint
 
         timers = get_timers()
