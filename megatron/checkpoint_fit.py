@@ -208,6 +208,8 @@ def apply_checkpoint_args(args: argparse.Namespace, checkpoint_args: Any, checkp
         value, current = getattr(checkpoint_args, name), getattr(args, name, None)
         if (not force and current is not None) or value == current:
             return
+        if value is None and name == "tokenizer_type":
+            return  # a converted checkpoint records no tokenizer: the command line's stands
         log(f"  overriding {name} = {current} with {value} from the checkpoint {checkpoint_name}")
         setattr(args, name, value)
 
