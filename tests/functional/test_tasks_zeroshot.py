@@ -267,3 +267,15 @@ def test_bad_input_is_one_line(setup, tmp_path, capsys):
     flags[flags.index("--load") + 1] = str(tmp_path / "no-checkpoint")
     with pytest.raises(CheckpointError, match="no checkpoint there"):
         tasks_main.main(["--task", "LAMBADA", "--valid-data", str(setup["root"] / "lambada.jsonl"), *flags])
+
+
+def test_pretrained_checkpoint_is_loaded_when_load_holds_none(setup, tmp_path, capsys):
+    """--pretrained-checkpoint (Megatron's): with nothing under --load yet, the model comes from it."""
+    path = str(setup["root"] / "lambada.jsonl")
+    expected, _ = _run(["--task", "LAMBADA", "--valid-data", path, *setup["flags"]], capsys)
+    flags = list(setup["flags"])
+    flags[flags.index("--load") + 1] = str(tmp_path / "fresh")
+    result, out = _run(["--task", "LAMBADA", "--valid-data", path, *flags, "--pretrained-checkpoint",
+                        str(setup["root"] / "ckpt")], capsys)
+    assert result == expected
+    assert f"no checkpoint under --load {tmp_path / 'fresh'}: finetuning from --pretrained-checkpoint" in out
