@@ -279,3 +279,33 @@ def test_pretrained_checkpoint_is_loaded_when_load_holds_none(setup, tmp_path, c
                         str(setup["root"] / "ckpt")], capsys)
     assert result == expected
     assert f"no checkpoint under --load {tmp_path / 'fresh'}: finetuning from --pretrained-checkpoint" in out
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("script, task", [("evaluate_wikitext.sh", "WIKITEXT103"), ("evaluate_lambada.sh", "LAMBADA")])
+def test_example_script_builds_its_file_and_evaluates(setup, corpus_path, tmp_path, script, task):
+    """examples/evaluate_*.sh on a tiny checkpoint: the eval file written from a corpus, Megatron's lines."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(corpus_path.read_text().splitlines(keepends=True)[:2]))
+    flags = setup["flags"]
+    vocab = flags[flags.index("--vocab-file") + 1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=sys.executable, CORPUS=str(corpus),
+               EVAL_DIR=str(tmp_path / "eval"), SEQ_LENGTH=str(SEQ), MASTER_PORT=str(_free_port()))
+    proc = subprocess.run(["bash", str(ROOT / "examples" / script), str(setup["root"] / "ckpt"), vocab,
+                           str(Path(vocab).parent / "merges.txt")], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == [
+        "wiki.valid.tokens" if task == "WIKITEXT103" else "lambada.jsonl"]
+    found = RESULT.findall(proc.stdout)
+    assert [name for name, _ in found] == [task]
+    fields = "avg loss: .* \\| ppl: .* \\| adjusted ppl: .* \\| token ratio: .* \\|" if task == "WIKITEXT103" else \
+        "number correct: .* \\| total examples: .* \\| avg accuracy: .*"
+    assert re.fullmatch(fields, found[0][1])
