@@ -13,7 +13,7 @@ converted checkpoint and the test computes the same numbers with the HF model di
   greedily (so the accuracy is not 0), and one whose last token it predicts but not the word's
   first token (so strict and non-strict accuracies differ); targets built from the definition
   with HF's tokenizer, correct = HF's argmax equal at every target token.
-* TP = 2 and PP = 2 (a pool of 2 gloo processes) give the serial numbers.
+* TP = 2, PP = 2 and DP = 2 (a pool of 2 gloo processes) give the serial numbers.
 * Bad input ends in one line: unknown task, a malformed JSON line (FILE:LINE), a missing file.
 """
 
@@ -214,7 +214,7 @@ def _task_on_rank(argv):
     return tasks_main.main(argv)
 
 
-def test_tensor_and_pipeline_parallel_give_the_serial_numbers(setup, capsys):
+def test_tensor_pipeline_and_data_parallel_give_the_serial_numbers(setup, capsys):
     wiki = ["--task", "WIKITEXT103", "--valid-data", str(setup["root"] / "wiki.valid.tokens"), *setup["flags"]]
     lambada = ["--task", "LAMBADA", "--strict-lambada", "--valid-data", str(setup["root"] / "lambada.jsonl"),
                *setup["flags"]]
@@ -223,12 +223,14 @@ def test_tensor_and_pipeline_parallel_give_the_serial_numbers(setup, capsys):
     serial = {"wiki": _run(wiki, capsys)[0], "lambada": _run(lambada, capsys)[0]}
     pool = DistributedPool(2)
     try:
-        for kind in ("tensor", "pipeline"):
-            checkpoint = setup["root"] / f"ckpt-{kind}2"  # a legacy checkpoint loads at the layout it was saved at
-            convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron", "--no-verify",
-                          "--load-dir", str(setup["root"] / "hf"), "--save-dir", str(checkpoint),
-                          f"--target-{kind}-parallel-size", "2"])
-            layout = [f"--{kind}-model-parallel-size", "2", "--load", str(checkpoint)]
+        for kind in ("tensor", "pipeline", "data"):
+            layout = []  # two ranks: data-parallel size 2, each replica half the samples
+            if kind != "data":
+                checkpoint = setup["root"] / f"ckpt-{kind}2"  # a legacy checkpoint loads at the TP/PP it was saved at
+                convert.main(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron", "--no-verify",
+                              "--load-dir", str(setup["root"] / "hf"), "--save-dir", str(checkpoint),
+                              f"--target-{kind}-parallel-size", "2"])
+                layout = [f"--{kind}-model-parallel-size", "2", "--load", str(checkpoint)]
             for name, argv in (("wiki", wiki), ("lambada", lambada)):
                 per_rank = pool.run(_task_on_rank, [*argv, *layout])
                 assert per_rank[0] == per_rank[1]  # every rank returns the result
