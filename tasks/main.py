@@ -100,7 +100,8 @@ def main(argv: Optional[List[str]] = None) -> Any:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--task", type=str, default=None)
-    module = task_module(pre.parse_known_args(argv)[0].task or "") if "--task" in argv else None  # before any set-up
+    task = pre.parse_known_args(argv)[0].task
+    module = task_module(task) if task is not None else None  # before any set-up (argparse names a missing --task)
     # A task reads the checkpoint it is given in the format it was saved in (torch or torch_dist).
     if "--auto-detect-ckpt-format" not in argv:
         argv.append("--auto-detect-ckpt-format")

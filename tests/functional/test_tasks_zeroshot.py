@@ -311,3 +311,15 @@ def test_example_script_builds_its_file_and_evaluates(setup, corpus_path, tmp_pa
     fields = "avg loss: .* \\| ppl: .* \\| adjusted ppl: .* \\| token ratio: .* \\|" if task == "WIKITEXT103" else \
         "number correct: .* \\| total examples: .* \\| avg accuracy: .*"
     assert re.fullmatch(fields, found[0][1])
+
+
+def test_load_hf_evaluates_the_transformers_directory(setup, capsys):
+    """--load-hf HF_DIR instead of a converted checkpoint: the same numbers (the shape from config.json)."""
+    path = str(setup["root"] / "wiki.valid.tokens")
+    flags = setup["flags"]
+    expected, _ = _run(["--task", "WIKITEXT103", "--valid-data", path, *flags], capsys)
+    tokenizer = flags[flags.index("--tokenizer-type"):flags.index("--merge-file") + 2]
+    result, _ = _run(["--task=WIKITEXT103", "--valid-data", path, "--load-hf", str(setup["root"] / "hf"), *tokenizer,
+                      "--seq-length", str(SEQ), "--micro-batch-size", "4"], capsys)
+    assert result.pop("task") == expected.pop("task")
+    assert result == pytest.approx(expected, rel=1e-6)
