@@ -135,6 +135,9 @@ class BertModel(LanguageModule):
     transformer_layer_spec: default the GPT layer the config describes (layer_spec_from_config), or
     with post_layernorm the post-LN layer (get_bert_post_ln_layer_spec).
     post_layernorm: the original BERT (module docstring): embedding LayerNorm, no final LayerNorm.
+    add_lm_head=False: no LM head, output layer or binary head (the trunk of the task models in
+    classification.py / multiple_choice.py; share_embeddings_and_output_weights must be False);
+    add_pooler: build the pooler (default: with the binary head). encode() runs the trunk alone.
     Pipeline hooks as GPTModel's: pre_process=False takes its input from set_input_tensor();
     post_process=False returns the hidden states [s, b, h] ([s/t, b, h] under SP) and has no heads.
     The tied output weight, its copy on a last stage without the embedding, the vocabulary padding
@@ -156,14 +159,21 @@ class BertModel(LanguageModule):
         num_tokens: int | None = None,
         transformer_layer_spec: ModuleSpec | None = None,
         post_layernorm: bool = False,
+        add_lm_head: bool = True,
+        add_pooler: bool | None = None,
     ) -> None:
         super().__init__(config)
+        if not add_lm_head and share_embeddings_and_output_weights:
+            raise ValueError("BertModel(add_lm_head=False) has no output layer to tie: pass "
+                             "share_embeddings_and_output_weights=False")
         if position_embedding_type not in ("learned_absolute", "none"):
             raise ValueError(f"BertModel takes position_embedding_type 'learned_absolute' or 'none', "
                              f"got {position_embedding_type!r}")
         self._set_vocab_sizes(vocab_size, num_tokens)
         self.max_sequence_length = max_sequence_length
         self.add_binary_head = add_binary_head
+        self.add_lm_head = add_lm_head
+        self.add_pooler = add_binary_head if add_pooler is None else add_pooler
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
         self.pre_process = pre_process
@@ -176,6 +186,7 @@ class BertModel(LanguageModule):
         # Init streams as GPTModel's: 0 the embedding, 1..L the layers, L + 1 the output layer; L + 2
         # the heads (after an untied output layer the stream's position would depend on the padded vocab).
         init_seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.init_seed = init_seed  # a task head on top draws from stream L + 3 (classification.py)
         self.embedding = None
         if pre_process:
             with init_rng(init_seed, 0):
@@ -195,6 +206,10 @@ class BertModel(LanguageModule):
 
     def _build_heads(self, init_seed: int) -> None:
         config, h = self.config, self.config.hidden_size
+        if not self.add_lm_head:  # a task model's trunk (megatron/model/classification.py): the pooler only
+            with init_rng(init_seed, config.num_layers + 2):
+                self.pooler = Pooler(h, config) if self.add_pooler else None
+            return
         tied_here = self.share_embeddings_and_output_weights and self.pre_process
         with init_rng(init_seed, config.num_layers + 1):
             # The weight is the word embedding's when tied here (no output_layer.weight key); the bias
@@ -212,6 +227,7 @@ class BertModel(LanguageModule):
             self.lm_head = BertLMHead(h, config)
             if self.add_binary_head:
                 self.binary_head = _linear(h, 2, config)
+            if self.add_pooler:
                 self.pooler = Pooler(h, config)
 
     def set_input_tensor(self, input_tensor: torch.Tensor | None) -> None:
@@ -222,13 +238,9 @@ class BertModel(LanguageModule):
             input_tensor = input_tensor[0]
         self.encoder.set_input_tensor(input_tensor)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor,
-        tokentype_ids: torch.Tensor | None = None,
-        lm_labels: torch.Tensor | None = None,
-    ):
+    def encode(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor,
+               tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The embedding and the encoder: hidden states [s, b, h] ([s/t, b, h] under SP), before any head."""
         if attention_mask is None or attention_mask.dim() != 2:
             raise ValueError("BertModel's attention_mask is the padding mask [b, s] (1 = real token), got "
                              + ("None" if attention_mask is None else f"shape {tuple(attention_mask.shape)}"))
@@ -236,7 +248,16 @@ class BertModel(LanguageModule):
         encoder_input = None
         if self.embedding is not None:
             encoder_input = self.embedding(input_ids, bert_position_ids(input_ids), tokentype_ids)  # [s, b, h]
-        hidden_states = self.encoder(encoder_input, extended_mask)  # [s, b, h] ([s/t, b, h] under SP)
+        return self.encoder(encoder_input, extended_mask)  # [s, b, h] ([s/t, b, h] under SP)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor,
+        tokentype_ids: torch.Tensor | None = None,
+        lm_labels: torch.Tensor | None = None,
+    ):
+        hidden_states = self.encode(input_ids, attention_mask, tokentype_ids)
         if not self.post_process:
             return hidden_states
         binary_logits = None
