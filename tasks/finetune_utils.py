@@ -151,8 +151,44 @@ def load_pretrained_checkpoint(model: List[torch.nn.Module], optimizer: Any, arg
 
     pretrained = copy.copy(args)
     pretrained.finetune, pretrained.no_load_optim, pretrained.no_load_rng = True, True, True
+    saved = _torch_dist_names(args.pretrained_checkpoint)
+    if saved is not None:  # torch_dist reads into the model's tensors: the key check is here
+        _check_torch_dist_names(model, saved, args.pretrained_checkpoint)
     load_checkpoint(model, None, None, pretrained, load_arg="pretrained_checkpoint", strict=False)
     optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
+
+
+def _torch_dist_names(load_dir: str) -> Optional[set]:
+    """The tensor names of the torch_dist checkpoint the tracker in load_dir names (None: another format)."""
+    import os
+
+    from megatron.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
+    from megatron.dist_checkpointing.common import DCP_METADATA
+    from megatron.dist_checkpointing.dcp_io import read_dcp_metadata
+
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker):
+        return None
+    iteration, release = read_metadata(tracker)
+    path = os.path.join(get_checkpoint_name(load_dir, iteration, release, return_base_dir=True), DCP_METADATA)
+    return set(read_dcp_metadata(path).state_dict_metadata) if os.path.isfile(path) else None
+
+
+def _check_torch_dist_names(model: List[torch.nn.Module], saved: set, load_dir: str) -> None:
+    from megatron.checkpointing import CheckpointError
+    from megatron.dist_checkpointing.layout import model_layouts
+
+    names = [layout.name for layout, _ in model_layouts(model)]  # global names (layer numbers across stages)
+    inner = model[0]
+    while hasattr(inner, "module"):
+        inner = inner.module
+    fill = getattr(inner, "fill_new_keys", None)
+    if fill is None:
+        return
+    try:
+        fill(saved, names)
+    except RuntimeError as error:
+        raise CheckpointError(f"--pretrained-checkpoint {load_dir}: {error}") from None
 
 
 def _check_flags(args: argparse.Namespace) -> None:

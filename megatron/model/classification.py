@@ -53,6 +53,24 @@ class _TaskModel(BertModel):
             return hidden_states
         return self.pooler(hidden_states, 0)  # [b, h]
 
+    def fill_new_keys(self, present, names=None) -> list:
+        """The names (default: this model's state-dict keys) that start new, given the keys
+        `present` in a checkpoint: this head's, and a pooler or tokentype table the checkpoint
+        lacks, each announced with Megatron's warning line. Any other absent name is an error."""
+        names = list(self.state_dict()) if names is None else list(names)
+        new = []
+        for prefix in (self.head_key + ".",) + OPTIONAL_TRUNK_PREFIXES:
+            wanted = [k for k in names if k.startswith(prefix)]
+            if wanted and not any(k in present for k in wanted):
+                print_rank_last(f"***WARNING*** could not find {prefix.rstrip('.')} in the checkpoint, "
+                                "initializing to random")
+                new += wanted
+        missing = sorted(k for k in names if k not in present and k not in new and not k.endswith("_extra_state"))
+        if missing:
+            raise RuntimeError(f"{type(self).__name__}: model keys missing from the checkpoint: {missing[:8]}"
+                               + (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
+        return new
+
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a pretraining BertModel's or a task model's state dict (see the module docstring).
 
@@ -60,19 +78,11 @@ class _TaskModel(BertModel):
         encoder/embedding key is an error naming it."""
         own = self.state_dict()
         entries = {k: v for k, v in state_dict.items() if not k.startswith(PRETRAINING_HEAD_PREFIXES)}
-        for prefix in (self.head_key + ".",) + OPTIONAL_TRUNK_PREFIXES:
-            wanted = [k for k in own if k.startswith(prefix)]
-            if wanted and not any(k in entries for k in wanted):
-                print_rank_last(f"***WARNING*** could not find {prefix.rstrip('.')} in the checkpoint, "
-                                "initializing to random")
-                entries.update({k: own[k] for k in wanted})
+        entries.update({k: own[k] for k in self.fill_new_keys(set(entries))})
         unexpected = sorted(k for k in entries if k not in own and not k.endswith("_extra_state"))
-        missing = sorted(k for k in own if k not in entries and not k.endswith("_extra_state"))
-        if unexpected or missing:
-            raise RuntimeError(f"{type(self).__name__}: keys the model does not have: {unexpected[:8]}; "
-                               f"model keys missing from the checkpoint: {missing[:8]}")
-        entries = {k: v for k, v in entries.items() if k in own}
-        return super().load_state_dict(entries, strict=False)
+        if unexpected:
+            raise RuntimeError(f"{type(self).__name__}: keys the model does not have: {unexpected[:8]}")
+        return super().load_state_dict({k: v for k, v in entries.items() if k in own}, strict=False)
 
 
 class Classification(_TaskModel):
