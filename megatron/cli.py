@@ -46,7 +46,6 @@ USER_INPUT_ERRORS = (
     ("megatron.optimizer_param_scheduler", "SchedulerMismatchError"),
     ("megatron.training", "NaNLossError"),
     ("tasks.errors", "TaskError"),
-    ("tasks.data_utils", "TaskDataError"),
 )
 # OSErrors about a path the user named; their message carries the path.
 _PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)

@@ -15,8 +15,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from tasks.errors import TaskError
 
-class TaskDataError(ValueError):
+
+class TaskDataError(TaskError):
     """A malformed task data file: the message starts with FILE:LINE (megatron/cli.py prints it as one line)."""
 
     def __init__(self, filename: str, line: int, message: str) -> None:

@@ -3,7 +3,8 @@
 Printed on the last rank, as Megatron prints them:
      > |epoch: E| metrics for NAME: correct / total = C / T = P %, elapsed time (sec): S
      >> |epoch: E| overall: correct / total = C / T = P %
-Each set is read in DistributedSampler order with micro-batches of the original --micro-batch-size
+Each set is read in DistributedSampler order with micro-batches of --eval-micro-batch-size (default
+the original --micro-batch-size)
 (the last one incomplete unless data-parallel size > 1, where it is dropped); correct and total are
 summed over the data-parallel group. With output_predictions (evaluation only, --epochs 0) the
 softmaxes, labels and uids of every set go to --load/predictions_NAME1_NAME2...pt (torch.save of
@@ -62,12 +63,13 @@ class AccuracyCallback:
 def accuracy_func_provider(single_dataset_provider: Callable) -> AccuracyCallback:
     """The callback over one dataset per --valid-data path (single_dataset_provider(path))."""
     args = get_args()
+    micro_batch_size = (getattr(args, "eval_micro_batch_size", None)
+                        or getattr(args, "orig_micro_batch_size", args.micro_batch_size))
     loaders = []
     for path in args.valid_data or []:
         dataset = single_dataset_provider(path)
         loaders.append((dataset.dataset_name, EpochBatches(
-            dataset, getattr(args, "orig_micro_batch_size", args.micro_batch_size),
-            drop_last=parallel_state.get_data_parallel_world_size() > 1)))
+            dataset, micro_batch_size, drop_last=parallel_state.get_data_parallel_world_size() > 1)))
     return AccuracyCallback(loaders)
 
 

@@ -267,7 +267,13 @@ def finetune(train_valid_datasets_provider: Callable, model_provider: Callable,
 
     lengths = args.train_iters
     args.train_iters = max(args.train_iters, 1)  # the LR schedule needs a length; evaluation only has none
-    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
+    # --load first (a resumed run); the pretrained model only when that found nothing (Megatron's
+    # order), loaded here: a task model takes the BERT trunk of it, not the pretraining heads.
+    pretrained, args.pretrained_checkpoint = args.pretrained_checkpoint, None
+    try:
+        model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
+    finally:
+        args.pretrained_checkpoint = pretrained
     args.train_iters = lengths
     if args.iteration == 0 and args.pretrained_checkpoint is not None:
         load_pretrained_checkpoint(model, optimizer, args)

@@ -19,6 +19,11 @@ from megatron.utils import print_rank_0
 from tasks.eval_utils import accuracy_func_provider
 from tasks.finetune_utils import FinetuneResult, finetune
 
+# tasks/main.py hands these to initialize_megatron (Megatron's args_defaults: only flags left unset):
+# pretraining's validation asks for a length and for --save an interval, which finetune() replaces by
+# --epochs (train_iters) and the end-of-epoch checkpoints (no interval save is ever reached).
+ARGS_DEFAULTS = {"tokenizer_type": "BertWordPieceLowerCase", "train_iters": 1, "save_interval": 2**62}
+
 
 def classification_model_provider(num_classes: int) -> Callable:
     def model_provider(pre_process: bool = True, post_process: bool = True):
@@ -35,7 +40,7 @@ def classification_model_provider(num_classes: int) -> Callable:
 
 
 def glue_classification(num_classes: int, dataset_class, name_from_datapath: Callable[[str], str],
-                        record_history: bool = False) -> FinetuneResult:
+                        record_history: bool = True) -> FinetuneResult:
     def train_valid_datasets_provider():
         args = get_args()
         tokenizer = get_tokenizer()
@@ -57,7 +62,7 @@ def _name_after(marker: str) -> Callable[[str], str]:
     return name
 
 
-def main(args: Optional[argparse.Namespace] = None, record_history: bool = False) -> FinetuneResult:
+def main(args: Optional[argparse.Namespace] = None, record_history: bool = True) -> FinetuneResult:
     """Fine-tune for args.task (MNLI or QQP); args default to the initialized global args."""
     args = args if args is not None else get_args()
     if args.task == "MNLI":

@@ -19,6 +19,11 @@ from tasks.eval_utils import accuracy_func_provider
 from tasks.finetune_utils import FinetuneResult, finetune
 from tasks.race.data import RaceDataset
 
+# tasks/main.py hands these to initialize_megatron (Megatron's args_defaults: only flags left unset):
+# pretraining's validation asks for a length and for --save an interval, which finetune() replaces by
+# --epochs (train_iters) and the end-of-epoch checkpoints (no interval save is ever reached).
+ARGS_DEFAULTS = {"tokenizer_type": "BertWordPieceLowerCase", "train_iters": 1, "save_interval": 2**62}
+
 
 def train_valid_datasets_provider():
     args = get_args()
@@ -46,7 +51,7 @@ def metrics_func_provider():
     return accuracy_func_provider(single_dataset_provider)
 
 
-def main(args: Optional[argparse.Namespace] = None, record_history: bool = False) -> FinetuneResult:
+def main(args: Optional[argparse.Namespace] = None, record_history: bool = True) -> FinetuneResult:
     """Fine-tune on RACE with the initialized global args."""
     return finetune(train_valid_datasets_provider, model_provider,
                     end_of_epoch_callback_provider=metrics_func_provider, record_history=record_history)

@@ -1,14 +1,20 @@
-"""Run a fine-tuning task in this process as tasks/main.py will: initialize_megatron with
-Megatron's task flags, then tasks.glue.finetune.main / tasks.race.finetune.main.
+"""Run a fine-tuning task in this process: tasks/main.py's main(argv) where this checkout has it,
+else a stand-in doing what it does (initialize_megatron with Megatron's task flags and the task
+module's ARGS_DEFAULTS, then module.main(args)).
 
-A stand-in until tasks/main.py (helper evalzs) lands on this branch: it declares the task flags
-itself, takes --pretrained-checkpoint out of argv while this branch still refuses the flag, and
-gives validate_args the --train-iters / --mock-data it asks of pretraining runs (finetune() sets
-train_iters from --epochs)."""
+The stand-in serves until tasks/main.py (helper evalzs) is merged: it declares the task flags
+itself, takes --pretrained-checkpoint out of argv while the flag is still refused, and adds
+--mock-data for the data check of pretraining runs."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 from typing import List
+
+from tests.conftest import ROOT
+
+MODULES = {"MNLI": "tasks.glue.finetune", "QQP": "tasks.glue.finetune", "RACE": "tasks.race.finetune"}
 
 
 def task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -27,24 +33,22 @@ def _pretrained_flag_refused() -> bool:
     return any("--pretrained-checkpoint" in row.names for row in REFUSED)
 
 
-def run_task(argv: List[str], record_history: bool = True):
+def run_task(argv: List[str]):
+    """The task's result (tasks.finetune_utils.FinetuneResult)."""
+    if os.path.isfile(os.path.join(ROOT, "tasks", "main.py")):
+        from tasks.main import main
+
+        return main(list(argv))
     from megatron.initialize import initialize_megatron
 
     argv = list(argv)
+    module = importlib.import_module(MODULES[argv[argv.index("--task") + 1]])
     pretrained = None
     if "--pretrained-checkpoint" in argv and _pretrained_flag_refused():
         i = argv.index("--pretrained-checkpoint")
         pretrained = argv[i + 1]
         del argv[i:i + 2]
-    if "--train-iters" not in argv:
-        argv += ["--train-iters", "1"]
-    argv += ["--mock-data"]
-    args = initialize_megatron(task_args, {"tokenizer_type": "BertWordPieceLowerCase"},
-                               argv=argv)
+    args = initialize_megatron(task_args, dict(module.ARGS_DEFAULTS), argv=argv + ["--mock-data"])
     if not hasattr(args, "pretrained_checkpoint") or pretrained is not None:
         args.pretrained_checkpoint = pretrained
-    if args.task == "RACE":
-        from tasks.race.finetune import main
-    else:
-        from tasks.glue.finetune import main
-    return main(args, record_history=record_history)
+    return module.main(args)

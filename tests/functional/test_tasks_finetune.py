@@ -21,8 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--max-position-embeddings", "64",
         "--seq-length", "32", "--micro-batch-size", "16", "--global-batch-size", "16", "--lr", "5e-3",
         "--lr-warmup-fraction", "0.1", "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
-        "--cpu-threads", "1", "--eval-iters", "1", "--seed", "1234", "--log-interval", "4",
-        "--save-interval", "1000"]  # pretraining's validation asks --save for an interval: none is reached
+        "--cpu-threads", "1", "--eval-iters", "1", "--seed", "1234", "--log-interval", "4"]
 OVERALL = re.compile(r"^ >> \|epoch: (-?\d+)\| overall: correct / total = (\d+) / (\d+) = (\S+) %$", re.M)
 
 
@@ -46,7 +45,8 @@ def pretrained(tmp_path_factory, vocab):
     from megatron.training import setup_model_and_optimizer
 
     path = str(tmp_path_factory.mktemp("bert-pretrained"))
-    args = initialize_megatron(argv=[*TINY, *vocab, "--mock-data", "--train-iters", "1", "--save", path],
+    args = initialize_megatron(argv=[*TINY, *vocab, "--mock-data", "--train-iters", "1", "--save", path,
+                                     "--save-interval", "1"],
                                args_defaults={"tokenizer_type": "BertWordPieceLowerCase"})
     model, optimizer, scheduler = setup_model_and_optimizer(pretrain_bert.model_provider, ModelType.encoder_or_decoder)
     save_checkpoint(1, model, optimizer, scheduler, args)
