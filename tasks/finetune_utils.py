@@ -118,6 +118,9 @@ class EpochBatches:
 
     def forever(self) -> Iterator[Dict[str, torch.Tensor]]:
         """Megatron's _build_infinite_size_dataloader: the same order again and again."""
+        if len(self) == 0:
+            raise ArgsError(f"--valid-data holds {len(self.dataset)} samples: not one batch of "
+                            f"{self.micro_batch_size} per data-parallel rank for --eval-interval (give --keep-last)")
         while True:
             yield from self.batches()
 
@@ -200,6 +203,9 @@ def _check_flags(args: argparse.Namespace) -> None:
                         f"({args.micro_batch_size} x {args.data_parallel_size})")
     if args.epochs is None:
         raise ArgsError("--epochs is required for fine-tuning (0: evaluation only)")
+    if args.epochs == 0 and args.load is None:
+        raise ArgsError("--epochs 0 (evaluation only) writes its predictions to --load: give --load "
+                        "(the fine-tuned checkpoint)")
     if args.epochs > 0 and not args.train_data:
         raise ArgsError("--train-data is required with --epochs > 0")
     if parallel_state.get_virtual_pipeline_model_parallel_world_size() is not None:

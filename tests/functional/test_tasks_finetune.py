@@ -154,3 +154,28 @@ def test_a_malformed_row_is_one_line_naming_file_and_line(data, vocab, tmp_path,
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"main.py: error: {bad}:4: 11 columns, the header has 12"]
+
+
+def test_the_example_script_fine_tunes_the_pretrained_bert(data, vocab, pretrained, tmp_path):
+    """examples/finetune_mnli.sh as a user runs it (bash, torchrun, tasks/main.py), on the fixture
+    files and the tiny pretrained BERT (EXTRA_ARGS shrink the example's model flags to it)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    if not os.path.isfile(os.path.join(ROOT, "tasks", "main.py")):
+        pytest.skip("tasks/main.py (helper evalzs's) is not in this checkout yet")
+    path, _ = pretrained
+    extra = ("--num-layers 2 --hidden-size 64 --max-position-embeddings 64 --seq-length 32 --micro-batch-size 16 "
+             "--lr 5e-3 --hidden-dropout 0 --attention-dropout 0 --cpu-threads 1")
+    env = dict(os.environ, PYTHON=sys.executable, EPOCHS="1", EXTRA_ARGS=extra,
+               MASTER_PORT=str(29600 + os.getpid() % 300))
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "finetune_mnli.sh"), path, vocab[1], data,
+                           str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    overall = _overall(out)
+    assert [(e, t) for e, _, t in overall] == [(0, 128)], out[-3000:]
+    assert re.search(r"successfully saved checkpoint from iteration +16 to ", out)
