@@ -276,10 +276,13 @@ def finetune(train_valid_datasets_provider: Callable, model_provider: Callable,
     # --load first (a resumed run); the pretrained model only when that found nothing (Megatron's
     # order), loaded here: a task model takes the BERT trunk of it, not the pretraining heads.
     pretrained, args.pretrained_checkpoint = args.pretrained_checkpoint, None
+    no_load_optim = args.no_load_optim
+    if args.epochs == 0:
+        args.no_load_optim = True  # nothing is trained: the weights only (its LR schedule would not fit)
     try:
         model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
     finally:
-        args.pretrained_checkpoint = pretrained
+        args.pretrained_checkpoint, args.no_load_optim = pretrained, no_load_optim
     args.train_iters = lengths
     if args.iteration == 0 and args.pretrained_checkpoint is not None:
         load_pretrained_checkpoint(model, optimizer, args)

@@ -96,7 +96,7 @@ def test_qqp_learns_and_reads_the_test_file(data, vocab, pretrained, tmp_path, c
     overall = _overall(out)
     assert len(overall) == 3 and overall[-1][1] / overall[-1][2] > 0.85, overall  # chance: 1/2
     # --epochs 0: evaluation only, the test file's 3 columns read with the placeholder label 0
-    result = run_task([*TINY, *vocab, "--task", "QQP", "--epochs", "0", "--load", ckpt, "--no-load-optim",
+    result = run_task([*TINY, *vocab, "--task", "QQP", "--epochs", "0", "--load", ckpt,
                        "--valid-data", *_glue(data, "QQP", "test.tsv")])
     out = capsys.readouterr().out
     assert "evaluation only mode, setting epoch to -1" in out
