@@ -9,7 +9,8 @@
     each epoch          the batches in DistributedSampler order (shuffled with seed --seed + epoch),
                         train_step per batch with Megatron's log line (`lm loss`), --save-interval,
                         --eval-interval (the loss on --valid-data), --exit-interval; at the end of the
-                        epoch a checkpoint (--save) and then the accuracy on each --valid-data set
+                        epoch a checkpoint (--save) and then the accuracy on each --valid-data set;
+                        <save>/best_checkpoint.json names the iteration of the best overall accuracy
     --epochs 0          evaluation only: the accuracy at "epoch -1", and the predictions written to
                         --load (as Megatron means to: its own path asserts)
 
@@ -256,6 +257,40 @@ def _train(loop: _Loop, forward_step: Callable, train: EpochBatches, valid: Iter
             loop.save()  # the end of each epoch
         if end_of_epoch_callback is not None:
             end_of_epoch_callback(model, epoch)
+            if args.save:
+                keep_best(args.save, epoch, iteration, getattr(end_of_epoch_callback, "records", []))
+
+
+BEST_CHECKPOINT = "best_checkpoint.json"
+
+
+def keep_best(save_dir: str, epoch: int, iteration: int, records: List[Tuple[int, str, int, int]]) -> None:
+    """Name the best checkpoint: when this epoch's overall validation accuracy beats the one in
+    <save>/best_checkpoint.json (or there is none), that file is rewritten with this epoch's
+    iteration, whose checkpoint was just saved (ours: Megatron keeps every epoch's checkpoint and
+    names none). Checkpoints are never deleted, so the best one is kept; to load it, point
+    latest_checkpointed_iteration.txt at its iteration."""
+    import json
+    import os
+
+    overall = [(correct, total) for e, name, correct, total in records if e == epoch and name == "overall"]
+    if not overall or not overall[-1][1]:
+        return
+    correct, total = overall[-1]
+    accuracy = correct / total
+    path = os.path.join(save_dir, BEST_CHECKPOINT)
+    best = None
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as handle:
+            best = json.load(handle)
+    if best is None or accuracy > best["overall_accuracy"]:
+        best = {"iteration": iteration, "epoch": epoch, "overall_accuracy": accuracy}
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            from megatron.core.atomic_io import atomic_write
+
+            atomic_write(path, lambda f: f.write(json.dumps(best).encode()))
+    print_rank_0(f" >> best checkpoint: iteration {best['iteration']} (epoch {best['epoch']}), overall accuracy "
+                 f"{100 * best['overall_accuracy']:.4f} % ({BEST_CHECKPOINT})")
 
 
 def finetune(train_valid_datasets_provider: Callable, model_provider: Callable,

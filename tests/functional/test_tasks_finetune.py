@@ -7,6 +7,7 @@ Measured (seed 1234): MNLI reaches 97-99% on dev-matched + dev-mismatched after 
 steps (chance 33%); QQP 97-100% after 2 epochs of 16 steps (chance 50%); RACE 100% after one
 epoch of 16 steps (chance 25%). The thresholds below leave room for other platforms' arithmetic.
 """
+import json
 import os
 import re
 
@@ -95,6 +96,14 @@ def test_qqp_learns_and_reads_the_test_file(data, vocab, pretrained, tmp_path, c
     out = capsys.readouterr().out
     overall = _overall(out)
     assert len(overall) == 3 and overall[-1][1] / overall[-1][2] > 0.85, overall  # chance: 1/2
+    # the best epoch's checkpoint is named (the first of the best, on a tie); every epoch's is kept
+    best = json.loads(open(os.path.join(ckpt, "best_checkpoint.json")).read())
+    accuracies = [c / t for _, c, t in overall]
+    epoch = accuracies.index(max(accuracies))
+    steps = int(re.search(r"iteration +\d+/ +(\d+) \|", out)[1]) // 3
+    assert best == {"iteration": (epoch + 1) * steps, "epoch": epoch, "overall_accuracy": max(accuracies)}
+    assert os.path.isdir(os.path.join(ckpt, f"iter_{best['iteration']:07d}"))
+    assert f" >> best checkpoint: iteration {best['iteration']} (epoch {epoch})" in out
     # --epochs 0: evaluation only, the test file's 3 columns read with the placeholder label 0
     result = run_task([*TINY, *vocab, "--task", "QQP", "--epochs", "0", "--load", ckpt,
                        "--valid-data", *_glue(data, "QQP", "test.tsv")])
