@@ -1,0 +1,1 @@
+"""Zero-shot scoring of GPT checkpoints with EleutherAI lm-evaluation-harness's conventions (lm_harness.py)."""
