@@ -43,30 +43,44 @@ def add_harness_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def main(argv: List[str] = None) -> None:
-    from megatron.evaluation.lm_harness import HarnessLM
-    from megatron.evaluation.lm_tasks import read_task, results_table, run_task
-    from megatron.global_vars import get_tokenizer
+def initialize(argv: List[str]) -> argparse.Namespace:
+    """initialize_megatron for scoring (no data, no optimizer); the checked args."""
     from megatron.initialize import initialize_megatron
 
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(argv)
     if not any(arg.split("=")[0] in _DATA_FLAGS for arg in argv):
         argv.append("--mock-data")  # the training checks want a data source; nothing is read
     args = initialize_megatron(add_harness_args, argv=argv, args_defaults={
         "tokenizer_type": "GPT2BPETokenizer", "micro_batch_size": 1, "train_iters": 1, "lr": 0.0})
-    if not args.task_data:
-        raise ServerFlagError("give at least one --task-data FILE")
     if args.load is None and args.load_hf is None:
         raise ServerFlagError("a checkpoint is required: --load CKPT or --load-hf HF_DIR")
-    max_length = args.max_length or args.max_position_embeddings
-    if max_length is None or max_length < 2 or args.eval_batch_size < 1 or args.max_gen_toks < 1:
+    args.max_length = args.max_length or args.max_position_embeddings
+    if args.max_length is None or args.max_length < 2 or args.eval_batch_size < 1 or args.max_gen_toks < 1:
         raise ServerFlagError("--max-length must be at least 2 (or give --max-position-embeddings), "
                               "--eval-batch-size and --max-gen-toks at least 1")
+    return args
+
+
+def build_harness_lm(args: argparse.Namespace) -> "HarnessLM":  # noqa: F821 - imported lazily
+    """This rank's model, loaded (--load or --load-hf), as a HarnessLM."""
+    from megatron.evaluation.lm_harness import HarnessLM
+    from megatron.global_vars import get_tokenizer
+
+    return HarnessLM(build_model(args), get_tokenizer(), args.max_length, args.eval_batch_size, args.max_gen_toks)
+
+
+def main(argv: List[str] = None) -> None:
+    from megatron.evaluation.lm_tasks import read_task, results_table, run_task
+
+    args = initialize(sys.argv[1:] if argv is None else argv)
+    if not args.task_data:
+        raise ServerFlagError("give at least one --task-data FILE")
+    max_length = args.max_length
     tasks = [read_task(path) for path in args.task_data]  # bad lines fail before the model loads
     names = [task.name for task in tasks]
     if len(set(names)) != len(names):
         raise ServerFlagError(f"--task-data: two files give the same task name ({', '.join(names)})")
-    lm = HarnessLM(build_model(args), get_tokenizer(), max_length, args.eval_batch_size, args.max_gen_toks)
+    lm = build_harness_lm(args)
     results, samples = {}, {}
     for task in tasks:
         results[task.name], samples[task.name] = run_task(lm, task, args.target_delimiter)

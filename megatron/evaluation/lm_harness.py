@@ -8,9 +8,10 @@
 
 The token boundary (TemplateLM._encode_pair): trailing whitespace of the context moves to the
 continuation; then the whole text context + continuation is encoded and the continuation is
-whatever follows the first len(encode(context)) tokens (so a BPE merge across the boundary is
-scored as the model would see the whole text). An empty context is scored after the prefix token
-(the tokenizer's eod, which HF's GPT-2 calls bos and eos).
+whatever follows the first len(encode(context)) tokens of the whole (so a BPE merge across the
+boundary moves the merged token to the continuation; the model reads context_enc + continuation_enc).
+An empty context is scored after the prefix token (the tokenizer's eod, which HF's GPT-2 calls bos
+and eos). Checked against lm-eval 0.4.9 and 0.4.13's source (HFLM, TemplateLM, lm_eval.utils).
 
 Batching (HFLM): requests are sorted by descending length of context + continuation tokens (ties
 by the tokens), cut into batches of batch_size, right-padded, scored in one forward each, and the
@@ -118,9 +119,13 @@ class HarnessLM:
         return self.tokenizer.detokenize(list(ids))
 
     def encode_pair(self, context: str, continuation: str) -> Tuple[Tokens, Tokens]:
-        """TemplateLM._encode_pair (an empty context: the prefix token, then the continuation's tokens)."""
+        """TemplateLM._encode_pair; an empty context is the prefix token, unless the continuation's
+        tokens start with it (then that first token is the context: lm-eval 0.4.13's rule)."""
         if context == "":
-            return [self.prefix_token_id], self.tok_encode(continuation)
+            continuation_enc = self.tok_encode(continuation)
+            if continuation_enc and continuation_enc[0] == self.prefix_token_id:
+                return continuation_enc[:1], continuation_enc[1:]
+            return [self.prefix_token_id], continuation_enc
         n_spaces = len(context) - len(context.rstrip())
         if n_spaces > 0:
             context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
@@ -149,8 +154,8 @@ class HarnessLM:
         answers: List[Optional[str]] = [None] * len(requests)
         groups: Dict[str, List[int]] = {}
         for index, (_, kwargs) in enumerate(requests):
-            groups.setdefault(json.dumps(kwargs, sort_keys=True), []).append(index)
-        for indices in groups.values():
+            groups.setdefault(json.dumps(kwargs, sort_keys=True, default=str), []).append(index)
+        for indices in groups.values():  # (HFLM: a batch never mixes generation arguments)
             until, max_gen_toks = self._generation_kwargs(requests[indices[0]][1])
             contexts = [requests[i][0] for i in indices]
             encoded = [self.tok_encode(c)[-(self.max_length - max_gen_toks):] for c in contexts]
@@ -207,14 +212,17 @@ class HarnessLM:
         if not isinstance(kwargs, dict):
             raise HarnessRequestError(f"generation arguments must be a dict, got {type(kwargs).__name__}")
         until = stop_sequences(kwargs.pop("until", None), self.tok_decode([self.eot_token_id]))
-        max_gen_toks = kwargs.pop("max_gen_toks", self.max_gen_toks)
+        max_gen_toks = self.max_gen_toks
+        for alias in ("max_completion_tokens", "max_tokens", "max_new_tokens", "max_gen_toks"):  # lowest first
+            max_gen_toks = kwargs.pop(alias, max_gen_toks)  # (normalize_gen_kwargs's aliases and priority)
         if not isinstance(max_gen_toks, int) or not 1 <= max_gen_toks < self.max_length:
             raise HarnessRequestError(f"max_gen_toks must be an integer in [1, max_length {self.max_length}), "
                                       f"got {max_gen_toks!r}")
-        if kwargs.pop("do_sample", False) or kwargs.pop("temperature", 0.0) not in (0, 0.0):
-            raise HarnessRequestError("generate_until is greedy here: give do_sample false and temperature 0")
+        temperature = kwargs.pop("temperature", 0.0)
+        if kwargs.pop("do_sample", temperature not in (0, 0.0, None)):
+            raise HarnessRequestError("generate_until is greedy here: give do_sample false (or temperature 0)")
         for name in ("top_k", "top_p"):
-            kwargs.pop(name, None)  # ignored by HF too when not sampling
+            kwargs.pop(name, None)  # unused when not sampling (HF ignores them too)
         if kwargs:
             raise HarnessRequestError(f"unknown generation arguments: {', '.join(sorted(kwargs))}")
         return until, max_gen_toks

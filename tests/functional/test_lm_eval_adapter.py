@@ -3,6 +3,8 @@ transformers computation on the same weights, with lm-evaluation-harness 0.4's r
 here (the context/continuation token boundary, left truncation, rolling windows, greedy until),
 serially and at TP=2; acc / acc_norm of a multiple-choice fixture; a bad line is one FILE:LINE."""
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -95,10 +97,15 @@ def _flags(hf, task_files, out):
 
 @pytest.fixture(scope="module")
 def serial(hf, task_files):
-    run = subprocess.run([sys.executable, TOOL, *_flags(hf, task_files, hf[2].parent / "serial.json")],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout, json.loads((hf[2].parent / "serial.json").read_text())
+    """The tool's main in this process (the TP=2 and bad-input runs are real command lines)."""
+    from megatron.initialize import reset_megatron
+    from tools import lm_eval_harness
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        lm_eval_harness.main(_flags(hf, task_files, hf[2].parent / "serial.json"))
+    reset_megatron()
+    return stdout.getvalue(), json.loads((hf[2].parent / "serial.json").read_text())
 
 
 def _hf_log_probs(model, inputs):
@@ -213,3 +220,71 @@ def test_a_bad_line_is_one_file_line_error(hf, tmp_path):
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1].startswith(f"lm_eval_harness.py: error: {bad}:3: not JSON: ")
     assert "Traceback" not in run.stderr
+
+
+LM_EVAL_SCRIPT = """
+import json, sys
+import megatron.evaluation.lm_eval_adapter  # registers megatron_compat
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+out = simple_evaluate(model="megatron_compat", model_args=sys.argv[1], tasks=sys.argv[2].split(","),
+                      task_manager=TaskManager(include_path=sys.argv[3]), log_samples=True)
+samples = {task: [{"doc": s["doc"], "resps": s["resps"], "filtered_resps": s["filtered_resps"]} for s in rows]
+           for task, rows in out["samples"].items()}
+json.dump({"results": out["results"], "samples": samples}, open(sys.argv[4], "w"), default=str)
+"""
+TASK_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {output_type}
+{body}
+"""
+TASK_BODIES = {
+    "tiny_mc": ("multiple_choice", 'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{gold}}"\n'
+                "metric_list:\n  - metric: acc\n  - metric: acc_norm"),
+    "tiny_rolling": ("loglikelihood_rolling", 'doc_to_text: ""\ndoc_to_target: "{{text}}"\nmetric_list:\n'
+                     "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte"),
+    "tiny_generate": ("generate_until", 'doc_to_text: "{{context}}"\ndoc_to_target: "{{target}}"\n'
+                      'generation_kwargs:\n  until: ["\\n\\n", "ot"]\n  max_gen_toks: 5\n  do_sample: false\n'
+                      "metric_list:\n  - metric: exact_match"),
+}
+
+
+def test_lm_eval_runs_megatron_compat_on_local_yaml_tasks(hf, serial, tmp_path):
+    """lm_eval's own evaluator (when it is installed) over YAML tasks on local JSONL files: the
+    registered megatron_compat model gives our tool's scores and HF's greedy text."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        pytest.skip("lm_eval is not installed (pip install lm-eval>=0.4.9)")
+    mc = [{"context": d.get("context", d.get("question")), "choices": d["choices"], "gold": d["gold"]}
+          for d in MULTIPLE_CHOICE]
+    generate = [{"context": c, "target": _hf_greedy(hf, c, 5)} for c in GENERATE_CONTEXTS]
+    rows = {"tiny_mc": mc, "tiny_rolling": [{"text": t} for t in ROLLING], "tiny_generate": generate}
+    for name, (output_type, body) in TASK_BODIES.items():
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
+        (tmp_path / f"{name}.yaml").write_text(TASK_YAML.format(name=name, data=data, output_type=output_type,
+                                                                 body=body))
+    out = tmp_path / "lm_eval.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf_home")}
+    run = subprocess.run([sys.executable, "-c", LM_EVAL_SCRIPT, f"load_hf={hf[2]},batch_size=3",
+                          ",".join(TASK_BODIES), str(tmp_path), str(out)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    ours = serial[1]["results"]
+    assert got["results"]["tiny_mc"]["acc,none"] == pytest.approx(ours["mc"]["acc"])
+    assert got["results"]["tiny_mc"]["acc_norm,none"] == pytest.approx(ours["mc"]["acc_norm"])
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert got["results"]["tiny_rolling"][f"{metric},none"] == pytest.approx(
+            ours["requests"][f"loglikelihood_rolling/{metric}"], rel=1e-5)
+    for sample in got["samples"]["tiny_generate"]:
+        expected = _hf_greedy(hf, sample["doc"]["context"], 5)
+        for term in ("\n\n", "ot", "<|endoftext|>"):
+            expected = expected.split(term)[0]
+        assert sample["filtered_resps"][0] == expected
