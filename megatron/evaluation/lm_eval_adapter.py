@@ -17,10 +17,10 @@ running it is lm_eval's own command line with the class registered. model_args:
 | batch_size, max_length, max_gen_toks | as lm-eval's HFLM (max_length: default --max-position-embeddings) |
 
 The three request types go to HarnessLM (megatron/evaluation/lm_harness.py), which follows HFLM's
-rules; lm_eval only schedules the requests and computes the metrics. Under torchrun (TP / PP)
-every rank runs lm_eval's loop over the same requests (lm_eval sees one rank: rank 0 writes, the
-others' output is discarded), so the collectives line up. This module imports lm_eval; the rest
-of megatron/evaluation does not need it.
+rules; lm_eval only schedules the requests and computes the metrics. Tested serially; under
+torchrun (TP / PP) every rank would run lm_eval's loop over the same requests (so the collectives
+line up) and each would write its results. This module imports lm_eval; the rest of
+megatron/evaluation does not need it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """tools/lm_eval_harness.py on a tiny random GPT-2 (--load-hf): every answer equals a direct HF
 transformers computation on the same weights, with lm-evaluation-harness 0.4's rules re-derived
 here (the context/continuation token boundary, left truncation, rolling windows, greedy until),
-serially and at TP=2; acc / acc_norm of a multiple-choice fixture; a bad line is one FILE:LINE."""
+serially, at TP=2 and at PP=2; acc / acc_norm of a multiple-choice fixture; a bad line is one FILE:LINE."""
 
 import contextlib
 import io
@@ -198,10 +198,12 @@ def test_multiple_choice_acc_and_acc_norm_equal_a_direct_computation(hf, serial)
                for row in table)
 
 
-def test_tensor_parallel_answers_equal_the_serial_ones(hf, task_files, serial):
-    out = hf[2].parent / "tp2.json"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-                          TOOL, *_flags(hf, task_files, out), "--tensor-model-parallel-size", "2"],
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"])
+def test_parallel_answers_equal_the_serial_ones(hf, task_files, serial, parallel):
+    out = hf[2].parent / "parallel.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(_free_port()), TOOL, *_flags(hf, task_files, out), parallel, "2"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert run.returncode == 0, run.stderr[-3000:]
     got, want = json.loads(out.read_text())["samples"], serial[1]["samples"]
