@@ -50,6 +50,8 @@ def initialize(argv: List[str]) -> argparse.Namespace:
     argv = list(argv)
     if not any(arg.split("=")[0] in _DATA_FLAGS for arg in argv):
         argv.append("--mock-data")  # the training checks want a data source; nothing is read
+    if not any(arg.split("=")[0] in ("--ckpt-format", "--auto-detect-ckpt-format") for arg in argv):
+        argv.append("--auto-detect-ckpt-format")  # --use-checkpoint-args reads either format, as the load does
     args = initialize_megatron(add_harness_args, argv=argv, args_defaults={
         "tokenizer_type": "GPT2BPETokenizer", "micro_batch_size": 1, "train_iters": 1, "lr": 0.0})
     if args.load is None and args.load_hf is None:

@@ -1,7 +1,9 @@
 """tools/lm_eval_harness.py on a tiny random GPT-2 (--load-hf): every answer equals a direct HF
 transformers computation on the same weights, with lm-evaluation-harness 0.4's rules re-derived
 here (the context/continuation token boundary, left truncation, rolling windows, greedy until),
-serially, at TP=2 and at PP=2; acc / acc_norm of a multiple-choice fixture; a bad line is one FILE:LINE."""
+serially, at TP=2, and at PP=2 from our checkpoint of it (convert.py) with our GPT2BPETokenizer;
+acc / acc_norm of a multiple-choice fixture; a bad line is one FILE:LINE; lm_eval's own evaluator
+over megatron_compat when lm_eval is installed."""
 
 import contextlib
 import io
@@ -198,12 +200,32 @@ def test_multiple_choice_acc_and_acc_norm_equal_a_direct_computation(hf, serial)
                for row in table)
 
 
+@pytest.fixture(scope="module")
+def our_checkpoint(hf):
+    """The HF directory converted to our checkpoint at PP=2 (tools/checkpoint/convert.py --loader hf)."""
+    ckpt = hf[2].parent / "ckpt"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert.py"), "--model-type", "GPT",
+                          "--loader", "hf", "--saver", "megatron", "--load-dir", str(hf[2]), "--save-dir", str(ckpt),
+                          "--target-pipeline-parallel-size", "2"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return ckpt
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"])
-def test_parallel_answers_equal_the_serial_ones(hf, task_files, serial, parallel):
-    out = hf[2].parent / "parallel.json"
+@pytest.mark.parametrize("source", ["tp2_load_hf", "pp2_our_checkpoint"])
+def test_parallel_answers_equal_the_serial_ones(hf, task_files, serial, source, request, gpt2_vocab_dir):
+    """TP=2 from the HF directory; PP=2 from our checkpoint of it, with our GPT2BPETokenizer."""
+    out = hf[2].parent / f"{source}.json"
+    flags = _flags(hf, task_files, out)
+    if source == "tp2_load_hf":
+        flags += ["--tensor-model-parallel-size", "2"]
+    else:
+        flags = ["--load", str(request.getfixturevalue("our_checkpoint")), "--use-checkpoint-args",
+                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(gpt2_vocab_dir / "vocab.json"),
+                 "--merge-file", str(gpt2_vocab_dir / "merges.txt"), *flags[2:], "--pipeline-model-parallel-size", "2"]
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(_free_port()), TOOL, *_flags(hf, task_files, out), parallel, "2"],
+                          str(_free_port()), TOOL, *flags],
                          capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert run.returncode == 0, run.stderr[-3000:]
     got, want = json.loads(out.read_text())["samples"], serial[1]["samples"]
