@@ -138,6 +138,7 @@ def run_task(lm: Any, task: Task, target_delimiter: str = " ") -> Tuple[Dict[str
             rolling.append(index)
         else:
             generate.append(index)
+    _check_boundaries(lm, task, ll_args, ll_owner)
     answers: Dict[int, Any] = {}
     for (index, choice_index), answer in zip(ll_owner, lm.loglikelihood(ll_args) if ll_args else []):
         if choice_index is None:
@@ -150,6 +151,18 @@ def run_task(lm: Any, task: Task, target_delimiter: str = " ") -> Tuple[Dict[str
     answers.update(zip(generate, lm.generate_until(requests) if requests else []))
     samples = [_sample(line, answers[i]) for i, line in enumerate(task.lines)]
     return aggregate(samples), samples
+
+
+def _check_boundaries(lm: Any, task: Task, ll_args: List[Tuple[str, str]], owners: List[Tuple[int, Any]]) -> None:
+    """FILE:LINE for a continuation that leaves no token after the context's (lm-eval asserts on it):
+    "the m" + "at" encodes as "the" " mat", and " mat" belongs to the context's length."""
+    if not hasattr(lm, "encode_pair"):
+        return
+    for (context, continuation), (index, _) in zip(ll_args, owners):
+        if not lm.encode_pair(context, continuation)[1]:
+            line = task.lines[index]
+            raise TaskFileError(f"{line.path}:{line.line}: the continuation {continuation!r} leaves no token after "
+                                f"the context's tokens (the whole text encodes to as many tokens as the context)")
 
 
 def _sample(line: TaskLine, answer: Any) -> Dict[str, Any]:

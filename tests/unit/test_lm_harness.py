@@ -67,3 +67,15 @@ def test_results_table_has_the_harness_columns():
     assert [c.strip() for c in lines[2].split("|")[1:-1]] == ["arc", "N/A", "none", "0", "acc", "↑", "0.5000", "±",
                                                              "0.2500"]
     assert [c.strip() for c in lines[3].split("|")[1:-1]] == ["", "", "", "", "acc_norm", "↑", "0.7500", "±", "N/A"]
+
+
+def test_a_continuation_with_no_token_of_its_own_names_its_line():
+    from megatron.evaluation.lm_tasks import Task, run_task
+
+    class MergingLM:  # "the m" + "at" encodes as "the" " mat": the whole is as long as the context
+        def encode_pair(self, context, continuation):
+            return [1, 2], []
+
+    task = Task("t", [parse_line("t.jsonl", 4, '{"type": "loglikelihood", "context": "the m", "continuation": "at"}')])
+    with pytest.raises(TaskFileError, match=r"^t.jsonl:4: the continuation 'at' leaves no token"):
+        run_task(MergingLM(), task)
