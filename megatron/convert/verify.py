@@ -153,14 +153,16 @@ def bert_inputs(tokens: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def logits_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    if hasattr(model, "encode"):  # T5Model
+    from megatron.model import BertModel, T5Model
+
+    if isinstance(model, T5Model):
         from megatron.model.t5_model import t5_attention_masks
 
         padding_mask, _ = bert_inputs(tokens)  # [b, s]: the last sequence padded after 3/4
         decoder_tokens = tokens.flip(1)  # [b, s]
         masks = t5_attention_masks(padding_mask, torch.ones_like(decoder_tokens))
         return model(tokens * padding_mask, decoder_tokens, *masks).float()  # [b, s, v]
-    if hasattr(model, "lm_head"):  # BertModel
+    if isinstance(model, BertModel):
         padding_mask, types = bert_inputs(tokens)
         lm_logits, binary_logits = model(tokens, padding_mask, tokentype_ids=types)  # [b, s, v], [b, 2] or None
         lm_logits = lm_logits.float() * padding_mask.unsqueeze(-1)  # padding queries: not the model's output
