@@ -525,11 +525,6 @@ def get_pipeline_model_parallel_split_rank() -> Optional[int]:
     return _STATE.pipeline_split_rank
 
 
-def set_pipeline_model_parallel_split_rank(rank: Optional[int]) -> None:
-    _check_split_rank(rank, get_pipeline_model_parallel_world_size())
-    _STATE.pipeline_split_rank = rank
-
-
 def is_pipeline_stage_before_split(rank: Optional[int] = None) -> bool:
     """Whether pipeline stage `rank` (this one by default) holds encoder layers; every stage without a split."""
     split = _STATE.pipeline_split_rank
@@ -544,12 +539,6 @@ def is_pipeline_stage_after_split(rank: Optional[int] = None) -> bool:
     if get_pipeline_model_parallel_world_size() == 1 or split is None:
         return True
     return (get_pipeline_model_parallel_rank() if rank is None else rank) >= split
-
-
-def is_pipeline_stage_at_split() -> bool:
-    """Whether this is the last encoder stage (the next stage is the first decoder stage)."""
-    rank = get_pipeline_model_parallel_rank()
-    return is_pipeline_stage_before_split(rank) and is_pipeline_stage_after_split(rank + 1)
 
 
 def is_pipeline_first_stage(ignore_virtual: bool = False) -> bool:
