@@ -132,6 +132,29 @@ class TransformerConfig:
     recompute_num_layers: int | None = None
     distribute_saved_activations: bool = False
     use_flash_attn: bool = False
+    # Mixture of experts (megatron/model/moe/, docs/moe.md): Megatron-Core's fields. num_moe_experts None
+    # is a dense model; moe_layer_freq N puts an MoE MLP in every N-th layer (0, N, 2N...), or a list of
+    # 0/1 per layer. expert_tensor_parallel_size None means tensor_model_parallel_size.
+    num_moe_experts: int | None = None
+    moe_layer_freq: int | list[int] = 1
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_topk: int = 2
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_dtype: str | None = None
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_grouped_gemm: bool = False
+    moe_token_dispatcher_type: str = "allgather"
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+    moe_per_layer_logging: bool = False
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
     init_method: InitMethod | None = None
     output_layer_init_method: InitMethod | None = None
 
@@ -170,6 +193,7 @@ class TransformerConfig:
             # inside it; that only helps if the softmax itself runs in fp32 (Megatron's rule).
             self.attention_softmax_in_fp32 = True
         self._check_recompute()
+        self._check_moe()
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
@@ -191,6 +215,71 @@ class TransformerConfig:
         if groups % tp and tp % groups:
             raise ValueError(f"num_query_groups ({groups}) must divide, or be a multiple of, "
                              f"tensor_model_parallel_size ({tp})")
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether the 1-based layer `layer_number` has an MoE MLP (moe_layer_freq; Megatron's pattern)."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return (layer_number - 1) % freq == 0
+        return bool(freq[layer_number - 1])
+
+    def _check_moe(self) -> None:
+        """Megatron-Core's rules for the MoE fields, each refused in one line naming the field."""
+        for name in ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                     "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_router_topk"):
+            _require_positive(name, getattr(self, name))
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        if self.num_moe_experts is None:
+            if self.expert_model_parallel_size > 1:
+                raise ValueError("expert_model_parallel_size > 1 needs num_moe_experts (--num-experts)")
+            return
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        choices = {"moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
+                   "moe_router_score_function": ("softmax", "sigmoid"),
+                   "moe_token_dispatcher_type": ("allgather", "alltoall"),
+                   "moe_token_drop_policy": ("probs", "position"),
+                   "moe_router_dtype": (None, "fp32", "fp64")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(f"moe_router_topk ({self.moe_router_topk}) cannot exceed num_moe_experts "
+                             f"({self.num_moe_experts})")
+        if self.num_moe_experts % self.expert_model_parallel_size:
+            raise ValueError(f"num_moe_experts ({self.num_moe_experts}) must be divisible by "
+                             f"expert_model_parallel_size ({self.expert_model_parallel_size})")
+        if self.moe_ffn_hidden_size % self.expert_tensor_parallel_size:
+            raise ValueError(f"moe_ffn_hidden_size ({self.moe_ffn_hidden_size}) must be divisible by "
+                             f"expert_tensor_parallel_size ({self.expert_tensor_parallel_size})")
+        if self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff:
+            raise ValueError("sinkhorn routing (moe_router_load_balancing_type) takes no aux loss: "
+                             "set moe_aux_loss_coeff to 0")
+        if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0):
+            raise ValueError("moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0")
+        if self.moe_expert_capacity_factor is not None:
+            if self.moe_expert_capacity_factor <= 0:
+                raise ValueError(f"moe_expert_capacity_factor must be > 0, got {self.moe_expert_capacity_factor!r}")
+            if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+                raise ValueError("moe_expert_capacity_factor (token dropping) needs aux_loss, seq_aux_loss or none "
+                                 "load balancing")
+        elif self.moe_pad_expert_input_to_capacity:
+            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            _require_positive("moe_layer_freq", freq)
+        elif len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
+            raise ValueError(f"moe_layer_freq as a list must hold num_layers ({self.num_layers}) values of 0 or 1, "
+                             f"got {freq!r}")
+        if self.add_bias_linear and self.expert_tensor_parallel_size > 1:
+            raise ValueError("expert linear biases are not supported with expert_tensor_parallel_size > 1: "
+                             "use --disable-bias-linear or --expert-tensor-parallel-size 1")
+        if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
+            raise ValueError("MoE with tensor parallelism needs sequence parallelism (--sequence-parallel), "
+                             "as in Megatron")
 
     def _check_recompute(self) -> None:
         """Megatron-Core's rules for the recompute fields (the per-stage layer count is checked by
