@@ -145,3 +145,22 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     record("broadcast", group, tensor)
     dist.broadcast(tensor, src=src, group=group)
     return tensor
+
+
+def all_to_all_single(output: torch.Tensor, input_: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Rank r sends rows [sum(in[:j]), sum(in[:j+1])) of input_ to rank j of `group` and receives rank j's
+    rows for it into output's j-th chunk (dim 0, split sizes per rank); returns output.
+
+    Counted as what leaves this rank: the rows sent to the other ranks (the own chunk stays put), so
+    a dispatcher's count is exactly the tokens it routes off-rank.
+    """
+    if _ACTIVE:
+        own = dist.get_rank(group) if group is not None else dist.get_rank()
+        row = input_[0].numel() if input_.dim() > 1 else 1
+        numel = (sum(input_split_sizes) - input_split_sizes[own]) * row
+        event = CommEvent("all_to_all", parallel_state.group_name(group), numel, numel * input_.element_size())
+        for counter in _ACTIVE:
+            counter.record(event)
+    dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group)
+    return output

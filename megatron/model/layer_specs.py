@@ -21,6 +21,10 @@ Both are one ModuleSpec tree:
       mlp                 MLP (GeLU, SwiGLU, ... as the config says)
         linear_fc1          ColumnParallelLinear
         linear_fc2          RowParallelLinear
+                          or, in the layers config.is_moe_layer names (spec_for_layer), MoELayer:
+        router              TopKRouter
+        experts             SequentialMLP (local_experts.{i}.linear_fc1 / linear_fc2)
+        shared_experts      MLP (with moe_shared_expert_intermediate_size)
 
 The state-dict keys are the slot names: decoder.layers.N.self_attention.linear_qkv.weight, ...
 (Megatron-Core's local spec, so a checkpoint maps one-to-one onto its GPTModel). The Llama family
@@ -30,6 +34,8 @@ same kind (docs/model.md).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from megatron.model.attention import (
     CrossAttention,
@@ -42,10 +48,31 @@ from megatron.model.attention import (
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.model.layers import Norm, RMSNorm
 from megatron.model.mlp import MLP, MLPSubmodules
+from megatron.model.moe.experts import SequentialMLP
+from megatron.model.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.model.moe.router import TopKRouter
 from megatron.model.post_ln_layer import PostLNTransformerLayer, PostLNTransformerLayerSubmodules
 from megatron.model.spec import ModuleSpec
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+
+def get_moe_spec() -> ModuleSpec:
+    """The MoE MLP: TopKRouter, SequentialMLP experts, a dense MLP as the shared experts (when the
+    config asks for them)."""
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(router=TopKRouter, experts=SequentialMLP,
+                                                                shared_experts=MLP))
+
+
+def spec_for_layer(spec: ModuleSpec, config: TransformerConfig, layer_number: int) -> ModuleSpec:
+    """The spec of layer `layer_number`: `spec`, with the MoE MLP in its mlp slot when the config makes
+    that layer an MoE layer (num_moe_experts, moe_layer_freq) and the slot holds the dense MLP."""
+    submodules = getattr(spec, "submodules", None)
+    mlp = getattr(submodules, "mlp", None)
+    if not config.is_moe_layer(layer_number) or getattr(mlp, "module", mlp) is not MLP:
+        return spec
+    return ModuleSpec(module=spec.module, params=spec.params,
+                      submodules=dataclasses.replace(submodules, mlp=get_moe_spec()))
 
 
 def get_gpt_layer_spec(qk_layernorm: bool = False, use_flash_attn: bool = False, norm: type = Norm) -> ModuleSpec:

@@ -77,6 +77,8 @@ class TransformerLayer(MegatronModule):
         self.cross_attention = build_module(submodules.cross_attention, config, layer_number=layer_number)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, h, config)
         self.mlp = build_module(submodules.mlp, config)
+        if hasattr(self.mlp, "set_layer_number"):  # an MoE layer records its balancing losses by layer
+            self.mlp.set_layer_number(layer_number)
         # Applied to each branch's output before the residual add (Megatron's bias-dropout-add).
         self.hidden_dropout = Dropout(config.hidden_dropout)
 
@@ -149,6 +151,8 @@ class TransformerBlock(MegatronModule):
     init_seed each layer is initialised from its own stream (see GPTModel), so its weights do
     not depend on which stage builds it. layer_range (offset, count) overrides the even split of
     config.num_layers over the stages (an encoder-decoder model splits each stack over its own stages).
+    With config.num_moe_experts the layers config.is_moe_layer names get the MoE MLP in their mlp slot
+    (layer_specs.spec_for_layer; moe_layer_freq).
     """
 
     def __init__(self, config: TransformerConfig, spec: ModuleSpec | None = None, pre_process: bool = True,
@@ -161,13 +165,16 @@ class TransformerBlock(MegatronModule):
         self.pre_process = pre_process
         self.post_process = post_process
         self.input_tensor: torch.Tensor | None = None
+        from megatron.model.layer_specs import spec_for_layer
+
         spec = layer_spec_from_config(config) if spec is None else spec
         offset, count = (get_layer_offset(config), get_num_layers_to_build(config)) if layer_range is None \
             else layer_range
         layers = []
         for i in range(count):
             with init_rng(init_seed, offset + i + 1):
-                layers.append(build_module(spec, config, layer_number=offset + i + 1))
+                layers.append(build_module(spec_for_layer(spec, config, offset + i + 1), config,
+                                           layer_number=offset + i + 1))
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = Norm(config.hidden_size, config) if post_process else None
         _check_recompute_num_layers(config, len(self.layers))

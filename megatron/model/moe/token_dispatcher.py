@@ -1,0 +1,242 @@
+"""Token dispatchers: take each token to the ranks holding its experts and bring the results back.
+
+Each rank routes its own tokens x [T, h] (under sequence parallelism its s/t of the sequence).
+Expert e lives on expert-parallel rank e // (E/EP), split over that rank's expert tensor-parallel
+(ETP) group; an expert's output there is a partial sum over the ETP ranks. Both dispatchers
+compute, for every token t,
+
+    y[t] = sum over the experts e that t is routed to of probs[t, e] * expert_e(x[t])
+
+and differ in what they move:
+
+    allgather  all-gather x, probs and the routing map over the expert tensor-and-model group
+               (ETP x EP ranks); every rank runs its local experts on the tokens routed to them,
+               weights the outputs, adds them into a [group tokens, h] buffer, and one
+               reduce-scatter over the group sums the experts' contributions and the ETP partial
+               sums and hands each rank its own tokens back (megatron-core's MoEAllGatherTokenDispatcher).
+    alltoall   sort this rank's (token, expert) pairs by expert and send each one only to the rank
+               of its expert (all-to-all over the EP group, counts exchanged first); gather the
+               received tokens over the ETP group; run the experts on them grouped by local expert;
+               reduce-scatter the partial outputs over ETP, all-to-all them back, weight and add them
+               at their tokens (MoEAlltoAllTokenDispatcher). Only the pairs routed off-rank leave the
+               rank (communication.all_to_all_single counts exactly those rows).
+
+Every collective is differentiable (its backward is the transposed collective), and every rank
+takes part in every collective whatever its tokens: an expert that receives no token on some
+rank (a starved expert) runs on zero rows, so the collectives stay in step and its parameters get
+a zero gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import communication, parallel_state
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((_size(group) * x.shape[0],) + tuple(x.shape[1:]))
+    return communication.all_gather_into_tensor(out, x.contiguous(), group=group)
+
+
+def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // _size(group),) + tuple(x.shape[1:]))
+    return communication.reduce_scatter_tensor(out, x.contiguous(), group=group)
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along dim 0 (equal sizes); backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.group), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Reduce-scatter along dim 0; backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad, ctx.group), None
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    return communication.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with split sizes; backward sends the gradients back along the same routes."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _gather_v(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather of unequal row counts (sizes[r] rows from rank r), padded to the largest."""
+    longest = max(sizes)
+    padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
+    padded[:x.shape[0]] = x
+    gathered = _gather_rows(padded, group)
+    return torch.cat([gathered[r * longest:r * longest + n] for r, n in enumerate(sizes)])
+
+
+class _GatherV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _gather_v(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_v(grad, ctx.sizes, ctx.group), None, None
+
+
+def _reduce_scatter_v(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """x holds sizes[r] rows for each rank r in turn; rank r gets the sum over ranks of its rows."""
+    longest = max(sizes)
+    padded = x.new_zeros((len(sizes) * longest,) + tuple(x.shape[1:]))
+    start = 0
+    for r, n in enumerate(sizes):
+        padded[r * longest:r * longest + n] = x[start:start + n]
+        start += n
+    own = dist.get_rank(group)
+    return _reduce_scatter_rows(padded, group)[:sizes[own]]
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_v(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_v(grad, ctx.sizes, ctx.group), None, None
+
+
+def _expert_groups() -> dict[str, tuple[dist.ProcessGroup | None, int, int]]:
+    """name -> (group, size, rank) of the expert-parallel, expert tensor-parallel and their product."""
+    groups = {"ep": (parallel_state.get_expert_model_parallel_group(),
+                     parallel_state.get_expert_model_parallel_world_size(),
+                     parallel_state.get_expert_model_parallel_rank())}
+    if hasattr(parallel_state, "get_expert_tensor_parallel_group"):
+        groups["etp"] = (parallel_state.get_expert_tensor_parallel_group(),
+                         parallel_state.get_expert_tensor_parallel_world_size(),
+                         parallel_state.get_expert_tensor_parallel_rank())
+        groups["etp-ep"] = (parallel_state.get_expert_tensor_and_model_parallel_group(),
+                            parallel_state.get_expert_tensor_and_model_parallel_world_size(),
+                            parallel_state.get_expert_tensor_and_model_parallel_rank())
+    else:  # before the expert tensor-parallel groups exist: ETP must be 1
+        groups["etp"] = (None, 1, 0)
+        groups["etp-ep"] = groups["ep"]
+    return groups
+
+
+def _pairs(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert, token) of every routed pair, sorted by expert then token."""
+    experts, tokens = routing_map.t().nonzero(as_tuple=True)
+    return experts, tokens
+
+
+class AllGatherDispatcher:
+    """See the module docstring; run(x, probs, routing_map, experts) -> y [T, h]."""
+
+    def __init__(self, num_experts: int, num_local_experts: int) -> None:
+        self.num_experts, self.num_local_experts = num_experts, num_local_experts
+
+    def run(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, experts) -> torch.Tensor:
+        group, size, _ = _expert_groups()["etp-ep"]
+        _, _, ep_rank = _expert_groups()["ep"]
+        if size > 1:
+            x = _Gather.apply(x, group)  # [g T, h]
+            probs = _Gather.apply(probs, group)  # [g T, E]
+            routing_map = _gather_rows(routing_map.to(torch.uint8), group).bool()
+        first = ep_rank * self.num_local_experts
+        local_map = routing_map[:, first:first + self.num_local_experts]
+        expert_index, tokens = _pairs(local_map)
+        counts = local_map.sum(0).tolist()
+        out = experts(x[tokens], counts)  # [N, h], ETP partial sums
+        weights = probs[tokens, first + expert_index].to(out.dtype).unsqueeze(-1)
+        combined = out.new_zeros(x.shape).index_add(0, tokens, out * weights)  # [g T, h]
+        return _ReduceScatter.apply(combined, group) if size > 1 else combined
+
+
+class AlltoAllDispatcher:
+    """See the module docstring; run(x, probs, routing_map, experts) -> y [T, h]."""
+
+    def __init__(self, num_experts: int, num_local_experts: int) -> None:
+        self.num_experts, self.num_local_experts = num_experts, num_local_experts
+
+    def run(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, experts) -> torch.Tensor:
+        groups = _expert_groups()
+        ep_group, ep, _ = groups["ep"]
+        etp_group, etp, _ = groups["etp"]
+        local = self.num_local_experts
+        expert_index, tokens = _pairs(routing_map)
+        permuted = x[tokens]  # [N, h], grouped by global expert
+        counts = routing_map.sum(0).to(torch.int64).reshape(ep, local)  # [ep, E/EP] sent to each rank
+        if ep > 1:
+            received = torch.empty_like(counts)
+            communication.all_to_all_single(received, counts, [1] * ep, [1] * ep, group=ep_group)
+        else:
+            received = counts
+        send_splits, recv_splits = counts.sum(1).tolist(), received.sum(1).tolist()
+        if ep > 1:
+            dispatched = _AllToAll.apply(permuted, recv_splits, send_splits, ep_group)  # [source][local expert]
+        else:
+            dispatched = permuted
+        if etp > 1:  # the ETP ranks hold slices of the same experts: each needs all their tokens
+            all_received = _gather_rows(received.reshape(1, ep, local), etp_group)  # [etp, ep, E/EP]
+            etp_sizes = all_received.sum((1, 2)).tolist()
+            dispatched = _GatherV.apply(dispatched, etp_sizes, etp_group) if max(etp_sizes) else dispatched
+        else:
+            all_received = received.reshape(1, ep, local)
+        # Chunks arrive as [etp rank][source ep rank][local expert]; the experts want them by expert.
+        chunk_sizes = all_received.reshape(-1).tolist()
+        by_expert = [c for e in range(local) for c in range(e, len(chunk_sizes), local)]
+        chunks = torch.split(dispatched, chunk_sizes)
+        sorted_input = torch.cat([chunks[c] for c in by_expert]) if chunks else dispatched
+        out = experts(sorted_input, all_received.sum((0, 1)).tolist())  # [M, h], ETP partial sums
+        out_chunks = torch.split(out, [chunk_sizes[c] for c in by_expert])
+        back = [None] * len(chunk_sizes)
+        for position, c in enumerate(by_expert):
+            back[c] = out_chunks[position]
+        out = torch.cat(back) if back else out
+        if etp > 1 and max(etp_sizes):
+            out = _ReduceScatterV.apply(out, etp_sizes, etp_group)  # this rank's received rows, summed
+        if ep > 1:
+            out = _AllToAll.apply(out, send_splits, recv_splits, ep_group)  # [N, h] in `permuted`'s order
+        weights = probs[tokens, expert_index].to(out.dtype).unsqueeze(-1)
+        return out.new_zeros(x.shape).index_add(0, tokens, out * weights)
+
+
+def build_dispatcher(kind: str, num_experts: int, num_local_experts: int):
+    if kind == "allgather":
+        return AllGatherDispatcher(num_experts, num_local_experts)
+    if kind == "alltoall":
+        return AlltoAllDispatcher(num_experts, num_local_experts)
+    raise ValueError(f"moe_token_dispatcher_type must be allgather or alltoall, got {kind!r}")
