@@ -445,10 +445,71 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--logging-level", type=int, default=None, help="Python logging level.")
 
 
+def moe_freq_type(text: str) -> int | list[int]:
+    """--moe-layer-freq: an integer N (an MoE layer every N layers) or a list of 0/1 per layer, written
+    as a list expression of integer lists, + and * ("([1]*3+[0])*2"). Parsed, never evaluated as code."""
+    import ast
+
+    def value(node: ast.AST):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, (list, int)) and isinstance(right, (list, int)):
+                return left * right
+        raise ValueError
+    try:
+        parsed = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a list expression such as "
+                                         '"([1]*3+[0]*1)*2"') from None
+    if isinstance(parsed, list) and not all(type(v) is int for v in parsed):
+        raise argparse.ArgumentTypeError(f"{text!r} must give a flat list of 0/1 values")
+    return parsed
+
+
 def _add_moe_args(parser: argparse.ArgumentParser) -> None:
+    """Megatron's mixture-of-experts flags (docs/moe.md); the ones with no effect or not supported are in
+    arguments_megatron.py."""
     group = parser.add_argument_group(title="moe")
-    group.add_argument("--num-experts", type=int, default=None, help="Experts per MoE layer (not supported yet).")
-    group.add_argument("--expert-model-parallel-size", type=int, default=1)
+    group.add_argument("--num-experts", type=int, default=None, help="Experts per MoE layer (None: a dense model).")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1, help="Degree of expert parallelism.")
+    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="Tensor parallelism inside each expert (default: --tensor-model-parallel-size).")
+    group.add_argument("--moe-layer-freq", type=moe_freq_type, default=1,
+                       help='An MoE layer every N layers, or a 0/1 list per layer such as "([1]*3+[0]*1)*3".')
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                       help="Each expert's ffn hidden size (default: --ffn-hidden-size).")
+    group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                       help="The shared experts' total ffn hidden size (None: no shared expert).")
+    group.add_argument("--moe-grouped-gemm", action="store_true",
+                       help="Run a rank's experts as one grouped (or batched) matmul; same parameters and result.")
+    group.add_argument("--moe-router-load-balancing-type", type=str, default="aux_loss",
+                       choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"])
+    group.add_argument("--moe-router-dtype", type=str, default=None, choices=["fp32", "fp64"],
+                       help="The router's logits and scores in this precision.")
+    group.add_argument("--moe-router-score-function", type=str, default="softmax", choices=["softmax", "sigmoid"])
+    group.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token (default 2).")
+    group.add_argument("--moe-router-pre-softmax", action="store_true",
+                       help="Softmax over all experts before the top-k (default: over the top-k).")
+    group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    group.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="Load-balancing loss coefficient.")
+    group.add_argument("--moe-z-loss-coeff", type=float, default=None, help="Router z-loss coefficient.")
+    group.add_argument("--moe-per-layer-logging", action="store_true",
+                       help="Log each MoE layer's balancing losses and tokens per expert.")
+    group.add_argument("--moe-token-dispatcher-type", type=str, default="allgather",
+                       choices=["allgather", "alltoall", "flex"])
+    group.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                       help="Each expert takes at most ceil(tokens * topk / experts * factor) of a rank's tokens.")
+    group.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    group.add_argument("--moe-token-drop-policy", type=str, default="probs", choices=["probs", "position"])
+    group.add_argument("--moe-drop-warning-threshold", type=float, default=0.1,
+                       help="Ours: warn when more than this fraction of an MoE layer's routed tokens is dropped "
+                            "in a logging interval (an expert with no tokens is always warned about).")
 
 
 def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
@@ -531,6 +592,33 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         recompute_num_layers=args.recompute_num_layers,
         distribute_saved_activations=args.distribute_saved_activations,
         use_flash_attn=args.use_flash_attn,
+        **_moe_kwargs(args),
+    )
+
+
+def _moe_kwargs(args: Namespace) -> dict[str, Any]:
+    """The MoE fields of TransformerConfig (Megatron's names: --num-experts is num_moe_experts)."""
+    return dict(
+        num_moe_experts=args.num_experts,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_router_topk=args.moe_router_topk,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_dtype=args.moe_router_dtype,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_per_layer_logging=args.moe_per_layer_logging,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
 
 

@@ -67,7 +67,7 @@ def _value(name: str, kind: type, default: Any, why: str, **kwargs: Any) -> Mega
 PERF = "a performance setting of Megatron's CUDA/NCCL/Transformer Engine path; the result is the same"
 TE = "Transformer Engine only (--transformer-impl local here)"
 FP8 = "only used with --fp8-format, which is not supported yet"
-MOE = "only used with --num-experts (mixture of experts), which is not supported yet"
+MOE_PERF = "a performance setting of Megatron's MoE CUDA path (overlap, DeepEP, fused permute); the result is the same"
 CP = "only used with --context-parallel-size > 1, which is not supported yet"
 FSDP = "only used with --use-custom-fsdp / --use-torch-fsdp2, which are not supported yet"
 DIST_CKPT = "a tuning knob of Megatron's torch_dist strategies: every rank saves and loads its own pieces here"
@@ -209,42 +209,14 @@ NO_EFFECT = (
     _value("--num-dataset-builder-threads", int, 1, "the dataset index is built by one thread"),
     _value("--object-storage-cache-path", str, None, "object-storage data paths are not supported"),
     # mixture of experts
-    _value("--expert-tensor-parallel-size", int, None, MOE),
-    _value("--moe-layer-freq", str, "1", MOE),
-    _value("--moe-ffn-hidden-size", int, None, MOE),
-    _value("--moe-shared-expert-intermediate-size", int, None, MOE),
-    _true("--moe-shared-expert-overlap", MOE),
-    _true("--moe-grouped-gemm", MOE),
-    _true("--moe-use-legacy-grouped-gemm", MOE),
-    _true("--moe-layer-recompute", MOE),
-    _true("--moe-extended-tp", MOE),
-    _true("--moe-use-upcycling", MOE),
-    _value("--moe-router-load-balancing-type", str, "aux_loss", MOE,
-           choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"]),
-    _value("--moe-router-dtype", str, None, MOE, choices=["fp32", "fp64"]),
-    _value("--moe-router-score-function", str, "softmax", MOE, choices=["softmax", "sigmoid"]),
-    _value("--moe-router-topk", int, 2, MOE),
-    _true("--moe-router-pre-softmax", MOE),
-    _value("--moe-router-num-groups", int, None, MOE),
-    _value("--moe-router-group-topk", int, None, MOE),
-    _value("--moe-router-topk-scaling-factor", float, None, MOE),
-    _true("--moe-router-enable-expert-bias", MOE),
-    _value("--moe-router-bias-update-rate", float, 1e-3, MOE),
-    _true("--moe-router-force-load-balancing", MOE),
-    _true("--moe-router-padding-for-fp8", MOE),
-    _value("--moe-aux-loss-coeff", float, 0.0, MOE),
-    _value("--moe-z-loss-coeff", float, None, MOE),
-    _value("--moe-input-jitter-eps", float, None, MOE),
-    _true("--moe-per-layer-logging", MOE),
-    _value("--moe-token-dispatcher-type", str, "allgather", MOE, choices=["allgather", "alltoall", "flex"]),
-    _true("--moe-enable-deepep", MOE),
-    _value("--moe-deepep-num-sms", int, 20, MOE),
-    _true("--moe-permute-fusion", MOE),
-    _value("--moe-expert-capacity-factor", float, None, MOE),
-    _true("--moe-pad-expert-input-to-capacity", MOE),
-    _value("--moe-token-drop-policy", str, "probs", MOE, choices=["probs", "position"]),
-    _true("--moe-apply-probs-on-input", MOE),
-    _value("--moe-upcycling-granularity", int, 1, MOE),
+    _true("--moe-shared-expert-overlap", MOE_PERF),
+    _true("--moe-use-legacy-grouped-gemm", "--moe-grouped-gemm has one implementation here (grouped_mm / batched "
+          "matmul); the parameters are the same either way"),
+    _true("--moe-layer-recompute", "MoE layers are recomputed with their layer (--recompute-granularity full)"),
+    _true("--moe-router-padding-for-fp8", FP8),
+    _true("--moe-enable-deepep", MOE_PERF),
+    _value("--moe-deepep-num-sms", int, 20, MOE_PERF),
+    _true("--moe-permute-fusion", MOE_PERF),
     # experimental
     _true("--enable-experimental", "no experimental code paths here"),
     _value("--mamba-state-dim", int, 128, "only used with --is-hybrid-model, which is not supported yet"),
@@ -255,6 +227,16 @@ NO_EFFECT = (
 )
 
 REFUSED = (
+    _true("--moe-extended-tp", "--moe-extended-tp (deprecated in Megatron: use --expert-tensor-parallel-size)"),
+    _true("--moe-use-upcycling", "upcycling a dense checkpoint into MoE"),
+    _value("--moe-router-num-groups", int, None, "group-limited MoE routing"),
+    _value("--moe-router-group-topk", int, None, "group-limited MoE routing"),
+    _true("--moe-router-enable-expert-bias", "the aux-loss-free expert bias of the MoE router"),
+    _value("--moe-router-bias-update-rate", float, 1e-3, "the aux-loss-free expert bias of the MoE router"),
+    _true("--moe-router-force-load-balancing", "random MoE routing for benchmarks"),
+    _value("--moe-input-jitter-eps", float, None, "MoE router input jitter"),
+    _true("--moe-apply-probs-on-input", "weighting MoE expert inputs instead of outputs"),
+    _value("--moe-upcycling-granularity", int, 1, "upcycling a dense checkpoint into MoE"),
     _value("--mtp-num-layers", int, None, "multi-token prediction"),
     _true("--multi-latent-attention", "multi-latent attention"),
     _true("--qk-l2-norm", "L2 norms of the queries and keys"),

@@ -75,8 +75,6 @@ FLAG_ALIASES: dict[str, tuple] = {
 # (megatron/arguments_megatron.py REFUSED).
 NOT_YET_SUPPORTED = (
     ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
-    ("expert_model_parallel_size", "--expert-model-parallel-size", 1, "expert parallelism"),
-    ("num_experts", "--num-experts", None, "mixture of experts"),
     ("transformer_impl", "--transformer-impl", "local", "Transformer Engine layers"),
     ("fp8", "--fp8-format", None, "FP8 training"),
 ) + refusal_rows()
@@ -545,6 +543,46 @@ def _check_save_directory(path: str) -> None:
         raise refuse("the directory is not writable", error) from None
 
 
+def _validate_moe(args: Namespace) -> None:
+    """The mixture-of-experts flags against each other and the layout (Megatron's rules), each refused
+    in one line naming its flag; the rest of the model's own rules are TransformerConfig's."""
+    if args.num_experts is None:
+        if args.expert_model_parallel_size > 1:
+            raise ArgsError("--expert-model-parallel-size > 1 needs --num-experts")
+        return
+    if args.moe_token_dispatcher_type == "flex":
+        raise ArgsError("--moe-token-dispatcher-type flex: the DeepEP dispatcher is not supported yet; "
+                        "use allgather or alltoall")
+    _require_positive(args, ("num_experts", "moe_router_topk", "expert_model_parallel_size"))
+    if args.expert_tensor_parallel_size is not None:
+        _require_positive(args, ("expert_tensor_parallel_size",))
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
+    if args.world_size % (etp * ep * pp):
+        raise ArgsError(f"world size ({args.world_size}) is not divisible by --expert-tensor-parallel-size ({etp}) x "
+                        f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
+    if args.num_experts % ep:
+        raise ArgsError(f"--num-experts ({args.num_experts}) must be divisible by --expert-model-parallel-size ({ep})")
+    if args.moe_router_topk > args.num_experts:
+        raise ArgsError(f"--moe-router-topk ({args.moe_router_topk}) cannot exceed --num-experts ({args.num_experts})")
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        raise ArgsError("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel, as in Megatron")
+    if args.moe_router_load_balancing_type == "sinkhorn" and args.moe_aux_loss_coeff:
+        raise ArgsError("--moe-router-load-balancing-type sinkhorn takes no aux loss: drop --moe-aux-loss-coeff")
+    if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
+        raise ArgsError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0:
+        raise ArgsError(f"--moe-expert-capacity-factor must be > 0, got {args.moe_expert_capacity_factor}")
+    if args.add_bias_linear and etp > 1:
+        raise ArgsError("expert linear biases need --expert-tensor-parallel-size 1: add --disable-bias-linear")
+    freq = args.moe_layer_freq
+    if isinstance(freq, list) and (len(freq) != args.num_layers or any(v not in (0, 1) for v in freq)):
+        raise ArgsError(f"--moe-layer-freq: a list must hold --num-layers ({args.num_layers}) values of 0 or 1, "
+                        f"got {freq}")
+    if isinstance(freq, int) and freq < 1:
+        raise ArgsError(f"--moe-layer-freq must be a positive integer, got {freq}")
+
+
 def _validate_data(args: Namespace) -> None:
     """One data source (--data-path, --train/valid/test-data-path or --mock-data), split, seq length."""
     per_split = [d for d in ("train_data_path", "valid_data_path", "test_data_path") if getattr(args, d) is not None]
@@ -631,6 +669,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_pipeline_parallel(args)
     _validate_data_parallel(args)
     _validate_recompute(args)
+    _validate_moe(args)
     _validate_train_length(args)
     _validate_lr(args)
     _validate_optimizer(args)

@@ -77,7 +77,8 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size, expert_model_parallel_size=args.expert_model_parallel_size,
-        pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None))
+        pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
     # A stage waiting on its neighbour longer than this fails with an error naming both (no silent hang).
     p2p_communication.set_p2p_timeout(args.distributed_timeout_minutes * 60.0)
     if args.log_communication_stats:

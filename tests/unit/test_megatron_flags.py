@@ -178,18 +178,17 @@ def test_llama3_8b_script_refuses_fp8_and_names_what_has_no_effect(paths, capsys
     assert config.add_bias_linear is False and config.kv_channels == 16
 
 
-MIXTRAL_REFUSED = {"--num-experts", "--expert-model-parallel-size"}
-MIXTRAL_NO_EFFECT = ["--use-mcore-models", "--moe-aux-loss-coeff", "--moe-grouped-gemm",
-                     "--moe-token-dispatcher-type"]
+MIXTRAL_NO_EFFECT = ["--use-mcore-models"]
 
 
-def test_mixtral_script_refuses_only_moe(paths, monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    refused = _refusals(MIXTRAL_8X7B, paths)
-    assert set(refused) == MIXTRAL_REFUSED
+def test_mixtral_script_validates_with_its_moe_flags(paths, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # PP 2 x EP 2
+    assert _refusals(MIXTRAL_8X7B, paths) == {}
     capsys.readouterr()
-    args = _validate(MIXTRAL_8X7B, paths, drop=refused)
+    args = _validate(MIXTRAL_8X7B, paths)
     assert sorted(_warned(capsys.readouterr().out)) == sorted(MIXTRAL_NO_EFFECT)
+    assert (args.num_experts, args.moe_router_topk, args.expert_model_parallel_size) == (4, 2, 2)
+    assert args.moe_grouped_gemm and args.moe_token_dispatcher_type == "alltoall" and args.moe_aux_loss_coeff == 1e-2
     assert args.pipeline_model_parallel_size == 2 and args.no_load_optim and args.wandb_project == "Mixtral"
     assert (args.normalization, args.position_embedding_type, args.add_position_embedding) == ("RMSNorm", "rope", False)
 
