@@ -41,6 +41,10 @@ from megatron.training_log import (
     Progress,
     format_communication_stats,
     format_log_line,
+    MoEInterval,
+    moe_layer_numbers,
+    moe_log_lines,
+    moe_loss_names,
     log_validation,
     num_floating_point_operations,
     write_scalars,
@@ -435,7 +439,28 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
         device.empty_cache()
     if update_successful:
         opt_param_scheduler.step(increment=get_num_microbatches() * args.micro_batch_size * args.data_parallel_size)
-    return _reduce_losses(losses), not update_successful, grad_norm, num_zeros
+    reduced = _reduce_losses(losses)
+    if getattr(args, "num_experts", None):
+        reduced.update(_collect_moe_stats(args))
+    return reduced, not update_successful, grad_norm, num_zeros
+
+
+# The MoE layers' per-layer values since the last log line (training_log.MoEInterval).
+_MOE_INTERVAL = MoEInterval()
+
+
+def _collect_moe_stats(args: Any) -> Dict[str, float]:
+    """This iteration's balancing losses, summed over every rank (a collective all ranks make), as the
+    log line's means over the MoE layers (Megatron's load_balancing_loss / z_loss); the per-layer values
+    and token counts are kept for the log interval."""
+    from megatron.core import aux_losses
+
+    stats = aux_losses.collect(moe_loss_names(args), args.num_layers, args.num_experts,
+                               parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+                               get_num_microbatches(), device=device.get_device())
+    _MOE_INTERVAL.add(stats)
+    layers = moe_layer_numbers(args)
+    return {name: float(values.sum()) / len(layers) for name, values in stats.losses.items()}
 
 
 def check_weights_equal_across_data_parallel_replicas(model: List[torch.nn.Module], iteration: int) -> None:
@@ -557,6 +582,7 @@ class _Loop:
             grad_norm=grad_norm, num_zeros_in_grad=num_zeros, params_norm=self._params_norm(),
             skipped=self.stats.skipped, nan=self.stats.nan))
         progress.report(iteration)  # the same (last) rank, right after its log line
+        self._log_moe(iteration)
         self._log_timers_and_memory(iteration, max(self.stats.iterations, 1))
         if args.log_communication_stats:
             counter = communication.get_global_counter()
@@ -566,6 +592,24 @@ class _Loop:
             write_scalars(writer, wandb, {"iteration-time": seconds, "throughput": tflops}, iteration,
                           args.consumed_train_samples)
         self.stats = IntervalStats()
+
+    def _log_moe(self, iteration: int) -> None:
+        """The MoE layers' lines for the interval: per layer with --moe-per-layer-logging (and to
+        tensorboard), and the starved-expert / dropped-token warnings always."""
+        global _MOE_INTERVAL
+        args = get_args()
+        if not getattr(args, "num_experts", None):
+            return
+        interval, _MOE_INTERVAL = _MOE_INTERVAL, MoEInterval()
+        layers = moe_layer_numbers(args)
+        for line in moe_log_lines(interval, layers, args.moe_per_layer_logging, args.moe_drop_warning_threshold):
+            print_rank_last(line)
+        writer, wandb = get_tensorboard_writer(), get_wandb_writer()
+        if args.moe_per_layer_logging and (writer is not None or wandb is not None):
+            n = max(interval.iterations, 1)
+            write_scalars(writer, wandb, {f"moe/{name}_layer_{layer}": float(values[layer - 1]) / n
+                                          for name, values in interval.losses.items() for layer in layers},
+                          iteration, args.consumed_train_samples)
 
     def _log_timers_and_memory(self, iteration: int, iterations: int) -> None:
         """--timing-log-level >= 1: Megatron's timers block; --log-timers/memory-to-tensorboard."""

@@ -25,7 +25,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from megatron.utils import print_rank_last, timestamp
 
@@ -48,6 +48,10 @@ def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> 
     f = ffn hidden size, V = padded vocab. For a GPT (d a = h, g = a, f = 4h, m = 1) it is
     72 s L h^2 (1 + s/12h + V/12Lh). The paper's full-matrix count (bench/compare_peers.py) has
     s/6h for s/12h: core_v0.13 halved the score terms for causal attention.
+
+    An MoE layer (--num-experts, --moe-layer-freq) counts the experts a token runs, as Megatron does:
+    f becomes moe_ffn_hidden_size x topk + moe_shared_expert_intermediate_size (the router's small
+    h x E GEMM is left out, as there).
     """
     s, layers, h = args.seq_length, args.num_layers, args.hidden_size
     heads = args.num_attention_heads
@@ -56,6 +60,11 @@ def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> 
     q_ratio = args.kv_channels * heads / h
     attention = 12 * layers * h * h * (1 + groups / heads + s / (2 * h)) * q_ratio
     mlp = 12 * layers * h * args.ffn_hidden_size * gated
+    if getattr(args, "num_experts", None):
+        moe_layers = len(moe_layer_numbers(args))
+        moe_ffn = ((args.moe_ffn_hidden_size or args.ffn_hidden_size) * args.moe_router_topk
+                   + (args.moe_shared_expert_intermediate_size or 0))
+        mlp = 12 * h * gated * ((layers - moe_layers) * args.ffn_hidden_size + moe_layers * moe_ffn)
     logits = 6 * h * args.padded_vocab_size
     return batch_size * s * (attention + mlp + logits)
 
@@ -192,3 +201,75 @@ def log_validation(prefix: str, losses: Dict[str, float], iteration: int, consum
         scalars[f"{key} validation"] = value
         scalars[f"{key} validation ppl"] = math.exp(min(20.0, value))
     write_scalars(writer, wandb, scalars, iteration, consumed_samples)
+
+
+# ------------------------------------------------------------------------------ mixture of experts
+
+def moe_loss_names(args: argparse.Namespace) -> List[str]:
+    """The balancing losses an MoE run records and logs (Megatron's names), in a fixed order."""
+    names = []
+    if args.moe_aux_loss_coeff and args.moe_router_load_balancing_type == "aux_loss":
+        names.append("load_balancing_loss")
+    if args.moe_aux_loss_coeff and args.moe_router_load_balancing_type == "seq_aux_loss":
+        names.append("seq_load_balancing_loss")
+    if args.moe_z_loss_coeff:
+        names.append("z_loss")
+    return names
+
+
+def moe_layer_numbers(args: argparse.Namespace) -> List[int]:
+    """The 1-based numbers of the MoE layers (--moe-layer-freq)."""
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        return [n for n in range(1, args.num_layers + 1) if (n - 1) % freq == 0]
+    return [n + 1 for n, v in enumerate(freq) if v]
+
+
+@dataclass
+class MoEInterval:
+    """Per-layer sums since the last log line: losses (each iteration's value) and token counts."""
+
+    iterations: int = 0
+    losses: Dict[str, Any] = field(default_factory=dict)  # name -> [L] tensor
+    routed: Any = None  # [L, E]
+    kept: Any = None
+
+    def add(self, stats: Any) -> None:
+        self.iterations += 1
+        for name, values in stats.losses.items():
+            self.losses[name] = values.clone() if name not in self.losses else self.losses[name] + values
+        if stats.routed is not None:
+            self.routed = stats.routed.clone() if self.routed is None else self.routed + stats.routed
+            self.kept = stats.kept.clone() if self.kept is None else self.kept + stats.kept
+
+
+def moe_log_lines(interval: MoEInterval, layers: List[int], per_layer: bool, drop_threshold: float) -> List[str]:
+    """The per-layer lines (--moe-per-layer-logging) and the warnings: an expert that got no token in
+    the interval, a layer that dropped more than drop_threshold of its routed tokens."""
+    lines = []
+    n = max(interval.iterations, 1)
+    for layer in layers:
+        i = layer - 1
+        routed = interval.routed[i] if interval.routed is not None else None
+        kept = interval.kept[i] if interval.kept is not None else None
+        if per_layer:
+            line = f" moe layer {layer}:"
+            for name, values in interval.losses.items():
+                line += " {}: {:.6E} |".format(name, float(values[i]) / n)
+            if routed is not None:
+                dropped = 1.0 - float(kept.sum()) / max(float(routed.sum()), 1.0)
+                line += " tokens per expert: [{}] | dropped: {:.2%} |".format(
+                    ", ".join(str(int(v)) for v in routed.tolist()), dropped)
+            lines.append(line)
+        if routed is None:
+            continue
+        starved = [e for e, v in enumerate(routed.tolist()) if v == 0]
+        if starved:
+            lines.append(f"WARNING: MoE layer {layer}: expert(s) {starved} received no tokens in the last {n} "
+                         "iteration(s)")
+        total = float(routed.sum())
+        dropped = 1.0 - float(kept.sum()) / total if total else 0.0
+        if dropped > drop_threshold:
+            lines.append(f"WARNING: MoE layer {layer} dropped {dropped:.1%} of its routed tokens in the last {n} "
+                         f"iteration(s) (over --moe-drop-warning-threshold {drop_threshold})")
+    return lines

@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from megatron.core import device, parallel_state
+from megatron.core.aux_losses import AuxLossAutoScaler
 from megatron.core.distributed.finalize_model_grads import scale_gradients
 from megatron.core.pipeline_parallel import p2p_communication, tracer
 from megatron.core.pipeline_parallel.p2p_communication import Where
@@ -85,6 +86,9 @@ class _Run:
         self.calculate_per_token_loss = calculate_per_token_loss
         self.deallocate = deallocate_pipeline_outputs and not forward_only
         self.losses: List[LossDict] = []
+        # Auxiliary losses (MoE balancing) get the main loss's backward factor: 1/m, times the loss scale.
+        scale = float(grad_scale_func(torch.ones(1)).item()) if grad_scale_func is not None else 1.0
+        AuxLossAutoScaler.set_loss_scale(scale if calculate_per_token_loss else scale / num_microbatches)
         # On the device: the pipeline broadcast and the data-parallel sum of it must work with NCCL.
         self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=device.get_device())
 

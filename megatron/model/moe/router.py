@@ -181,7 +181,7 @@ class TopKRouter(MegatronModule):
         num_layers = config.num_layers
         if config.moe_z_loss_coeff and self._balancing():
             z_value = torch.mean(torch.square(torch.logsumexp(logits, dim=-1)))  # this rank's tokens
-            logits = AuxLossAutoScaler.apply(logits, z_value * (config.moe_z_loss_coeff / tp))
+            logits = AuxLossAutoScaler.apply(logits, z_value * (config.moe_z_loss_coeff / tp) * self._per_token(logits))
             aux_losses.record_loss("z_loss", self.layer_number, num_layers, z_value, divide_by=tp)
         if config.moe_router_load_balancing_type == "sinkhorn":
             probs, routing_map = sinkhorn_routing(logits, self.topk, self.training)
@@ -218,7 +218,12 @@ class TopKRouter(MegatronModule):
             loss = loss / batch
         name = "load_balancing_loss" if kind == "aux_loss" else "seq_load_balancing_loss"
         aux_losses.record_loss(name, self.layer_number, config.num_layers, loss / config.moe_aux_loss_coeff)
-        return AuxLossAutoScaler.apply(probs, loss)
+        return AuxLossAutoScaler.apply(probs, loss * self._per_token(probs))
+
+    def _per_token(self, tokens: torch.Tensor) -> int:
+        """With calculate_per_token_loss the gradients are divided by the global batch's token count
+        afterwards: an aux loss is multiplied by this rank's tokens first (Megatron-Core's rule)."""
+        return tokens.shape[0] if self.config.calculate_per_token_loss else 1
 
 
 def _normalised_sigmoid(logits: torch.Tensor) -> torch.Tensor:
