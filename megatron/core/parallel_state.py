@@ -13,6 +13,14 @@ are the farthest apart. 16 ranks with TP=2, PP=4 (hence DP=2):
     DP groups  [0, 2] [1, 3] [4, 6] [5, 7] [8, 10] [9, 11] [12, 14] [13, 15]
     PP groups  [0, 4, 8, 12] [1, 5, 9, 13] [2, 6, 10, 14] [3, 7, 11, 15]
 
+Expert layers lay the same ranks out as their own grid (etp, ep, expert-dp, pp) in the same
+order, context parallelism folded into expert-dp. 8 ranks with TP=2, EP=2 (ETP = TP = 2):
+
+    etp groups        [0, 1] [2, 3] [4, 5] [6, 7]    (the TP groups themselves)
+    ep groups         [0, 2] [1, 3] [4, 6] [5, 7]
+    expert-dp groups  [0, 4] [1, 5] [2, 6] [3, 7]    (expert gradients are reduced here)
+    tp-ep groups      [0, 1, 2, 3] [4, 5, 6, 7]      (tp-ep-pp: the same, with pp = 1)
+
 Before `initialize_model_parallel` (and after `destroy_model_parallel`) the accessors describe
 the trivial layout: every rank its own model, data parallelism over the whole world.
 """
@@ -30,7 +38,14 @@ _AXIS_WORDS = {"tp": "tensor", "cp": "context", "ep": "expert", "dp": "data", "p
 
 # Groups created by initialize_model_parallel, in creation order (every rank creates every group
 # in this same order, as torch.distributed requires), keyed by the name group_name() reports.
-_GROUP_NAMES = ("tp", "pp", "dp", "dp-cp", "cp", "mp", "tp-dp", "embd", "pos-embd", "pp-stack", "ep", "expert-dp")
+_GROUP_NAMES = ("tp", "pp", "dp", "dp-cp", "cp", "mp", "tp-dp", "embd", "pos-embd", "pp-stack", "ep", "expert-dp",
+                "etp", "tp-ep", "tp-ep-pp")
+# Expert groups that often list the same ranks as a group made before them (etp = tp when the
+# expert tensor size is the dense one; tp-ep = ep when etp = 1; tp-ep-pp = mp when ep = 1):
+# a rank list already created is reused instead of becoming a second process group. The older
+# kinds keep a group of their own, so group_name() (the communication counter's label) still
+# tells a "dp" collective from a "dp-cp" one.
+_REUSES_EQUAL_GROUPS = ("etp", "tp-ep", "tp-ep-pp")
 # Groups spanning the whole world in the trivial (uninitialised) layout; every other group is one rank.
 _WORLD_WIDE_WHEN_TRIVIAL = ("dp", "dp-cp", "tp-dp", "expert-dp")
 
@@ -191,6 +206,9 @@ def _plan_rank_groups(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: 
         "pp-stack": [stack for group in pp_groups for stack in _stack_ranks(group, split_rank)],
         "ep": experts.get_ranks("ep"),
         "expert-dp": experts.get_ranks("dp"),
+        "etp": experts.get_ranks("tp"),
+        "tp-ep": experts.get_ranks("tp-ep"),        # the allgather dispatcher's group
+        "tp-ep-pp": experts.get_ranks("tp-ep-pp"),  # every distinct expert param once: expert grad norms
     }
 
 
@@ -274,13 +292,21 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     state = _State(rank=rank, virtual_pipeline_world_size=virtual_pipeline_model_parallel_size,
                    virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size is not None else None,
                    pipeline_split_rank=pipeline_model_parallel_split_rank)
+    by_ranks: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}  # every group made, member or not
     for name in _GROUP_NAMES:
         for ranks in plan[name]:
-            # new_group is collective over the whole world: every rank creates every group.
-            group = dist.new_group(ranks) if _distributed() else None
+            key = tuple(ranks)
+            # The plan is the same on every rank, so every rank reuses (or creates) the same lists
+            # and the new_group calls, collective over the whole world, stay in step.
+            reused = name in _REUSES_EQUAL_GROUPS and key in by_ranks
+            if reused:
+                group = by_ranks[key]
+            else:
+                group = dist.new_group(ranks) if _distributed() else None
+                by_ranks.setdefault(key, group)
             if rank in ranks:
-                state.memberships[name] = _Membership(tuple(ranks), group)
-                if group is not None:
+                state.memberships[name] = _Membership(key, group)
+                if group is not None and not reused:
                     state.created.append(group)
                     state.names_by_id[id(group)] = name
     state.initialized = True
@@ -458,6 +484,38 @@ def get_expert_data_parallel_world_size() -> int:
 
 def get_expert_data_parallel_rank() -> int:
     return _rank_in("expert-dp")
+
+
+def get_expert_tensor_parallel_group() -> Optional[dist.ProcessGroup]:
+    """The ranks splitting one expert's weights (expert_tensor_parallel_size; the TP group when equal)."""
+    return _group("etp")
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return _size_of("etp")
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return _rank_in("etp")
+
+
+def get_expert_tensor_and_model_parallel_group() -> Optional[dist.ProcessGroup]:
+    """Expert tensor x expert model parallel: the ranks among which a token's experts are spread."""
+    return _group("tp-ep")
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    return _size_of("tp-ep")
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    return _rank_in("tp-ep")
+
+
+def get_expert_tensor_model_pipeline_parallel_group() -> Optional[dist.ProcessGroup]:
+    """Expert tensor x expert model x pipeline: the ranks holding every expert parameter once (the
+    expert params' part of the grad norm is summed over it, as the dense part over the model-parallel group)."""
+    return _group("tp-ep-pp")
 
 
 def get_pipeline_stack_group() -> Optional[dist.ProcessGroup]:

@@ -243,3 +243,40 @@ def test_virtual_pipeline_rank_and_size():
 def test_group_name_of_unknown_groups():
     assert ps.group_name(None) == "world"
     assert ps.group_name(object()) == "other"
+
+
+# --------------------------------------------------------------------------- expert groups
+
+@pytest.mark.parametrize("etp,expected", [
+    # expert grid (etp=2, ep=2, expert-dp=2): rank = etp_rank + 2 * ep_rank + 4 * edp_rank
+    (2, {"etp": [[0, 1], [2, 3], [4, 5], [6, 7]], "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+         "expert-dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "tp-ep": [[0, 1, 2, 3], [4, 5, 6, 7]],
+         "tp-ep-pp": [[0, 1, 2, 3], [4, 5, 6, 7]]}),
+    # expert grid (etp=1, ep=2, expert-dp=4): rank = ep_rank + 2 * edp_rank; experts ignore the dense TP split
+    (1, {"etp": [[r] for r in range(8)], "ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+         "expert-dp": [[0, 2, 4, 6], [1, 3, 5, 7]], "tp-ep": [[0, 1], [2, 3], [4, 5], [6, 7]],
+         "tp-ep-pp": [[0, 1], [2, 3], [4, 5], [6, 7]]}),
+])
+def test_expert_groups_world_8_tp2_ep2(etp, expected):
+    plan = ps._plan_rank_groups(8, tp=2, pp=1, cp=1, ep=2, etp=etp, order="tp-cp-ep-dp-pp")
+    assert {name: plan[name] for name in expected} == expected
+    assert plan["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the dense layers are unchanged
+
+
+def test_expert_tensor_model_pipeline_groups_span_the_pipeline():
+    # 8 ranks, tp = etp = 1, ep = 2, pp = 2: expert grid (ep=2, expert-dp=2, pp=2)
+    plan = ps._plan_rank_groups(8, tp=1, pp=2, cp=1, ep=2, etp=1, order="tp-cp-ep-dp-pp")
+    assert plan["tp-ep-pp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert plan["expert-dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # every expert param once: the expert norm groups and the expert-dp groups tile the world
+    assert sorted(r for group in plan["tp-ep-pp"] for r in group) == list(range(8))
+
+
+def test_single_process_expert_accessors():
+    assert ps.get_expert_tensor_parallel_world_size() == 1 and ps.get_expert_tensor_parallel_rank() == 0
+    ps.initialize_model_parallel()
+    assert ps.get_expert_tensor_parallel_group() is None
+    assert ps.get_expert_tensor_and_model_parallel_group() is None
+    assert ps.get_expert_tensor_model_pipeline_parallel_group() is None
+    assert (ps.get_expert_tensor_and_model_parallel_world_size(), ps.get_expert_tensor_and_model_parallel_rank()) == (1, 0)
+    ps.destroy_model_parallel()
