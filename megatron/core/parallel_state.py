@@ -46,6 +46,7 @@ _GROUP_NAMES = ("tp", "pp", "dp", "dp-cp", "cp", "mp", "tp-dp", "embd", "pos-emb
 # kinds keep a group of their own, so group_name() (the communication counter's label) still
 # tells a "dp" collective from a "dp-cp" one.
 _REUSES_EQUAL_GROUPS = ("etp", "tp-ep", "tp-ep-pp")
+_PIPELINE_SUBSET_KINDS = ("embd", "pos-embd", "pp-stack")  # picked stages, not grid axes: never lent
 # Groups spanning the whole world in the trivial (uninitialised) layout; every other group is one rank.
 _WORLD_WIDE_WHEN_TRIVIAL = ("dp", "dp-cp", "tp-dp", "expert-dp")
 
@@ -303,7 +304,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                 group = by_ranks[key]
             else:
                 group = dist.new_group(ranks) if _distributed() else None
-                by_ranks.setdefault(key, group)
+                if name not in _PIPELINE_SUBSET_KINDS:  # their one-rank groups would lend odd names
+                    by_ranks.setdefault(key, group)
             if rank in ranks:
                 state.memberships[name] = _Membership(key, group)
                 if group is not None and not reused:
