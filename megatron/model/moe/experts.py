@@ -134,10 +134,10 @@ class SequentialMLP(MegatronModule):
         if _grouped_mm_applies(x, fc1, fc2):
             offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
             index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-            hidden = F.grouped_mm(x, fc1.transpose(1, 2), offs=offsets)  # [N, (2) f]
+            hidden = _grouped_mm(x, fc1.transpose(1, 2), offsets)  # [N, (2) f]
             if bias1 is not None:
                 hidden = hidden + bias1[index]
-            out = F.grouped_mm(expert.activation(hidden), fc2.transpose(1, 2), offs=offsets)  # [N, h]
+            out = _grouped_mm(expert.activation(hidden), fc2.transpose(1, 2), offsets)  # [N, h]
             return out + bias2[index] if bias2 is not None else out
         # Batched: [n, longest, h] with each expert's rows first and zeros after them.
         longest = max(counts) if counts else 0
@@ -151,6 +151,23 @@ class SequentialMLP(MegatronModule):
         if bias2 is not None:
             out = out + bias2.unsqueeze(1)
         return out[mask]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient: grouped_mm's backward refuses the
+    expanded (stride 0) gradient a .sum() produces."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped_mm(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(F.grouped_mm(x, weights, offs=offsets))
 
 
 def _grouped_mm_applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:

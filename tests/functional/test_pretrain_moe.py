@@ -1,0 +1,85 @@
+"""pretrain_gpt.py with MoE layers on 4 gloo ranks: expert parallelism with DistributedDataParallel
+and the distributed optimizer trains with the same losses, balancing losses and gradient norms as
+EP = 1, for both dispatchers, with and without capacity dropping; a single process logs the MoE
+lines (per layer with --moe-per-layer-logging) and warns about a starved expert.
+
+The model: 2 layers, 4 experts of a SwiGLU MLP, top-2, aux loss 1e-2 and z-loss 1e-3, mock data,
+8 iterations of a global batch of 8 (2 micro-batches of 1 per rank at DP = 4). The gradient norm,
+taken over every parameter once (experts included), equals EP = 1's only if every gradient does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import pretrain_gpt
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
+         "--train-iters", "6", "--lr", "3e-3", "--lr-warmup-iters", "1", "--mock-data", "--tokenizer-type",
+         "NullTokenizer", "--vocab-size", "128", "--make-vocab-size-divisible-by", "64", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
+         "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--eval-iters", "0",
+         "--log-interval", "1", "--num-experts", "4", "--moe-ffn-hidden-size", "24", "--moe-router-topk", "2",
+         "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--clip-grad", "1.0", "--seed", "7",
+         "--num-workers", "0", "--cpu-threads", "1"]
+DIST_OPT = ["--use-distributed-optimizer"]
+LAYOUTS = {
+    "ep1-dp4": [],
+    "ep2-dp4": ["--expert-model-parallel-size", "2"],
+    "ep4-dp4-distopt": ["--expert-model-parallel-size", "4", *DIST_OPT],
+    "ep2-dp4-distopt-overlap": ["--expert-model-parallel-size", "2", *DIST_OPT, "--overlap-grad-reduce",
+                                "--overlap-param-gather"],
+    "tp2-sp-ep2-dp2-distopt": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                               "--expert-model-parallel-size", "2", *DIST_OPT],
+    "tp2-sp-etp1-ep2-dp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                            "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+    "pp2-ep2-dp2-distopt": ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", *DIST_OPT],
+}
+DROPPING = ["--moe-expert-capacity-factor", "1.0"]
+
+
+def _pretrain(argv):
+    """Every rank: train with argv; the last rank's records (it logs the losses)."""
+    from megatron.initialize import reset_megatron
+
+    try:
+        result = pretrain_gpt.main(list(argv), record_history=True)
+    finally:
+        reset_megatron()
+    return {r.iteration: (r.losses, r.grad_norm) for r in result.history}
+
+
+@pytest.fixture(scope="module")
+def pool4():
+    from tests.parallel.harness import DistributedPool
+
+    pool = DistributedPool(4)
+    yield pool
+    pool.close()
+
+
+def _same(run, reference, name):
+    assert sorted(run) == sorted(reference) == list(range(1, 7)), name
+    for iteration, (losses, grad_norm) in reference.items():
+        got, got_norm = run[iteration]
+        assert sorted(got) == ["lm loss", "load_balancing_loss", "z_loss"], name
+        for key, value in losses.items():
+            assert got[key] == pytest.approx(value, rel=1e-5), (name, iteration, key)
+        assert got_norm == pytest.approx(grad_norm, rel=1e-5), (name, iteration, "grad norm")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_expert_parallel_layouts_train_like_ep1(pool4, dispatcher):
+    common = [*MODEL, "--moe-token-dispatcher-type", dispatcher]
+    runs = {name: pool4.run(_pretrain, [*common, *flags])[-1] for name, flags in LAYOUTS.items()}
+    reference = runs.pop("ep1-dp4")
+    for name, run in runs.items():
+        _same(run, reference, name)
+
+
+def test_expert_parallel_with_capacity_dropping_trains_like_ep1(pool4):
+    common = [*MODEL, "--moe-token-dispatcher-type", "alltoall", *DROPPING]
+    reference = pool4.run(_pretrain, [*common])[-1]
+    for name in ("ep4-dp4-distopt", "ep2-dp4"):
+        _same(pool4.run(_pretrain, [*common, *LAYOUTS[name]])[-1], reference, name)
