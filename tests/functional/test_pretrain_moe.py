@@ -83,3 +83,30 @@ def test_expert_parallel_with_capacity_dropping_trains_like_ep1(pool4):
     reference = pool4.run(_pretrain, [*common])[-1]
     for name in ("ep4-dp4-distopt", "ep2-dp4"):
         _same(pool4.run(_pretrain, [*common, *LAYOUTS[name]])[-1], reference, name)
+
+
+# ------------------------------------------------------------------------------ one process: the log
+
+def test_one_process_logs_balancing_losses_per_layer_tokens_and_warnings():
+    import re
+
+    from tests.functional.test_training_features import run_cli
+
+    flags = [*MODEL, "--num-experts", "16", "--moe-router-topk", "1", "--global-batch-size", "1",
+             "--moe-per-layer-logging", "--moe-layer-freq", "([0]+[1])", "--moe-expert-capacity-factor", "0.25",
+             "--train-iters", "2"]
+    proc = run_cli(["pretrain_gpt.py", *flags])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert re.search(r"\| lm loss: \S+ \| load_balancing_loss: \S+ \| z_loss: \S+ \| loss scale:", out)
+    layers = re.findall(r"^ moe layer (\d+): load_balancing_loss: (\S+) \| z_loss: (\S+) \| "
+                        r"tokens per expert: \[([\d, ]+)\] \| dropped: ([\d.]+)% \|$", out, re.M)
+    assert [layer[0] for layer in layers] == ["2", "2"]  # only layer 2 is an MoE layer
+    for _, _, _, counts, _ in layers:
+        counts = [int(c) for c in counts.split(",")]
+        assert len(counts) == 16 and sum(counts) == 16  # 16 tokens, top-1
+    # 16 tokens over 16 experts: some expert gets none; capacity ceil(16 / 16 * 0.25) = 1 drops the rest
+    assert re.search(r"^WARNING: MoE layer 2: expert\(s\) \[[\d, ]+\] received no tokens in the last 1 iteration",
+                     out, re.M)
+    assert re.search(r"^WARNING: MoE layer 2 dropped [\d.]+% of its routed tokens in the last 1 iteration\(s\) "
+                     r"\(over --moe-drop-warning-threshold 0.1\)", out, re.M)
