@@ -18,8 +18,15 @@ distributed optimizer) while backward continues through earlier layers.
 The wrapper is used at every data-parallel size (at 1 no collective runs), as in Megatron, so
 the optimizer always reads `main_grad`.
 
+Expert parameters (`param.allreduce = False`, Megatron's marker) live in buffers of their own
+(`expert_parallel_buffers`), reduced over the expert-data-parallel group: the ranks holding the
+same experts. Their local gradient already sums over the tokens the dispatcher brought from
+every expert-parallel peer, so they are scaled like the dense ones, by 1/d with d the dense
+data-parallel x context-parallel size, not 1/(expert-dp size).
+
 Normalisation over the data-parallel ranks follows config.calculate_per_token_loss (Megatron's):
-    False  each bucket is pre-scaled by 1/d (or reduced with AVG): main_grad is the replicas' mean
+    False  each bucket is pre-scaled by 1/d (or reduced with AVG: dense buckets unscaled, expert
+           buckets pre-scaled by expert-dp size / d): main_grad is the replicas' mean
     True   buckets are summed unscaled; finalize_model_grads then divides by the global batch's
            loss-token count, itself summed over the same data-parallel group
 """
@@ -45,7 +52,11 @@ class DDPModelConfig(Protocol):
 
 class DistributedDataParallel(nn.Module):
     def __init__(self, config: DDPModelConfig, ddp_config: DistributedDataParallelConfig, module: nn.Module,
-                 data_parallel_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
+                 data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+                 expert_data_parallel_group: Optional[torch.distributed.ProcessGroup] = None) -> None:
+        """`data_parallel_group` (default: parallel_state's DP x CP group) reduces the dense params,
+        `expert_data_parallel_group` (default: parallel_state's expert-DP group) those with
+        `allreduce = False`; None without initialised groups: one rank, no collective."""
         super().__init__()
         self.config = config
         self.module = module
@@ -53,27 +64,24 @@ class DistributedDataParallel(nn.Module):
         if data_parallel_group is None and parallel_state.model_parallel_is_initialized():
             data_parallel_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.data_parallel_group = data_parallel_group
-        world = torch.distributed.get_world_size(data_parallel_group) if data_parallel_group is not None else 1
+        world = _size(data_parallel_group)
         self.data_parallel_world_size = world
-        # Gradients are the mean over data-parallel ranks; with per-token loss they are summed here
-        # and divided by the global token count in finalize_model_grads.
         if ddp_config.average_in_collective and config.calculate_per_token_loss:
             raise ValueError("--ddp-average-in-collective cannot be used with --calculate-per-token-loss: "
                              "per-token gradients are summed over the data-parallel ranks, not averaged")
-        scaling = 1.0 if config.calculate_per_token_loss else 1.0 / world
+
+        dense, experts = _trainable_params_by_kind(module)
+        if experts and expert_data_parallel_group is None and parallel_state.model_parallel_is_initialized():
+            expert_data_parallel_group = parallel_state.get_expert_data_parallel_group()
+        self.expert_data_parallel_group = expert_data_parallel_group
+        self.expert_data_parallel_world_size = _size(expert_data_parallel_group)
+        scaling, expert_scaling = self._gradient_scaling_factors()
 
         own_bucket = self._pipeline_shared_embedding() if ddp_config.use_distributed_optimizer else []
-        by_dtype: Dict[tuple, List[nn.Parameter]] = {}
-        for param in module.parameters():
-            if not param.requires_grad:
-                continue
-            grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
-        self.buffers = [ParamAndGradBuffer(ddp_config, param_dtype, grad_dtype, params, data_parallel_group,
-                                           scaling, own_bucket=[p for p in own_bucket if p in set(params)])
-                        for (param_dtype, grad_dtype), params in by_dtype.items()]
+        self.buffers = self._make_buffers(dense, data_parallel_group, scaling, own_bucket)
+        self.expert_parallel_buffers = self._make_buffers(experts, expert_data_parallel_group, expert_scaling, [])
         self.param_to_bucket = {}
-        for buffer in self.buffers:
+        for buffer in self.all_buffers():
             self.param_to_bucket.update(buffer.param_to_bucket)
         self.is_last_microbatch = True
         self._hooks = [param.register_post_accumulate_grad_hook(self._grad_hook) for param in self.param_to_bucket]
@@ -87,6 +95,31 @@ class DistributedDataParallel(nn.Module):
                            for b in [self.param_to_bucket[p]]}
                 if buckets:
                     module.register_forward_pre_hook(self._make_param_sync_hook(list(buckets.values())))
+
+    def _gradient_scaling_factors(self) -> tuple[float, float]:
+        """(dense, expert) bucket pre-scaling, Megatron's: the mean over the d = DP x CP replicas'
+        losses for both kinds; with per-token loss a plain sum (finalize_model_grads divides)."""
+        if self.config.calculate_per_token_loss:
+            return 1.0, 1.0
+        if self.ddp_config.average_in_collective:
+            # AVG divides expert buckets by the expert-dp size: undo it, then divide by d.
+            return 1.0, self.expert_data_parallel_world_size / self.data_parallel_world_size
+        return 1.0 / self.data_parallel_world_size, 1.0 / self.data_parallel_world_size
+
+    def _make_buffers(self, params: List[nn.Parameter], group: Optional[torch.distributed.ProcessGroup],
+                      scaling: float, own_bucket: List[nn.Parameter]) -> List[ParamAndGradBuffer]:
+        """One buffer per (param dtype, grad dtype) of `params`, reduced over `group`."""
+        by_dtype: Dict[tuple, List[nn.Parameter]] = {}
+        for param in params:
+            grad_dtype = torch.float32 if self.ddp_config.grad_reduce_in_fp32 else param.dtype
+            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+        return [ParamAndGradBuffer(self.ddp_config, param_dtype, grad_dtype, same, group, scaling,
+                                   own_bucket=[p for p in own_bucket if p in set(same)])
+                for (param_dtype, grad_dtype), same in by_dtype.items()]
+
+    def all_buffers(self) -> List[ParamAndGradBuffer]:
+        """The dense buffers, then the expert-parallel ones (the distributed optimizer's numbering)."""
+        return self.buffers + self.expert_parallel_buffers
 
     def _pipeline_shared_embedding(self) -> List[nn.Parameter]:
         """The parameters held on several pipeline stages whose gradients are summed between them:
@@ -132,26 +165,26 @@ class DistributedDataParallel(nn.Module):
             self.is_last_microbatch = previous
 
     def start_grad_sync(self) -> None:
-        for buffer in self.buffers:
+        for buffer in self.all_buffers():
             for bucket in buffer.buckets:
                 bucket.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
         """Wait for (or run) every bucket's reduction: main_grad then holds the data-parallel result."""
-        for buffer in self.buffers:
+        for buffer in self.all_buffers():
             for bucket in buffer.buckets:
                 bucket.finish_grad_sync()
 
     def start_param_sync(self) -> None:
         """Distributed optimizer: gather every rank's updated parameter slices (asynchronously with
         overlap_param_gather: the next forward waits bucket by bucket)."""
-        for buffer in self.buffers:
+        for buffer in self.all_buffers():
             for bucket in buffer.buckets:
                 bucket.start_param_sync()
 
     def finish_param_sync(self) -> None:
         """Wait for every in-flight parameter all-gather (before reading the weights outside forward)."""
-        for buffer in self.buffers:
+        for buffer in self.all_buffers():
             for bucket in buffer.buckets:
                 bucket.finish_param_sync()
 
@@ -166,16 +199,18 @@ class DistributedDataParallel(nn.Module):
         for param in self.param_to_bucket:
             param.grad = None
             param.grad_added_to_main_grad = False
-        for buffer in self.buffers:
+        for buffer in self.all_buffers():
             buffer.reset()
 
     def broadcast_params(self) -> None:
-        """Make every data-parallel replica start from data-parallel rank 0's weights."""
-        if self.data_parallel_world_size == 1:
-            return
-        src = torch.distributed.get_global_rank(self.data_parallel_group, 0)
+        """Make every data-parallel replica start from data-parallel rank 0's weights (expert
+        params: expert-data-parallel rank 0's, over the expert-data-parallel group)."""
         for param in self.module.parameters():
-            communication.broadcast(param.data, src=src, group=self.data_parallel_group)
+            expert = not getattr(param, "allreduce", True)
+            group = self.expert_data_parallel_group if expert else self.data_parallel_group
+            if _size(group) > 1:
+                src = torch.distributed.get_global_rank(group, 0)
+                communication.broadcast(param.data, src=src, group=group)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         self.finish_param_sync()
@@ -186,6 +221,19 @@ class DistributedDataParallel(nn.Module):
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         unwrap_model(self.module).set_input_tensor(input_tensor)
+
+
+def _size(group: Optional[torch.distributed.ProcessGroup]) -> int:
+    return torch.distributed.get_world_size(group) if group is not None else 1
+
+
+def _trainable_params_by_kind(module: nn.Module) -> tuple[List[nn.Parameter], List[nn.Parameter]]:
+    """(dense, expert) trainable params in registration order; expert: `allreduce = False`."""
+    dense, experts = [], []
+    for param in module.parameters():
+        if param.requires_grad:
+            (dense if getattr(param, "allreduce", True) else experts).append(param)
+    return dense, experts
 
 
 def split_position_embedding(model: nn.Module) -> Optional[nn.Parameter]:

@@ -14,7 +14,10 @@ that slice, the optimizer updates it, and the updated slices are all-gathered ba
 
 A bucket's collective runs on its whole grad slice, pre-scaled by gradient_scaling_factor
 (1/d: the mean over data-parallel ranks; 1 with per-token loss, a sum that finalize_model_grads
-divides by the global token count) unless average_in_collective reduces with AVG.
+divides by the global token count); with average_in_collective it reduces with AVG, after the
+pre-scaling (1 for dense buffers; expert-dp size / d for expert buffers, see
+DistributedDataParallel). Expert params' buffers are built the same way over the
+expert-data-parallel group.
 """
 
 from __future__ import annotations
@@ -81,13 +84,13 @@ class Bucket:
             raise RuntimeError(f"NaN in the local gradients of bucket {self.index} (data-parallel rank "
                                f"{self.rank}) before their reduction: parameters "
                                f"{[tuple(p.shape) for p in self.params][:4]}...")
+        # Scaled even without peers: an expert bucket over a one-rank expert-dp group still takes
+        # the 1/d of the d dense replicas whose tokens its gradient holds.
+        if self.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(self.gradient_scaling_factor)
         if self.world == 1:
             return
-        op = dist.ReduceOp.SUM
-        if self.config.average_in_collective:
-            op = dist.ReduceOp.AVG
-        elif self.gradient_scaling_factor != 1.0:
-            self.grad_data.mul_(self.gradient_scaling_factor)
+        op = dist.ReduceOp.AVG if self.config.average_in_collective else dist.ReduceOp.SUM
         async_op = self.config.overlap_grad_reduce
         if self.config.use_distributed_optimizer:
             self.work = communication.reduce_scatter_tensor(self.shard(self.grad_data), self.grad_data,
