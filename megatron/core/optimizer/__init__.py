@@ -35,6 +35,7 @@ from megatron.core.optimizer.optimizer import (
     FP32Optimizer,
     MegatronOptimizer,
     MixedPrecisionOptimizer,
+    expert_params_on_any_stage,
 )
 from megatron.core.optimizer.memory import optimizer_memory_per_parameter
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -157,11 +158,18 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: nn.Module | Se
     param_groups = get_param_groups(model_chunks, no_weight_decay_cond, scale_lr_cond, lr_mult,
                                     lr=lr, weight_decay=config.weight_decay)
     optimizer = _build_torch_optimizer(config, param_groups)
-    model_parallel_group = parallel_state.get_model_parallel_group()
+    groups = _norm_groups(param_groups)
     if sharded:
-        return DistributedOptimizer(optimizer, config, _build_grad_scaler(config), model_chunks,
-                                    model_parallel_group)
+        return DistributedOptimizer(optimizer, config, _build_grad_scaler(config), model_chunks, *groups)
     if config.fp16 or config.bf16:
-        return Float16OptimizerWithFloat16Params(optimizer, config, _build_grad_scaler(config),
-                                                 model_parallel_group)
-    return FP32Optimizer(optimizer, config, model_parallel_group)
+        return Float16OptimizerWithFloat16Params(optimizer, config, _build_grad_scaler(config), *groups)
+    return FP32Optimizer(optimizer, config, *groups)
+
+
+def _norm_groups(param_groups: list[dict[str, Any]]) -> tuple[Any, Any, bool]:
+    """(model-parallel group, expert tensor-model-pipeline group or None, whether any pipeline
+    stage holds expert params): the groups the grad norm, zero count and found_inf reduce over."""
+    local = any(group["is_expert_parallel"] for group in param_groups)
+    has_experts = expert_params_on_any_stage(local)
+    expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group() if has_experts else None
+    return parallel_state.get_model_parallel_group(), expert_group, has_experts

@@ -24,11 +24,17 @@ step():
   3. grad norm: squares summed over the owned shards (tied copies and tensor-parallel duplicates
      left out, as without sharding: a shard meeting a param's replicated K/V rows leaves out
      their flat range), then over the data-parallel and model-parallel groups, so
-     the norm equals the non-distributed one; clip;
+     the norm equals the non-distributed one (expert shards: over the expert-data-parallel and
+     the expert tensor-model-pipeline groups, added to the dense part); clip;
   4. inner step; updated fp32 shards copied (cast) into the param buffer's owned range;
   5. DistributedDataParallel.start_param_sync() on every chunk: every bucket's param slices are
      all-gathered, so every rank holds every updated param (with overlap_param_gather the
      gathers run in the background and the next forward waits for each bucket before use).
+
+Expert params (`allreduce = False`) sit in DistributedDataParallel's expert_parallel_buffers,
+whose buckets are padded to and sharded over the expert-data-parallel group: every buffer
+carries its own group (buffer.data_parallel_group), and each rank's owned ranges, gathers and
+scatters follow it.
 
 zero_grad() drops the main shards' grads only; the grad buffers themselves are zeroed by
 DistributedDataParallel.zero_grad_buffer(), which train_step calls before every global batch.
@@ -45,9 +51,19 @@ scaler); the per-param tensors go to distrib_optim.pt, gathered on data-parallel
     i (int)                      {(param dtype, grad dtype): {"param": fp32 [n], "exp_avg": fp32 [n],
                                   "exp_avg_sq": fp32 [n], "numel_unpadded": n}}   ("momentum_buffer" for SGD)
 
-Buffers are numbered over the model chunks in order; [n] is every param of buffer i in buffer
-order without the buckets' padding, so the file does not depend on d (nor on the bucket size):
-load_parameter_state re-shards it to the current layout.
+Buffers are numbered over the model chunks in order (each chunk's dense buffers, then its
+expert ones); [n] is every param of buffer i in buffer order without the buckets' padding, so
+the file does not depend on d (nor on the bucket size): load_parameter_state re-shards it to
+the current layout.
+
+Each buffer's entry is gathered on rank 0 of that buffer's own group. So with expert params the
+file of a rank holds the entries of the buffers whose group it is rank 0 of: data-parallel
+rank 0 has the dense buffers (and its expert group's), and rank 0 of every other
+expert-data-parallel group writes a file with that group's expert buffers only; the key
+"expert_parallel_buffers" lists the expert buffers' numbers. At EP > 1 the classic layout keeps
+one directory per expert-parallel rank (get_checkpoint_name's _EEE suffix), so every
+expert-data-parallel root writes into its own directory and reads its file back from there at
+the same layout (changing EP is torch_dist's job).
 """
 
 from __future__ import annotations
@@ -117,9 +133,17 @@ def _dtype_key(buffer: "ParamAndGradBuffer") -> tuple[torch.dtype, torch.dtype]:
     return (buffer.param_dtype, buffer.grad_dtype)
 
 
+def _is_expert_buffer(buffer: "ParamAndGradBuffer") -> bool:
+    return any(not getattr(param, "allreduce", True) for param in buffer.param_index_map)
+
+
+def _rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
 def _buffers_of(model_chunks: Sequence[nn.Module]) -> list["ParamAndGradBuffer"]:
-    """Every chunk's buffers, in order; the chunks must be DistributedDataParallel with
-    use_distributed_optimizer and share one data-parallel group."""
+    """Every chunk's buffers (dense, then expert), in order; the chunks must be
+    DistributedDataParallel with use_distributed_optimizer and share one data-parallel group."""
     buffers, groups = [], set()
     for index, chunk in enumerate(model_chunks):
         ddp_config = getattr(chunk, "ddp_config", None)
@@ -130,7 +154,7 @@ def _buffers_of(model_chunks: Sequence[nn.Module]) -> list["ParamAndGradBuffer"]
             raise ValueError(f"model chunk {index} was wrapped with use_distributed_optimizer=False: its "
                              "gradients are all-reduced and its params are not in a param buffer")
         groups.add(id(chunk.data_parallel_group))
-        buffers.extend(chunk.buffers)
+        buffers.extend(chunk.all_buffers() if hasattr(chunk, "all_buffers") else chunk.buffers)
     if len(groups) > 1:
         raise ValueError("the model chunks use different data-parallel groups")
     return buffers
@@ -142,16 +166,21 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     `optimizer` is built on the model params (get_param_groups' groups); the constructor swaps
     each group's params for the main shards this rank owns. `model_chunks` are the
     DistributedDataParallel chunks whose buffers hold those params. `model_parallel_group`
-    (TP x PP) and the chunks' data-parallel group together span every rank holding a shard.
+    (TP x PP) and the chunks' data-parallel group together span every rank holding a shard;
+    for expert params `expert_tensor_model_pipeline_group` and the expert-data-parallel group.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
                  grad_scaler: Optional[MegatronGradScaler], model_chunks: Sequence[nn.Module],
-                 model_parallel_group: Optional[dist.ProcessGroup] = None) -> None:
-        super().__init__(optimizer, config, grad_scaler, model_parallel_group)
+                 model_parallel_group: Optional[dist.ProcessGroup] = None,
+                 expert_tensor_model_pipeline_group: Optional[dist.ProcessGroup] = None,
+                 has_expert_params: Optional[bool] = None) -> None:
+        super().__init__(optimizer, config, grad_scaler, model_parallel_group, expert_tensor_model_pipeline_group,
+                         has_expert_params)
         self.model_chunks = list(model_chunks)
         self.buffers = _buffers_of(self.model_chunks)
         self.data_parallel_group = self.model_chunks[0].data_parallel_group if self.model_chunks else None
+        self.expert_buffer_indices = [i for i, buffer in enumerate(self.buffers) if _is_expert_buffer(buffer)]
         owned = self._owned_pieces()
         in_buffers = {param for buffer in self.buffers for param in buffer.param_index_map}
         self.shard_groups: list[list[ParamShard]] = []
@@ -209,16 +238,23 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return [shard for group in self.shard_groups for shard in group]
 
     def _data_parallel_rank_and_size(self) -> tuple[int, int]:
-        group = self.data_parallel_group
-        if group is None:
-            return 0, 1
-        return dist.get_rank(group), dist.get_world_size(group)
+        return _rank_and_size(self.data_parallel_group)
 
     def _reduce_over_shard_holders(self, value: torch.Tensor, op: dist.ReduceOp) -> None:
         """Reduce over data-parallel x model-parallel: every rank holding a piece of the model."""
         for group in (self.data_parallel_group, self.get_model_parallel_group()):
             if group is not None:  # None here means no group, not the world
                 communication.all_reduce(value, group=group, op=op)
+
+    def _norm_parts(self) -> list[tuple[list[torch.Tensor], list[Optional[dist.ProcessGroup]]]]:
+        """Dense shards' grads over data-parallel then model-parallel; expert shards' over
+        expert-data-parallel (when this stage has any) then expert tensor-model-pipeline."""
+        if not self.has_expert_params:
+            return [(self.get_main_grads_for_grad_norm(), [self.data_parallel_group, self.get_model_parallel_group()])]
+        expert_dp = [self.buffers[i].data_parallel_group for i in self.expert_buffer_indices[:1]]
+        return [(self.get_main_grads_for_grad_norm(expert=False),
+                 [self.data_parallel_group, self.get_model_parallel_group()]),
+                (self.get_main_grads_for_grad_norm(expert=True), expert_dp + [self.expert_tensor_model_pipeline_group])]
 
     # ------------------------------------------------------------------ step
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -250,22 +286,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip on the global L2 norm (over all shards of all ranks); returns the norm before clipping."""
-        device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
-        total = torch.zeros(1, dtype=torch.float32, device=device)
-        for grad in self.get_main_grads_for_grad_norm():
-            total += torch.linalg.vector_norm(grad.float()) ** 2
-        self._reduce_over_shard_holders(total, dist.ReduceOp.SUM)
-        grad_norm = float(total.item()) ** 0.5
+        grad_norm = self.get_grad_norm()
         clip_grad_by_total_norm_fp32(self._collect_main_grad_data_for_unscaling(), clip_grad, grad_norm)
         return grad_norm
-
-    def count_zeros(self) -> int:
-        device = self.buffers[0].grad_data.device if self.buffers else torch.device("cpu")
-        total = torch.zeros(1, dtype=torch.float32, device=device)
-        for grad in self.get_main_grads_for_grad_norm():
-            total += grad.numel() - torch.count_nonzero(grad)
-        self._reduce_over_shard_holders(total, dist.ReduceOp.SUM)
-        return int(total.item())
 
     def _copy_main_params_to_model_params(self) -> None:
         for shard in self.shards():
@@ -375,59 +398,76 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             for k, key in enumerate(keys):
                 (shard.main if key == "param" else state[key]).copy_(piece[k])
 
-    def _gather_on_root(self, local: torch.Tensor) -> Optional[torch.Tensor]:
-        """[k, s] from every data-parallel rank -> [k, d * s] on rank 0 (None elsewhere)."""
-        rank, size = self._data_parallel_rank_and_size()
+    @staticmethod
+    def _gather_on_root(local: torch.Tensor, group: Optional[dist.ProcessGroup]) -> Optional[torch.Tensor]:
+        """[k, s] from every rank of `group` (a buffer's data-parallel group) -> [k, d * s] on its rank 0."""
+        rank, size = _rank_and_size(group)
         if size == 1:
             return local
         pieces = [torch.empty_like(local) for _ in range(size)] if rank == 0 else None
-        root = dist.get_global_rank(self.data_parallel_group, 0)
-        dist.gather(local, pieces, dst=root, group=self.data_parallel_group)  # [k, s] x d -> rank 0
+        root = dist.get_global_rank(group, 0)
+        dist.gather(local, pieces, dst=root, group=group)  # [k, s] x d -> rank 0
         return torch.cat(pieces, dim=1) if rank == 0 else None
 
-    def _scatter_from_root(self, full: Optional[torch.Tensor], keys: int, size: int,
-                           device: torch.device) -> torch.Tensor:
-        """[k, d * s] on rank 0 -> [k, s] on every data-parallel rank."""
-        rank, world = self._data_parallel_rank_and_size()
+    @staticmethod
+    def _scatter_from_root(full: Optional[torch.Tensor], keys: int, size: int, device: torch.device,
+                           group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+        """[k, d * s] on rank 0 of `group` -> [k, s] on every rank of it."""
+        rank, world = _rank_and_size(group)
         if world == 1:
             return full.to(device)
         local = torch.empty(keys, size, dtype=torch.float32, device=device)
         pieces = [full[:, r * size:(r + 1) * size].contiguous().to(device) for r in range(world)] if rank == 0 else None
-        root = dist.get_global_rank(self.data_parallel_group, 0)
-        dist.scatter(local, pieces, src=root, group=self.data_parallel_group)  # rank r gets slice r
+        root = dist.get_global_rank(group, 0)
+        dist.scatter(local, pieces, src=root, group=group)  # rank r gets slice r
         return local
+
+    def _root_buffers(self) -> list[int]:
+        """The buffers whose data-parallel group has this rank as rank 0 (their entries are saved here)."""
+        return [i for i, buffer in enumerate(self.buffers) if _rank_and_size(buffer.data_parallel_group)[0] == 0]
+
+    def _saves_parameter_state(self) -> bool:
+        """Whether this rank holds a part of distrib_optim.pt: data-parallel rank 0, or rank 0 of an
+        expert buffer's expert-data-parallel group."""
+        return self._data_parallel_rank_and_size()[0] == 0 or bool(self._root_buffers())
 
     def _bucket_numels(self, padded: bool) -> list[dict[tuple, list[int]]]:
         return [{_dtype_key(buffer): [bucket.grad_data.numel() if padded else _bucket_numel_unpadded(bucket)
                                       for bucket in buffer.buckets]} for buffer in self.buffers]
 
     def get_parameter_state_dp_zero(self) -> Optional[dict[Any, Any]]:
-        """The full per-param fp32 state (distrib_optim.pt's content) on data-parallel rank 0, None elsewhere.
+        """The full per-param fp32 state (distrib_optim.pt's content) of the buffers whose group this
+        rank is rank 0 of (data-parallel rank 0: every dense buffer); None on ranks that are no root.
 
-        Collective over the data-parallel group.
+        Collective over each buffer's data-parallel group (expert buffers: expert-data-parallel).
         """
         keys = ("param",) + self._state_keys()
-        is_root = self._data_parallel_rank_and_size()[0] == 0
+        roots = set(self._root_buffers())
         state: dict[Any, Any] = {"buckets_coalesced": True, "per_bucket_numel": self._bucket_numels(True),
                                  "per_bucket_numel_unpadded": self._bucket_numels(False)}
+        if self.expert_buffer_indices:
+            state["expert_parallel_buffers"] = list(self.expert_buffer_indices)
         for buffer_index, buffer in enumerate(self.buffers):
+            is_root = buffer_index in roots
             numel = _buffer_numel_unpadded(buffer)
             world = {key: torch.zeros(numel, dtype=torch.float32) for key in keys} if is_root else {}
             offset = 0
             for bucket in buffer.buckets:
-                gathered = self._gather_on_root(self._local_bucket_state(buffer_index, bucket, keys))
+                gathered = self._gather_on_root(self._local_bucket_state(buffer_index, bucket, keys),
+                                                buffer.data_parallel_group)
                 bucket_numel = _bucket_numel_unpadded(bucket)
                 if is_root:
                     for k, key in enumerate(keys):  # drop the bucket's padding
                         world[key][offset:offset + bucket_numel] = gathered[k, :bucket_numel].cpu()
                 offset += bucket_numel
-            world["numel_unpadded"] = numel
-            state[buffer_index] = {_dtype_key(buffer): world}
-        return state if is_root else None
+            if is_root:
+                world["numel_unpadded"] = numel
+                state[buffer_index] = {_dtype_key(buffer): world}
+        return state if self._saves_parameter_state() else None
 
     def save_parameter_state(self, filename: str) -> Optional[Checksum]:
-        """Gather the param state and write it (atomically) to `filename` on data-parallel rank 0;
-        returns the file's Checksum there (None on the other ranks)."""
+        """Gather the param state and write it (atomically) to `filename` on every rank that holds a
+        part of it (get_parameter_state_dp_zero); returns the file's Checksum there (None elsewhere)."""
         state = self.get_parameter_state_dp_zero()
         if state is None:
             return None
@@ -435,15 +475,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def load_parameter_state(self, filename: str,
                              read: Optional[Callable[[str], Any]] = None) -> None:
-        """Read `filename` on data-parallel rank 0 and scatter it to this data-parallel layout.
+        """Read `filename` on the ranks that saved a part of it and scatter it to this data-parallel layout.
 
         `read(filename)` reads (and may verify) the file; the default is
-        torch.load(weights_only=True). Collective over the data-parallel group; every rank raises
-        ValueError when the file cannot be read or does not fit this model (the message names
-        what differs).
+        torch.load(weights_only=True). Collective over the data-parallel group (and the
+        expert-data-parallel one); every rank raises ValueError when the file cannot be read or
+        does not fit this model (the message names what differs).
         """
         state, error = None, None
-        if self._data_parallel_rank_and_size()[0] == 0:
+        if self._saves_parameter_state():
             try:
                 if read is not None:
                     state = read(filename)
@@ -456,22 +496,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def load_parameter_state_from_dp_zero(self, state: Optional[dict[Any, Any]], source: str = "the state",
                                           error: Optional[str] = None) -> None:
-        """Scatter `state` (get_parameter_state_dp_zero's dict, given on data-parallel rank 0) to
-        every rank; `error` (rank 0) is raised on every rank instead."""
+        """Scatter `state` (get_parameter_state_dp_zero's dict, given on the ranks that saved one) to
+        every rank; `error` (given there) is raised on every rank instead."""
         keys = ("param",) + self._state_keys()
-        rank, world = self._data_parallel_rank_and_size()
-        if rank == 0 and error is None:
+        if self._saves_parameter_state() and error is None:
             mismatch = self._describe_mismatch(state, keys)
             if mismatch is not None:
                 error = f"{source} does not fit this model: {mismatch}"
-        if world > 1:  # every rank must raise, or the others wait in the scatter
-            message = [error]
-            dist.broadcast_object_list(message, src=dist.get_global_rank(self.data_parallel_group, 0),
-                                       group=self.data_parallel_group)
-            error = message[0]
+        error = self._agree_on_error(error, source)  # every rank must raise, or the others wait in the scatter
         if error is not None:
             raise ValueError(error)
         for buffer_index, buffer in enumerate(self.buffers):
+            rank = _rank_and_size(buffer.data_parallel_group)[0]
             tensors = state[buffer_index][_dtype_key(buffer)] if rank == 0 else None
             offset = 0
             for bucket in buffer.buckets:
@@ -482,18 +518,44 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     for k, key in enumerate(keys):  # re-pad for this layout
                         full[k, :bucket_numel] = tensors[key][offset:offset + bucket_numel]
                 own_start, own_end = _owned_range(bucket)
-                local = self._scatter_from_root(full, len(keys), own_end - own_start, bucket.grad_data.device)
+                local = self._scatter_from_root(full, len(keys), own_end - own_start, bucket.grad_data.device,
+                                                buffer.data_parallel_group)
                 self._set_local_bucket_state(buffer_index, bucket, keys, local)
                 offset += bucket_numel
 
+    def _agree_on_error(self, error: Optional[str], source: str) -> Optional[str]:
+        """The error of any rank that read a part of the state, known on every rank."""
+        groups = [self.data_parallel_group] + [self.buffers[i].data_parallel_group for i in self.expert_buffer_indices]
+        distinct = list({id(group): group for group in groups if _rank_and_size(group)[1] > 1}.values())
+        for group in distinct:  # each group's rank 0 tells its group
+            message = [error if dist.get_rank(group) == 0 else None]
+            dist.broadcast_object_list(message, src=dist.get_global_rank(group, 0), group=group)
+            error = error or message[0]
+        if not self.expert_buffer_indices:
+            return error  # the data-parallel rank 0 was the only reader
+        # Expert roots are told apart per expert-data-parallel group: a flag over data-parallel x
+        # model-parallel (every rank) makes sure no rank goes on to a scatter its peers left.
+        device = self.buffers[0].grad_data.device  # NCCL reduces only accelerator tensors
+        flag = torch.tensor([float(error is not None)], device=device)
+        self._reduce_over_shard_holders(flag, dist.ReduceOp.MAX)
+        if flag.item() > 0 and error is None:
+            error = f"another rank could not load {source} (its error names the cause)"
+        return error
+
     def _describe_mismatch(self, state: Any, keys: Sequence[str]) -> Optional[str]:
-        """None when `state` fits this model's buffers and optimizer, else what differs."""
+        """None when `state` fits this model's buffers (those whose group this rank is rank 0 of)
+        and optimizer, else what differs."""
         if not isinstance(state, dict):
             return f"expected a dict of per-buffer parameter state, got {type(state).__name__}"
         indices = sorted(key for key in state if isinstance(key, int))
-        if indices != list(range(len(self.buffers))):
-            return f"it holds {len(indices)} parameter buffers, this model {len(self.buffers)}"
-        for index, buffer in enumerate(self.buffers):
+        expected = self._root_buffers()
+        if indices != expected:
+            if not self.expert_buffer_indices:
+                return f"it holds {len(indices)} parameter buffers, this model {len(self.buffers)}"
+            return (f"it holds parameter buffers {indices}, this rank needs {expected} (expert buffers "
+                    f"{self.expert_buffer_indices}; saved at another expert-parallel layout?)")
+        for index in expected:
+            buffer = self.buffers[index]
             entry, dtype_key = state[index], _dtype_key(buffer)
             if dtype_key not in entry:
                 return (f"buffer {index} holds {_names(list(entry))} (param, grad) dtypes, "

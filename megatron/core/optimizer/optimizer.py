@@ -9,6 +9,11 @@ mixed-precision step unscales the main grads, skips the update when any is inf/n
 is all-reduced over the model-parallel group when there is one) and lets the loss scaler react.
 A param with a `main_grad` attribute (the future DDP's fp32 grad buffer) is read from there
 instead of `.grad`.
+
+Expert params (`allreduce = False`: MoE experts, different on every expert-parallel rank) count
+towards the grad norm, the zero count and found_inf over the expert tensor-model-pipeline group
+(`expert_tensor_model_pipeline_group`), the dense ones over the model-parallel group; the two
+parts are then added, so every rank sees the norm over all distinct parameters.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import torch.distributed as dist
 from megatron.core import communication, device, parallel_state
 from megatron.core.optimizer.clip_grads import (
     clip_grad_by_total_norm_fp32,
-    count_zeros_fp32,
-    get_grad_norm_fp32,
+    count_zeros_tensor_fp32,
+    grad_norm_of_parts,
 )
 from megatron.core.optimizer.grad_scaler import MegatronGradScaler
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
@@ -59,63 +64,116 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
     return not getattr(param, "shared", False)
 
 
+def param_is_expert(param: torch.Tensor) -> bool:
+    """An expert param (Megatron's `allreduce = False`): reduced over the expert-data-parallel group."""
+    return not getattr(param, "allreduce", True)
+
+
 def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
-    """True for tensor-parallel shards, and for replicated params on tensor-parallel rank 0."""
-    return bool(getattr(param, "tensor_model_parallel", False)) or (
-        parallel_state.get_tensor_model_parallel_rank() == 0)
+    """True for tensor-parallel shards, and for replicated params on tensor-parallel rank 0 (expert
+    params: on expert-tensor-parallel rank 0, since experts are split over their own TP group)."""
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if param_is_expert(param):
+        return parallel_state.get_expert_tensor_parallel_rank() == 0
+    return parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def expert_params_on_any_stage(local: bool) -> bool:
+    """Whether any pipeline stage holds expert params (collective over the pipeline group when PP > 1).
+
+    The expert part of a norm is reduced over the expert tensor-model-pipeline group, which spans
+    the pipeline stages: a stage without MoE layers must still take part, so all stages decide alike.
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return local
+    flag = torch.tensor([float(local)], device=device.get_device())
+    communication.all_reduce(flag, group=parallel_state.get_pipeline_model_parallel_group(), op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+def _reduce_sum(value: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        communication.all_reduce(value, group=group)
 
 
 def params_norm(model_chunks) -> float:
-    """L2 norm of the whole model's parameters over the model-parallel group (collective): tied
-    copies, tensor-parallel replicas and replicated K/V rows (tensor_parallel_duplicate_rows) counted
+    """L2 norm of the whole model's parameters (collective): dense squares summed over the
+    model-parallel group, expert ones over the expert tensor-model-pipeline group; tied copies,
+    tensor-parallel replicas and replicated K/V rows (tensor_parallel_duplicate_rows) counted
     once. The weights of --overlap-param-gather are waited for first."""
-    squares = torch.zeros((), dtype=torch.float64, device=device.get_device())
+    dense = torch.zeros((), dtype=torch.float64, device=device.get_device())
+    expert = torch.zeros((), dtype=torch.float64, device=device.get_device())
+    has_experts = False
     for chunk in model_chunks:
         finish = getattr(chunk, "finish_param_sync", None)
         if finish is not None:
             finish()  # --overlap-param-gather: the weights may still be arriving
         for p in chunk.parameters():
+            has_experts = has_experts or param_is_expert(p)
             if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-                squares += without_duplicate_rows(p, p.detach()).double().pow(2).sum()
-    group = parallel_state.get_model_parallel_group()
-    if group is not None and dist.get_world_size(group) > 1:
-        communication.all_reduce(squares, group=group)
-    return math.sqrt(squares.item())
+                (expert if param_is_expert(p) else dense).add_(
+                    without_duplicate_rows(p, p.detach()).double().pow(2).sum())
+    _reduce_sum(dense, parallel_state.get_model_parallel_group())
+    if expert_params_on_any_stage(has_experts):
+        _reduce_sum(expert, parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    return math.sqrt(dense.item() + expert.item())
 
 
 class MegatronOptimizer(ABC):
     """Common interface: loss scaling, grad-norm clipping, the inner torch optimizer's groups."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
-                 model_parallel_group: dist.ProcessGroup | None = None) -> None:
+                 model_parallel_group: dist.ProcessGroup | None = None,
+                 expert_tensor_model_pipeline_group: dist.ProcessGroup | None = None,
+                 has_expert_params: bool | None = None) -> None:
+        """`model_parallel_group` (TP x PP) reduces the dense params' norm, found_inf and zero
+        count; `expert_tensor_model_pipeline_group` the expert params' (`allreduce = False`).
+        `has_expert_params`: whether any pipeline stage holds expert params (None: whether this
+        rank's optimizer does; get_megatron_optimizer agrees on it over the pipeline)."""
         self.optimizer = optimizer
         self.config = config
         self.model_parallel_group = model_parallel_group
+        self.expert_tensor_model_pipeline_group = expert_tensor_model_pipeline_group
+        if has_expert_params is None:
+            has_expert_params = any(param_is_expert(p) for g in optimizer.param_groups for p in g["params"])
+        self.has_expert_params = has_expert_params
 
     def get_parameters(self) -> list[torch.Tensor]:
         """The params the inner optimizer updates (main params for mixed precision)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+    def get_main_grads_for_grad_norm(self, expert: bool | None = None) -> list[torch.Tensor]:
         """Grads that count towards the norm (and count_zeros): no shared copies, no tensor-parallel
-        replicas, and of a split param not the rows that replicate another rank's (replicated K/V)."""
+        replicas, and of a split param not the rows that replicate another rank's (replicated K/V).
+        `expert`: only the expert params' (True) or the dense ones' (False); None: all."""
         return [without_duplicate_rows(p, p.grad.detach()) for p in self.get_parameters()
                 if p.grad is not None and param_is_not_shared(p)
-                and param_is_not_tensor_parallel_duplicate(p)]
+                and param_is_not_tensor_parallel_duplicate(p) and expert in (None, param_is_expert(p))]
 
     def get_model_parallel_group(self) -> dist.ProcessGroup | None:
         return self.model_parallel_group
 
+    def _norm_parts(self) -> list[tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]]:
+        """(grads, groups to reduce over) of the dense and, when there are any, the expert params."""
+        if not self.has_expert_params:
+            return [(self.get_main_grads_for_grad_norm(), [self.get_model_parallel_group()])]
+        return [(self.get_main_grads_for_grad_norm(expert=False), [self.get_model_parallel_group()]),
+                (self.get_main_grads_for_grad_norm(expert=True), [self.expert_tensor_model_pipeline_group])]
+
+    def get_grad_norm(self) -> float:
+        """The L2 norm of all distinct gradients (collective over the groups of _norm_parts)."""
+        return grad_norm_of_parts(self._norm_parts(), 2)
+
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip all grads on their global L2 norm; returns the norm before clipping."""
-        grads_for_norm = self.get_main_grads_for_grad_norm()
-        grad_norm = get_grad_norm_fp32(grads_for_norm, 2, self.get_model_parallel_group())
+        grad_norm = self.get_grad_norm()
         grads = [p.grad for p in self.get_parameters() if p.grad is not None]
         clip_grad_by_total_norm_fp32(grads, clip_grad, grad_norm)
         return grad_norm
 
     def count_zeros(self) -> int:
-        return count_zeros_fp32(self.get_main_grads_for_grad_norm(), self.get_model_parallel_group())
+        return int(sum(count_zeros_tensor_fp32(grads, groups).item() for grads, groups in self._norm_parts()))
 
     @abstractmethod
     def get_loss_scale(self) -> torch.Tensor:
@@ -180,8 +238,11 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
                  grad_scaler: MegatronGradScaler | None,
-                 model_parallel_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(optimizer, config, model_parallel_group)
+                 model_parallel_group: dist.ProcessGroup | None = None,
+                 expert_tensor_model_pipeline_group: dist.ProcessGroup | None = None,
+                 has_expert_params: bool | None = None) -> None:
+        super().__init__(optimizer, config, model_parallel_group, expert_tensor_model_pipeline_group,
+                         has_expert_params)
         if grad_scaler is None and config.fp16:
             raise ValueError("fp16 training needs a grad scaler (constant or dynamic)")
         self.grad_scaler = grad_scaler
@@ -213,10 +274,15 @@ class MixedPrecisionOptimizer(MegatronOptimizer):
         for grad in main_grads:
             grad.mul_(inv_scale)
             found_inf = torch.maximum(found_inf, (~torch.isfinite(grad)).any().float().reshape(1))
-        group = self.get_model_parallel_group()
-        if group is not None:
-            # Every model-parallel rank must agree on skipping, or their params diverge.
-            communication.all_reduce(found_inf, group=group, op=dist.ReduceOp.MAX)
+        # Every rank must agree on skipping, or their params diverge: dense grads are equal over
+        # data-parallel replicas and expert grads over expert-data-parallel ones, so the
+        # model-parallel group then (with experts) the expert tensor-model-pipeline group reach all.
+        groups = [self.get_model_parallel_group()]
+        if self.has_expert_params:
+            groups.append(self.expert_tensor_model_pipeline_group)
+        for group in groups:
+            if group is not None:
+                communication.all_reduce(found_inf, group=group, op=dist.ReduceOp.MAX)
         return bool(found_inf.item() > 0)
 
     def _load_grad_scaler(self, state_dict: dict[str, Any]) -> None:
@@ -261,8 +327,11 @@ class Float16OptimizerWithFloat16Params(MixedPrecisionOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
                  grad_scaler: MegatronGradScaler | None,
-                 model_parallel_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(optimizer, config, grad_scaler, model_parallel_group)
+                 model_parallel_group: dist.ProcessGroup | None = None,
+                 expert_tensor_model_pipeline_group: dist.ProcessGroup | None = None,
+                 has_expert_params: bool | None = None) -> None:
+        super().__init__(optimizer, config, grad_scaler, model_parallel_group, expert_tensor_model_pipeline_group,
+                         has_expert_params)
         self.float16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_float16_groups: list[list[torch.Tensor]] = []
         self.fp32_from_fp32_groups: list[list[torch.Tensor]] = []
@@ -359,8 +428,11 @@ class FP32Optimizer(MegatronOptimizer):
     """Plain fp32 training: no loss scaling (scale 1.0), grads clipped on their global norm."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
-                 model_parallel_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(optimizer, config, model_parallel_group)
+                 model_parallel_group: dist.ProcessGroup | None = None,
+                 expert_tensor_model_pipeline_group: dist.ProcessGroup | None = None,
+                 has_expert_params: bool | None = None) -> None:
+        super().__init__(optimizer, config, model_parallel_group, expert_tensor_model_pipeline_group,
+                         has_expert_params)
         self._scale = torch.tensor([1.0], dtype=torch.float32)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
