@@ -264,6 +264,48 @@ def _expert_groups(tp: int, ep: int, etp):
             "created": len(ps._STATE.created)}
 
 
+class _DenseOnly(nn.Module):
+    """A pipeline stage without MoE layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(SEED + 1)
+        self.dense = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(x).pow(2).mean()
+
+
+def _norm_from_main_grads(ddp) -> float:
+    """sqrt of every distinct reduced gradient's square, straight from main_grad: dense ones counted
+    on DP rank 0 of each stage, expert ones on expert-DP rank 0 (tp = 1 here)."""
+    mine = torch.zeros(1, dtype=torch.float64)
+    for param in ddp.module.parameters():
+        expert = not getattr(param, "allreduce", True)
+        if (ps.get_expert_data_parallel_rank() if expert else ps.get_data_parallel_rank()) == 0:
+            mine += param.main_grad.double().pow(2).sum()
+    return float(sum(_all_ranks(mine)).sqrt())
+
+
+def _stage_without_experts():
+    """PP = 2 x EP = 2: only stage 0 holds experts; stage 1 must still join the expert norm's reduction."""
+    init_parallel(pp=2, ep=2)
+    out = {}
+    for distributed in (False, True):
+        model = _Toy() if ps.is_pipeline_first_stage() else _DenseOnly()
+        ddp = _ddp(model, distributed=distributed)
+        optimizer = _optimizer(ddp, clip_grad=1e9)
+        optimizer.zero_grad()
+        _backward(ddp, 0)
+        direct = None if distributed else _norm_from_main_grads(ddp)
+        ok, norm, _ = optimizer.step()
+        out["sharded" if distributed else "plain"] = norm
+        out["direct"] = direct if direct is not None else out["direct"]
+        out["has_experts"] = optimizer.has_expert_params
+        out["params_norm_" + ("sharded" if distributed else "plain")] = params_norm([ddp])
+    return out
+
+
 # ------------------------------------------------------------------ tests
 
 @pytest.mark.parametrize("layout,overlap,bucket_size,average", [
@@ -328,3 +370,13 @@ def test_expert_groups_on_four_ranks(dist_pool):
         assert got["names"]["tp-ep"] == "tp"  # the same ranks as the TP group: that group, lent
     # the 12 older kinds made one group each on every rank; the three expert kinds only borrowed
     assert {got["created"] for got in same + split} == {12}
+
+
+def test_pipeline_stage_without_experts_joins_the_expert_norm(dist_pool):
+    results = dist_pool.run(_stage_without_experts)
+    for got in results:
+        assert got["has_experts"]  # agreed over the pipeline, also on the dense-only stage
+        assert got["plain"] == pytest.approx(got["direct"], rel=1e-6)
+        assert got["sharded"] == pytest.approx(got["direct"], rel=1e-6)
+    assert len({round(got["plain"], 9) for got in results}) == 1
+    assert len({round(got["params_norm_plain"], 9) for got in results}) == 1
