@@ -13,7 +13,9 @@ the expected reduced gradient of every parameter follows from all ranks' local g
     expert main_grad = sum over the expert-DP group of local grads / d
 
 Layouts (world 4): EP=2 (DP 4, expert-DP 2); EP=4 (expert-DP 1: the expert bucket is still
-scaled by 1/4); TP=2 with ETP=1 and EP=2 (DP 2, expert-DP 2).
+scaled by 1/4); TP=2 with ETP=1 and EP=2 (DP 2, expert-DP 2); PP=2 x EP=2 with experts on one
+stage only. Finally the real MoE GPT (megatron/model/moe) at DP=4: EP=2 logs the losses and
+grad norms of EP=1, plain and distributed optimizer (a wrong expert scaling, 1/expert-DP, fails it).
 """
 
 import pytest
@@ -306,6 +308,44 @@ def _stage_without_experts():
     return out
 
 
+def _moe_gpt_run(ep: int, distributed: bool, steps: int = 3):
+    """A 2-layer MoE GPT (4 experts, top-2, no capacity) at DP = 4 with EP = ep: (losses, grad norms,
+    router weights). The experts are the same functions at every EP, so the run must not depend on it."""
+    from megatron.core import tensor_parallel
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.model import GPTModel, TransformerConfig
+    from tests.parallel.test_data_parallel import _forward_step, _microbatches
+
+    init_parallel(ep=ep)
+    torch.manual_seed(SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, hidden_dropout=0.0,
+                               attention_dropout=0.0, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                               expert_model_parallel_size=ep, add_bias_linear=False)
+    model = GPTModel(config, vocab_size=256, max_sequence_length=8)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                        use_distributed_optimizer=distributed), model)
+    optimizer = _optimizer(ddp, clip_grad=1.0)
+    rank, d = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    losses, norms = [], []
+    for step in range(steps):
+        batches = _microbatches(step, 4)[rank * 4 // d:(rank + 1) * 4 // d]
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = schedules.get_forward_backward_func()(
+            forward_step_func=_forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=len(batches),
+            seq_length=8, micro_batch_size=2, grad_scale_func=optimizer.scale_loss,
+            finalize_model_grads_func=finalize_model_grads)
+        loss = torch.tensor([sum(x["lm loss"].item() for x in out) / len(out)], dtype=torch.float64)
+        dist.all_reduce(loss)
+        ok, norm, _ = optimizer.step()
+        losses.append(loss.item() / dist.get_world_size())
+        norms.append(norm)
+    routers = {n: p.detach().clone() for n, p in ddp.module.named_parameters() if "router" in n}
+    return {"losses": losses, "norms": norms, "routers": routers,
+            "expert_buffers": len(ddp.expert_parallel_buffers)}
+
+
 # ------------------------------------------------------------------ tests
 
 @pytest.mark.parametrize("layout,overlap,bucket_size,average", [
@@ -380,3 +420,15 @@ def test_pipeline_stage_without_experts_joins_the_expert_norm(dist_pool):
         assert got["sharded"] == pytest.approx(got["direct"], rel=1e-6)
     assert len({round(got["plain"], 9) for got in results}) == 1
     assert len({round(got["params_norm_plain"], 9) for got in results}) == 1
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_moe_gpt_at_ep2_takes_the_ep1_steps(dist_pool, distributed):
+    reference = dist_pool.run(_moe_gpt_run, 1, distributed)
+    expert_parallel = dist_pool.run(_moe_gpt_run, 2, distributed)
+    for ref, got in zip(reference, expert_parallel):
+        assert got["expert_buffers"] == 1 and ref["expert_buffers"] == 1
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        for name, value in ref["routers"].items():
+            assert torch.allclose(got["routers"][name], value, rtol=1e-5, atol=1e-6), name
