@@ -346,6 +346,24 @@ def _moe_gpt_run(ep: int, distributed: bool, steps: int = 3):
             "expert_buffers": len(ddp.expert_parallel_buffers)}
 
 
+def _inf_in_expert_grads(distributed: bool):
+    """fp16 loss scaling at EP = 2: an inf in EP rank 1's expert gradient (on both of its expert-DP
+    replicas, as a reduced gradient would be) must make every rank skip the step."""
+    init_parallel(ep=2)
+    ddp = _ddp(_Toy(), distributed=distributed)
+    config = OptimizerConfig(optimizer="adam", lr=1e-2, fp16=True, initial_loss_scale=1024.0, hysteresis=1)
+    optimizer = get_megatron_optimizer(config, [ddp])
+    before = _params(ddp)
+    optimizer.zero_grad()
+    _backward(ddp, 0)
+    if ps.get_expert_model_parallel_rank() == 1:
+        ddp.module.fc1.main_grad[0, 0] = float("inf")
+    ok, _, _ = optimizer.step()
+    after = _params(ddp)
+    return {"ok": ok, "scale": optimizer.get_loss_scale().item(),
+            "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
+
+
 # ------------------------------------------------------------------ tests
 
 @pytest.mark.parametrize("layout,overlap,bucket_size,average", [
@@ -432,3 +450,9 @@ def test_moe_gpt_at_ep2_takes_the_ep1_steps(dist_pool, distributed):
         assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5)
         for name, value in ref["routers"].items():
             assert torch.allclose(got["routers"][name], value, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_inf_in_one_expert_skips_the_step_everywhere(dist_pool, distributed):
+    for got in dist_pool.run(_inf_in_expert_grads, distributed):
+        assert got == {"ok": False, "scale": 512.0, "unchanged": True}
