@@ -464,25 +464,30 @@ def _collect_moe_stats(args: Any) -> Dict[str, float]:
 
 
 def check_weights_equal_across_data_parallel_replicas(model: List[torch.nn.Module], iteration: int) -> None:
-    """Raise if any data-parallel replica's weights differ from the others' (a hash per replica)."""
+    """Raise if any data-parallel replica's weights differ from the others' (a hash per replica): the
+    dense parameters over the data-parallel group, the expert ones over the expert-data-parallel group
+    (the ranks holding the same experts)."""
     import hashlib
 
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if group is None or torch.distributed.get_world_size(group) == 1:
-        return
-    digest = hashlib.sha256()
     for chunk in model:
         chunk.finish_param_sync()  # --overlap-param-gather: the weights may still be arriving
-        for name, param in chunk.named_parameters():
-            digest.update(name.encode())
-            digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    hashes = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(hashes, digest.hexdigest(), group=group)
-    if len(set(hashes)) > 1:
-        ranks = torch.distributed.get_process_group_ranks(group)
-        raise RuntimeError(f"iteration {iteration}: the weights differ across data-parallel replicas "
-                           f"(global ranks {ranks}: {[h[:12] for h in hashes]}) "
-                           "(--check-weight-hash-across-dp-replicas-interval)")
+    for kind, group in (("data-parallel", parallel_state.get_data_parallel_group(with_context_parallel=True)),
+                        ("expert-data-parallel", parallel_state.get_expert_data_parallel_group())):
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            continue
+        digest = hashlib.sha256()
+        for chunk in model:
+            for name, param in chunk.named_parameters():
+                if getattr(param, "expert_parallel", False) == (kind == "expert-data-parallel"):
+                    digest.update(name.encode())
+                    digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        hashes = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(hashes, digest.hexdigest(), group=group)
+        if len(set(hashes)) > 1:
+            ranks = torch.distributed.get_process_group_ranks(group)
+            raise RuntimeError(f"iteration {iteration}: the weights differ across {kind} replicas "
+                               f"(global ranks {ranks}: {[h[:12] for h in hashes]}) "
+                               "(--check-weight-hash-across-dp-replicas-interval)")
 
 
 def _check_for_nan(iteration: int, losses: Dict[str, float], grad_norm: Optional[float], skipped: bool) -> None:

@@ -93,24 +93,30 @@ def get_num_parameters_across_model_parallel(model: nn.Module | Iterable[nn.Modu
     parameter replicated on all TP ranks (layer norms, row-parallel biases, position
     embeddings) counts on TP rank 0 only, replicated K/V rows on their group's first rank; the
     last stage's copy of a tied embedding not at all.
-    Equals the serial model's count plus the vocabulary padding rows. Collective over the
-    model-parallel group: every rank of it must call this.
+    Equals the serial model's count plus the vocabulary padding rows. Expert parameters
+    (expert_parallel: different experts on different EP ranks, split over expert TP) are summed over
+    the expert tensor-model-pipeline group instead. Collective over the model-parallel group and the
+    expert one: every rank must call this.
     """
     from megatron.core import communication, parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     modules = [model] if isinstance(model, nn.Module) else list(model)
-    seen = {}
+    seen, experts = {}, {}
     for module in modules:
         for param in module.parameters():
-            if (param_is_not_tensor_parallel_duplicate(param) and not getattr(param, "shared_embedding", False)
+            if getattr(param, "expert_parallel", False):
+                experts[id(param)] = param.numel()
+            elif (param_is_not_tensor_parallel_duplicate(param) and not getattr(param, "shared_embedding", False)
                     and not getattr(param, "pipeline_copy", False)):
                 seen[id(param)] = param.numel()
                 duplicate = getattr(param, "tensor_parallel_duplicate_rows", None)
                 if duplicate is not None:  # rows replicating another TP rank's (MQA K/V): counted there
                     seen[id(param)] -= (duplicate[1] - duplicate[0]) * (param.numel() // param.shape[0])
     total = torch.tensor([sum(seen.values())], dtype=torch.int64)
-    group = parallel_state.get_model_parallel_group()
-    if group is not None:
-        communication.all_reduce(total, group=group)
-    return int(total.item())
+    expert_total = torch.tensor([sum(experts.values())], dtype=torch.int64)
+    for value, group in ((total, parallel_state.get_model_parallel_group()),
+                         (expert_total, parallel_state.get_expert_tensor_model_pipeline_parallel_group())):
+        if group is not None:
+            communication.all_reduce(value, group=group)
+    return int(total.item()) + int(expert_total.item())

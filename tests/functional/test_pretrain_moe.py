@@ -26,7 +26,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 DIST_OPT = ["--use-distributed-optimizer"]
 LAYOUTS = {
     "ep1-dp4": [],
-    "ep2-dp4": ["--expert-model-parallel-size", "2"],
+    "ep2-dp4": ["--expert-model-parallel-size", "2", "--check-weight-hash-across-dp-replicas-interval", "2"],
     "ep4-dp4-distopt": ["--expert-model-parallel-size", "4", *DIST_OPT],
     "ep2-dp4-distopt-overlap": ["--expert-model-parallel-size", "2", *DIST_OPT, "--overlap-grad-reduce",
                                 "--overlap-param-gather"],

@@ -29,6 +29,7 @@ from megatron.core import aux_losses, communication, parallel_state, tensor_para
 from megatron.core.aux_losses import AuxLossAutoScaler
 from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
 from megatron.model import GPTModel, TransformerConfig
+from megatron.model.utils import get_num_parameters_across_model_parallel
 from tests.parallel.harness import init_parallel
 
 VOCAB, SEQ, BATCH, HIDDEN, EXPERTS, SEED = 128, 16, 4, 32, 4, 2024
@@ -133,16 +134,18 @@ def _run(tp: int = 1, ep: int = 1, etp: int | None = None, serial: bool = False,
         losses.append(loss.detach())
     if not serial:
         _reduce_like_ddp(model)
+    model.parameter_count = get_num_parameters_across_model_parallel(model)
     named = dict(model.named_parameters())
     grads = _global(model, {n: p.grad.detach().clone() for n, p in named.items()})
     weights = _global(model, {n: p.detach().clone() for n, p in named.items()})
     parallel_state.destroy_model_parallel()
-    return torch.stack(losses).mean(), grads, weights
+    return torch.stack(losses).mean(), grads, weights, model.parameter_count
 
 
 def _errors(result, reference):
-    loss, grads, weights = result
-    ref_loss, ref_grads, ref_weights = reference
+    loss, grads, weights, count = result
+    ref_loss, ref_grads, ref_weights, ref_count = reference
+    assert count == ref_count, (count, ref_count)  # every expert counted once, over the expert ranks
     assert sorted(grads) == sorted(ref_grads)
     weight_error = max(float((weights[n] - ref_weights[n]).abs().max()) for n in weights)
     grad_errors = {n: float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp(min=1e-12)) for n in grads}
@@ -162,7 +165,7 @@ def _against_ep1(tp: int, ep: int, etp: int | None, dispatcher: str, capacity: f
         gathered = [torch.empty_like(local) for _ in range(4)]
         dist.all_gather(gathered, local)
         mean = torch.stack(gathered).mean()  # every TP rank holds its replica's loss: the mean is the same
-        serial_errors = _errors((mean, result[1], result[2]), serial)
+        serial_errors = _errors((mean, *result[1:]), serial)
         errors = {"loss": max(errors["loss"], serial_errors["loss"]), "grad": max(errors["grad"], serial_errors["grad"]),
                   "weight": max(errors["weight"], serial_errors["weight"]), "worst": (errors, serial_errors)}
     return errors
@@ -194,7 +197,7 @@ def _dropping_against_serial_microbatches(ep: int, dispatcher: str, policy: str,
     dist.all_gather(gathered, local)
     # The serial model on the four ranks' sequences as four micro-batches drops the same tokens.
     serial = _run(serial=True, microbatches=4, **moe)
-    return _errors((torch.stack(gathered).mean(), result[1], result[2]), serial)
+    return _errors((torch.stack(gathered).mean(), *result[1:]), serial)
 
 
 @pytest.mark.parametrize("policy, pad", [("probs", False), ("position", False), ("probs", True)])
