@@ -69,13 +69,21 @@ def _same(run, reference, name):
         assert got_norm == pytest.approx(grad_norm, rel=1e-5), (name, iteration, "grad norm")
 
 
+@pytest.fixture(scope="module")
+def reference(pool4):
+    """EP = 1 at DP = 4: both dispatchers compute the same function there."""
+    return pool4.run(_pretrain, [*MODEL, *LAYOUTS["ep1-dp4"]])[-1]
+
+
+ALLGATHER_LAYOUTS = ("ep4-dp4-distopt", "tp2-sp-ep2-dp2-distopt", "pp2-ep2-dp2-distopt")
+
+
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_expert_parallel_layouts_train_like_ep1(pool4, dispatcher):
-    common = [*MODEL, "--moe-token-dispatcher-type", dispatcher]
-    runs = {name: pool4.run(_pretrain, [*common, *flags])[-1] for name, flags in LAYOUTS.items()}
-    reference = runs.pop("ep1-dp4")
-    for name, run in runs.items():
-        _same(run, reference, name)
+def test_expert_parallel_layouts_train_like_ep1(pool4, reference, dispatcher):
+    names = [n for n in LAYOUTS if n != "ep1-dp4" and (dispatcher == "alltoall" or n in ALLGATHER_LAYOUTS)]
+    for name in names:
+        run = pool4.run(_pretrain, [*MODEL, "--moe-token-dispatcher-type", dispatcher, *LAYOUTS[name]])[-1]
+        _same(run, reference, f"{dispatcher} {name}")
 
 
 def test_expert_parallel_with_capacity_dropping_trains_like_ep1(pool4):

@@ -154,21 +154,26 @@ def _errors(result, reference):
             "weight": weight_error}
 
 
-def _against_ep1(tp: int, ep: int, etp: int | None, dispatcher: str, capacity: float | None):
-    moe = dict(moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=capacity)
-    reference = _run(tp=tp, ep=1, etp=etp, **moe)
-    result = _run(tp=tp, ep=ep, etp=etp, **moe)
-    errors = _errors(result, reference)
-    if capacity is None:  # also the serial model, on each data-parallel replica's share as one micro-batch
-        serial = _run(serial=True, microbatches=4 // tp, **moe)
-        local = result[0].reshape(1)
-        gathered = [torch.empty_like(local) for _ in range(4)]
-        dist.all_gather(gathered, local)
-        mean = torch.stack(gathered).mean()  # every TP rank holds its replica's loss: the mean is the same
-        serial_errors = _errors((mean, *result[1:]), serial)
-        errors = {"loss": max(errors["loss"], serial_errors["loss"]), "grad": max(errors["grad"], serial_errors["grad"]),
-                  "weight": max(errors["weight"], serial_errors["weight"]), "worst": (errors, serial_errors)}
-    return errors
+def _against_ep1(tp: int, ep: int, etp: int | None, capacity: float | None):
+    """{dispatcher: errors} of the layout at EP = ep against EP = 1 (and the serial model when dropless).
+    At EP = 1 both dispatchers compute the same function, so one reference serves both."""
+    reference = _run(tp=tp, ep=1, etp=etp, moe_expert_capacity_factor=capacity)
+    serial = _run(serial=True, microbatches=4 // tp) if capacity is None else None
+    out = {}
+    for dispatcher in ("allgather", "alltoall"):
+        result = _run(tp=tp, ep=ep, etp=etp, moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=capacity)
+        errors = _errors(result, reference)
+        if serial is not None:  # the serial model, on each data-parallel replica's share as one micro-batch
+            local = result[0].reshape(1)
+            gathered = [torch.empty_like(local) for _ in range(4)]
+            dist.all_gather(gathered, local)
+            mean = torch.stack(gathered).mean()  # every TP rank holds its replica's loss: the mean is the same
+            serial_errors = _errors((mean, *result[1:]), serial)
+            errors = {"loss": max(errors["loss"], serial_errors["loss"]),
+                      "grad": max(errors["grad"], serial_errors["grad"]),
+                      "weight": max(errors["weight"], serial_errors["weight"]), "worst": (errors, serial_errors)}
+        out[dispatcher] = errors
+    return out
 
 
 LAYOUTS = [  # (tp, ep, etp)
@@ -180,31 +185,34 @@ LAYOUTS = [  # (tp, ep, etp)
 
 
 @pytest.mark.parametrize("capacity", [None, 1.0], ids=["dropless", "capacity1.0"])
-@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
 @pytest.mark.parametrize("tp, ep, etp", LAYOUTS, ids=[f"tp{t}ep{e}etp{x or t}" for t, e, x in LAYOUTS])
-def test_expert_parallel_loss_and_gradients_equal_ep1(dist_pool, tp, ep, etp, dispatcher, capacity):
-    for rank, errors in enumerate(dist_pool.run(_against_ep1, tp, ep, etp, dispatcher, capacity)):
-        assert errors["weight"] == 0.0, (rank, errors)  # the same experts at every EP / ETP
-        assert errors["loss"] < 1e-5 and errors["grad"] < 1e-5, (rank, errors)
+def test_expert_parallel_loss_and_gradients_equal_ep1(dist_pool, tp, ep, etp, capacity):
+    """Both dispatchers, each layout, with and without dropping."""
+    for rank, by_dispatcher in enumerate(dist_pool.run(_against_ep1, tp, ep, etp, capacity)):
+        for dispatcher, errors in by_dispatcher.items():
+            assert errors["weight"] == 0.0, (rank, dispatcher, errors)  # the same experts at every EP / ETP
+            assert errors["loss"] < 1e-5 and errors["grad"] < 1e-5, (rank, dispatcher, errors)
 
 
-def _dropping_against_serial_microbatches(ep: int, dispatcher: str, policy: str, pad: bool):
-    moe = dict(moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=0.5, moe_token_drop_policy=policy,
-               moe_pad_expert_input_to_capacity=pad)
-    result = _run(ep=ep, **moe)
-    local = result[0].reshape(1)
-    gathered = [torch.empty_like(local) for _ in range(4)]
-    dist.all_gather(gathered, local)
+def _dropping_against_serial_microbatches(ep: int, policy: str, pad: bool):
+    drop = dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy=policy, moe_pad_expert_input_to_capacity=pad)
     # The serial model on the four ranks' sequences as four micro-batches drops the same tokens.
-    serial = _run(serial=True, microbatches=4, **moe)
-    return _errors((torch.stack(gathered).mean(), *result[1:]), serial)
+    serial = _run(serial=True, microbatches=4, **drop)
+    out = {}
+    for dispatcher in ("allgather", "alltoall"):
+        result = _run(ep=ep, moe_token_dispatcher_type=dispatcher, **drop)
+        local = result[0].reshape(1)
+        gathered = [torch.empty_like(local) for _ in range(4)]
+        dist.all_gather(gathered, local)
+        out[dispatcher] = _errors((torch.stack(gathered).mean(), *result[1:]), serial)
+    return out
 
 
 @pytest.mark.parametrize("policy, pad", [("probs", False), ("position", False), ("probs", True)])
-@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-def test_dropping_at_ep4_equals_the_serial_model_on_the_same_micro_batches(dist_pool, dispatcher, policy, pad):
-    for rank, errors in enumerate(dist_pool.run(_dropping_against_serial_microbatches, 4, dispatcher, policy, pad)):
-        assert errors["loss"] < 1e-5 and errors["grad"] < 1e-5, (rank, errors)
+def test_dropping_at_ep4_equals_the_serial_model_on_the_same_micro_batches(dist_pool, policy, pad):
+    for rank, by_dispatcher in enumerate(dist_pool.run(_dropping_against_serial_microbatches, 4, policy, pad)):
+        for dispatcher, errors in by_dispatcher.items():
+            assert errors["loss"] < 1e-5 and errors["grad"] < 1e-5, (rank, dispatcher, errors)
 
 
 # ----------------------------------------------------------------------------- the alltoall traffic
@@ -243,17 +251,20 @@ def test_alltoall_sends_exactly_the_tokens_routed_off_rank(dist_pool):
         assert result["off_rank"] > 0, rank
 
 
-def _starved_against_ep1(dispatcher: str):
-    reference = _run(ep=1, starve=True, moe_token_dispatcher_type=dispatcher)
-    result = _run(ep=4, starve=True, moe_token_dispatcher_type=dispatcher)
-    errors = _errors(result, reference)
-    errors["starved_grad"] = float(result[1]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
-                                   .abs().max())
-    return errors
+def _starved_against_ep1():
+    reference = _run(ep=1, starve=True)
+    out = {}
+    for dispatcher in ("allgather", "alltoall"):
+        result = _run(ep=4, starve=True, moe_token_dispatcher_type=dispatcher)
+        errors = _errors(result, reference)
+        errors["starved_grad"] = float(result[1]["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
+                                       .abs().max())
+        out[dispatcher] = errors
+    return out
 
 
-@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-def test_a_starved_expert_neither_hangs_nor_changes_the_result(dist_pool, dispatcher):
-    for rank, errors in enumerate(dist_pool.run(_starved_against_ep1, dispatcher)):
-        assert errors["loss"] < 1e-5 and errors["grad"] < 1e-5, (rank, errors)
-        assert errors["starved_grad"] == 0.0, (rank, errors)  # its parameters get a zero gradient
+def test_a_starved_expert_neither_hangs_nor_changes_the_result(dist_pool):
+    for rank, by_dispatcher in enumerate(dist_pool.run(_starved_against_ep1)):
+        for dispatcher, errors in by_dispatcher.items():
+            assert errors["loss"] < 1e-5 and errors["grad"] < 1e-5, (rank, dispatcher, errors)
+            assert errors["starved_grad"] == 0.0, (rank, dispatcher, errors)  # a zero gradient, not None
