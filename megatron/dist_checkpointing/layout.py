@@ -6,6 +6,7 @@ See megatron/dist_checkpointing/__init__.py for the layout and the rules.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -155,40 +156,92 @@ def _global_name(key: str, offsets: Dict[str, int]) -> str:
     return renumber(key, offsets.get(key.split(".", 1)[0], 0))
 
 
+_EXPERT = re.compile(r"^(?P<prefix>(?:decoder|encoder)\.layers\.\d+\.mlp\.experts\.local_experts\.)"
+                     r"(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def _expert_ranks() -> Tuple[int, int, int, int]:
+    """(ep rank, ep size, etp rank, etp size) of this rank; all trivial without parallel_state."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1, 0, 1
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if hasattr(parallel_state, "get_expert_tensor_parallel_world_size"):
+        etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+        etp = parallel_state.get_expert_tensor_parallel_world_size()
+    else:  # TODO(expertdp): drop once parallel_state has the expert tensor-parallel group on main
+        etp_rank = parallel_state.get_tensor_model_parallel_rank()
+        etp = parallel_state.get_tensor_model_parallel_world_size()
+    return ep_rank, max(ep, 1), etp_rank, max(etp, 1)
+
+
+def global_expert_names(keys: Sequence[str], ep_rank: int) -> Dict[str, str]:
+    """{local key: global key} for the expert keys among `keys` (one chunk's state dict, layers
+    already numbered globally): local expert i of a layer holding n of them on expert-parallel
+    rank r is global expert r n + i. Other keys are not in the result."""
+    local_counts: Dict[str, int] = {}
+    matches = {}
+    for key in keys:
+        match = _EXPERT.match(key)
+        if match is not None:
+            matches[key] = match
+            prefix = match.group("prefix")
+            local_counts[prefix] = max(local_counts.get(prefix, 0), int(match.group("index")) + 1)
+    return {key: f"{m.group('prefix')}{ep_rank * local_counts[m.group('prefix')] + int(m.group('index'))}."
+                 f"{m.group('rest')}" for key, m in matches.items()}
+
+
+def _split_layout(name: str, value: torch.Tensor, save: bool, size: int, rank: int
+                  ) -> Tuple[TensorLayout, Optional[int]]:
+    """The layout of `value` split over `size` ranks (TP, or ETP for an expert), and, for explicit
+    rows, the largest global row + 1 this rank holds (the global size is their max over ranks)."""
+    local_shape = tuple(value.shape)
+    dim = int(getattr(value, "partition_dim"))
+    indices = partition_indices(value, local_shape[dim], size, rank)
+    runs = index_runs(indices)
+    replicated_rows = getattr(value, "replicated_kv_rows", None)
+    if replicated_rows is not None:  # K/V rows other ranks also hold: always a box of their own
+        runs = split_runs(runs, replicated_rows[:2])
+    global_shape = list(local_shape)
+    rows_size = None
+    if getattr(value, "partition_rows", None) is not None:
+        rows_size = max(indices) + 1
+    else:
+        global_shape[dim] = local_shape[dim] * size
+    return TensorLayout(name, local_shape, tuple(global_shape), dim, runs, save), rows_size
+
+
 def model_layouts(model: Any) -> List[Tuple[TensorLayout, torch.Tensor]]:
     """(layout, the local tensor) of every tensor in the model chunks' state dicts.
 
+    Experts are named globally (global_expert_names) and split over the expert tensor-parallel
+    group (their partition attributes are ETP's), so their boxes do not depend on EP or ETP.
     Collective over the tensor-parallel group when some tensor has explicit rows (its global
     size along dim 0 is the largest row any rank holds, plus one)."""
     tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
+    ep_rank, _, etp_rank, etp = _expert_ranks()
     entries: List[Tuple[TensorLayout, torch.Tensor]] = []
     rows_sizes: List[Tuple[int, int]] = []  # (entry index, local max row + 1)
     for chunk in _chunks(model):
         offsets = _layer_offsets(chunk)
-        for key, value in chunk.state_dict(keep_vars=True).items():
-            if not torch.is_tensor(value):
-                continue  # _extra_state entries without data
+        tensors = {_global_name(key, offsets): value for key, value in chunk.state_dict(keep_vars=True).items()
+                   if torch.is_tensor(value)}  # (not _extra_state entries without data)
+        experts = global_expert_names(list(tensors), ep_rank)
+        for local_name, value in tensors.items():
             local_shape = tuple(value.shape)
-            name = _global_name(key, offsets)
+            name = experts.get(local_name, local_name)
             save = True
             if getattr(value, "shared_embedding", False):
                 name, save = "embedding.word_embeddings.weight", False
             elif getattr(value, "pipeline_copy", False):  # held (and saved) by an earlier stage too
                 save = False
-            if tp > 1 and is_tensor_parallel(value):
-                dim = int(getattr(value, "partition_dim"))
-                indices = partition_indices(value, local_shape[dim], tp, rank)
-                runs = index_runs(indices)
-                replicated_rows = getattr(value, "replicated_kv_rows", None)
-                if replicated_rows is not None:  # K/V rows other ranks also hold: always a box of their own
-                    runs = split_runs(runs, replicated_rows[:2])
-                global_shape = list(local_shape)
-                if getattr(value, "partition_rows", None) is not None:
-                    rows_sizes.append((len(entries), max(indices) + 1))
-                else:
-                    global_shape[dim] = local_shape[dim] * tp
-                entries.append((TensorLayout(name, local_shape, tuple(global_shape), dim, runs, save), value))
+            size, split_rank = (etp, etp_rank) if local_name in experts else (tp, rank)
+            if size > 1 and is_tensor_parallel(value):
+                layout, rows_size = _split_layout(name, value, save, size, split_rank)
+                if rows_size is not None:
+                    rows_sizes.append((len(entries), rows_size))
+                entries.append((layout, value))
             else:
                 runs = [(0, 0, local_shape[0])] if local_shape else []
                 entries.append((TensorLayout(name, local_shape, local_shape, 0, runs, save), value))

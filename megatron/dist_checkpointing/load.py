@@ -26,7 +26,7 @@ from megatron.dist_checkpointing.layout import (
     optimizer_kind,
 )
 from megatron.dist_checkpointing.dcp_io import _LoadPlanner, _SafeReader, _load_bytes, read_dcp_metadata
-from megatron.dist_checkpointing.save import _rng_key, _sizes, maybe_finalize_async_save
+from megatron.dist_checkpointing.save import _rng_key, _sizes, maybe_finalize_async_save, saved_sizes
 
 # ============================================================================ load
 
@@ -179,8 +179,8 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
             error, finish_optimizer = _optimizer_targets(optimizer, common["optimizer"], layouts, metadata, state,
                                                          base_dir)
     rng_key = _rng_key()
-    sizes = _sizes()
-    same_layout = all(content.get(k) == v for k, v in sizes.items())
+    sizes, saved = _sizes(), saved_sizes(content)
+    same_layout = saved == sizes
     if load_rng:
         if not content.get("rng"):
             error = error or (f"checkpoint {base_dir} has no RNG state (saved with --no-save-rng?); pass "
@@ -189,11 +189,8 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
             state[rng_key] = b""
         else:
             _print_rank_0(
-                f"WARNING: the RNG states in {base_dir} were saved at tensor/pipeline/data-parallel sizes "
-                f"{content.get('tensor_model_parallel_size')}/{content.get('pipeline_model_parallel_size')}/"
-                f"{content.get('data_parallel_size')}, this run has {sizes['tensor_model_parallel_size']}/"
-                f"{sizes['pipeline_model_parallel_size']}/{sizes['data_parallel_size']}: keeping this run's "
-                "fresh RNG state")
+                f"WARNING: the RNG states in {base_dir} were saved at {_describe_sizes(saved, sizes)}, "
+                f"this run has {_describe_sizes(sizes, saved, values_only=True)}: keeping this run's fresh RNG state")
     error = _gather_errors(error or _check_requests(state, metadata, base_dir))
     if error is not None:
         raise CheckpointError(error)
@@ -225,12 +222,22 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
             setattr(args, name, getattr(saved_args, name, 0))
     if dist.is_initialized():
         dist.barrier()
-    _print_rank_0(f"  successfully loaded checkpoint from {load_dir} [torch_dist, saved at tensor/pipeline/"
-                  f"data-parallel sizes {content.get('tensor_model_parallel_size')}/"
-                  f"{content.get('pipeline_model_parallel_size')}/{content.get('data_parallel_size')}, read at "
-                  f"{sizes['tensor_model_parallel_size']}/{sizes['pipeline_model_parallel_size']}/"
-                  f"{sizes['data_parallel_size']}] at iteration {iteration}")
+    _print_rank_0(f"  successfully loaded checkpoint from {load_dir} [torch_dist, saved at "
+                  f"{_describe_sizes(saved, sizes)}, read at {_describe_sizes(sizes, saved, values_only=True)}] "
+                  f"at iteration {iteration}")
     return iteration, float(common.get("num_floating_point_operations_so_far", 0.0))
+
+
+def _describe_sizes(sizes: Dict[str, Any], other: Dict[str, Any], values_only: bool = False) -> str:
+    """'tensor/pipeline/data-parallel sizes 2/2/2', with the expert(-tensor)-parallel sizes too
+    when either side is expert parallel ('.../expert/expert-tensor-parallel sizes 2/2/2/2/2')."""
+    names = ["tensor", "pipeline", "data"]
+    keys = ["tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size"]
+    if any(s.get("expert_model_parallel_size", 1) != 1 for s in (sizes, other)):
+        names += ["expert", "expert-tensor"]
+        keys += ["expert_model_parallel_size", "expert_tensor_parallel_size"]
+    values = "/".join(str(sizes.get(key)) for key in keys)
+    return values if values_only else f"{'/'.join(names)}-parallel sizes {values}"
 
 
 def _optimizer_targets(optimizer: Any, saved: Dict[str, Any], layouts: List[Tuple[TensorLayout, torch.Tensor]],

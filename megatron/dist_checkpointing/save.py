@@ -31,7 +31,7 @@ from megatron.dist_checkpointing.common import (
     _CONTENT_FORMAT, _TRACKER_NAME, _print_rank_0, _rank, _world, iteration_dir, partial_dir,
 )
 from megatron.dist_checkpointing.layout import (
-    GlobalTensor, TensorLayout, _entry_boxes, _inner, _optimizer_step, model_layouts, optimizer_entries,
+    GlobalTensor, TensorLayout, _entry_boxes, _expert_ranks, _inner, _optimizer_step, model_layouts, optimizer_entries,
     optimizer_kind,
 )
 from megatron.dist_checkpointing.dcp_io import _SavePlanner
@@ -90,11 +90,26 @@ def _state_to_save(model: Any, optimizer: Any, args: argparse.Namespace, rng_sta
 
 
 def _sizes() -> Dict[str, int]:
+    """The parallel sizes common.pt records (the RNG states load only where they all match)."""
     if not parallel_state.model_parallel_is_initialized():
-        return {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": _world()}
+        return {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": _world(),
+                "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1}
+    _, ep, _, etp = _expert_ranks()
     return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
-            "data_parallel_size": parallel_state.get_data_parallel_world_size()}
+            "data_parallel_size": parallel_state.get_data_parallel_world_size(),
+            "expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
+
+
+def saved_sizes(content: Dict[str, Any]) -> Dict[str, int]:
+    """The sizes of _sizes() as common.pt's content records them (checkpoints written before
+    expert parallelism: EP 1, ETP = TP)."""
+    sizes = {key: content.get(key) for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                                "data_parallel_size")}
+    sizes["expert_model_parallel_size"] = content.get("expert_model_parallel_size", 1)
+    sizes["expert_tensor_parallel_size"] = content.get("expert_tensor_parallel_size",
+                                                       sizes["tensor_model_parallel_size"])
+    return sizes
 
 
 def _rng_key() -> str:
