@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -43,6 +44,10 @@ _SHAPE_ARGS: Tuple[Tuple[str, str], ...] = (
     ("rotary_percent", "--rotary-percent"),
     ("rotary_interleaved", "--rotary-interleaved"),
     ("bert_post_layernorm", "--bert-post-layernorm"),
+    ("num_experts", "--num-experts"),
+    ("moe_layer_freq", "--moe-layer-freq"),
+    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
 )
 # Also taken from the checkpoint by load_args_from_checkpoint, but not compared on load: the
 # rotary base and scaling are what a long-context fine-tune changes on purpose.
@@ -51,6 +56,8 @@ _ARCH_ARGS: Tuple[str, ...] = (
     "apply_residual_connection_post_layernorm", "openai_gelu", "tokenizer_type",
     "make_vocab_size_divisible_by", "seq_length", "group_query_attention",
     "rotary_base", "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor",
+    "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_token_dispatcher_type",
+    "moe_grouped_gemm",
 )
 # Paths from the machine that saved the checkpoint: used only when this run gives none.
 _PATH_ARGS: Tuple[str, ...] = ("vocab_file", "merge_file", "tokenizer_model")
@@ -66,6 +73,10 @@ def _effective(attr: str, ns: argparse.Namespace) -> Any:
         return None  # the QKV projection has its bias either way; add_bias_linear is compared
     if attr.startswith("rotary_") and getattr(ns, "position_embedding_type", None) != "rope":
         return None
+    if attr.startswith("moe_") and getattr(ns, "num_experts", None) is None:
+        return None  # a dense model: the MoE settings shape nothing
+    if attr == "moe_ffn_hidden_size" and value is None:
+        return getattr(ns, "ffn_hidden_size", None)  # the experts' default
     return value
 
 
@@ -96,13 +107,20 @@ def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Na
                               + " (use --use-checkpoint-args to take the checkpoint's)")
 
 
+def _expert_tensor_parallel_size(ns: argparse.Namespace) -> Any:
+    """--expert-tensor-parallel-size, None meaning the tensor-parallel size (Megatron's default)."""
+    etp = getattr(ns, "expert_tensor_parallel_size", None)
+    return etp if etp is not None else getattr(ns, "tensor_model_parallel_size", 1)
+
+
 def check_parallel_layout(checkpoint_args: argparse.Namespace, args: argparse.Namespace,
                           checkpoint_name: str) -> None:
-    """Raise CheckpointError when the checkpoint was saved at other tensor/pipeline sizes.
+    """Raise CheckpointError when the checkpoint was saved at other tensor/pipeline/expert sizes.
 
-    Each file holds one rank's shards; loading it at another layout would mis-assign rows.
-    (The padded vocabulary also depends on the TP size, so this check comes first, with the
-    message that says what actually differs.)
+    Each file holds one rank's shards (one expert-parallel rank's experts, numbered locally);
+    loading it at another layout would mis-assign rows or experts. (The padded vocabulary also
+    depends on the TP size, so this check comes first, with the message that says what
+    actually differs.)
     """
     # (virtual_pipeline_model_parallel_size is derived from either virtual-stage flag; None means
     # no interleaving, and the message then says "no --num-virtual-stages-per-pipeline-rank")
@@ -119,6 +137,19 @@ def check_parallel_layout(checkpoint_args: argparse.Namespace, args: argparse.Na
                                   "sizes it was saved with (resharding is the checkpoint converter's job: "
                                   "tools/checkpoint/convert.py --target-tensor-parallel-size N "
                                   "--target-pipeline-parallel-size M)")
+    if getattr(checkpoint_args, "num_experts", None) is None or getattr(args, "num_experts", None) is None:
+        return  # a dense model (or a shape mismatch, which check_checkpoint_args names)
+    for label, read in (("--expert-model-parallel-size", lambda ns: getattr(ns, "expert_model_parallel_size", 1)),
+                        ("--expert-tensor-parallel-size", _expert_tensor_parallel_size)):
+        saved, current = read(checkpoint_args), read(args)
+        if saved != current:
+            folder = os.path.dirname(os.path.dirname(checkpoint_name))  # (every rank names the same one)
+            raise CheckpointError(f"checkpoint {folder} was saved with {label} {saved} but this run "
+                                  f"has {label} {current}; a legacy (--ckpt-format torch) checkpoint holds each "
+                                  "expert-parallel rank's experts in its own mp_rank_* folder and loads only at "
+                                  f"the {label} it was saved with (save with --ckpt-format torch_dist to load "
+                                  "at any expert-parallel size, or convert it: tools/checkpoint/convert.py "
+                                  "--target-expert-parallel-size N)")
 
 
 def _carries_no_data(value: Any) -> bool:

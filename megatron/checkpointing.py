@@ -215,9 +215,10 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
                     opt_param_scheduler: Any, args: argparse.Namespace,
                     num_floating_point_operations_so_far: float = 0.0) -> None:
     """Save model, optimizer, scheduler and RNG state to args.save at `iteration`, then the
-    checksum manifest, then point the tracker at it. Data-parallel rank 0 writes this
-    (tp, pp, ep) coordinate's file. A failed write raises CheckpointError on every rank, naming
-    the file and the errno, with the tracker still naming the previous checkpoint."""
+    checksum manifest, then point the tracker at it. Data-parallel rank 0 (expert-data-parallel
+    rank 0 at EP > 1) writes this (tp, pp, ep) coordinate's file. A failed write raises
+    CheckpointError on every rank, naming the file and the errno, with the tracker still naming
+    the previous checkpoint."""
     save_dir = getattr(args, "save", None)
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a checkpoint directory (--save)")
@@ -234,7 +235,8 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
     rng_state = get_rng_state()
     checkpoint_name = get_checkpoint_name(save_dir, iteration)
     base_dir = get_checkpoint_name(save_dir, iteration, return_base_dir=True)
-    writes_model = not dist.is_initialized() or parallel_state.get_data_parallel_rank() == 0
+    _refuse_split_experts(args)
+    writes_model = _writes_model_file()
     # Distributed optimizer: its shards are gathered (a collective over the data-parallel group)
     # and DP rank 0 writes them, unpadded per parameter, next to the model file.
     distributed = (getattr(optimizer, "save_parameter_state", None) is not None
@@ -268,6 +270,33 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
                               f"{_intact_note(save_dir)}") from local_error(failures)
     _print_rank_0("  successfully saved checkpoint from iteration {:7d} to {}".format(
         iteration, save_dir))
+
+
+def _writes_model_file() -> bool:
+    """Whether this rank writes its mp_rank_* folder's model file: data-parallel rank 0 (one per
+    tensor/pipeline rank), or under expert parallelism expert-data-parallel rank 0 (Megatron's
+    rule: the dense data-parallel group then spans expert ranks holding different experts, and
+    the ranks that share a tensor, pipeline and expert rank form one expert-data-parallel group)."""
+    if not dist.is_initialized():
+        return True
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return parallel_state.get_expert_data_parallel_rank() == 0
+    return parallel_state.get_data_parallel_rank() == 0
+
+
+def _refuse_split_experts(args: argparse.Namespace) -> None:
+    """A folder is named by tensor, pipeline and expert rank only: experts split over an expert
+    tensor-parallel size other than the tensor-parallel one have no file of their own."""
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    etp_size = getattr(parallel_state, "get_expert_tensor_parallel_world_size", None)
+    tp, etp = parallel_state.get_tensor_model_parallel_world_size(), etp_size() if etp_size else None
+    if etp is None or etp == tp:
+        return
+    if getattr(args, "num_experts", None) is not None:  # (args, not this stage's layers: every rank refuses)
+        raise CheckpointError(f"--ckpt-format torch keeps one file per tensor/pipeline/expert rank and cannot hold "
+                              f"experts split over --expert-tensor-parallel-size {etp} while "
+                              f"--tensor-model-parallel-size is {tp}: save with --ckpt-format torch_dist")
 
 
 def _prepare_folders(save_dir: str, checkpoint_name: str, makes_folder: bool,
