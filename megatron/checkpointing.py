@@ -289,9 +289,9 @@ def _refuse_split_experts(args: argparse.Namespace) -> None:
     tensor-parallel size other than the tensor-parallel one have no file of their own."""
     if not parallel_state.model_parallel_is_initialized():
         return
-    etp_size = getattr(parallel_state, "get_expert_tensor_parallel_world_size", None)
-    tp, etp = parallel_state.get_tensor_model_parallel_world_size(), etp_size() if etp_size else None
-    if etp is None or etp == tp:
+    tp, etp = (parallel_state.get_tensor_model_parallel_world_size(),
+               parallel_state.get_expert_tensor_parallel_world_size())
+    if etp == tp:
         return
     if getattr(args, "num_experts", None) is not None:  # (args, not this stage's layers: every rank refuses)
         raise CheckpointError(f"--ckpt-format torch keeps one file per tensor/pipeline/expert rank and cannot hold "

@@ -164,15 +164,8 @@ def _expert_ranks() -> Tuple[int, int, int, int]:
     """(ep rank, ep size, etp rank, etp size) of this rank; all trivial without parallel_state."""
     if not parallel_state.model_parallel_is_initialized():
         return 0, 1, 0, 1
-    ep_rank = parallel_state.get_expert_model_parallel_rank()
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    if hasattr(parallel_state, "get_expert_tensor_parallel_world_size"):
-        etp_rank = parallel_state.get_expert_tensor_parallel_rank()
-        etp = parallel_state.get_expert_tensor_parallel_world_size()
-    else:  # TODO(expertdp): drop once parallel_state has the expert tensor-parallel group on main
-        etp_rank = parallel_state.get_tensor_model_parallel_rank()
-        etp = parallel_state.get_tensor_model_parallel_world_size()
-    return ep_rank, max(ep, 1), etp_rank, max(etp, 1)
+    return (parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size())
 
 
 def global_expert_names(keys: Sequence[str], ep_rank: int) -> Dict[str, str]:

@@ -1,6 +1,6 @@
 """Checkpoints of a GPT with MoE layers at expert parallelism: torch_dist names the experts globally,
 so a checkpoint saved by 4 gloo ranks at EP=2 (DP=4, expert DP=2, the distributed optimizer, Adam)
-loads at EP=1, EP=4, TP=2 x EP=2 (ETP=2) and PP=2 x EP=2 with every global tensor (weights and optimizer state) equal
+loads at EP=1, EP=4, TP=2 x EP=2 (ETP=2 and 1) and PP=2 x EP=2 with every global tensor (weights and optimizer state) equal
 to the saved one and the next iteration's loss equal to the uninterrupted run's. The classic
 (torch) format keeps one folder per expert rank (mp_rank_00_00E): it resumes exactly at EP=2 and
 refuses another EP in one line. Every rank runs pretrain_gpt (or the training API) in the shared
@@ -115,8 +115,9 @@ def test_experts_are_saved_under_global_names(saved):
     (*DISTOPT,),
     ("--expert-model-parallel-size", "4", *DISTOPT),
     ("--tensor-model-parallel-size", "2", "--sequence-parallel", *EP2),
+    ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", *EP2),
     ("--pipeline-model-parallel-size", "2", *EP2, *DISTOPT),
-], ids=["ep1", "ep4", "tp2-ep2-etp2", "pp2-ep2"])
+], ids=["ep1", "ep4", "tp2-ep2-etp2", "tp2-ep2-etp1", "pp2-ep2"])
 def test_loads_at_another_expert_layout_with_the_same_state_and_losses(dist_pool, saved, layout, tmp_path):
     ckpt, losses = saved
     again = tmp_path / "again"
