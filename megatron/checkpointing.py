@@ -5,6 +5,8 @@
       iter_0000010/                       'iter_{:07d}', or 'release/' for release checkpoints
         mp_rank_00/model_optim_rng.pt     TP rank 00 (PP = 1, EP = 1)
         mp_rank_01_003/...                TP 01, PP 003 when PP > 1; '_{ep:03d}' added when EP > 1
+                                          (that expert rank's experts, numbered locally, written by
+                                          expert-data-parallel rank 0; loads only at the same EP/ETP)
         mp_rank_00/distrib_optim.pt       --use-distributed-optimizer: the fp32 main params and Adam
                                           moments of every parameter of this (TP, PP) rank, gathered
                                           from the data-parallel shards and stored unpadded, so a run

@@ -35,6 +35,11 @@ of consecutive global indices along the partition dim and each run is one box (D
     QKV rows, t = r ng          two boxes: its query heads, and its group's K and V rows (the same
                                 box on the r ranks that replicate them)
 
+Experts (MoE layers) are named globally: local expert i of expert-parallel rank r (E/EP experts
+per rank) is saved as decoder.layers.N.mlp.experts.local_experts.{r E/EP + i}.*, and its slice
+over the expert tensor-parallel group is described as above with ETP's size and rank (never
+TP's), so the experts' global tensors are the EP = 1, ETP = 1 ones and load at any EP / ETP.
+
 So the global tensors keep exactly the TP = 1 shapes (no [2, ffn, h] view is needed) and a
 box that several ranks hold (DP replicas, replicated K/V rows, norms) is written once: DCP
 deduplicates write items with the same key and offsets. The distributed optimizer's state is
@@ -47,8 +52,8 @@ embedding.word_embeddings.weight.
 
 common.pt: args, checkpoint_version 3.0, iteration, opt_param_scheduler, optimizer (kind,
 step, grad_scaler, param_groups of rank 0 for information), num_floating_point_operations_so_far,
-and `content` (who wrote it: layout version, the TP / PP / DP / VPP sizes, distributed optimizer,
-what was saved). It is read with checkpoint_safety.load_file; DCP's .metadata is a pickle that
+and `content` (who wrote it: layout version, the TP / PP / DP / VPP / EP / ETP sizes, distributed
+optimizer, what was saved). It is read with checkpoint_safety.load_file; DCP's .metadata is a pickle that
 torch reads with plain pickle.load, so it is read here with an unpickler that builds only DCP's
 metadata classes, torch dtypes / sizes and paths (anything else is refused by name); the
 .distcp pieces are read by DCP with torch.load(weights_only=True); the RNG bytes with the
@@ -56,7 +61,7 @@ allow-list of checkpoint_safety.
 
 Loading reads, at the CURRENT layout, the boxes of this rank's tensors with DCP (its
 FileSystemReader and a load planner that intersects them with the saved boxes): no conversion
-step. The RNG states load only when the TP / PP / DP sizes equal the saved ones (else a warning
+step. The RNG states load only when the TP / PP / DP / EP / ETP sizes equal the saved ones (else a warning
 and the fresh RNG, as Megatron's rng ShardedObjects). The padded vocabulary must match.
 
 Saving: every rank plans (DCP's planner: the collective that dedups and validates the boxes),
