@@ -61,8 +61,8 @@ allow-list of checkpoint_safety.
 
 Loading reads, at the CURRENT layout, the boxes of this rank's tensors with DCP (its
 FileSystemReader and a load planner that intersects them with the saved boxes): no conversion
-step. The RNG states load only when the TP / PP / DP / EP / ETP sizes equal the saved ones (else a warning
-and the fresh RNG, as Megatron's rng ShardedObjects). The padded vocabulary must match.
+step. The RNG states load only when the TP / PP / DP / EP / ETP sizes equal the saved ones (else a
+warning and the fresh RNG, as Megatron's rng ShardedObjects). The padded vocabulary must match.
 
 Saving: every rank plans (DCP's planner: the collective that dedups and validates the boxes),
 then writes its file into <save>/.iter_XXXXXXX.partial/; once every rank reported its files
