@@ -130,3 +130,19 @@ def test_the_moe_shape_is_compared():
     with pytest.raises(CheckpointError, match="--num-experts 4 but this run has --num-experts 8"):
         check_checkpoint_args(_args(), _args(num_experts=8), "ckpt")
     check_checkpoint_args(_args(num_experts=None, moe_layer_freq=1), _args(num_experts=None, moe_layer_freq=2), "ckpt")
+
+
+def test_the_classic_format_refuses_experts_split_over_another_etp(monkeypatch, tmp_path):
+    from megatron import checkpointing
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_world_size", lambda: 2)
+    args = argparse.Namespace(save=str(tmp_path), ckpt_format="torch", num_experts=4)
+    with pytest.raises(CheckpointError) as refused:
+        checkpointing.save_checkpoint(1, [nn.Linear(2, 2)], None, None, args)
+    assert str(refused.value) == ("--ckpt-format torch keeps one file per tensor/pipeline/expert rank and cannot hold "
+                                  "experts split over --expert-tensor-parallel-size 2 while "
+                                  "--tensor-model-parallel-size is 1: save with --ckpt-format torch_dist")
+    assert list(tmp_path.iterdir()) == []  # refused before anything is written
