@@ -1,6 +1,6 @@
 """Checkpoints of a GPT with MoE layers at expert parallelism: torch_dist names the experts
 globally, so a checkpoint saved by 4 gloo ranks at EP=2 (DP=4, expert DP=2, the distributed
-optimizer sharding the experts over expert DP, Adam) loads at EP=1, EP=4, TP=2 x EP=2 (ETP=2 and
+optimizer sharding the experts over expert DP, Adam) loads at EP=1, EP=4 (with --moe-grouped-gemm), TP=2 x EP=2 (ETP=2 and
 1; a plain optimizer) and PP=2 x EP=2 with every global tensor (weights and optimizer state) equal
 to the saved one and the next iteration's loss equal to the uninterrupted run's. The classic
 (torch) format keeps one folder per expert rank (mp_rank_00_00E, with its distrib_optim.pt): it
@@ -114,11 +114,11 @@ def test_experts_are_saved_under_global_names(saved):
 
 @pytest.mark.parametrize("layout", [
     (*DISTOPT,),
-    ("--expert-model-parallel-size", "4", *DISTOPT),
+    ("--expert-model-parallel-size", "4", "--moe-grouped-gemm", *DISTOPT),
     ("--tensor-model-parallel-size", "2", "--sequence-parallel", *EP2),  # (and a plain optimizer)
     ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1", *EP2),
     ("--pipeline-model-parallel-size", "2", *EP2, *DISTOPT),
-], ids=["ep1", "ep4", "tp2-ep2-etp2", "tp2-ep2-etp1", "pp2-ep2"])
+], ids=["ep1", "ep4-grouped-gemm", "tp2-ep2-etp2", "tp2-ep2-etp1", "pp2-ep2"])
 def test_loads_at_another_expert_layout_with_the_same_state_and_losses(dist_pool, saved, layout, tmp_path):
     ckpt, losses = saved
     again = tmp_path / "again"
