@@ -1,11 +1,11 @@
 """Checkpoints of a GPT with MoE layers at expert parallelism: torch_dist names the experts
 globally, so a checkpoint saved by 4 gloo ranks at EP=2 (DP=4, expert DP=2, the distributed
-optimizer sharding the experts over expert DP, Adam) loads at EP=1, EP=4 (with --moe-grouped-gemm), TP=2 x EP=2 (ETP=2 and
-1; a plain optimizer) and PP=2 x EP=2 with every global tensor (weights and optimizer state) equal
-to the saved one and the next iteration's loss equal to the uninterrupted run's. The classic
-(torch) format keeps one folder per expert rank (mp_rank_00_00E, with its distrib_optim.pt): it
-resumes exactly at EP=2 and refuses another EP in one line. Every rank runs pretrain_gpt (or the
-training API) in the shared 4-rank pool.
+optimizer sharding the experts over expert DP, Adam) loads at EP=1, EP=4 (--moe-grouped-gemm),
+TP=2 x EP=2 (ETP=2 and 1; a plain optimizer) and PP=2 x EP=2 with every global tensor (weights
+and optimizer state) equal to the saved one and the next iteration's loss equal to the
+uninterrupted run's. The classic (torch) format keeps one folder per expert rank
+(mp_rank_00_00E, with its distrib_optim.pt): it resumes exactly at EP=2 and refuses another EP
+in one line. Every rank runs pretrain_gpt (or the training API) in the shared 4-rank pool.
 """
 
 from __future__ import annotations
