@@ -19,7 +19,8 @@ from megatron.checkpoint_safety import CheckpointError
 from megatron.core.atomic_io import atomic_write
 from megatron.dist_checkpointing import read_dcp_metadata
 
-FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--ffn-hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "8",
+FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--ffn-hidden-size", "32", "--num-attention-heads", "2",
+         "--seq-length", "8",
          "--max-position-embeddings", "8", "--micro-batch-size", "1", "--global-batch-size", "4",
          "--lr", "1e-2", "--lr-decay-style", "constant", "--seed", "1234", "--mock-data",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "63", "--make-vocab-size-divisible-by", "32",
@@ -65,7 +66,8 @@ def _load_and_save(argv, save_dir):
 
     try:
         initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, argv=list(argv))
-        model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
+        model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider,
+                                                                ModelType.encoder_or_decoder)
         args = get_args()
         args.save = save_dir
         dist_checkpointing.save_checkpoint(args.iteration, model, optimizer, scheduler, args)
