@@ -22,7 +22,8 @@ LOG_LINE = re.compile(
     r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] "  # Megatron's local-time prefix
     r"iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): [\d.]+ \| "
     r"throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| learning rate: (\S+) \| global batch size: +(\d+) \| "
-    r"(?:lm loss: (\S+) \| )?loss scale: ([\d.]+) \| (?:grad norm: ([\d.]+|nan|inf) \| )?"
+    r"(?:lm loss: (\S+) \| )?(?:(?:seq_)?load_balancing_loss: \S+ \| )?(?:z_loss: \S+ \| )?"  # MoE's
+    r"loss scale: ([\d.]+) \| (?:grad norm: ([\d.]+|nan|inf) \| )?"
     r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$")
 
 
