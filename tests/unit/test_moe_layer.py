@@ -325,3 +325,23 @@ def test_moe_layer_freq_puts_moe_mlps_where_megatron_does():
 def test_bad_moe_settings_are_refused_in_one_line(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         _config(**overrides)
+
+
+def test_full_recompute_gives_the_same_gradients_and_records_each_loss_once():
+    def run(**recompute):
+        torch.manual_seed(5)
+        config = _config(num_layers=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, **recompute)
+        model = GPTModel(config, vocab_size=64, max_sequence_length=8, position_embedding_type="rope")
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(6))
+        model(tokens, None, labels=tokens).mean().backward()
+        stats = aux_losses.collect(["load_balancing_loss", "z_loss"], 2, E, 1, 1)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, stats
+
+    plain, plain_stats = run()
+    recomputed, stats = run(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for name in ("load_balancing_loss", "z_loss"):
+        torch.testing.assert_close(stats.losses[name], plain_stats.losses[name])
+        assert (stats.losses[name] > 0).all()
+    assert torch.equal(stats.routed, plain_stats.routed)
