@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint_safety import CheckpointError, load_file
-from megatron.convert import huggingface
+from megatron.convert import huggingface, mixtral
 from megatron.convert import t5 as t5_convert
 from megatron.convert.layout_rules import is_vocab_tensor, padded_vocab_size
 from megatron.core.atomic_io import atomic_write
@@ -134,10 +134,20 @@ class HFCheckpoint:
         actual = self._actual_name(name)
         if actual is None:
             raise CheckpointError(f"{self.path}: tensor {name} is missing from the weights")
+        view = None if actual == name or actual in huggingface.HF_ALIASES else mixtral.fused_view(name)
+        if view is not None:  # one expert of a fused tensor (transformers 5's Mixtral modules)
+            _, expert, take = view
+            return take(self._read(actual, expert))
+        return self._read(actual)
+
+    def _read(self, actual: str, index: Optional[int] = None) -> torch.Tensor:
+        """The file tensor `actual`, or its slice [index] (read alone from a safetensors file)."""
         file = self.weight_map[actual]
         if file.endswith(".safetensors"):
-            return self._handle(file).get_tensor(actual)
-        return self._bin_shard(file)[actual]
+            handle = self._handle(file)
+            return handle.get_tensor(actual) if index is None else handle.get_slice(actual)[index]
+        tensor = self._bin_shard(file)[actual]
+        return tensor if index is None else tensor[index]
 
     def _actual_name(self, name: str) -> Optional[str]:
         if name in self.weight_map:
@@ -145,6 +155,9 @@ class HFCheckpoint:
         for old, new in huggingface.HF_ALIASES.items():
             if new == name and old in self.weight_map:
                 return old
+        view = mixtral.fused_view(name)
+        if view is not None and view[0] in self.weight_map:
+            return view[0]
         return None
 
     def rules(self) -> List[huggingface.WeightRule]:
@@ -156,6 +169,7 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: the weights lack {len(missing)} tensor(s) the "
                                   f"{self.config.model_type} mapping needs: {', '.join(missing[:4])}")
         present = {huggingface.HF_ALIASES.get(k, k) for k in self.weight_map}
+        needed |= {self._actual_name(name) for name in needed}  # a fused tensor stands for its experts'
         extra = sorted(k for k in present - needed
                        if not huggingface.IGNORED_HF_KEYS.search(k) and k not in self._tied_copies())
         if extra:
@@ -243,10 +257,14 @@ ARCHITECTURE_FLAGS = {
     "swiglu": "--swiglu", "squared_relu": "--squared-relu", "apply_layernorm_1p": "--apply-layernorm-1p",
     "qk_layernorm": "--qk-layernorm", "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
+    "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
+    "moe_ffn_hidden_size": "--moe-ffn-hidden-size", "moe_router_pre_softmax": "--moe-router-pre-softmax",
 }
 # Settings of training, not of the model: taken from the HF config only when not given.
 TRAINING_FLAGS = {"hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout",
-                  "init_method_std": "--init-method-std", "bias_gelu_fusion": "--no-bias-gelu-fusion"}
+                  "init_method_std": "--init-method-std", "bias_gelu_fusion": "--no-bias-gelu-fusion",
+                  "moe_aux_loss_coeff": "--moe-aux-loss-coeff",
+                  "moe_router_load_balancing_type": "--moe-router-load-balancing-type"}
 
 
 def hf_arg_values(hf_config: Any) -> Dict[str, Any]:
@@ -282,6 +300,12 @@ def hf_arg_values(hf_config: Any) -> Dict[str, Any]:
     )
     if config.get("bias_gelu_fusion") is False:  # the erf GeLU: the fused bias-GeLU is the tanh one
         values["bias_gelu_fusion"] = False
+    if config.get("num_moe_experts"):  # Mixtral: Megatron's --num-experts etc. (dest names)
+        values.update(num_experts=config["num_moe_experts"], moe_router_topk=config["moe_router_topk"],
+                      moe_ffn_hidden_size=config["moe_ffn_hidden_size"],
+                      moe_router_pre_softmax=config["moe_router_pre_softmax"],
+                      moe_router_load_balancing_type=config["moe_router_load_balancing_type"],
+                      moe_aux_loss_coeff=config["moe_aux_loss_coeff"])
     return values
 
 

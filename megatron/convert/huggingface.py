@@ -28,7 +28,8 @@ GPT2LMHeadModel. HF's Conv1D stores a weight as [in, out]: transposed to our [ou
     transformer.ln_f.*                   decoder.final_layernorm.*
     lm_head.weight                       output_layer.weight (untied only; tied it repeats wte)
 
-LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM.
+LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (and MixtralForCausalLM's dense part: its MoE
+MLPs are in megatron/convert/mixtral.py).
     model.embed_tokens.weight                 embedding.word_embeddings.weight
     model.layers.{i}.input_layernorm.weight   L.input_layernorm.weight
     model.layers.{i}.self_attn.{q,k,v}_proj.weight  L.self_attention.linear_qkv.weight: per query group g
@@ -283,7 +284,7 @@ def _llama_biases(c: Any) -> tuple[bool, bool]:
     """(add_qkv_bias, add_bias_linear) of a Llama-family config."""
     if c.model_type == "qwen2":
         return True, False  # Qwen2: biases on q, k, v only
-    if c.model_type == "mistral":
+    if c.model_type in ("mistral", "mixtral"):
         return False, False
     attention_bias, mlp_bias = bool(getattr(c, "attention_bias", False)), bool(getattr(c, "mlp_bias", False))
     _refuse(attention_bias != mlp_bias,
@@ -384,6 +385,7 @@ ARCHITECTURES = {  # by HF model_type
 }
 from megatron.convert import bert as _bert  # noqa: E402  (it reads this module's helpers at call time)
 from megatron.convert import t5 as _t5  # noqa: E402  (likewise)
+from megatron.convert import mixtral as _mixtral  # noqa: E402  (likewise)
 
 ARCHITECTURES.update({
     "megatron-bert": _Architecture(_bert.ARCHITECTURE, _bert.bert_config, _bert.bert_rules,
@@ -391,6 +393,8 @@ ARCHITECTURES.update({
     "bert": _Architecture(_bert.POST_LN_ARCHITECTURE, _bert.bert_config, _bert.bert_rules,
                           "bert.embeddings.word_embeddings.weight", family="BERT"),
     "t5": _Architecture(_t5.ARCHITECTURE, _t5.t5_config, _t5.t5_rules, _t5.EMBEDDING, family="T5"),
+    "mixtral": _Architecture(_mixtral.ARCHITECTURE, _mixtral.mixtral_config, _mixtral.mixtral_rules,
+                             "model.embed_tokens.weight"),
 })
 MODEL_CLASSES = {"GPT": "GPTModel", "BERT": "BertModel", "T5": "T5Model"}  # our model of each family
 
@@ -426,6 +430,8 @@ def state_dict_from_hf(hf_state_dict: dict[str, Tensor], hf_config: Any) -> dict
     """Our full (TP = 1) state dict from an HF model's state dict (tensors that need no change are shared)."""
     arch = _architecture(hf_config)
     hf = {HF_ALIASES.get(k, k): t for k, t in hf_state_dict.items()}
+    if hf_config.model_type == "mixtral":  # transformers 5's fused experts -> the per-expert names
+        hf = _mixtral.unfuse(hf)
     ours, used = {}, set()
     for rule in arch.rules(hf_config):
         missing = [k for k in rule.hf if k not in hf]
@@ -464,6 +470,8 @@ def state_dict_to_hf(our_state_dict: dict[str, Tensor], hf_config: Any) -> dict[
         hf.update(zip(rule.hf, (t.contiguous() for t in rule.to_hf(our_state_dict[rule.ours]))))
     for copy_, repeated in arch.tied_copies(hf_config).items():
         hf[copy_] = hf[repeated]
+    if hf_config.model_type == "mixtral":  # the module's names: its experts fused
+        hf = _mixtral.fuse(hf, int(hf_config.num_local_experts))
     return hf
 
 
@@ -517,6 +525,8 @@ def hf_config_from_args(args: Any, vocab_size: int) -> dict:
                       attention_dropout=float(args.attention_dropout), rope_parameters=rope_parameters)
         if not qwen2:
             config.update(attention_bias=bool(args.add_bias_linear), mlp_bias=bool(args.add_bias_linear))
+        if getattr(args, "num_experts", None):
+            return _mixtral.hf_mixtral_config_from_args(args, config)
         return config
     _refuse(args.swiglu or args.normalization != "LayerNorm" or not args.add_bias_linear or groups != heads
             or head_dim * heads != hidden,

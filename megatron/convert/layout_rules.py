@@ -13,6 +13,10 @@ saved args (np heads, ng query groups, hn head dim, t ranks; L. = decoder.layers
     L.self_attention.linear_proj.weight       columns, contiguous (row parallel)
     L.mlp.linear_fc1.{weight,bias}            rows, stride 2 with --swiglu ([gate_r ; up_r]), else 1
     L.mlp.linear_fc2.weight                   columns, contiguous (row parallel)
+    L.mlp.router.{weight,bias}                replicated (every rank routes all its tokens)
+    L.mlp.experts.local_experts.{e}.linear_fc1 / linear_fc2, L.mlp.shared_experts.linear_fc1 / fc2:
+                                              as the dense MLP's, t the expert-tensor-parallel size
+                                              for the experts (classic files: = TP; expert_key below)
     everything else                           replicated: norms, linear_proj / linear_fc2 biases,
                                               q/k layernorms, position embeddings
     BertModel (L. = encoder.layers.{i}.)      the same layers; output_layer.bias rows, contiguous
@@ -33,14 +37,16 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from megatron.model.attention import qkv_partition_rows
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(.+\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$")
 _REPLICATED = re.compile(r"(layernorm|norm)\.(weight|bias)$|^embedding\.(position|tokentype)_embeddings\.weight$"
                          r"|linear_(proj|fc2)\.bias$|^(lm_head\.(dense|layer_norm)|pooler\.dense|binary_head)\."
-                         r"|^(encoder|decoder)_relative_pos_emb\.relative_attention_bias\.weight$")
+                         r"|^(encoder|decoder)_relative_pos_emb\.relative_attention_bias\.weight$"
+                         r"|\.mlp\.router\.(weight|bias)$")
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias",
                  "lm_head.output_layer.weight", "lm_head.output_layer.bias")  # the last two: T5Model's
 
@@ -109,3 +115,15 @@ def padded_vocab_size(true_vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's padding: round up to a multiple of make_vocab_size_divisible_by x TP."""
     multiple = divisible_by * tp
     return -(-true_vocab_size // multiple) * multiple
+
+
+def expert_key(name: str) -> Optional[Tuple[str, int, str]]:
+    """(prefix, expert index, rest) of ...mlp.experts.local_experts.{e}.rest, else None."""
+    match = _EXPERT.match(name)
+    return (match.group(1), int(match.group(2)), match.group(3)) if match else None
+
+
+def renumber_expert(name: str, index: int) -> str:
+    """name with its expert index replaced (local <-> global: global = ep_rank * E / EP + local)."""
+    prefix, _, rest = expert_key(name)
+    return f"{prefix}{index}.{rest}"

@@ -40,6 +40,7 @@ from megatron.checkpointing import (
 from megatron.convert.layout_rules import (
     is_vocab_tensor, layer_index, padded_vocab_size, query_groups, renumber, tensor_layout,
 )
+from megatron.convert.expert_files import ExpertGrid, is_expert
 from megatron.convert.t5_stages import T5Stages, is_t5, split_problems
 from megatron.core.atomic_io import Checksum, atomic_write
 from megatron.convert.streaming_save import StreamingFile
@@ -218,6 +219,10 @@ class Source:
     def vp(self) -> int:
         return int(getattr(self.args, "virtual_pipeline_model_parallel_size", None) or 1)
 
+    @property
+    def experts(self) -> ExpertGrid:
+        return ExpertGrid.of(self.args)
+
 
 def open_source(load_dir: str, dialect: Dialect = OURS) -> Source:
     """The checkpoint the tracker of load_dir names, and its args (from the rank-0 file, in our terms)."""
@@ -261,14 +266,16 @@ def _read(path: str, load_dir: str, iteration: int, release: bool, dialect: Dial
     return state
 
 
-def _stage_models(source: Source, pp_rank: int, chunk: int) -> List[Dict[str, Any]]:
-    """The model state dicts (chunk `chunk`) of stage pp_rank's TP files; the rest (optimizer) is dropped."""
+def _stage_models(source: Source, pp_rank: int, chunk: int, ep_rank: int = 0) -> List[Dict[str, Any]]:
+    """The model state dicts (chunk `chunk`) of stage pp_rank's TP files of EP rank ep_rank; the
+    rest (optimizer) is dropped."""
     key = "model" if source.vp == 1 else f"model{chunk}"
     models = []
+    ep = source.experts.ep
     for rank in range(source.tp):
         path = get_checkpoint_name(source.load_dir, source.iteration, source.release,
                                    pipeline_parallel=source.pp > 1, tensor_rank=rank, pipeline_rank=pp_rank,
-                                   expert_parallel=False, expert_rank=0)
+                                   expert_parallel=ep > 1, expert_rank=ep_rank)
         state = _read(path, source.load_dir, source.iteration, source.release, source.dialect)
         models.append(source.dialect.model(state, key, path, source))
     names = list(models[0])
@@ -313,9 +320,32 @@ def read_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
 
 
 def _stage_tensors(source: Source, pp_rank: int, chunk: int) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(local name, whole tensor) of model chunk `chunk` of stage pp_rank, its TP shards merged."""
-    models = _stage_models(source, pp_rank, chunk)
+    """(local layer name, whole tensor) of model chunk `chunk` of stage pp_rank, its TP shards merged;
+    experts numbered globally, each run of expert keys sent for EP rank 0, 1, ... in turn."""
+    grid = source.experts
+    files = [_stage_models(source, pp_rank, chunk, e) for e in range(grid.ep)]  # [ep][tp]
+    models = files[0]
+    for e, other in enumerate(files[1:], 1):
+        if set(other[0]) != set(models[0]):
+            raise CheckpointError(f"stage {pp_rank}: EP rank {e}'s files have keys "
+                                  f"{sorted(set(other[0]) ^ set(models[0]))[:4]} that EP rank 0's do not (or the reverse)")
+    held: List[str] = []  # a run of expert keys (local names), sent when it ends
+
+    def experts() -> Iterator[Tuple[str, torch.Tensor]]:
+        for e in range(grid.ep):
+            for name in held:
+                shards = [m.pop(name) for m in files[e]][:grid.etp]  # TP ranks >= ETP hold copies
+                yield grid.global_name(name, e), _merged(name, shards, source.args, grid.etp, pp_rank)
+        held.clear()
+
     for name in list(models[0]):
+        if is_expert(name):
+            held.append(name)
+            continue
+        yield from experts()
+        for other in files[1:]:  # the dense tensors repeat in every EP rank's files
+            for m in other:
+                m.pop(name)
         shards = [m.pop(name) for m in models]  # freed once merged: the stage's memory shrinks
         if name.endswith("_extra_state"):
             if any(_carries_data(shard) for shard in shards):
@@ -324,7 +354,8 @@ def _stage_tensors(source: Source, pp_rank: int, chunk: int) -> Iterator[Tuple[s
         whole = _merged(name, shards, source.args, source.tp, pp_rank)
         del shards
         yield name, whole
-    del models
+    yield from experts()
+    del models, files
 
 
 def _t5_stage_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -376,9 +407,11 @@ def _check_tied_copy(embedding: Optional[torch.Tensor], copy_: torch.Tensor,
 # ----------------------------------------------------------------------------- writing
 
 
-def check_target(args: argparse.Namespace, tp: int, pp: int, vp: int = 1, split: Optional[int] = None) -> None:
+def check_target(args: argparse.Namespace, tp: int, pp: int, vp: int = 1, split: Optional[int] = None,
+                 ep: int = 1, etp: Optional[int] = None) -> None:
     """Refuse target sizes the model's shape does not split into (CheckpointError naming the flag);
-    `split`: T5's split rank (megatron/convert/t5_stages.py), where each stack splits over its stages."""
+    `split`: T5's split rank (megatron/convert/t5_stages.py), where each stack splits over its stages;
+    ep, etp: the expert-parallel sizes (megatron/convert/expert_files.py; etp None: tp)."""
     heads, groups = int(args.num_attention_heads), query_groups(args)
     ffn = int(getattr(args, "ffn_hidden_size", None) or 4 * args.hidden_size)
     problems = []
@@ -400,15 +433,21 @@ def check_target(args: argparse.Namespace, tp: int, pp: int, vp: int = 1, split:
                             + (f" x {vp} virtual stages" if vp > 1 else ""))
         if vp > 1 and pp == 1:
             problems.append("virtual stages need a pipeline-parallel size > 1")
+        moe_ffn = int(getattr(args, "moe_ffn_hidden_size", None) or ffn)
+        problems += ExpertGrid(int(getattr(args, "num_experts", None) or 0), ep, etp or tp, tp).problems(moe_ffn)
     if problems:
         raise CheckpointError(f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
+                              + (f" --target-expert-parallel-size {ep}" if ep != 1 else "")
+                              + (f" --target-expert-tensor-parallel-size {etp}" if etp not in (None, tp) else "")
                               + (f" --target-pipeline-model-parallel-split-rank {split}" if split is not None else "")
                               + (f" ({vp} virtual stages)" if vp > 1 else "") + ": " + "; ".join(problems))
 
 
-def target_args(meta: Metadata, tp: int, pp: int, vp: int = 1, split: Optional[int] = None) -> argparse.Namespace:
+def target_args(meta: Metadata, tp: int, pp: int, vp: int = 1, split: Optional[int] = None,
+                ep: int = 1, etp: Optional[int] = None) -> argparse.Namespace:
     """The source args at the target sizes (vp model chunks per stage; T5: split rank `split`, which
-    training then reads as --pipeline-model-parallel-split-rank), with the target's padded vocabulary."""
+    training then reads as --pipeline-model-parallel-split-rank; ep, etp the expert-parallel sizes),
+    with the target's padded vocabulary."""
     args = copy.deepcopy(meta.args)
     if is_t5(args):
         args.pipeline_model_parallel_split_rank = split if pp > 1 else None
@@ -420,6 +459,14 @@ def target_args(meta: Metadata, tp: int, pp: int, vp: int = 1, split: Optional[i
     if tp == 1:
         args.sequence_parallel = False
     data_parallel = int(getattr(args, "data_parallel_size", 1) or 1)
+    if getattr(args, "num_experts", None):
+        etp = etp or tp
+        args.expert_model_parallel_size, args.expert_tensor_parallel_size = ep, etp
+        if tp > 1:
+            args.sequence_parallel = True  # Megatron: MoE with TP > 1 requires sequence parallelism
+        while (tp * data_parallel) % (etp * ep):  # the expert grid (ETP x EP x expert-DP) fills the ranks
+            data_parallel += 1
+        args.data_parallel_size = data_parallel
     args.world_size = tp * pp * data_parallel
     return args
 
@@ -465,16 +512,18 @@ class StageWriter:
     """
 
     def __init__(self, save_dir: str, meta: Metadata, tp: int, pp: int, vp: int = 1,
-                 dialect: Dialect = OURS, split: Optional[int] = None) -> None:
+                 dialect: Dialect = OURS, split: Optional[int] = None, ep: int = 1, etp: Optional[int] = None) -> None:
         self.save_dir, self.meta, self.tp, self.pp, self.vp, self.dialect = save_dir, meta, tp, pp, vp, dialect
-        self.args = target_args(meta, tp, pp, vp, split)
+        self.args = target_args(meta, tp, pp, vp, split, ep, etp)
+        self.experts = ExpertGrid.of(self.args)
+        self.ep = self.experts.ep
         self.t5 = T5Stages.of(self.args) if is_t5(self.args) else None
         self.file_args = dialect.file_args(self.args)
         self.per_chunk = int(self.args.num_layers) // (pp * vp)
         self.files: Dict[str, Checksum] = {}
         self.base_dir = get_checkpoint_name(save_dir, meta.iteration, meta.release, return_base_dir=True)
-        self._open: Dict[Tuple[int, int], StreamingFile] = {}  # (stage, rank) -> its file being written
-        self._models: Dict[Tuple[int, int], List[Dict[str, Any]]] = {}  # -> per chunk: name -> placeholder
+        self._open: Dict[Tuple[int, int, int], StreamingFile] = {}  # (stage, rank, ep rank) -> its file
+        self._models: Dict[Tuple[int, int, int], List[Dict[str, Any]]] = {}  # -> per chunk: name -> placeholder
         self.finished = 0  # stages 0 .. finished-1 are on disk
 
     def chunk_of(self, name: str) -> int:
@@ -490,28 +539,34 @@ class StageWriter:
     def last_chunk(self, stage: int) -> int:
         return (self.vp - 1) * self.pp + stage
 
-    def path(self, stage: int, rank: int) -> str:
+    def path(self, stage: int, rank: int, ep_rank: int = 0) -> str:
         return get_checkpoint_name(self.save_dir, self.meta.iteration, self.meta.release,
                                    pipeline_parallel=self.pp > 1, tensor_rank=rank, pipeline_rank=stage,
-                                   expert_parallel=False, expert_rank=0)
+                                   expert_parallel=self.ep > 1, expert_rank=ep_rank)
 
     def add(self, chunk: int, name: str, tensor: torch.Tensor) -> None:
-        """Write the TP shards of whole tensor `name` (its local name in model chunk `chunk`)."""
+        """Write the TP shards of whole tensor `name` (its local layer name in model chunk `chunk`;
+        an expert's global name) into every file that holds it (megatron/convert/expert_files.py)."""
         stage, virtual = chunk % self.pp, chunk // self.pp
-        for rank in range(self.tp):
-            key = (stage, rank)
+        if is_expert(name):
+            ep_rank, name = self.experts.place(name)
+            etp = self.experts.etp
+            targets = [(rank, ep_rank, etp, rank % etp) for rank in range(self.tp)]
+        else:
+            targets = [(rank, e, self.tp, rank) for rank in range(self.tp) for e in range(self.ep)]
+        for rank, ep_rank, size, shard_rank in targets:
+            key = (stage, rank, ep_rank)
             if key not in self._open:
-                path = self.path(stage, rank)
+                path = self.path(*key)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 self._open[key] = StreamingFile(path)
                 self._models[key] = [{} for _ in range(self.vp)]
-            shard = shard_for_rank(tensor, tensor_layout(name, self.args, self.tp, rank), self.tp, rank)
+            shard = shard_for_rank(tensor, tensor_layout(name, self.args, size, shard_rank), size, shard_rank)
             self._models[key][virtual][name] = self._open[key].add(shard)
 
     def finish_stage(self, stage: int) -> None:
-        """The pickles of `stage`'s TP files: each is complete and in place after this."""
-        for rank in range(self.tp):
-            key = (stage, rank)
+        """The pickles of `stage`'s TP (x EP) files: each is complete and in place after this."""
+        for key in [(stage, rank, e) for rank in range(self.tp) for e in range(self.ep)]:
             if key not in self._open:
                 raise CheckpointError(f"the stream held nothing for target stage {stage}")
             state = {"args": self.file_args, "checkpoint_version": CHECKPOINT_VERSION,
@@ -519,7 +574,7 @@ class StageWriter:
             chunks = self._models.pop(key)
             for v, model in enumerate(chunks):
                 state["model" if self.vp == 1 else f"model{v}"] = self.dialect.to_file(model, self._open[key].add)
-            self.files[os.path.relpath(self.path(stage, rank), self.base_dir).replace(os.sep, "/")] = \
+            self.files[os.path.relpath(self.path(*key), self.base_dir).replace(os.sep, "/")] = \
                 self._open.pop(key).finish(state)
         self.finished = stage + 1
 
@@ -536,14 +591,15 @@ class StageWriter:
 
 
 def write_tensors(save_dir: str, meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
-                  tp: int, pp: int, vp: int = 1, dialect: Dialect = OURS, split: Optional[int] = None) -> None:
-    """Write the stream as a checkpoint at TP=tp, PP=pp (vp virtual stages; T5: split rank `split`)
-    under save_dir (new).
+                  tp: int, pp: int, vp: int = 1, dialect: Dialect = OURS, split: Optional[int] = None,
+                  ep: int = 1, etp: Optional[int] = None) -> None:
+    """Write the stream as a checkpoint at TP=tp, PP=pp (vp virtual stages; T5: split rank `split`;
+    an MoE model at EP=ep, ETP=etp, None: tp) under save_dir (new).
 
     The stream must come in canonical order (a stage's files are finished once the stream moves
     past its last chunk) and hold every layer with the same keys; CheckpointError otherwise.
     """
-    writer = StageWriter(save_dir, meta, tp, pp, vp, dialect, split)
+    writer = StageWriter(save_dir, meta, tp, pp, vp, dialect, split, ep, etp)
     try:
         (_write_t5_stream if writer.t5 is not None else _write_stream)(writer, meta, tensors)
     except BaseException:

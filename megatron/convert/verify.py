@@ -59,6 +59,7 @@ def build_serial_model(args: argparse.Namespace, tensors: Iterable[Tuple[str, to
 
     serial = copy.deepcopy(args)
     serial.tensor_model_parallel_size = serial.pipeline_model_parallel_size = 1
+    serial.expert_model_parallel_size, serial.expert_tensor_parallel_size = 1, None  # experts numbered globally
     serial.virtual_pipeline_model_parallel_size = None
     serial.sequence_parallel = False
     serial.hidden_dropout = serial.attention_dropout = 0.0

@@ -24,6 +24,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Tensor-parallel size of the new checkpoint (default: the source's).")
     group.add_argument("--target-pipeline-parallel-size", type=int, default=None,
                        help="Pipeline-parallel size of the new checkpoint (default: the source's).")
+    group.add_argument("--target-expert-parallel-size", type=int, default=None,
+                       help="MoE models: expert-parallel size of the new checkpoint, files mp_rank_TT[_PPP]_EEE "
+                            "(default: the source's).")
+    group.add_argument("--target-expert-tensor-parallel-size", type=int, default=None,
+                       help="MoE models: expert-tensor-parallel size of the new checkpoint; must divide the "
+                            "target TP size (default: the source's when it differed from the source's TP size, "
+                            "else the target TP size, Megatron's default).")
     group.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
                        help="Layers per virtual pipeline stage (model chunk) of the new checkpoint, for the "
                             "interleaved schedule: train it with the same --num-layers-per-virtual-pipeline-stage "
@@ -48,11 +55,27 @@ def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
                                   f"do not split into {pp} pipeline stages of chunks of {per_chunk} layers")
         vp = layers // (pp * per_chunk)
     split = _split_rank(meta.args, pp, getattr(args, "target_pipeline_model_parallel_split_rank", None))
-    check_target(meta.args, tp, pp, vp, split)
+    ep, etp = _expert_sizes(meta.args, tp, args)
+    check_target(meta.args, tp, pp, vp, split, ep, etp)
     virtual = f" ({vp} virtual stages of {per_chunk} layers)" if vp > 1 else ""
     virtual += f", split rank {split}" if split is not None else ""
+    virtual += f", expert-parallel size {ep}, expert-tensor-parallel size {etp}" if getattr(
+        meta.args, "num_experts", None) else ""
     print(f"saving at tensor-parallel size {tp}, pipeline-parallel size {pp}{virtual} to {save_dir}", flush=True)
-    write_tensors(save_dir, meta, tensors, tp, pp, vp, dialect, split)
+    write_tensors(save_dir, meta, tensors, tp, pp, vp, dialect, split, ep, etp)
+
+
+def _expert_sizes(source: argparse.Namespace, tp: int, args: argparse.Namespace) -> Tuple[int, int]:
+    """(EP, ETP) of the target: the flags, else the source's EP, and the source's ETP where it was
+    not its TP size (else the target TP size)."""
+    ep = getattr(args, "target_expert_parallel_size", None) or int(
+        getattr(source, "expert_model_parallel_size", 1) or 1)
+    etp = getattr(args, "target_expert_tensor_parallel_size", None)
+    if etp is None:
+        source_tp = int(getattr(source, "tensor_model_parallel_size", 1) or 1)
+        kept = getattr(source, "expert_tensor_parallel_size", None)
+        etp = int(kept) if kept is not None and int(kept) != source_tp else tp
+    return int(ep), int(etp)
 
 
 def _split_rank(source: argparse.Namespace, pp: int, given: Optional[int]) -> Optional[int]:
