@@ -64,8 +64,11 @@ def test_rules_are_the_layers_layouts(groups, tp, swiglu, bias, qk_norm):
 
 
 def test_unknown_names_are_refused():
-    with pytest.raises(UnknownTensorError, match="decoder.layers.0.mlp.router.weight"):
-        tensor_layout("decoder.layers.0.mlp.router.weight", _args(None, False, True, False), 2, 0)
+    with pytest.raises(UnknownTensorError, match="decoder.layers.0.mlp.adapter.weight"):
+        tensor_layout("decoder.layers.0.mlp.adapter.weight", _args(None, False, True, False), 2, 0)
+    # the MoE router is known (replicated): megatron/convert/expert_files.py
+    assert tensor_layout("decoder.layers.0.mlp.router.weight", _args(None, False, True, False), 2, 0) == \
+        {"tensor_model_parallel": False}
 
 
 def test_vocabulary_padding_for_the_target():
