@@ -30,7 +30,9 @@ from megatron.convert import huggingface
 from megatron.convert.hf_files import (
     ARCHITECTURE_FLAGS, TRAINING_FLAGS, HFCheckpoint, hf_arg_values, hf_seq_length, pad_rows,
 )
-from megatron.convert.layout_rules import is_vocab_tensor, padded_vocab_size, renumber, tensor_layout
+from megatron.convert.layout_rules import (
+    expert_key, is_vocab_tensor, padded_vocab_size, renumber, renumber_expert, tensor_layout,
+)
 
 _UNSET = object()
 
@@ -122,6 +124,11 @@ def load_hf_weights(model: List[torch.nn.Module], args: argparse.Namespace, voca
                               f"model's vocab_size {checkpoint.config.vocab_size}")
     tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     pp, pp_rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    # MoE: this rank's local experts are global ep_rank * E / EP + i, cut over the expert-TP group.
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    per_ep_rank = int(getattr(args, "num_experts", None) or 0) // parallel_state.get_expert_model_parallel_world_size()
+    etp, etp_rank = (parallel_state.get_expert_tensor_parallel_world_size(),
+                     parallel_state.get_expert_tensor_parallel_rank())
     chunks = unwrap_model(model)
     per_chunk = int(args.num_layers) // (pp * len(chunks))
     tied = not args.untie_embeddings_and_output_weights
@@ -133,6 +140,10 @@ def load_hf_weights(model: List[torch.nn.Module], args: argparse.Namespace, voca
             whole_name = renumber(name, offset)
             if tied and whole_name == "output_layer.weight":  # the last stage's copy of the tied embedding
                 whole_name = "embedding.word_embeddings.weight"
+            split, rank = tp, tp_rank
+            if expert_key(whole_name) is not None:
+                whole_name = renumber_expert(whole_name, ep_rank * per_ep_rank + expert_key(whole_name)[1])
+                split, rank = etp, etp_rank
             rule = rules.get(whole_name)
             if rule is None:
                 raise CheckpointError(f"--load-hf {args.load_hf}: the model's {whole_name} has no HF tensor "
@@ -140,7 +151,7 @@ def load_hf_weights(model: List[torch.nn.Module], args: argparse.Namespace, voca
             whole = checkpoint.ours(rule)
             if is_vocab_tensor(whole_name):
                 whole = pad_rows(whole, int(args.padded_vocab_size))
-            shard = shard_for_rank(whole, tensor_layout(whole_name, args, tp, tp_rank), tp, tp_rank)
+            shard = shard_for_rank(whole, tensor_layout(whole_name, args, split, rank), split, rank)
             if shard.shape != target.shape:
                 raise CheckpointError(f"--load-hf {args.load_hf}: {whole_name} gives a shard of shape "
                                       f"{tuple(shard.shape)} for a parameter of shape {tuple(target.shape)}")

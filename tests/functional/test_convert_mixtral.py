@@ -194,8 +194,9 @@ def test_state_dict_mapping_takes_and_gives_the_modules_fused_names(hf_model):
 # ----------------------------------------------------------------------------- multi-process
 
 
-def _rank_logits(checkpoint, ep, tokens):
-    """Task (4 ranks, PP = 1): this rank's file of our checkpoint loaded strictly; the whole logits."""
+def _rank_logits(checkpoint, ep, tokens, hf_dir=None):
+    """Task (4 ranks, PP = 1): this rank's file of our checkpoint loaded strictly; the whole logits.
+    With hf_dir: --load-hf's weights of this rank (megatron/load_hf.py) must be the file's."""
     from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs
     from megatron.core import parallel_state, tensor_parallel
     from megatron.model import GPTModel
@@ -212,18 +213,27 @@ def _rank_logits(checkpoint, ep, tokens):
                      share_embeddings_and_output_weights=False, **gpt_model_kwargs(args))
     model.load_state_dict(state["model"], strict=True)
     model.eval()
+    if hf_dir is not None:  # pretrain_gpt.py --load-hf's reader fills a fresh model with the same tensors
+        from megatron.load_hf import load_hf_weights
+
+        fresh = GPTModel(core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
+                         max_sequence_length=args.max_position_embeddings, parallel_output=False,
+                         share_embeddings_and_output_weights=False, **gpt_model_kwargs(args))
+        args.load_hf = hf_dir
+        load_hf_weights([fresh], args, VOCAB)
+        assert all(torch.equal(t, state["model"][k]) for k, t in fresh.state_dict().items()), "--load-hf"
     with torch.no_grad():
         return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))  # [b, s, padded vocab]
 
 
 def test_each_rank_at_tp2_ep2_and_at_ep4_loads_its_file_and_gives_hfs_logits(hf_model, converted):
-    model, _, _ = hf_model
+    model, hf, _ = hf_model
     with torch.no_grad():
         theirs = model(BATCH).logits
     pool = DistributedPool(4)
     try:
         for name, ep in (("ep2", 2), ("ep4", 4)):
-            for logits in pool.run(_rank_logits, str(converted[name]), ep, BATCH):
+            for logits in pool.run(_rank_logits, str(converted[name]), ep, BATCH, str(hf)):
                 assert _close(logits, theirs), name
     finally:
         pool.close()
