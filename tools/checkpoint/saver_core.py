@@ -18,6 +18,7 @@ from typing import Iterator, Tuple
 
 import torch
 
+from megatron.checkpoint_safety import CheckpointError
 from megatron.convert.legacy import CoreDialect
 from megatron.convert.megatron_format import Metadata
 from tools.checkpoint import saver_megatron
@@ -36,6 +37,10 @@ def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
                     save_dir: str) -> None:
     """Write the stream under save_dir (a new, empty folder) in megatron-core naming."""
     impl = getattr(args, "saver_transformer_impl", "transformer_engine")
+    if getattr(meta.args, "num_experts", None):  # TE's MoE keeps pre_mlp_layernorm and has no mlp.linear_fc1
+        raise CheckpointError("--saver mcore: MoE models are not written in megatron-core's names yet (its MoE "
+                              "layers' norms, extra states and grouped-GEMM tensors differ); use --saver megatron "
+                              "or --saver hf")
     print(f"writing megatron-core names ({impl} spec)", flush=True)
     saver_megatron.save_checkpoint(meta, tensors, args, save_dir, CoreDialect(impl))
 
