@@ -69,7 +69,7 @@ def converted(hf_model, tmp_path_factory):
     """name -> our checkpoint (or HF directory) converted from the HF model."""
     _, hf, fused = hf_model
     root = tmp_path_factory.mktemp("converted")
-    out = {name: root / name for name in ("tp1", "tp2pp2ep2", "back", "ep2", "ep4")}
+    out = {name: root / name for name in ("tp1", "tp2pp2ep2", "back", "ep2", "ep4", "ep2-etp1")}
     _convert(hf, out["tp1"], "hf", "megatron")
     _convert(fused, out["tp2pp2ep2"], "hf", "megatron", "--target-tensor-parallel-size", "2",
              "--target-pipeline-parallel-size", "2", "--target-expert-parallel-size", "2")
@@ -78,6 +78,7 @@ def converted(hf_model, tmp_path_factory):
              "--target-expert-parallel-size", "2")
     _convert(out["ep2"], out["ep4"], "megatron", "megatron", "--target-tensor-parallel-size", "1",
              "--target-expert-parallel-size", "4")
+    _convert(out["ep2"], out["ep2-etp1"], "megatron", "megatron", "--target-expert-tensor-parallel-size", "1")
     return out
 
 
@@ -143,9 +144,8 @@ def test_ep_files_use_megatrons_names_and_hold_their_local_experts(hf_model, con
                 assert torch.equal(model[local + "linear_fc2.weight"], w[theirs + "w2.weight"][:, rows])
 
 
-def test_expert_tensor_parallel_1_at_tp2_keeps_whole_experts_in_every_file(converted, tmp_path):
-    out = tmp_path / "etp1"
-    _convert(converted["ep2"], out, "megatron", "megatron", "--target-expert-tensor-parallel-size", "1")
+def test_expert_tensor_parallel_1_at_tp2_keeps_whole_experts_in_every_file(converted):
+    out = converted["ep2-etp1"]
     source = megatron_format.open_source(str(out))
     assert (source.tp, source.experts.ep, source.experts.etp) == (2, 2, 1)
     for t in range(2):
@@ -198,18 +198,18 @@ def test_state_dict_mapping_takes_and_gives_the_modules_fused_names(hf_model):
 # ----------------------------------------------------------------------------- multi-process
 
 
-def _rank_logits(checkpoint, ep, tokens, hf_dir=None):
+def _rank_logits(checkpoint, ep, etp, tokens, hf_dir=None):
     """Task (4 ranks, PP = 1): this rank's file of our checkpoint loaded strictly; the whole logits.
     With hf_dir: --load-hf's weights of this rank (megatron/load_hf.py) must be the file's."""
     from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs
     from megatron.core import parallel_state, tensor_parallel
     from megatron.model import GPTModel
 
-    init_parallel(tp=4 // ep, ep=ep)
+    init_parallel(tp=4 // ep, ep=ep, etp=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)  # the trackers sequence parallelism forks (dropout 0)
     state = load_file(get_checkpoint_name(str(checkpoint), 0, release=True))  # this rank's file (parallel_state)
     args = state["args"]
-    assert (args.expert_model_parallel_size, args.tensor_model_parallel_size) == (ep, 4 // ep)
+    assert (args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (ep, etp or 4 // ep)
     assert parallel_state.get_expert_model_parallel_world_size() == ep
     args.hidden_dropout = args.attention_dropout = 0.0
     model = GPTModel(core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
@@ -230,14 +230,14 @@ def _rank_logits(checkpoint, ep, tokens, hf_dir=None):
         return model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens))  # [b, s, padded vocab]
 
 
-def test_each_rank_at_tp2_ep2_and_at_ep4_loads_its_file_and_gives_hfs_logits(hf_model, converted):
+def test_each_rank_at_tp2_ep2_etp2_or_1_and_at_ep4_loads_its_file_and_gives_hfs_logits(hf_model, converted):
     model, hf, _ = hf_model
     with torch.no_grad():
         theirs = model(BATCH).logits
     pool = DistributedPool(4)
     try:
-        for name, ep in (("ep2", 2), ("ep4", 4)):
-            for logits in pool.run(_rank_logits, str(converted[name]), ep, BATCH, str(hf)):
+        for name, ep, etp in (("ep2", 2, None), ("ep4", 4, None), ("ep2-etp1", 2, 1)):
+            for logits in pool.run(_rank_logits, str(converted[name]), ep, etp, BATCH, str(hf)):
                 assert _close(logits, theirs), name
     finally:
         pool.close()
