@@ -177,6 +177,7 @@ def test_a_config_built_from_our_args_is_mixtral(hf_model, tmp_path):
     _, hf, _ = hf_model
     meta, tensors = loader_hf.load_checkpoint(argparse.Namespace(load_dir=str(hf)))
     meta.args.hf_config = meta.args.hf_generation_config = None  # as if trained here
+    meta.args.ffn_hidden_size = 4 * HIDDEN  # the dense size a run leaves at its default: unused, every layer is MoE
     saver_hf.save_checkpoint(meta, tensors, argparse.Namespace(max_shard_size="5GB", tokenizer_dir=None,
                                                                loader="megatron", load_dir=None), str(tmp_path))
     with open(tmp_path / "config.json") as f:

@@ -83,6 +83,8 @@ def _check_config(config: Any, args: argparse.Namespace) -> None:
                 if dest in derived and getattr(args, dest, None) is not None and derived[dest] != getattr(args, dest)
                 and not (dest.startswith("rotary_") and args.position_embedding_type != "rope")
                 and not (dest == "num_query_groups" and not derived["group_query_attention"])
+                # an MoE model with an MoE MLP in every layer (Mixtral) never uses the dense ffn size
+                and not (dest == "ffn_hidden_size" and derived.get("num_experts"))
                 and dest != "openai_gelu"]  # compared as the GeLU computed, below
     if derived.get("t5_activation") is not None:  # T5: its own args (megatron/convert/t5.py)
         problems += [f"{dest} {getattr(args, dest, None)} in the checkpoint, {derived[dest]} in the HF config"
