@@ -1,4 +1,4 @@
-"""The CUDA-only helpers megatron-core's GPT, BERT and T5 paths call, redone on CPU (MCORE_CPU_PATCHES).
+"""The CUDA-only helpers megatron-core's GPT (dense and MoE), BERT and T5 paths call, redone on CPU (MCORE_CPU_PATCHES).
 
 Imported only inside processes that run megatron-core (its package is also called `megatron`):
 bench/compare_peers.py's worker and the reference snippets of tests/mcore_reference.py, which
@@ -16,6 +16,12 @@ MCORE_CPU_PATCHES = (
     "torch.cuda.current_device -> 'cpu' (RotaryEmbedding.get_emb moves its CPU inv_freq to that device)",
     "models.T5.t5_spec.TENorm -> its LNImpl when Transformer Engine is missing (the local block specs take "
     "their final norms from TENorm, None without TE: no final norm at all, unlike a T5 written with TE)",
+    "transformer.moe.moe_utils.te_general_gemm -> None when Transformer Engine is missing (the router's "
+    "gating linear tests `te_general_gemm is not None`, a name only its TE import defines; None is its "
+    "torch.mm path)",
+    "transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher: no CUDA side stream (its constructor makes "
+    "torch.cuda.Stream()) and _maybe_dtoh_and_synchronize without streams or events: at its copy point the "
+    "split sizes become numpy arrays, as its device-to-host copy makes them",
 )
 
 
@@ -55,3 +61,20 @@ def patch_for_cpu() -> None:
 
     if t5_spec.TENorm is None:
         t5_spec.TENorm = t5_spec.LNImpl
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no CUDA stream on CPU"  # not None: never made
+
+    def dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name)
+                if torch.is_tensor(value):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = dtoh_and_synchronize
