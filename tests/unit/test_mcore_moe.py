@@ -306,3 +306,13 @@ def test_capacity_dropping_by_position_keeps_the_first_tokens_where_megatron_cor
     assert torch.equal(ours_map, first)
     # on this input (torch's CPU topk) megatron-core keeps later tokens of experts 0 and 3 instead
     assert not torch.equal(theirs_map, first), "megatron-core's position policy now keeps the first tokens"
+
+
+@pytest.mark.parametrize("dispatcher", DISPATCHERS)
+def test_our_grouped_gemm_gives_megatron_cores_step(mcore_runs, dispatcher):
+    """--moe-grouped-gemm changes only our computation: megatron-core's (sequential) experts' weights
+    in our grouped-GEMM experts give its step too."""
+    saved, batch, _ = mcore_runs
+    model = _ours("top2", dispatcher, moe_grouped_gemm=True)
+    model.load_state_dict(_strip_extra_state(saved["top2"]["state"]), strict=True)
+    _assert_same_step(_step(model, batch, VARIANTS["top2"][1]), saved["top2"][dispatcher], _moe_layers("top2"))
