@@ -16,6 +16,7 @@ import torch
 from megatron.checkpoint_safety import load_file
 from megatron.checkpointing import get_checkpoint_name
 from megatron.convert import huggingface, megatron_format, verify
+from tests.functional.test_convert_hf import _convert
 from tests.parallel.harness import DistributedPool, init_parallel
 from tools.checkpoint import convert, loader_hf, loader_megatron, saver_hf
 
@@ -31,11 +32,6 @@ def _config():
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=GROUPS, num_local_experts=EXPERTS,
         num_experts_per_tok=TOPK, max_position_embeddings=POSITIONS, bos_token_id=0, eos_token_id=1)
-
-
-def _convert(load_dir, save_dir, loader, saver, *extra):
-    convert.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(load_dir),
-                  "--save-dir", str(save_dir), *extra])
 
 
 def _hf_logits(path):

@@ -18,6 +18,7 @@ import torch
 from megatron.checkpoint_safety import CheckpointError
 from megatron.core.atomic_io import atomic_write
 from megatron.dist_checkpointing import read_dcp_metadata
+from tests.parallel.test_torch_dist_checkpoint import _pretrain, _pretrain_error
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--ffn-hidden-size", "32", "--num-attention-heads", "2",
          "--seq-length", "8",
@@ -33,25 +34,6 @@ EP2 = ["--expert-model-parallel-size", "2"]
 DISTOPT = ["--use-distributed-optimizer"]
 
 
-def _pretrain(argv):
-    """Every rank: train with argv; the lm losses by iteration as the last rank logs them."""
-    import pretrain_gpt
-    from megatron.initialize import reset_megatron
-
-    try:
-        result = pretrain_gpt.main(list(argv), record_history=True)
-    finally:
-        reset_megatron()
-    return {record.iteration: record.losses.get("lm loss") for record in result.history}
-
-
-def _pretrain_error(argv):
-    """Every rank: the CheckpointError message pretrain raises (None when it trained)."""
-    try:
-        _pretrain(argv)
-    except CheckpointError as error:
-        return str(error)
-    return None
 
 
 def _load_and_save(argv, save_dir):
