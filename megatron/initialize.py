@@ -3,7 +3,8 @@
     parse_args -> (--use-checkpoint-args: shape args from the checkpoint) -> validate_args
     -> global variables (tokenizer, timers, writers, micro-batch calculator)
     -> torch.distributed (under torchrun: env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)
-    -> parallel state -> random seeds -> deterministic mode
+    -> parallel state -> the node topology check (rank 0 prints how the groups fall on nodes)
+    -> random seeds -> deterministic mode
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import global_vars
-from megatron.core import cpu_runtime, device, parallel_state
+from megatron.core import cpu_runtime, device, node_topology, parallel_state
 from megatron.core.pipeline_parallel import p2p_communication
 from megatron.utils import print_line, print_rank_0
 
@@ -79,12 +80,29 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
         context_parallel_size=args.context_parallel_size, expert_model_parallel_size=args.expert_model_parallel_size,
         pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
+    _report_node_topology(args)
     # A stage waiting on its neighbour longer than this fails with an error naming both (no silent hang).
     p2p_communication.set_p2p_timeout(args.distributed_timeout_minutes * 60.0)
     if args.log_communication_stats:
         from megatron.core import communication
 
         communication.set_counting(True)
+
+
+def _report_node_topology(args: argparse.Namespace) -> None:
+    """Rank 0 prints which nodes the TP / CP / EP / DP / PP groups span; warns for a TP group across nodes."""
+    if not dist.is_initialized() or args.world_size == 1:
+        return
+    tp, pp, cp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                      args.context_parallel_size, args.expert_model_parallel_size)
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    # the same rank arithmetic initialize_model_parallel just used (one source of the layout)
+    plan = parallel_state._plan_rank_groups(args.world_size, tp, pp, cp, ep, etp, "tp-cp-ep-dp-pp",
+                                            getattr(args, "pipeline_model_parallel_split_rank", None))
+    sizes = {"tp": tp, "cp": cp, "ep": ep, "etp": etp if ep > 1 or etp != tp else 1, "pp": pp,
+             "dp": args.world_size // (tp * pp * cp)}
+    node_topology.report(plan, [kind for kind, size in sizes.items() if size > 1], device.get_device(),
+                         print_fn=print_line)
 
 
 def _destroy_distributed() -> None:
