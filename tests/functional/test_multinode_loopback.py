@@ -5,6 +5,7 @@ Each node is its own `torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d
 node and DP = 2 across the nodes must log the single-process run's losses, save a torch_dist
 checkpoint, and resume from it on one node (one torchrun, 2 processes, TP = 2, DP = 1) with the
 uninterrupted run's losses. A TP group put across the two nodes trains, with a WARNING naming it.
+PP = 2 across the nodes with TP = 2 inside (4 more processes) runs with MEGATRON_TEST_MULTINODE_PP=1.
 """
 
 import contextlib
@@ -105,4 +106,21 @@ def test_a_tensor_parallel_group_across_nodes_trains_and_warns(runs):
     serial, across = _losses(runs["serial"]), _losses(out)
     assert list(across) == [1, 2]  # slow on real links, but the same numbers
     for iteration, loss in across.items():
+        assert loss == pytest.approx(serial[iteration], rel=1e-5), iteration
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MEGATRON_TEST_MULTINODE_PP") != "1",
+                    reason="4 more processes (about 15 s); set MEGATRON_TEST_MULTINODE_PP=1 to run it")
+def test_two_nodes_with_tp_inside_and_pp_across_log_the_serial_losses(runs, default_pipeline):  # noqa: F811
+    root, _, _, tokenizer_flags = default_pipeline
+    out, results = _nodes(2, [*COMMON, "--data-path", str(root / "python_text_document"), "--data-cache-path",
+                              str(root / "cache"), *tokenizer_flags, "--tensor-model-parallel-size", "2",
+                              "--pipeline-model-parallel-size", "2", "--exit-interval", "3"])
+    assert all(returncode == 0 for returncode, _ in results), results[0][1][-4000:] + results[1][1][-4000:]
+    assert ("> groups on nodes: tensor-parallel 2 x 2 ranks, each inside a node | "
+            "pipeline-parallel 2 x 2 ranks, across 2 nodes") in out
+    serial, two_nodes = _losses(runs["serial"]), _losses(out)
+    assert list(two_nodes) == [1, 2, 3]
+    for iteration, loss in two_nodes.items():
         assert loss == pytest.approx(serial[iteration], rel=1e-5), iteration
