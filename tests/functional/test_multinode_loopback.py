@@ -55,6 +55,10 @@ def _losses(stdout):
     return {row["iteration"]: row["loss"] for row in log_lines(stdout)}
 
 
+def _grad_norms(stdout):
+    return {row["iteration"]: row["grad_norm"] for row in log_lines(stdout)}
+
+
 @pytest.fixture(scope="module")
 def runs(default_pipeline, tmp_path_factory):  # noqa: F811
     root, _, _, tokenizer_flags = default_pipeline
@@ -80,6 +84,8 @@ def test_two_nodes_with_tp_inside_and_dp_across_log_the_serial_losses(runs):
     assert list(serial) == list(range(1, 7)) and list(two_nodes) == [1, 2, 3]
     for iteration, loss in two_nodes.items():
         assert loss == pytest.approx(serial[iteration], rel=1e-5), iteration
+    for iteration, norm in _grad_norms(runs["two nodes"]).items():
+        assert norm == pytest.approx(_grad_norms(runs["serial"])[iteration], rel=1e-5), iteration
     out = runs["two nodes"]
     assert "> node topology: 2 nodes x 2 ranks (node 0: ranks 0-1, node 1: ranks 2-3)" in out
     assert ("> groups on nodes: tensor-parallel 2 x 2 ranks, each inside a node | "
@@ -94,6 +100,8 @@ def test_resumes_from_the_two_node_checkpoint_on_one_node(runs):
     assert list(one_node) == [4, 5, 6]  # picked up after iteration 3, at DP = 1
     for iteration, loss in one_node.items():
         assert loss == pytest.approx(serial[iteration], rel=1e-5), iteration
+    for iteration, norm in _grad_norms(runs["one node"]).items():
+        assert norm == pytest.approx(_grad_norms(runs["serial"])[iteration], rel=1e-5), iteration
     assert "> node topology: 1 node x 2 ranks (node 0: ranks 0-1)" in runs["one node"]
     assert SPANS not in runs["one node"]
 
