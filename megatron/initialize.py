@@ -91,16 +91,17 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
 
 def _report_node_topology(args: argparse.Namespace) -> None:
     """Rank 0 prints which nodes the TP / CP / EP / DP / PP groups span; warns for a TP group across nodes."""
-    if not dist.is_initialized() or args.world_size == 1:
+    world = dist.get_world_size() if dist.is_initialized() else 1  # not args.world_size: a test pool sets no env
+    if world == 1:
         return
     tp, pp, cp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                       args.context_parallel_size, args.expert_model_parallel_size)
     etp = getattr(args, "expert_tensor_parallel_size", None) or tp
     # the same rank arithmetic initialize_model_parallel just used (one source of the layout)
-    plan = parallel_state._plan_rank_groups(args.world_size, tp, pp, cp, ep, etp, "tp-cp-ep-dp-pp",
+    plan = parallel_state._plan_rank_groups(world, tp, pp, cp, ep, etp, "tp-cp-ep-dp-pp",
                                             getattr(args, "pipeline_model_parallel_split_rank", None))
     sizes = {"tp": tp, "cp": cp, "ep": ep, "etp": etp if ep > 1 or etp != tp else 1, "pp": pp,
-             "dp": args.world_size // (tp * pp * cp)}
+             "dp": world // (tp * pp * cp)}
     node_topology.report(plan, [kind for kind, size in sizes.items() if size > 1], device.get_device(),
                          print_fn=print_line)
 

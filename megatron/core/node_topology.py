@@ -61,7 +61,7 @@ def _plural(count: int, noun: str) -> str:
 
 
 def describe_nodes(nodes: Sequence[int]) -> str:
-    """One line: how many nodes, and which ranks each holds (the first two, then '...')."""
+    """One line: how many nodes, and which ranks each holds (past 3 nodes: the first two, '...', the last)."""
     by_node: dict[int, list[int]] = {}
     for rank, node in enumerate(nodes):
         by_node.setdefault(node, []).append(rank)
