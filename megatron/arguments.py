@@ -363,6 +363,10 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
                        help="nccl on CUDA, gloo on CPU if not given.")
     group.add_argument("--distributed-timeout-minutes", type=int, default=10,
                        help="Timeout of the distributed collectives, in minutes.")
+    group.add_argument("--watchdog-seconds", type=float, default=None,  # ours
+                       help="A rank waiting longer than this in a collective or pipeline send/receive prints "
+                            "what it waits on (operation, group, peer, micro-batch) and exits non-zero "
+                            "(default: --distributed-timeout-minutes).")
     group.add_argument("--overlap-grad-reduce", action="store_true",
                        help="Launch each gradient bucket's data-parallel reduction as soon as its last "
                             "gradient of the step is ready, overlapping it with the rest of backward.")

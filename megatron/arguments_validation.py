@@ -185,7 +185,7 @@ def _validate_parallel(args: Namespace) -> None:
     elif args.distributed_backend == "nccl" and not device.accelerator_available():
         raise ArgsError("--distributed-backend nccl needs a CUDA device and none is available; "
                         "use --distributed-backend gloo (or leave it unset to choose automatically)")
-    _require_positive(args, ("distributed_timeout_minutes", "cpu_threads"))
+    _require_positive(args, ("distributed_timeout_minutes", "cpu_threads", "watchdog_seconds"))
 
 
 def _validate_not_yet_supported(args: Namespace) -> None:

@@ -11,6 +11,7 @@ which collectives ran, on which group, and how many bytes they moved:
 Sizes are those of the FULL tensor of the collective (all_reduce / broadcast: the tensor;
 all_gather: the gathered output; reduce_scatter: the input before scattering), so a count is
 independent of the group size. Counting is off by default and costs one bool check per call.
+Each call also runs under the hang watchdog's deadline (watchdog.py; off unless started).
 Only dim-0 collectives exist here: a gather along another dim is a gather of a transposed copy.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import parallel_state, watchdog
 
 SUM = dist.ReduceOp.SUM
 
@@ -108,8 +109,9 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op:
                async_op: bool = False) -> Any:
     """Reduce `tensor` in place over `group` (None: the world); returns it (async_op: the Work to wait on)."""
     record("all_reduce", group, tensor)
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return work if async_op else tensor
+    with watchdog.watch("all_reduce", group):
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return watchdog.watched_work(work, "all_reduce", group) if async_op else tensor
 
 
 def all_gather_into_tensor(
@@ -120,8 +122,9 @@ def all_gather_into_tensor(
     Returns output (async_op: the Work to wait on). input_ may be a view of output.
     """
     record("all_gather", group, output)
-    work = _all_gather_single(output, input_, group=group, async_op=async_op)
-    return work if async_op else output
+    with watchdog.watch("all_gather", group):
+        work = _all_gather_single(output, input_, group=group, async_op=async_op)
+    return watchdog.watched_work(work, "all_gather", group) if async_op else output
 
 
 def reduce_scatter_tensor(
@@ -136,14 +139,16 @@ def reduce_scatter_tensor(
     Returns output (async_op: the Work to wait on). output may be a view of input_.
     """
     record("reduce_scatter", group, input_)
-    work = _reduce_scatter_single(output, input_, op=op, group=group, async_op=async_op)
-    return work if async_op else output
+    with watchdog.watch("reduce_scatter", group):
+        work = _reduce_scatter_single(output, input_, op=op, group=group, async_op=async_op)
+    return watchdog.watched_work(work, "reduce_scatter", group) if async_op else output
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Overwrite `tensor` with global rank `src`'s copy on every rank of `group`; returns it."""
     record("broadcast", group, tensor)
-    dist.broadcast(tensor, src=src, group=group)
+    with watchdog.watch("broadcast", group):
+        dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
@@ -162,5 +167,6 @@ def all_to_all_single(output: torch.Tensor, input_: torch.Tensor, output_split_s
         event = CommEvent("all_to_all", parallel_state.group_name(group), numel, numel * input_.element_size())
         for counter in _ACTIVE:
             counter.record(event)
-    dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group)
+    with watchdog.watch("all_to_all", group):
+        dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group)
     return output

@@ -18,7 +18,8 @@ backend that matches by order (NCCL) pairs them the same way as one that matches
 No silent hangs: the waits have a deadline (set_p2p_timeout, which initialize sets from
 --distributed-timeout-minutes). Past it the waiting rank raises
 PipelineTimeoutError naming its global rank, its stage and virtual stage, the micro-batch, the
-operation and the peer it waited on.
+operation and the peer it waited on. The hang watchdog (megatron/core/watchdog.py), when started,
+watches the same waits with a shorter deadline and exits the process instead.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import device, parallel_state
+from megatron.core import device, parallel_state, watchdog
 
 # Tags: activations going to the next stage, gradients going to the previous one.
 _FORWARD_TAG = 1
@@ -189,8 +190,11 @@ def _communicate(*, tensor_send_next, tensor_send_prev, recv_prev: bool, recv_ne
 
         for op in ops:
             communication.record("p2p_" + ("send" if op.op is dist.isend else "recv"), group, op.tensor)
-        requests = dist.batch_isend_irecv(ops)
-        _wait(requests, f"{op_name} ({'; '.join(waits_on)})", where, dist.get_backend(group) == "gloo")
+        with watchdog.watch(op_name, group, peer="; ".join(waits_on),
+                            microbatch=where.microbatch if where is not None else None,
+                            virtual_stage=where.virtual_stage if where is not None else None):
+            requests = dist.batch_isend_irecv(ops)
+            _wait(requests, f"{op_name} ({'; '.join(waits_on)})", where, dist.get_backend(group) == "gloo")
 
     def result(received: List[torch.Tensor]):
         if not received:

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from megatron.core import device, parallel_state
+from megatron.core import device, parallel_state, watchdog
 from megatron.core.aux_losses import AuxLossAutoScaler
 from megatron.core.distributed.finalize_model_grads import scale_gradients
 from megatron.core.pipeline_parallel import p2p_communication, tracer
@@ -91,10 +91,12 @@ class _Run:
         AuxLossAutoScaler.set_loss_scale(scale if calculate_per_token_loss else scale / num_microbatches)
         # On the device: the pipeline broadcast and the data-parallel sum of it must work with NCCL.
         self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=device.get_device())
+        watchdog.note_schedule(num_microbatches, forward_only)  # names the micro-batch of a hang
 
     def forward(self, data_iterator: Optional[Iterator], model: torch.nn.Module,
                 input_tensor: Optional[torch.Tensor], microbatch: int, virtual_stage: int) -> torch.Tensor:
         """One forward step; on the last stage the output is the loss to back-propagate."""
+        watchdog.note_step(microbatch, virtual_stage)
         with tracer.step("F", microbatch, virtual_stage):
             unwrap_model(model).set_input_tensor(input_tensor)
             output_tensor, loss_func = self.forward_step_func(data_iterator, model)
@@ -118,6 +120,7 @@ class _Run:
         """
         no_sync = getattr(model, "no_sync", None)
         last = microbatch == self.num_microbatches - 1
+        watchdog.note_step(microbatch, virtual_stage)
         with (contextlib.nullcontext() if last or no_sync is None else no_sync()), \
                 tracer.step("B", microbatch, virtual_stage):
             inputs = _tensors(input_tensor)
@@ -155,6 +158,7 @@ class _Run:
 
     def finish(self, model: List[torch.nn.Module], finalize_model_grads_func: Optional[Callable]) -> None:
         """After the last backward: the gradient reductions (and per-token scaling)."""
+        watchdog.note_step(None)
         if self.forward_only:
             return
         tokens = None
@@ -162,8 +166,10 @@ class _Run:
             tokens = self.total_num_tokens
             if parallel_state.get_pipeline_model_parallel_world_size() > 1:
                 # Only the last stage counted tokens; every stage divides by the same number.
-                torch.distributed.broadcast(tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                            group=parallel_state.get_pipeline_model_parallel_group())
+                group = parallel_state.get_pipeline_model_parallel_group()
+                with watchdog.watch("broadcast", group):
+                    torch.distributed.broadcast(tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                                group=group)
         if finalize_model_grads_func is not None:
             finalize_model_grads_func(model, tokens)
         elif tokens is not None:
