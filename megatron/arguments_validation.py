@@ -16,6 +16,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints |
 | 7b | _validate_pipeline_parallel | virtual_pipeline_model_parallel_size |
 | 7c | _validate_data_parallel | |
+| 7d | _validate_pipeline_schedule | (PP > 1: the schedule simulator finds no deadlock) |
 | 7c | _validate_recompute | (granularity, method, layers per stage, distributed saved inputs) |
 | 8 | _validate_train_length | (iteration- or sample-based consistency) |
 | 9 | _validate_lr | start/end_weight_decay for the constant style |
@@ -377,6 +378,23 @@ def _validate_pipeline_parallel(args: Namespace) -> None:
                             f"{args.data_parallel_size})) to be a multiple of --pipeline-model-parallel-size ({pp})")
 
 
+def _validate_pipeline_schedule(args: Namespace) -> None:
+    """PP > 1: replay every stage's sends and receives of the schedule this layout runs (training and
+    evaluation) and refuse a layout whose stages would wait on each other forever (simulator.py)."""
+    pp = args.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    from megatron.core.pipeline_parallel.simulator import ScheduleDeadlockError, check_schedule
+
+    per_step = args.micro_batch_size * args.data_parallel_size
+    batches = [args.global_batch_size] + (list(args.rampup_batch_size[:1]) if args.rampup_batch_size else [])
+    for num_microbatches in sorted({max(batch // per_step, 1) for batch in batches}):
+        try:
+            check_schedule(pp, args.virtual_pipeline_model_parallel_size, num_microbatches)
+        except ScheduleDeadlockError as error:
+            raise ArgsError(str(error)) from error
+
+
 def _validate_recompute(args: Namespace) -> None:
     """Activation recompute (Megatron's rules): full needs a method and a layer count that fits
     each pipeline stage (model chunk); selective takes neither; distributed saved inputs need
@@ -668,6 +686,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_batch(args)
     _validate_pipeline_parallel(args)
     _validate_data_parallel(args)
+    _validate_pipeline_schedule(args)
     _validate_recompute(args)
     _validate_moe(args)
     _validate_train_length(args)
