@@ -1,0 +1,37 @@
+"""The hang watchdog's pieces that need no process group: the stall spec, where the schedule is,
+and that it stays off in one process (tests/functional/test_watchdog_stalls.py runs it for real)."""
+
+import pytest
+
+from megatron.core import watchdog
+
+
+def test_stall_spec():
+    stall = watchdog._parse_stall("rank=1,op=all_reduce,group=tp,after=3")
+    assert (stall.rank, stall.op, stall.group, stall.after, stall.seconds) == (1, "all_reduce", "tp", 3, 600.0)
+    assert watchdog._parse_stall("rank=0,op=p2p").group is None
+    assert watchdog._parse_stall("") is None
+    for bad in ("rank=1", "op=all_reduce", "rank=1,op=x,when=3"):
+        with pytest.raises(ValueError, match="MEGATRON_TEST_STALL"):
+            watchdog._parse_stall(bad)
+
+
+def test_where_the_schedule_is():
+    schedule = watchdog._Schedule(iteration=5, num_microbatches=8, microbatch=3)
+    assert schedule.describe() == "micro-batch 3 of 8, iteration 5"
+    assert schedule.describe(microbatch=1, virtual_stage=1) == "micro-batch 1 of 8, model chunk 1, iteration 5"
+    schedule.microbatch = None
+    assert schedule.describe() == "after the micro-batches, iteration 5"
+    assert watchdog._Schedule(evaluating=True, num_microbatches=2, microbatch=0).describe() == \
+        "micro-batch 0 of 2, evaluation"
+    assert watchdog._Schedule().describe() == ""
+
+
+def test_off_in_one_process():
+    with pytest.raises(ValueError, match="--watchdog-seconds must be positive"):
+        watchdog.start(0)
+    watchdog.start(5)  # no process group: nothing can hang
+    assert watchdog.deadline() is None
+    with watchdog.watch("all_reduce"):
+        pass
+    assert watchdog.watched_work(None, "all_reduce", None) is None
