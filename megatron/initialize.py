@@ -85,7 +85,8 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
     p2p_communication.set_p2p_timeout(args.distributed_timeout_minutes * 60.0)
     from megatron.core import watchdog  # a stuck collective or exchange prints what it waits on and exits
 
-    watchdog.start(args.watchdog_seconds or args.distributed_timeout_minutes * 60.0, lambda: getattr(args, "iteration", 0))
+    watchdog.start(args.watchdog_seconds or args.distributed_timeout_minutes * 60.0,
+                   lambda: getattr(args, "iteration", 0))
     if args.log_communication_stats:
         from megatron.core import communication
 

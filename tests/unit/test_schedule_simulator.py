@@ -62,7 +62,7 @@ def _one_forward_short(**kwargs):
 def test_a_send_nobody_receives_is_reported():
     deadlock = simulator.find_deadlock(simulator.record(2, None, 3, schedule=_one_forward_short))
     assert list(deadlock.blocked) == [0] and deadlock.done == [1]
-    assert "send activations to rank 1, which rank 1 never posts" in deadlock.describe()
+    assert "send activations to rank 1: rank 1 posts no matching receive" in deadlock.describe()
 
 
 def test_validation_runs_the_simulator_for_pipelined_layouts(monkeypatch):

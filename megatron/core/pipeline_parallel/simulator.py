@@ -245,12 +245,11 @@ def _partners(per_rank: List[List[Exchange]]) -> Dict[Tuple[int, int, int], Tupl
 
 
 def _why(op: Op, other: Optional[Tuple[int, int]], per_rank: List[List[Exchange]], position: List[int]) -> str:
-    what = f"{'send' if op.kind == 'send' else 'receive'} {op.tag} {'to' if op.kind == 'send' else 'from'} rank {op.peer}"
+    what = (f"send {op.tag} to rank {op.peer}" if op.kind == "send"
+            else f"receive {op.tag} from rank {op.peer}")
     if other is None:
-        return f"{what}, which rank {op.peer} never posts"
-    peer, index = other
-    if position[peer] >= len(per_rank[peer]):
-        return f"{what} (matched by its {per_rank[peer][index].label()}, but it finished first)"
+        return f"{what}: rank {op.peer} posts no matching {'receive' if op.kind == 'send' else 'send'}"
+    peer, index = other  # posted later than where the peer is blocked (a finished peer matched everything)
     return (f"{what}, matched by its {per_rank[peer][index].label()}, while rank {peer} is blocked in "
             f"{per_rank[peer][position[peer]].label()}")
 
