@@ -62,6 +62,7 @@ def _stuck_lines(err):
 def _check_ended_by_watchdog(result):
     returncode, _, err, elapsed = result
     assert returncode != 0, err[-3000:]
+    assert f"(exitcode: {watchdog.EXIT_CODE})" in err  # torchrun names the worker that the watchdog ended
     assert elapsed < SECONDS + MARGIN, f"took {elapsed:.0f} s"
     lines = _stuck_lines(err)
     assert lines, err[-3000:]
