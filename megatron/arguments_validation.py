@@ -389,6 +389,8 @@ def _validate_pipeline_schedule(args: Namespace) -> None:
     per_step = args.micro_batch_size * args.data_parallel_size
     batches = [args.global_batch_size] + (list(args.rampup_batch_size[:1]) if args.rampup_batch_size else [])
     for num_microbatches in sorted({max(batch // per_step, 1) for batch in batches}):
+        if num_microbatches > 8 * pp:  # past the warm-up the steady 1F1B rounds repeat: replay 8 x pp of them
+            num_microbatches = 8 * pp + num_microbatches % pp
         try:
             check_schedule(pp, args.virtual_pipeline_model_parallel_size, num_microbatches)
         except ScheduleDeadlockError as error:
