@@ -76,3 +76,14 @@ def test_validation_runs_the_simulator_for_pipelined_layouts(monkeypatch):
     monkeypatch.setattr(schedules, "get_forward_backward_func", lambda *layout: _recv_first)
     with pytest.raises(ArgsError, match="the training pipeline schedule deadlocks"):
         validate_args(parse_args(argv=argv))
+
+
+def test_the_replay_touches_no_device(monkeypatch):
+    """validate_args runs before set_device: the replay must not allocate on an accelerator."""
+    from megatron.core import device
+
+    def no_device():
+        raise AssertionError("the simulator asked for the real device")
+
+    monkeypatch.setattr(device, "get_device", no_device)
+    simulator.check_schedule(2, 2, 4)

@@ -5,9 +5,9 @@
     find_deadlock(exchanges)    -> None, or a Deadlock: which rank waits in which exchange on whom
     check_schedule(pp, vpp, m)  -> raises ScheduleDeadlockError with that description
 
-The schedule code is the real one: schedules.parallel_state and p2p_communication's
-parallel_state and _communicate are swapped, for the duration of one rank's replay, for a fake
-pipeline position and a recorder. The real p2p functions still decide what an edge stage skips,
+The schedule code is the real one: schedules.parallel_state (and its device and watchdog) and
+p2p_communication's parallel_state and _communicate are swapped, for the duration of one rank's
+replay, for a fake pipeline position on the CPU and a recorder. The real p2p functions still decide what an edge stage skips,
 so the recorded order is exactly what that rank would post. No process group is needed.
 
 Matching model (the strictest of gloo and NCCL): one exchange posts its sends and receives
@@ -158,14 +158,15 @@ def _as_rank(position: _Position, exchanges: List[Exchange]) -> Iterator[None]:
 
     silent = types.SimpleNamespace(note_schedule=lambda *a, **k: None, note_step=lambda *a, **k: None,
                                    watch=lambda *a, **k: contextlib.nullcontext())
-    saved = (schedules.parallel_state, schedules.watchdog, p2p_communication.parallel_state,
+    on_cpu = types.SimpleNamespace(get_device=lambda: torch.device("cpu"))  # validation runs before set_device
+    saved = (schedules.parallel_state, schedules.watchdog, schedules.device, p2p_communication.parallel_state,
              p2p_communication._communicate)
-    schedules.parallel_state, schedules.watchdog = position, silent
+    schedules.parallel_state, schedules.watchdog, schedules.device = position, silent, on_cpu
     p2p_communication.parallel_state, p2p_communication._communicate = position, communicate
     try:
         yield
     finally:
-        (schedules.parallel_state, schedules.watchdog, p2p_communication.parallel_state,
+        (schedules.parallel_state, schedules.watchdog, schedules.device, p2p_communication.parallel_state,
          p2p_communication._communicate) = saved
 
 
