@@ -187,6 +187,10 @@ def _validate_parallel(args: Namespace) -> None:
         raise ArgsError("--distributed-backend nccl needs a CUDA device and none is available; "
                         "use --distributed-backend gloo (or leave it unset to choose automatically)")
     _require_positive(args, ("distributed_timeout_minutes", "cpu_threads", "watchdog_seconds"))
+    if args.watchdog_seconds is not None and args.watchdog_seconds > args.distributed_timeout_minutes * 60:
+        raise ArgsError(f"--watchdog-seconds ({args.watchdog_seconds:g}) is longer than --distributed-timeout-minutes "
+                        f"({args.distributed_timeout_minutes}): the collectives would time out before the watchdog "
+                        "reports them; raise --distributed-timeout-minutes")
 
 
 def _validate_not_yet_supported(args: Namespace) -> None:

@@ -35,3 +35,18 @@ def test_off_in_one_process():
     with watchdog.watch("all_reduce"):
         pass
     assert watchdog.watched_work(None, "all_reduce", None) is None
+
+
+def test_watchdog_seconds_flag():
+    from megatron.arguments import parse_args, validate_args
+    from megatron.arguments_validation import ArgsError
+
+    argv = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+            "--max-position-embeddings", "8", "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
+    assert parse_args(argv=argv).watchdog_seconds is None  # initialize then uses --distributed-timeout-minutes
+    assert validate_args(parse_args(argv=[*argv, "--watchdog-seconds", "2.5"])).watchdog_seconds == 2.5
+    with pytest.raises(ArgsError, match="--watchdog-seconds must be > 0"):
+        validate_args(parse_args(argv=[*argv, "--watchdog-seconds", "0"]))
+    with pytest.raises(ArgsError, match="longer than --distributed-timeout-minutes"):
+        validate_args(parse_args(argv=[*argv, "--watchdog-seconds", "61", "--distributed-timeout-minutes", "1"]))
