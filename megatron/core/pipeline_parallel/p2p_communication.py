@@ -19,7 +19,8 @@ No silent hangs: the waits have a deadline (set_p2p_timeout, which initialize se
 --distributed-timeout-minutes). Past it the waiting rank raises
 PipelineTimeoutError naming its global rank, its stage and virtual stage, the micro-batch, the
 operation and the peer it waited on. The hang watchdog (megatron/core/watchdog.py), when started,
-watches the same waits with a shorter deadline and exits the process instead.
+watches the same waits, moves this deadline past its own, and at its own prints what the rank waits
+on and exits the process.
 """
 
 from __future__ import annotations
