@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import global_vars
-from megatron.core import cpu_runtime, device, node_topology, parallel_state
+from megatron.core import cpu_runtime, device, node_topology, parallel_state, watchdog
 from megatron.core.pipeline_parallel import p2p_communication
 from megatron.utils import print_line, print_rank_0
 
@@ -83,8 +83,7 @@ def _initialize_distributed(args: argparse.Namespace) -> None:
     _report_node_topology(args)
     # A stage waiting on its neighbour longer than this fails with an error naming both (no silent hang).
     p2p_communication.set_p2p_timeout(args.distributed_timeout_minutes * 60.0)
-    from megatron.core import watchdog  # a stuck collective or exchange prints what it waits on and exits
-
+    # A rank stuck in a collective or exchange prints what it waits on and exits (megatron/core/watchdog.py).
     watchdog.start(args.watchdog_seconds or args.distributed_timeout_minutes * 60.0,
                    lambda: getattr(args, "iteration", 0))
     if args.log_communication_stats:
