@@ -1,0 +1,86 @@
+"""Measure what one rank of a pretrain_gpt.py layout allocates, next to the plan's prediction.
+
+Run on every rank of a launched job (tests/parallel/test_planner_memory.py, bench/plan_memory.py):
+initialize_megatron with the flags, the model and optimizer as pretrain() builds them, one
+optimizer step on zero gradients (Adam's state exists only after a step), then
+
+    params, grads, optimizer   megatron/core/optimizer/memory.py: every storage the model and the
+                               optimizer hold, counted once (exact, bucket padding included)
+    activations                saved_tensor_bytes (megatron/model/activation_memory.py) around one
+                               training forward (with the loss on the last stage) of each model
+                               chunk of this rank, times the micro-batches the schedule keeps in
+                               flight for that chunk (planner.model.in_flight_units, not measured)
+
+What is not measured: the schedule's peak itself, transient buffers (full recompute's rerun,
+communication buffers, the allocator's slack) and the shared causal mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _chunk_saved_bytes(chunk: Any, args: Any, first: bool, last: bool) -> int:
+    from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
+    from megatron.model.activation_memory import saved_tensor_bytes
+
+    s, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    generator = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, args.padded_vocab_size // 2, (b, s), generator=generator)  # [b, s]
+    positions = torch.arange(s).repeat(b, 1)  # [b, s], its own storage as get_batch's
+    received = None
+    if not first:
+        local = s // tp if args.sequence_parallel else s
+        received = torch.randn(local, b, h, dtype=args.params_dtype, requires_grad=True)  # [s(/t), b, h]
+    unwrap_model(chunk).set_input_tensor(received)
+    params = list(chunk.parameters())
+    chunk.train()
+    with torch.enable_grad():
+        return saved_tensor_bytes(lambda: chunk(tokens, positions, None, labels=tokens if last else None),
+                                  exclude=params)
+
+
+def measure_rank(argv: list[str]) -> dict:
+    """This rank's measured bytes and the plan's prediction for the same flags (see the module
+    docstring); collective over the job."""
+    import pretrain_gpt
+    from megatron.core import parallel_state
+    from megatron.core.enums import ModelType
+    from megatron.core.optimizer.memory import optimizer_memory_per_parameter
+    from megatron.global_vars import get_args
+    from megatron.initialize import initialize_megatron, reset_megatron
+    from megatron.planner.model import in_flight_units, layout_from_args, shape_from_args
+    from megatron.planner.plan import plan_rank
+    from megatron.training import setup_model_and_optimizer
+
+    try:
+        initialize_megatron(argv=list(argv))
+        args = get_args()
+        model, optimizer, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        assert optimizer.step()[0]
+        memory = optimizer_memory_per_parameter(model, optimizer)
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        pp, vpp = args.pipeline_model_parallel_size, len(model)
+        lay = layout_from_args(args)
+        units = in_flight_units(lay, stage)
+        per_chunk = []
+        for c, chunk in enumerate(model):
+            per_chunk.append(_chunk_saved_bytes(chunk, args, first=stage == 0 and c == 0,
+                                                last=stage == pp - 1 and c == vpp - 1))
+        measured = dict(memory["bytes"])
+        measured["activations"] = sum(n * u for n, u in zip(per_chunk, units))
+        measured["total"] = sum(measured.values())
+        predicted = plan_rank(shape_from_args(args), lay, stage)
+        return {"stage": stage, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                "dp_rank": parallel_state.get_data_parallel_rank(), "measured": measured,
+                "predicted": predicted.memory_breakdown(), "num_parameters": memory["num_parameters"],
+                "predicted_parameters": predicted.parameters, "chunk_activations": per_chunk, "units": units}
+    finally:
+        reset_megatron()

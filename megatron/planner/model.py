@@ -1,0 +1,302 @@
+"""What one rank of a GPT layout holds: parameters, the optimizer's bytes per parameter, the
+activations autograd keeps per micro-batch, and how many micro-batches the schedule keeps.
+
+Notation as in docs (s sequence, b micro-batch, h hidden, a heads, g query groups, hn kv
+channels, f ffn width, V padded vocab, t TP, p PP, v virtual stages, d DP, e bytes per activation
+element: 2 for bf16/fp16, 4 for fp32). Everything here is arithmetic on a ModelShape and a Layout;
+nothing allocates a tensor or needs a process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, replace
+from typing import Optional
+
+
+class PlanError(ValueError):
+    """The flags describe something the planner does not model (said in one line)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The GPT the flags build (validated args), independent of the parallel layout."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    padded_vocab_size: int
+    seq_length: int
+    max_position_embeddings: int
+    swiglu: bool = False
+    layernorm: bool = True  # LayerNorm (weight + bias, mean and 1/std kept); False: RMSNorm
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    learned_positions: bool = True
+    rope: bool = False
+    rope_fused: bool = True
+    swiglu_fused: bool = True
+    tied_embeddings: bool = True
+    hidden_dropout: bool = True
+    attention_dropout: bool = True
+    params_dtype: str = "bf16"  # "fp32", "bf16" or "fp16"
+    grads_fp32: bool = True
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is cut: sizes, recompute, sequence parallelism, the optimizer's sharding."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1  # model chunks per pipeline rank (1: plain 1F1B)
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    sequence_parallel: bool = False
+    recompute: Optional[str] = None  # None, "selective" or "full"
+    recompute_method: Optional[str] = None  # "uniform" or "block" with full
+    recompute_num_layers: Optional[int] = None
+    distribute_saved_activations: bool = False
+    distributed_optimizer: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def name(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
+        parts += [f"mbs{self.micro_batch_size}"] + (["sp"] if self.sequence_parallel else [])
+        if self.recompute == "full":
+            parts.append(f"full-{self.recompute_method}{self.recompute_num_layers}")
+        elif self.recompute:
+            parts.append(self.recompute)
+        parts += ["distopt"] if self.distributed_optimizer else []
+        return "-".join(parts)
+
+
+def _dtype_name(args: argparse.Namespace) -> str:
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+
+
+def shape_from_args(args: argparse.Namespace) -> ModelShape:
+    """The ModelShape of validated pretrain_gpt.py args (padded_vocab_size set)."""
+    if getattr(args, "num_experts", None):
+        raise PlanError("--num-experts: the planner models dense GPT layers only (no MoE yet)")
+    if getattr(args, "context_parallel_size", 1) != 1:
+        raise PlanError("--context-parallel-size > 1 is not modelled by the planner")
+    if getattr(args, "qk_layernorm", False) or getattr(args, "squared_relu", False):
+        raise PlanError("--qk-layernorm / --squared-relu layers are not modelled by the planner")
+    heads = args.num_attention_heads
+    return ModelShape(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else heads,
+        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings, swiglu=bool(args.swiglu),
+        layernorm=args.normalization == "LayerNorm", add_bias_linear=bool(args.add_bias_linear),
+        add_qkv_bias=bool(args.add_qkv_bias), learned_positions=args.position_embedding_type == "learned_absolute",
+        rope=args.position_embedding_type == "rope", rope_fused=bool(args.apply_rope_fusion),
+        swiglu_fused=bool(args.bias_swiglu_fusion),
+        tied_embeddings=not args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout > 0, attention_dropout=args.attention_dropout > 0,
+        params_dtype=_dtype_name(args), grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32) or not
+        (args.bf16 or args.fp16))
+
+
+def layout_from_args(args: argparse.Namespace) -> Layout:
+    """The Layout of validated args."""
+    return Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                  dp=args.data_parallel_size, vpp=args.virtual_pipeline_model_parallel_size or 1,
+                  micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                  sequence_parallel=bool(args.sequence_parallel), recompute=args.recompute_granularity,
+                  recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+                  distribute_saved_activations=bool(args.distribute_saved_activations),
+                  distributed_optimizer=bool(args.use_distributed_optimizer))
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def layer_parameters(m: ModelShape, tp: int) -> int:
+    """Parameters of one transformer layer on one TP rank (the gpt_model.py state-dict table)."""
+    h, hn, f = m.hidden_size, m.kv_channels, m.ffn_hidden_size
+    norm = 2 * h if m.layernorm else h
+    qkv_rows = (m.num_attention_heads + 2 * m.num_query_groups) * hn // tp
+    fc1_rows = (2 if m.swiglu else 1) * f // tp
+    weights = qkv_rows * h + h * (m.num_attention_heads * hn // tp) + fc1_rows * h + h * (f // tp)
+    # Column-parallel biases are split, row-parallel biases ([h]) are whole on every rank.
+    biases = (qkv_rows if (m.add_bias_linear or m.add_qkv_bias) else 0) + ((fc1_rows + 2 * h) if m.add_bias_linear else 0)
+    return 2 * norm + weights + biases
+
+
+def chunk_parameters(m: ModelShape, tp: int, layers: int, first: bool, last: bool) -> int:
+    """Parameters of one model chunk on one TP rank: its layers, the embedding on the very first
+    chunk, the final norm and the output layer (or the tied copy) on the very last."""
+    h = m.hidden_size
+    total = layers * layer_parameters(m, tp)
+    if first:
+        total += m.padded_vocab_size // tp * h + (m.max_position_embeddings * h if m.learned_positions else 0)
+    if last:
+        total += 2 * h if m.layernorm else h
+        # Untied: its own [V/t, h]; tied on a stage without the embedding: a copy of it.
+        if not m.tied_embeddings or not first:
+            total += m.padded_vocab_size // tp * h
+    return total
+
+
+def stage_parameters(m: ModelShape, lay: Layout, stage: int) -> int:
+    """Parameters of pipeline rank `stage` (all its chunks) on one TP rank."""
+    per_chunk = m.num_layers // (lay.pp * lay.vpp)
+    return sum(chunk_parameters(m, lay.tp, per_chunk, first=stage == 0 and c == 0,
+                                last=stage == lay.pp - 1 and c == lay.vpp - 1) for c in range(lay.vpp))
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def bytes_per_parameter(params_dtype: str, grads_fp32: bool, distributed: bool, dp: int) -> dict:
+    """Megatron's table (megatron/core/optimizer/memory.py) per category, for Adam.
+
+    fp32 params need no main copy; half params keep fp32 main params, and an fp32 main grad
+    copy only when the grad buffer is half (fp16 grads). The distributed optimizer divides the
+    main params, main grads and Adam's two moments by d."""
+    param = PARAM_BYTES[params_dtype]
+    grad = 4 if grads_fp32 or params_dtype == "fp32" else 2
+    main_param = 0 if params_dtype == "fp32" else 4
+    main_grad = 4 if grad == 2 else 0
+    shard = dp if distributed else 1
+    out = {"model_params": float(param), "grads": float(grad), "main_params": main_param / shard,
+           "main_grads": main_grad / shard, "optimizer_state": 8 / shard}
+    out["total"] = sum(out.values())
+    return out
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def _e(m: ModelShape) -> int:
+    return 4 if m.params_dtype == "fp32" else 2
+
+
+def layer_activation_bytes(m: ModelShape, lay: Layout, recompute: Optional[str] = None) -> int:
+    """Bytes one layer keeps for backward per micro-batch on one TP rank (no full recompute):
+    the Korthikanti et al. terms of megatron/model/activation_memory.py, at element size e, with
+    the norms' fp32 statistics, GQA, RoPE, SwiGLU and dropouts as the flags set them."""
+    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    hn, f = m.kv_channels, m.ffn_hidden_size
+    heads, groups = m.num_attention_heads // t, max(1, m.num_query_groups // t)
+    local = s // t if lay.sequence_parallel else s  # tokens of the norms, dropouts, linears' inputs
+    stats = 8 if m.layernorm else 4  # fp32 mean and 1/std (RMSNorm: 1/rms) per token
+    masks = 2 * h if m.hidden_dropout else 0  # the two residual dropouts' 1-byte masks
+    replicated = local * b * (2 * e * h + 2 * stats + 2 * e * h + masks)  # norm inputs, QKV/fc1 inputs
+    qkv = e * s * b * (heads + 2 * groups) * hn  # the QKV output, one storage
+    if m.rope:
+        rope = 0 if m.rope_fused else 2 * 4 * 2 * s * hn  # unfused: cos and sin, fp32 [s, hn], for q and k
+        query = e * s * b * heads * hn
+        if recompute == "selective":
+            core = query + e * s * b * groups * hn + qkv
+        else:
+            # v is a view of the QKV output only for MHA with attention dropout; else its own copy
+            values = e * s * b * heads * hn if groups < heads or not m.attention_dropout else qkv
+            core = rope + query + e * s * b * heads * hn + values
+    else:
+        if groups < heads and recompute != "selective":
+            qkv += 2 * e * s * b * heads * hn  # k and v repeated to the query heads
+        core = qkv
+    if recompute != "selective":
+        scores = e * heads * s * s * b  # softmax output
+        core += scores + (scores + heads * s * s * b if m.attention_dropout else 0)  # dropout out, mask
+    projection = e * s * b * heads * hn
+    fl = f // t
+    if m.swiglu:
+        mlp = e * s * b * (2 * fl + fl + (0 if m.swiglu_fused else fl))
+    else:
+        mlp = 2 * e * s * b * fl  # GeLU input and output
+    return replicated + core + projection + mlp
+
+
+def chunk_activation_bytes(m: ModelShape, lay: Layout, layers: int, first: bool, last: bool) -> int:
+    """Bytes one model chunk keeps for backward per micro-batch on one TP rank, its layers plus
+    the embedding (first) and the final norm, output layer and cross entropy (last)."""
+    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    local = s // t if lay.sequence_parallel else s
+    if lay.recompute == "full":
+        split = lay.sequence_parallel or lay.distribute_saved_activations
+        kept_input = e * s * b * h // (t if split else 1)
+        n = lay.recompute_num_layers
+        if lay.recompute_method == "block":
+            total = n * kept_input + (layers - n) * layer_activation_bytes(m, lay)
+        else:
+            total = (layers // n) * kept_input
+    else:
+        total = layers * layer_activation_bytes(m, lay, lay.recompute)
+    # Made once per forward and shared by the chunk's layers: RoPE's fp32 angles [s, 1, 1, hn],
+    # and the [1, 1, s, s] bool causal mask, which the recompute checkpoints keep as an input.
+    total += 4 * s * m.kv_channels if m.rope else 0
+    total += s * s if lay.recompute else 0
+    if first:
+        total += 8 * s * b * (2 if m.learned_positions else 1)  # token (and position) ids, int64
+        total += e * local * b * h if m.hidden_dropout else 0  # the embedding dropout's mask (in e bytes)
+    if last:
+        total += local * b * (e * h + (8 if m.layernorm else 4))  # final norm input and statistics
+        total += e * local * b * h  # the output layer's input
+        vocab = m.padded_vocab_size // t
+        # cross entropy: t = 1 keeps its gradient in the logits' dtype; t > 1 the fp32 softmax
+        # and the target's [s, b] bool and int64
+        total += e * s * b * vocab if t == 1 else 4 * s * b * vocab + 9 * s * b
+    return total
+
+
+def recompute_working_bytes(m: ModelShape, lay: Layout) -> int:
+    """Full recompute: what one group of recompute_num_layers layers holds while its backward
+    reruns it (one micro-batch); 0 otherwise. Not kept between micro-batches, so not in the
+    saved-tensor measurement, but part of the peak."""
+    if lay.recompute != "full":
+        return 0
+    return lay.recompute_num_layers * layer_activation_bytes(m, lay)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def in_flight_units(lay: Layout, stage: int) -> list[int]:
+    """Micro-batches each chunk of pipeline rank `stage` holds at once, at the start of the
+    first backward (the schedule's peak): 1F1B keeps min(p - stage, m) of its one chunk; the
+    interleaved schedule runs (p - stage - 1) x 2 + (v - 1) x p warm-up forwards plus one, in
+    Megatron's order (groups of p micro-batches per chunk), so its chunks hold different counts."""
+    m = lay.num_microbatches
+    if lay.vpp == 1:
+        return [min(lay.pp - stage, m)]
+    total = min((lay.pp - stage - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, m * lay.vpp)
+    counts = [0] * lay.vpp
+    for k in range(total):
+        counts[(k // lay.pp) % lay.vpp] += 1
+    return counts
+
+
+def stage_activation_bytes(m: ModelShape, lay: Layout, stage: int) -> int:
+    """Activation bytes pipeline rank `stage` keeps at its peak: per chunk, the micro-batches in
+    flight times the chunk's bytes per micro-batch (recompute_working_bytes not included)."""
+    per_chunk = m.num_layers // (lay.pp * lay.vpp)
+    return sum(units * chunk_activation_bytes(m, lay, per_chunk, first=stage == 0 and c == 0,
+                                              last=stage == lay.pp - 1 and c == lay.vpp - 1)
+               for c, units in enumerate(in_flight_units(lay, stage)))
+
+
+def pipeline_bubble(lay: Layout) -> float:
+    """The fraction of ideal time the pipeline idles: (p - 1) / (v m) (Narayanan et al. 2021)."""
+    return (lay.pp - 1) / (lay.vpp * lay.num_microbatches)
+
+
+def with_layout(lay: Layout, **changes) -> Layout:
+    return replace(lay, **changes)

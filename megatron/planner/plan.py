@@ -1,0 +1,278 @@
+"""The plan of a layout on a device: per pipeline stage (every TP and DP rank of a stage holds the
+same), memory, communication, compute and the predicted step time and MFU; and the search over
+layouts.
+
+Time model (stated, simple): a stage computes its FLOPs (recompute included) at
+peak x compute_efficiency; TP and PP traffic sits on the critical path; the pipeline stretches
+that by the bubble (p - 1) / (v m); the DP gradient reduction is exposed whole, or with
+--overlap-grad-reduce only what the last micro-batch's backward cannot hide. Collectives are
+ring algorithms at the link bandwidth of the group (inside a node or across nodes, ranks placed
+in Megatron's tp-dp-pp order); latency is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Optional
+
+from megatron.planner.model import (
+    PARAM_BYTES,
+    Layout,
+    ModelShape,
+    bytes_per_parameter,
+    in_flight_units,
+    pipeline_bubble,
+    recompute_working_bytes,
+    stage_activation_bytes,
+    stage_parameters,
+)
+
+GIB = 1024 ** 3
+MEMORY_KEYS = ("model_params", "grads", "main_params", "main_grads", "optimizer_state", "activations")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator and its links. Defaults: an 80 GB H100-class device (989 dense bf16
+    TFLOP/s), 8 per node on NVLink (3600 Gbit/s = 450 GB/s per direction), one 400 Gbit/s NIC
+    per device across nodes."""
+
+    memory_gb: float = 80.0
+    devices_per_node: int = 8
+    peak_tflops: float = 989.0
+    intra_node_gbps: float = 3600.0
+    inter_node_gbps: float = 400.0
+    compute_efficiency: float = 0.6  # the fraction of peak the GEMMs reach
+    memory_reserve: float = 0.1  # kept free: allocator slack, workspaces, the runtime's context
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_gb * 1e9 * (1 - self.memory_reserve)
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """The device flags of tools/plan.py and pretrain_gpt.py --dry-run."""
+    group = parser.add_argument_group(title="planner device")
+    d = Device()
+    group.add_argument("--device-memory-gb", type=float, default=d.memory_gb, help="Memory per device (GB, 1e9).")
+    group.add_argument("--devices-per-node", type=int, default=d.devices_per_node)
+    group.add_argument("--peak-tflops", type=float, default=d.peak_tflops, help="Dense peak TFLOP/s per device "
+                       "in the training dtype.")
+    group.add_argument("--intra-node-gbps", type=float, default=d.intra_node_gbps,
+                       help="Per-device bandwidth inside a node, Gbit/s per direction.")
+    group.add_argument("--inter-node-gbps", type=float, default=d.inter_node_gbps,
+                       help="Per-device bandwidth across nodes, Gbit/s per direction.")
+    group.add_argument("--compute-efficiency", type=float, default=d.compute_efficiency,
+                       help="Fraction of the peak that the model's GEMMs reach.")
+    group.add_argument("--memory-reserve", type=float, default=d.memory_reserve,
+                       help="Fraction of device memory a plan leaves free.")
+
+
+def device_from_args(args: argparse.Namespace) -> Device:
+    return Device(memory_gb=args.device_memory_gb, devices_per_node=args.devices_per_node,
+                  peak_tflops=args.peak_tflops, intra_node_gbps=args.intra_node_gbps,
+                  inter_node_gbps=args.inter_node_gbps, compute_efficiency=args.compute_efficiency,
+                  memory_reserve=args.memory_reserve)
+
+
+@dataclass
+class RankPlan:
+    """One pipeline stage's rank (any of its TP and DP ranks)."""
+
+    stage: int
+    parameters: int
+    memory: dict  # bytes by MEMORY_KEYS, plus "recompute_working"
+    in_flight: list
+    comm: dict = field(default_factory=dict)  # bytes sent per step by "tp", "pp", "dp"
+    flops: float = 0.0  # this rank's FLOPs per step, recompute included
+    compute_s: float = 0.0
+    comm_s: dict = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.memory[key] for key in MEMORY_KEYS)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.total_bytes + self.memory["recompute_working"]
+
+    def memory_breakdown(self) -> dict:
+        out = {key: self.memory[key] for key in MEMORY_KEYS}
+        out["total"] = self.total_bytes
+        return out
+
+
+def plan_rank(m: ModelShape, lay: Layout, stage: int) -> RankPlan:
+    """Memory of pipeline rank `stage` (bytes; the optimizer table applied to its parameters)."""
+    params = stage_parameters(m, lay, stage)
+    per_param = bytes_per_parameter(m.params_dtype, m.grads_fp32, lay.distributed_optimizer, lay.dp)
+    memory = {key: int(round(per_param[key] * params)) for key in MEMORY_KEYS[:5]}
+    memory["activations"] = stage_activation_bytes(m, lay, stage)
+    memory["recompute_working"] = recompute_working_bytes(m, lay)
+    return RankPlan(stage=stage, parameters=params, memory=memory, in_flight=in_flight_units(lay, stage))
+
+
+# ----------------------------------------------------------------------------- FLOPs and time
+
+
+def layer_flops_per_sequence(m: ModelShape) -> float:
+    """training_log.num_floating_point_operations's per-layer term (forward + backward, one sequence)."""
+    s, h, a, g = m.seq_length, m.hidden_size, m.num_attention_heads, m.num_query_groups
+    q_ratio = m.kv_channels * a / h
+    attention = 12 * h * h * (1 + g / a + s / (2 * h)) * q_ratio
+    mlp = 12 * h * m.ffn_hidden_size * (1.5 if m.swiglu else 1.0)
+    return s * (attention + mlp)
+
+
+def flops_per_step(m: ModelShape, global_batch_size: int) -> float:
+    """Model FLOPs of one iteration: training_log.num_floating_point_operations's formula, in
+    its order of operations (so the two agree to the bit); recompute is not counted."""
+    s, layers, h, a, g = m.seq_length, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups
+    q_ratio = m.kv_channels * a / h
+    attention = 12 * layers * h * h * (1 + g / a + s / (2 * h)) * q_ratio
+    mlp = 12 * layers * h * m.ffn_hidden_size * (1.5 if m.swiglu else 1.0)
+    logits = 6 * h * m.padded_vocab_size
+    return global_batch_size * s * (attention + mlp + logits)
+
+
+def _recompute_flops_per_layer(m: ModelShape, lay: Layout) -> float:
+    if lay.recompute == "full":
+        return layer_flops_per_sequence(m) / 3  # the forward again
+    if lay.recompute == "selective":
+        q_ratio = m.kv_channels * m.num_attention_heads / m.hidden_size
+        return 2 * m.seq_length * m.seq_length * m.hidden_size * q_ratio  # scores and x V, forward
+    return 0.0
+
+
+def _ring(kind: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends in a ring all-reduce / all-gather / reduce-scatter of nbytes over n ranks."""
+    if n <= 1:
+        return 0.0
+    return (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
+
+
+def _bandwidths(lay: Layout, dev: Device) -> dict:
+    gbps = lambda inside: (dev.intra_node_gbps if inside else dev.inter_node_gbps) * 1e9 / 8  # noqa: E731
+    n = dev.devices_per_node
+    return {"tp": gbps(lay.tp <= n), "dp": gbps(lay.tp * lay.dp <= n), "pp": gbps(lay.tp * lay.dp < n)}
+
+
+def _stage_comm(m: ModelShape, lay: Layout, rank: RankPlan) -> dict:
+    e = 4 if m.params_dtype == "fp32" else 2
+    t, d, b, s, h = lay.tp, lay.dp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    mbs_per_step = lay.num_microbatches
+    layers = m.num_layers // lay.pp
+    act = e * s * b * h  # one [s, b, h] activation
+    if lay.sequence_parallel:  # forward 2 AG + 2 RS, backward 2 RS + 2 AG + 2 AG of the saved inputs
+        per_layer = 10 * _ring("all_gather", act, t) + (4 * _ring("all_gather", act, t) if lay.recompute == "full" else 0)
+    else:  # forward 2 AR, backward 2 AR
+        per_layer = 4 * _ring("all_reduce", act, t) + (2 * _ring("all_reduce", act, t) if lay.recompute == "full" else 0)
+    ends = (rank.stage == 0) + (rank.stage == lay.pp - 1)  # embedding reduce, output layer's input grad
+    tp = mbs_per_step * (layers * per_layer + ends * _ring("all_reduce", act, t))
+    sent = act // (t if lay.sequence_parallel else 1)  # a stage's output (its s/t slice under SP)
+    boundaries = lay.vpp * 2 - (rank.stage == 0) - (rank.stage == lay.pp - 1) if lay.pp > 1 else 0
+    pp = mbs_per_step * sent * boundaries  # activations forward, their gradients backward
+    grad_bytes = 4 if m.grads_fp32 or m.params_dtype == "fp32" else 2
+    grads = rank.parameters * grad_bytes
+    if lay.distributed_optimizer:
+        dp = _ring("reduce_scatter", grads, d) + _ring("all_gather", rank.parameters * PARAM_BYTES[m.params_dtype], d)
+    else:
+        dp = _ring("all_reduce", grads, d)
+    if lay.pp > 1 and m.tied_embeddings and rank.stage in (0, lay.pp - 1):
+        dp += _ring("all_reduce", m.padded_vocab_size // t * h * grad_bytes, 2)  # the tied embedding's grads
+    return {"tp": tp, "pp": pp, "dp": dp}
+
+
+@dataclass
+class Plan:
+    """A layout's plan on a device: one RankPlan per pipeline stage."""
+
+    shape: ModelShape
+    layout: Layout
+    device: Device
+    ranks: list
+    flops_per_step: float
+    bubble: float
+    step_s: float
+    mfu: float
+    overlap_grad_reduce: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return max(r.peak_bytes for r in self.ranks) <= self.device.usable_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(r.peak_bytes for r in self.ranks)
+
+
+def make_plan(m: ModelShape, lay: Layout, dev: Device, overlap_grad_reduce: bool = False) -> Plan:
+    """Memory, communication, time and MFU of every stage of the layout."""
+    bw = _bandwidths(lay, dev)
+    sequences = lay.global_batch_size // lay.dp  # per DP rank and step
+    layers = m.num_layers // lay.pp
+    peak = dev.peak_tflops * 1e12
+    ranks, stage_times = [], []
+    for stage in range(lay.pp):
+        rank = plan_rank(m, lay, stage)
+        per_layer = layer_flops_per_sequence(m) + _recompute_flops_per_layer(m, lay)
+        logits = 6 * m.hidden_size * m.padded_vocab_size * m.seq_length if stage == lay.pp - 1 else 0.0
+        rank.flops = sequences * (layers * per_layer + logits) / lay.tp
+        rank.compute_s = rank.flops / (peak * dev.compute_efficiency)
+        rank.comm = _stage_comm(m, lay, rank)
+        rank.comm_s = {key: value / bw[key] for key, value in rank.comm.items()}
+        dp_exposed = rank.comm_s["dp"]
+        if overlap_grad_reduce:  # hidden behind the backward of the last micro-batch (2/3 of its compute)
+            dp_exposed = max(0.0, dp_exposed - rank.compute_s / lay.num_microbatches * 2 / 3)
+        stage_times.append(((rank.compute_s + rank.comm_s["tp"] + rank.comm_s["pp"]), dp_exposed))
+        ranks.append(rank)
+    bubble = pipeline_bubble(lay)
+    step = max(busy for busy, _ in stage_times) * (1 + bubble) + max(dp for _, dp in stage_times)
+    total_flops = flops_per_step(m, lay.global_batch_size)
+    mfu = total_flops / (step * lay.world_size * peak)
+    return Plan(m, lay, dev, ranks, total_flops, bubble, step, mfu, overlap_grad_reduce)
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def _divisors(n: int) -> list:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_layouts(m: ModelShape, base: Layout, world_size: int, devices_per_node: int,
+                      micro_batch_sizes: Optional[list] = None) -> Iterator[Layout]:
+    """Every TP x PP x DP x VPP x recompute x SP x distributed-optimizer layout of world_size that
+    the flags' validation would accept: TP inside a node dividing heads and groups, layers even
+    over the (virtual) stages, the batch a whole number of micro-batches (a multiple of p for VPP)."""
+    for tp in _divisors(world_size):
+        if tp > devices_per_node or m.num_attention_heads % tp or m.num_query_groups % tp:
+            continue
+        for pp in _divisors(world_size // tp):
+            if m.num_layers % pp:
+                continue
+            dp = world_size // (tp * pp)
+            for mbs in micro_batch_sizes or [base.micro_batch_size]:
+                if base.global_batch_size % (mbs * dp):
+                    continue
+                micro = base.global_batch_size // (mbs * dp)
+                vpps = [v for v in _divisors(m.num_layers // pp) if v == 1 or (pp > 1 and micro % pp == 0 and v <= 8)]
+                for vpp in vpps:
+                    for recompute in (None, "selective", "full"):
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            for distopt in ((False, True) if dp > 1 else (False,)):
+                                yield replace(base, tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs,
+                                              sequence_parallel=sp, recompute=recompute,
+                                              recompute_method="uniform" if recompute == "full" else None,
+                                              recompute_num_layers=1 if recompute == "full" else None,
+                                              distribute_saved_activations=False, distributed_optimizer=distopt)
+
+
+def search(m: ModelShape, base: Layout, dev: Device, world_size: int, top: int = 10,
+           overlap_grad_reduce: bool = False, micro_batch_sizes: Optional[list] = None) -> tuple:
+    """(the `top` fitting plans by predicted step time, how many layouts were tried, how many fit)."""
+    plans = [make_plan(m, lay, dev, overlap_grad_reduce)
+             for lay in candidate_layouts(m, base, world_size, dev.devices_per_node, micro_batch_sizes)]
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s, p.peak_bytes))
+    return fitting[:top], len(plans), len(fitting)
