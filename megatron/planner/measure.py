@@ -17,6 +17,8 @@ communication buffers, the allocator's slack) and the shared causal mask.
 
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import Any
 
 import torch
@@ -58,9 +60,10 @@ def measure_rank(argv: list[str]) -> dict:
     from megatron.training import setup_model_and_optimizer
 
     try:
-        initialize_megatron(argv=list(argv))
+        with contextlib.redirect_stdout(io.StringIO()):  # the argument block and build messages
+            initialize_megatron(argv=list(argv))
+            model, optimizer, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
         args = get_args()
-        model, optimizer, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -84,3 +87,50 @@ def measure_rank(argv: list[str]) -> dict:
                 "predicted_parameters": predicted.parameters, "chunk_activations": per_chunk, "units": units}
     finally:
         reset_megatron()
+
+
+# The 10 layouts of docs/planner.md's table on 4 gloo ranks: a 4-layer GPT (h 64, 4 heads,
+# s 32, micro-batch 2, global batch 16, vocab 255 padded per TP), dropout on.
+BASE_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+              "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
+              "--lr", "1e-3", "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
+              "--vocab-size", "255", "--num-workers", "0", "--eval-iters", "0", "--seed", "1234"]
+LLAMA_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+               "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2",
+               "--untie-embeddings-and-output-weights"]
+LAYOUTS = {
+    "tp1-pp1-dp4 fp32": [],
+    "tp1-pp1-dp4 bf16 distopt": ["--bf16", "--use-distributed-optimizer"],
+    "tp2-dp2 bf16": ["--bf16", "--tensor-model-parallel-size", "2"],
+    "tp2-dp2 bf16 sp distopt": ["--bf16", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--use-distributed-optimizer"],
+    "tp4 bf16 sp selective": ["--bf16", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+                              "--recompute-activations"],
+    "tp2-pp2 bf16 full": ["--bf16", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                          "--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "1"],
+    "pp2-dp2 bf16 distopt": ["--bf16", "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"],
+    "pp4 fp32": ["--pipeline-model-parallel-size", "4"],
+    "pp2-vpp2-dp2 bf16": ["--bf16", "--pipeline-model-parallel-size", "2",
+                          "--num-layers-per-virtual-pipeline-stage", "1"],
+    "tp2-pp2 bf16 llama selective distopt": ["--bf16", "--tensor-model-parallel-size", "2",
+                                             "--pipeline-model-parallel-size", "2", "--recompute-activations",
+                                             "--use-distributed-optimizer", *LLAMA_FLAGS],
+}
+
+
+def measure_layouts(names: list | None = None) -> dict:
+    """Task for every rank of a 4-rank job: {layout: this rank's measure_rank result}."""
+    return {name: measure_rank(BASE_FLAGS + LAYOUTS[name]) for name in (names or list(LAYOUTS))}
+
+
+def table_rows(per_rank: list) -> list:
+    """(layout, rank, stage, measured total, predicted total, relative difference) per layout and
+    rank from measure_layouts' per-rank results."""
+    rows = []
+    for name in per_rank[0]:
+        for rank, results in enumerate(per_rank):
+            r = results[name]
+            measured, predicted = r["measured"]["total"], r["predicted"]["total"]
+            rows.append((name, rank, r["stage"], r["measured"], r["predicted"], (predicted - measured) / measured))
+    return rows

@@ -246,6 +246,7 @@ def chunk_activation_bytes(m: ModelShape, lay: Layout, layers: int, first: bool,
     total += s * s if lay.recompute else 0
     if first:
         total += 8 * s * b * (2 if m.learned_positions else 1)  # token (and position) ids, int64
+        total += s * b if t > 1 else 0  # VocabParallelEmbedding's bool mask of ids outside its slice
         total += e * local * b * h if m.hidden_dropout else 0  # the embedding dropout's mask (in e bytes)
     if last:
         total += local * b * (e * h + (8 if m.layernorm else 4))  # final norm input and statistics

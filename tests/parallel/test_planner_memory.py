@@ -1,0 +1,32 @@
+"""The planner's per-rank memory (parameters + gradients + optimizer state + activations) against
+what 4 gloo ranks allocate for the 10 layouts of docs/planner.md (megatron/planner/measure.py:
+the optimizer side measured exactly after a step, activations as the saved tensors of one
+forward per model chunk times the micro-batches the schedule keeps in flight)."""
+
+import pytest
+
+from megatron.planner.measure import LAYOUTS, measure_layouts, table_rows
+
+
+@pytest.fixture(scope="module")
+def rows(dist_pool):
+    return table_rows(dist_pool.run(measure_layouts))
+
+
+def test_ten_layouts_are_measured(rows):
+    assert len(LAYOUTS) == 10
+    assert {row[0] for row in rows} == set(LAYOUTS)
+
+
+def test_predicted_memory_is_within_5_percent_of_measured_on_every_rank(rows):
+    worst = max(rows, key=lambda row: abs(row[5]))
+    assert abs(worst[5]) < 0.05, worst
+    # in fact the model is exact up to the distributed optimizer's bucket padding: 0.1% here
+    assert abs(worst[5]) < 0.001, worst
+
+
+def test_each_category_matches(rows):
+    for name, rank, stage, measured, predicted, _ in rows:
+        for key in ("model_params", "grads", "optimizer_state"):
+            assert abs(predicted[key] - measured[key]) <= 0.01 * measured[key], (name, rank, key)
+        assert abs(predicted["activations"] - measured["activations"]) <= 0.01 * measured["activations"], (name, rank)
