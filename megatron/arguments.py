@@ -516,6 +516,16 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
                             "in a logging interval (an expert with no tokens is always warned about).")
 
 
+def _add_planner_args(parser: argparse.ArgumentParser) -> None:
+    """Ours: pretrain_gpt.py --dry-run prints the pre-flight plan (megatron/planner) and exits."""
+    from megatron.planner.plan import add_device_args
+
+    parser.add_argument("--dry-run", action="store_true",
+                        help="Validate the flags, print the plan per rank (memory, communication, step time, "
+                             "MFU on the --device-* description) and exit 0 before building the model.")
+    add_device_args(parser)
+
+
 def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:
     """The parser with every group, then the script's own flags from extra_args_provider."""
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
@@ -523,7 +533,7 @@ def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argpar
                       _add_initialization_args, _add_learning_rate_args, _add_checkpointing_args,
                       _add_mixed_precision_args, _add_distributed_args, _add_validation_args,
                       _add_data_args, add_tokenizer_args, _add_logging_args, _add_moe_args,
-                      add_megatron_flags):
+                      add_megatron_flags, _add_planner_args):
         add_group(parser)
     if extra_args_provider is not None:
         # Megatron's providers return the parser; accept one that only adds to it, too.

@@ -92,6 +92,9 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                          "collects losses only")
     global _TRAIN_START_TIME
     _TRAIN_START_TIME = time.time()
+    from megatron.planner.report import dry_run
+
+    dry_run(extra_args_provider, args_defaults, argv)  # --dry-run: the plan, then exit 0 (returns otherwise)
     initialize_megatron(extra_args_provider, args_defaults, argv=argv)
     args = get_args()
     print_rank_0("time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME))

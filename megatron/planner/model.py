@@ -43,6 +43,7 @@ class ModelShape:
     hidden_dropout: bool = True
     attention_dropout: bool = True
     params_dtype: str = "bf16"  # "fp32", "bf16" or "fp16"
+    flash_attn: bool = False  # --use-flash-attn on a GPU: no s x s tensor is kept
     grads_fp32: bool = True
 
 
@@ -107,7 +108,8 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
         swiglu_fused=bool(args.bias_swiglu_fusion),
         tied_embeddings=not args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout > 0, attention_dropout=args.attention_dropout > 0,
-        params_dtype=_dtype_name(args), grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32) or not
+        params_dtype=_dtype_name(args), flash_attn=bool(getattr(args, "use_flash_attn", False)),
+        grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32) or not
         (args.bf16 or args.fp16))
 
 
@@ -213,7 +215,11 @@ def layer_activation_bytes(m: ModelShape, lay: Layout, recompute: Optional[str] 
         if groups < heads and recompute != "selective":
             qkv += 2 * e * s * b * heads * hn  # k and v repeated to the query heads
         core = qkv
-    if recompute != "selective":
+    if m.flash_attn and recompute != "selective":
+        # flash-attn keeps q, k, v (counted above), its output (the projection input, below) and
+        # the fp32 log-sum-exp [b, np, s]; not measurable on CPU (docs/planner.md)
+        core += 4 * b * heads * s
+    elif recompute != "selective":
         scores = e * heads * s * s * b  # softmax output
         core += scores + (scores + heads * s * s * b if m.attention_dropout else 0)  # dropout out, mask
     projection = e * s * b * heads * hn

@@ -1,0 +1,105 @@
+"""The plan as text (tools/plan.py, pretrain_gpt.py --dry-run), and the plan of validated args."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+from typing import Callable, Optional
+
+from megatron.planner.model import layout_from_args, shape_from_args
+from megatron.planner.plan import GIB, Device, Plan, device_from_args, make_plan, search
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    """The plan of validated pretrain_gpt.py args with the device flags; FLOPs per step are the log
+    line's (training_log.num_floating_point_operations) for the global batch."""
+    from megatron.training_log import num_floating_point_operations
+
+    if getattr(args, "padded_vocab_size", None) is None:
+        from megatron.tokenizer import build_tokenizer
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            build_tokenizer(args)  # sets args.padded_vocab_size, as pretrain() does
+    plan = make_plan(shape_from_args(args), layout_from_args(args), device_from_args(args),
+                     overlap_grad_reduce=bool(args.overlap_grad_reduce))
+    expected = num_floating_point_operations(args, args.global_batch_size)
+    assert plan.flops_per_step == expected, (plan.flops_per_step, expected)
+    return plan
+
+
+def describe_device(dev: Device, world_size: int) -> str:
+    return (f"{world_size} x {dev.memory_gb:g} GB devices, {dev.devices_per_node} per node, "
+            f"{dev.peak_tflops:g} TFLOP/s peak x {dev.compute_efficiency:g} efficiency, links "
+            f"{dev.intra_node_gbps:g} / {dev.inter_node_gbps:g} Gbit/s inside / across nodes, "
+            f"{dev.memory_reserve:.0%} kept free")
+
+
+def format_plan(plan: Plan) -> list:
+    """Lines: the layout, then one row per pipeline stage (all its TP and DP ranks hold the same),
+    then the step's time, MFU and whether it fits."""
+    lay, dev = plan.layout, plan.device
+    lines = [f"plan: {lay.name()} on {describe_device(dev, lay.world_size)}",
+             f"  {lay.num_microbatches} micro-batches per step; pipeline bubble (p-1)/(v m) = {plan.bubble:.2%}; "
+             f"model FLOPs per step {plan.flops_per_step:.4E} (the log line's)",
+             "  stage | params/rank | weights | grads | main p+g | optimizer | activations (in flight) | "
+             "recompute work | total GiB | TP / PP / DP GB sent per step | compute s"]
+    for r in plan.ranks:
+        mem = r.memory
+        lines.append(
+            f"  {r.stage:5d} | {r.parameters / 1e6:9.1f} M | {_gib(mem['model_params'])} | {_gib(mem['grads'])} | "
+            f"{_gib(mem['main_params'] + mem['main_grads'])} | {_gib(mem['optimizer_state'])} | "
+            f"{_gib(mem['activations'])} ({'+'.join(map(str, r.in_flight))}) | {_gib(mem['recompute_working'])} | "
+            f"{_gib(r.peak_bytes)} | {r.comm['tp'] / 1e9:.2f} / {r.comm['pp'] / 1e9:.2f} / {r.comm['dp'] / 1e9:.2f} | "
+            f"{r.compute_s:.3f}")
+    fits = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(f"  predicted step time {plan.step_s:.3f} s, MFU {plan.mfu:.1%} "
+                 f"({plan.flops_per_step / plan.step_s / lay.world_size / 1e12:.1f} TFLOP/s/GPU); peak "
+                 f"{_gib(plan.peak_bytes)} GiB of {_gib(dev.usable_bytes)} usable: {fits}")
+    return lines
+
+
+def format_search(plans: list, tried: int, fitting: int, world_size: int, dev: Device) -> list:
+    lines = [f"search: {tried} layouts of {world_size} devices tried, {fitting} fit ({describe_device(dev, world_size)})",
+             "  rank | layout | peak GiB | bubble | step s | MFU"]
+    for i, p in enumerate(plans, 1):
+        lines.append(f"  {i:4d} | {p.layout.name()} | {_gib(p.peak_bytes)} | {p.bubble:.1%} | {p.step_s:.3f} | "
+                     f"{p.mfu:.1%}")
+    return lines
+
+
+def search_from_args(args: argparse.Namespace, top: int = 10, micro_batch_sizes: Optional[list] = None) -> list:
+    """format_search of the layouts of args.world_size devices, the model and batch of args."""
+    plan = plan_from_args(args)
+    plans, tried, fitting = search(plan.shape, plan.layout, plan.device, args.world_size, top,
+                                   overlap_grad_reduce=bool(args.overlap_grad_reduce),
+                                   micro_batch_sizes=micro_batch_sizes)
+    return format_search(plans, tried, fitting, args.world_size, plan.device)
+
+
+def dry_run(extra_args_provider: Optional[Callable], args_defaults: Optional[dict], argv: Optional[list]) -> None:
+    """pretrain(..., --dry-run): parse and validate as initialize_megatron does (no process group,
+    no model, no data), print the plan on rank 0 and exit 0. Returns when --dry-run is not given."""
+    from megatron.arguments import parse_args, validate_args
+
+    args = parse_args(extra_args_provider, argv=argv)
+    if not args.dry_run:
+        return
+    if args.use_checkpoint_args or (args_defaults or {}).get("use_checkpoint_args", False):
+        from megatron.checkpointing import load_args_from_checkpoint
+
+        load_args_from_checkpoint(args)
+    if args.load_hf is not None:
+        from megatron.load_hf import apply_hf_args
+
+        apply_hf_args(args, argv, extra_args_provider)
+    with contextlib.redirect_stdout(io.StringIO()):
+        validate_args(args, args_defaults or {})
+    if args.rank == 0:
+        print("\n".join(format_plan(plan_from_args(args))), flush=True)
+    sys.exit(0)
