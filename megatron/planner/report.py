@@ -12,8 +12,15 @@ from megatron.planner.model import layout_from_args, shape_from_args
 from megatron.planner.plan import GIB, Device, Plan, device_from_args, make_plan, search
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:.2f}"
+def _size(n: float) -> str:
+    """Bytes with a binary unit: 6.23G, 421.40M, 12.0K."""
+    if n >= GIB:
+        return f"{n / GIB:.2f}G"
+    return f"{n / 2**20:.2f}M" if n >= 2**20 else f"{n / 1024:.1f}K"
+
+
+def _seconds(t: float) -> str:
+    return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.3f} ms"
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -48,27 +55,27 @@ def format_plan(plan: Plan) -> list:
              f"  {lay.num_microbatches} micro-batches per step; pipeline bubble (p-1)/(v m) = {plan.bubble:.2%}; "
              f"model FLOPs per step {plan.flops_per_step:.4E} (the log line's)",
              "  stage | params/rank | weights | grads | main p+g | optimizer | activations (in flight) | "
-             "recompute work | total GiB | TP / PP / DP GB sent per step | compute s"]
+             "recompute work | total | TP / PP / DP sent per step | compute"]
     for r in plan.ranks:
         mem = r.memory
         lines.append(
-            f"  {r.stage:5d} | {r.parameters / 1e6:9.1f} M | {_gib(mem['model_params'])} | {_gib(mem['grads'])} | "
-            f"{_gib(mem['main_params'] + mem['main_grads'])} | {_gib(mem['optimizer_state'])} | "
-            f"{_gib(mem['activations'])} ({'+'.join(map(str, r.in_flight))}) | {_gib(mem['recompute_working'])} | "
-            f"{_gib(r.peak_bytes)} | {r.comm['tp'] / 1e9:.2f} / {r.comm['pp'] / 1e9:.2f} / {r.comm['dp'] / 1e9:.2f} | "
-            f"{r.compute_s:.3f}")
+            f"  {r.stage:5d} | {r.parameters / 1e6:9.1f} M | {_size(mem['model_params'])} | {_size(mem['grads'])} | "
+            f"{_size(mem['main_params'] + mem['main_grads'])} | {_size(mem['optimizer_state'])} | "
+            f"{_size(mem['activations'])} ({'+'.join(map(str, r.in_flight))}) | {_size(mem['recompute_working'])} | "
+            f"{_size(r.peak_bytes)} | {_size(r.comm['tp'])} / {_size(r.comm['pp'])} / {_size(r.comm['dp'])} | "
+            f"{_seconds(r.compute_s)}")
     fits = "fits" if plan.fits else "DOES NOT FIT"
-    lines.append(f"  predicted step time {plan.step_s:.3f} s, MFU {plan.mfu:.1%} "
+    lines.append(f"  predicted step time {_seconds(plan.step_s)}, MFU {plan.mfu:.1%} "
                  f"({plan.flops_per_step / plan.step_s / lay.world_size / 1e12:.1f} TFLOP/s/GPU); peak "
-                 f"{_gib(plan.peak_bytes)} GiB of {_gib(dev.usable_bytes)} usable: {fits}")
+                 f"{_size(plan.peak_bytes)} of {_size(dev.usable_bytes)} usable: {fits}")
     return lines
 
 
 def format_search(plans: list, tried: int, fitting: int, world_size: int, dev: Device) -> list:
     lines = [f"search: {tried} layouts of {world_size} devices tried, {fitting} fit ({describe_device(dev, world_size)})",
-             "  rank | layout | peak GiB | bubble | step s | MFU"]
+             "  rank | layout | peak memory | bubble | step time | MFU"]
     for i, p in enumerate(plans, 1):
-        lines.append(f"  {i:4d} | {p.layout.name()} | {_gib(p.peak_bytes)} | {p.bubble:.1%} | {p.step_s:.3f} | "
+        lines.append(f"  {i:4d} | {p.layout.name()} | {_size(p.peak_bytes)} | {p.bubble:.1%} | {_seconds(p.step_s)} | "
                      f"{p.mfu:.1%}")
     return lines
 

@@ -25,6 +25,13 @@ def test_predicted_memory_is_within_5_percent_of_measured_on_every_rank(rows):
     assert abs(worst[5]) < 0.001, worst
 
 
+def test_parameters_are_counted_exactly(dist_pool):
+    per_rank = dist_pool.run(measure_layouts, ["pp2-vpp2-dp2 bf16", "tp2-pp2 bf16 llama selective distopt"])
+    for results in per_rank:
+        for r in results.values():
+            assert r["num_parameters"] == r["predicted_parameters"]
+
+
 def test_each_category_matches(rows):
     for name, rank, stage, measured, predicted, _ in rows:
         for key in ("model_params", "grads", "optimizer_state"):
