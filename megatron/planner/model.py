@@ -44,6 +44,8 @@ class ModelShape:
     attention_dropout: bool = True
     params_dtype: str = "bf16"  # "fp32", "bf16" or "fp16"
     flash_attn: bool = False  # --use-flash-attn on a GPU: no s x s tensor is kept
+    vocab_size: Optional[int] = None  # the tokenizer's, for re-padding at another TP (search)
+    vocab_divisor: int = 128  # --make-vocab-size-divisible-by
     grads_fp32: bool = True
 
 
@@ -87,8 +89,9 @@ def _dtype_name(args: argparse.Namespace) -> str:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
-def shape_from_args(args: argparse.Namespace) -> ModelShape:
-    """The ModelShape of validated pretrain_gpt.py args (padded_vocab_size set)."""
+def shape_from_args(args: argparse.Namespace, vocab_size: Optional[int] = None) -> ModelShape:
+    """The ModelShape of validated pretrain_gpt.py args (padded_vocab_size set); vocab_size, the
+    tokenizer's, lets shape_at_tp pad the vocabulary for another TP size."""
     if getattr(args, "num_experts", None):
         raise PlanError("--num-experts: the planner models dense GPT layers only (no MoE yet)")
     if getattr(args, "context_parallel_size", 1) != 1:
@@ -109,8 +112,17 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
         tied_embeddings=not args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout > 0, attention_dropout=args.attention_dropout > 0,
         params_dtype=_dtype_name(args), flash_attn=bool(getattr(args, "use_flash_attn", False)),
+        vocab_size=vocab_size, vocab_divisor=args.make_vocab_size_divisible_by,
         grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32) or not
         (args.bf16 or args.fp16))
+
+
+def shape_at_tp(m: ModelShape, tp: int) -> ModelShape:
+    """The shape with the vocabulary padded as at TP size tp (a multiple of divisor x tp)."""
+    if m.vocab_size is None:
+        return m
+    multiple = m.vocab_divisor * tp
+    return replace(m, padded_vocab_size=-(-m.vocab_size // multiple) * multiple)
 
 
 def layout_from_args(args: argparse.Namespace) -> Layout:

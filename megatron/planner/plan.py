@@ -24,6 +24,7 @@ from megatron.planner.model import (
     in_flight_units,
     pipeline_bubble,
     recompute_working_bytes,
+    shape_at_tp,
     stage_activation_bytes,
     stage_parameters,
 )
@@ -272,7 +273,7 @@ def candidate_layouts(m: ModelShape, base: Layout, world_size: int, devices_per_
 def search(m: ModelShape, base: Layout, dev: Device, world_size: int, top: int = 10,
            overlap_grad_reduce: bool = False, micro_batch_sizes: Optional[list] = None) -> tuple:
     """(the `top` fitting plans by predicted step time, how many layouts were tried, how many fit)."""
-    plans = [make_plan(m, lay, dev, overlap_grad_reduce)
+    plans = [make_plan(shape_at_tp(m, lay.tp), lay, dev, overlap_grad_reduce)
              for lay in candidate_layouts(m, base, world_size, dev.devices_per_node, micro_batch_sizes)]
     fitting = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s, p.peak_bytes))
     return fitting[:top], len(plans), len(fitting)

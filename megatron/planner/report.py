@@ -28,12 +28,11 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     line's (training_log.num_floating_point_operations) for the global batch."""
     from megatron.training_log import num_floating_point_operations
 
-    if getattr(args, "padded_vocab_size", None) is None:
-        from megatron.tokenizer import build_tokenizer
+    from megatron.tokenizer import build_tokenizer
 
-        with contextlib.redirect_stdout(io.StringIO()):
-            build_tokenizer(args)  # sets args.padded_vocab_size, as pretrain() does
-    plan = make_plan(shape_from_args(args), layout_from_args(args), device_from_args(args),
+    with contextlib.redirect_stdout(io.StringIO()):
+        vocab_size = build_tokenizer(args).vocab_size  # sets args.padded_vocab_size if unset, as pretrain() does
+    plan = make_plan(shape_from_args(args, vocab_size), layout_from_args(args), device_from_args(args),
                      overlap_grad_reduce=bool(args.overlap_grad_reduce))
     expected = num_floating_point_operations(args, args.global_batch_size)
     assert plan.flops_per_step == expected, (plan.flops_per_step, expected)
