@@ -39,7 +39,8 @@ def main() -> None:
         rank = ranks[0]
         r = next(row for row in table_rows(per_rank) if row[0] == name and row[1] == rank)
         measured, predicted, diff = r[3], r[4], r[5]
-        print(f"| {name} | {','.join(map(str, ranks))} | {stage} | {_mib(static(predicted))} / {_mib(static(measured))} "
+        print(f"| {name} | {','.join(map(str, ranks))} | {stage} "
+              f"| {_mib(static(predicted))} / {_mib(static(measured))} "
               f"| {_mib(predicted['activations'])} / {_mib(measured['activations'])} "
               f"| {_mib(predicted['total'])} / {_mib(measured['total'])} | {diff:+.4%} |")
     print(f"\nlargest |difference| over every rank: {worst:.4%}")

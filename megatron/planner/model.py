@@ -147,7 +147,8 @@ def layer_parameters(m: ModelShape, tp: int) -> int:
     fc1_rows = (2 if m.swiglu else 1) * f // tp
     weights = qkv_rows * h + h * (m.num_attention_heads * hn // tp) + fc1_rows * h + h * (f // tp)
     # Column-parallel biases are split, row-parallel biases ([h]) are whole on every rank.
-    biases = (qkv_rows if (m.add_bias_linear or m.add_qkv_bias) else 0) + ((fc1_rows + 2 * h) if m.add_bias_linear else 0)
+    qkv_bias = qkv_rows if (m.add_bias_linear or m.add_qkv_bias) else 0
+    biases = qkv_bias + ((fc1_rows + 2 * h) if m.add_bias_linear else 0)
     return 2 * norm + weights + biases
 
 
@@ -315,7 +316,3 @@ def stage_activation_bytes(m: ModelShape, lay: Layout, stage: int) -> int:
 def pipeline_bubble(lay: Layout) -> float:
     """The fraction of ideal time the pipeline idles: (p - 1) / (v m) (Narayanan et al. 2021)."""
     return (lay.pp - 1) / (lay.vpp * lay.num_microbatches)
-
-
-def with_layout(lay: Layout, **changes) -> Layout:
-    return replace(lay, **changes)

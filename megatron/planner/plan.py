@@ -165,10 +165,11 @@ def _stage_comm(m: ModelShape, lay: Layout, rank: RankPlan) -> dict:
     mbs_per_step = lay.num_microbatches
     layers = m.num_layers // lay.pp
     act = e * s * b * h  # one [s, b, h] activation
+    full = lay.recompute == "full"  # the recomputed forward communicates again
     if lay.sequence_parallel:  # forward 2 AG + 2 RS, backward 2 RS + 2 AG + 2 AG of the saved inputs
-        per_layer = 10 * _ring("all_gather", act, t) + (4 * _ring("all_gather", act, t) if lay.recompute == "full" else 0)
+        per_layer = (10 + (4 if full else 0)) * _ring("all_gather", act, t)
     else:  # forward 2 AR, backward 2 AR
-        per_layer = 4 * _ring("all_reduce", act, t) + (2 * _ring("all_reduce", act, t) if lay.recompute == "full" else 0)
+        per_layer = (4 + (2 if full else 0)) * _ring("all_reduce", act, t)
     ends = (rank.stage == 0) + (rank.stage == lay.pp - 1)  # embedding reduce, output layer's input grad
     tp = mbs_per_step * (layers * per_layer + ends * _ring("all_reduce", act, t))
     sent = act // (t if lay.sequence_parallel else 1)  # a stage's output (its s/t slice under SP)

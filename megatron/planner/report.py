@@ -71,7 +71,8 @@ def format_plan(plan: Plan) -> list:
 
 
 def format_search(plans: list, tried: int, fitting: int, world_size: int, dev: Device) -> list:
-    lines = [f"search: {tried} layouts of {world_size} devices tried, {fitting} fit ({describe_device(dev, world_size)})",
+    lines = [f"search: {tried} layouts of {world_size} devices tried, {fitting} fit "
+             f"({describe_device(dev, world_size)})",
              "  rank | layout | peak memory | bubble | step time | MFU"]
     for i, p in enumerate(plans, 1):
         lines.append(f"  {i:4d} | {p.layout.name()} | {_size(p.peak_bytes)} | {p.bubble:.1%} | {_seconds(p.step_s)} | "

@@ -82,6 +82,18 @@ def test_gpt_layer_is_the_paper_plus_the_norm_statistics(tp, sp, recompute, caps
     assert layer_activation_bytes(shape_from_args(args), lay, recompute) == paper + statistics
 
 
+def test_the_search_pads_the_vocabulary_per_tp_size(capsys):
+    from megatron.planner.model import shape_at_tp
+    from megatron.planner.plan import flops_per_step
+
+    base = plan_from_args(_args(LLAMA_7B, world_size=64, capsys=capsys)).shape
+    for tp in (1, 2, 8):
+        args = _args(LLAMA_7B + ["--tensor-model-parallel-size", str(tp)], world_size=64, capsys=capsys)
+        plan = plan_from_args(args)
+        assert shape_at_tp(base, tp) == plan.shape
+        assert flops_per_step(shape_at_tp(base, tp), 1024) == num_floating_point_operations(args, 1024)
+
+
 def test_plan_tool_and_search_for_a_7b_model(capsys):
     from tools.plan import main
 
