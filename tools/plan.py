@@ -18,6 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.arguments import parse_args, validate_args  # noqa: E402
+from megatron.arguments_validation import ArgsError  # noqa: E402
 from megatron.planner.model import PlanError  # noqa: E402
 from megatron.planner.report import format_plan, plan_from_args, search_from_args  # noqa: E402
 
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
             validate_args(args, {})
         lines = search_from_args(args, args.top, args.search_micro_batch_sizes) if args.search else \
             format_plan(plan_from_args(args))
-    except PlanError as error:
+    except (PlanError, ArgsError) as error:
         print(f"tools/plan.py: {error}", file=sys.stderr)
         return 2
     print("\n".join(lines))

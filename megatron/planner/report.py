@@ -8,7 +8,7 @@ import io
 import sys
 from typing import Callable, Optional
 
-from megatron.planner.model import layout_from_args, shape_from_args
+from megatron.planner.model import PlanError, layout_from_args, shape_from_args
 from megatron.planner.plan import GIB, Device, Plan, device_from_args, make_plan, search
 
 
@@ -107,6 +107,11 @@ def dry_run(extra_args_provider: Optional[Callable], args_defaults: Optional[dic
         apply_hf_args(args, argv, extra_args_provider)
     with contextlib.redirect_stdout(io.StringIO()):
         validate_args(args, args_defaults or {})
+    try:
+        lines = format_plan(plan_from_args(args))
+    except PlanError as error:
+        print(f"--dry-run: {error}", file=sys.stderr, flush=True)
+        sys.exit(1)
     if args.rank == 0:
-        print("\n".join(format_plan(plan_from_args(args))), flush=True)
+        print("\n".join(lines), flush=True)
     sys.exit(0)

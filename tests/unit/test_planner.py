@@ -100,6 +100,9 @@ def test_plan_tool_and_search_for_a_7b_model(capsys):
     assert main(SMALL + ["--world-size", "4", "--pipeline-model-parallel-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "pipeline bubble" in out and "\n      1 |" in out
+    assert main(SMALL + ["--world-size", "3"]) == 2  # a batch that does not split: the flag's one-line error
+    assert main(SMALL + ["--num-experts", "4"]) == 2  # not modelled: said so
+    capsys.readouterr()
     assert main(LLAMA_7B + ["--world-size", "64", "--search", "--top", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
     best = lines[2].split("|")[1].strip()
