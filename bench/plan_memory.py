@@ -4,7 +4,9 @@
 
 Every rank builds each layout as pretrain_gpt.py does and measures (megatron/planner/measure.py):
 parameters, gradients and optimizer state exactly after one step, activations as the saved
-tensors of one forward per model chunk times the micro-batches the schedule keeps in flight.
+tensors of one forward per model chunk times the micro-batches the schedule keeps in flight; the
+last column is the peak of the saved tensors during one real train_step (full recompute: the
+plan's peak with one layer rerun, an upper bound).
 """
 
 import os
@@ -27,10 +29,10 @@ def main() -> None:
     finally:
         pool.close()
     print("| layout | ranks | stage | params + grads + optimizer, MiB (pred / meas) | activations, MiB (pred / meas) "
-          "| total, MiB (pred / meas) | diff |")
-    print("|---|---|---|---|---|---|---|")
+          "| total, MiB (pred / meas) | diff | schedule peak of activations, MiB (pred / meas) |")
+    print("|---|---|---|---|---|---|---|---|")
     worst, groups = 0.0, {}
-    for name, rank, stage, measured, predicted, diff in table_rows(per_rank):
+    for name, rank, stage, measured, predicted, diff, _, _ in table_rows(per_rank):
         key = (name, stage, tuple(measured.values()), tuple(predicted.values()))
         groups.setdefault(key, []).append(rank)
         worst = max(worst, abs(diff))
@@ -42,7 +44,8 @@ def main() -> None:
         print(f"| {name} | {','.join(map(str, ranks))} | {stage} "
               f"| {_mib(static(predicted))} / {_mib(static(measured))} "
               f"| {_mib(predicted['activations'])} / {_mib(measured['activations'])} "
-              f"| {_mib(predicted['total'])} / {_mib(measured['total'])} | {diff:+.4%} |")
+              f"| {_mib(predicted['total'])} / {_mib(measured['total'])} | {diff:+.4%} "
+              f"| {_mib(r[6])} / {_mib(r[7])} |")
     print(f"\nlargest |difference| over every rank: {worst:.4%}")
 
 

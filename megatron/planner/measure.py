@@ -11,8 +11,13 @@ optimizer step on zero gradients (Adam's state exists only after a step), then
                                chunk of this rank, times the micro-batches the schedule keeps in
                                flight for that chunk (planner.model.in_flight_units, not measured)
 
-What is not measured: the schedule's peak itself, transient buffers (full recompute's rerun,
-communication buffers, the allocator's slack) and the shared causal mask.
+    schedule peak              one real train_step (the flags' schedule, mock data) with every
+                               saved tensor tracked from autograd's pack hook until autograd frees
+                               it: the most bytes held at once (full recompute's rerun included),
+                               which checks the in-flight counts
+
+What is not measured: other transient buffers (communication buffers, the cross entropy's
+temporaries, the allocator's slack).
 """
 
 from __future__ import annotations
@@ -46,6 +51,66 @@ def _chunk_saved_bytes(chunk: Any, args: Any, first: bool, last: bool) -> int:
                                   exclude=params)
 
 
+class _Held:
+    """What a saved-tensor hook hands autograd: freed when autograd frees the saved tensor."""
+
+    __slots__ = ("tracker", "pointer", "tensor")
+
+    def __init__(self, tracker: "_LiveSaved", pointer: int, tensor: torch.Tensor) -> None:
+        self.tracker, self.pointer, self.tensor = tracker, pointer, tensor
+
+    def __del__(self) -> None:
+        self.tracker.release(self.pointer)
+
+
+class _LiveSaved:
+    """The bytes of the distinct storages autograd holds for backward right now, and their peak,
+    while the hooks are installed (parameters' storages left out)."""
+
+    def __init__(self, exclude: list) -> None:
+        self.excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
+        self.live: dict = {}  # storage pointer -> [bytes, saved tensors holding it]
+        self.current = self.peak = 0
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer in self.excluded:
+            return tensor
+        entry = self.live.get(pointer)
+        if entry is None:
+            entry = self.live[pointer] = [tensor.untyped_storage().nbytes(), 0]
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        return _Held(self, pointer, tensor)
+
+    @staticmethod
+    def unpack(held: Any) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held
+
+    def release(self, pointer: int) -> None:
+        entry = self.live[pointer]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[pointer]
+
+
+def _train_step_peak(model: list, optimizer: Any, scheduler: Any) -> int:
+    """One real train_step (the pipeline schedule of the flags, mock data) under _LiveSaved: the
+    peak of the saved-tensor bytes this rank held at once (full recompute's rerun included)."""
+    import pretrain_gpt
+    from megatron.training import build_train_valid_test_data_iterators, train_step
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        train_iter, _, _ = build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
+    tracker = _LiveSaved([p for chunk in model for p in chunk.parameters()])
+    with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        _, skipped, _, _ = train_step(pretrain_gpt.forward_step, train_iter, model, optimizer, scheduler)
+    assert not skipped and tracker.current == 0, tracker.current
+    return tracker.peak
+
+
 def measure_rank(argv: list[str]) -> dict:
     """This rank's measured bytes and the plan's prediction for the same flags (see the module
     docstring); collective over the job."""
@@ -62,12 +127,9 @@ def measure_rank(argv: list[str]) -> dict:
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the argument block and build messages
             initialize_megatron(argv=list(argv))
-            model, optimizer, _ = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
+            model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
         args = get_args()
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        assert optimizer.step()[0]
+        schedule_peak = _train_step_peak(model, optimizer, scheduler)  # Adam's state exists after it
         memory = optimizer_memory_per_parameter(model, optimizer)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         pp, vpp = args.pipeline_model_parallel_size, len(model)
@@ -84,7 +146,9 @@ def measure_rank(argv: list[str]) -> dict:
         return {"stage": stage, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                 "dp_rank": parallel_state.get_data_parallel_rank(), "measured": measured,
                 "predicted": predicted.memory_breakdown(), "num_parameters": memory["num_parameters"],
-                "predicted_parameters": predicted.parameters, "chunk_activations": per_chunk, "units": units}
+                "predicted_parameters": predicted.parameters, "chunk_activations": per_chunk, "units": units,
+                "schedule_peak": schedule_peak,
+                "predicted_peak": predicted.memory["activations"] + predicted.memory["recompute_working"]}
     finally:
         reset_megatron()
 
@@ -125,12 +189,13 @@ def measure_layouts(names: list | None = None) -> dict:
 
 
 def table_rows(per_rank: list) -> list:
-    """(layout, rank, stage, measured total, predicted total, relative difference) per layout and
-    rank from measure_layouts' per-rank results."""
+    """(layout, rank, stage, measured, predicted, relative difference of the totals, predicted and
+    measured schedule peak of the activations) per layout and rank from measure_layouts' results."""
     rows = []
     for name in per_rank[0]:
         for rank, results in enumerate(per_rank):
             r = results[name]
             measured, predicted = r["measured"]["total"], r["predicted"]["total"]
-            rows.append((name, rank, r["stage"], r["measured"], r["predicted"], (predicted - measured) / measured))
+            rows.append((name, rank, r["stage"], r["measured"], r["predicted"], (predicted - measured) / measured,
+                         r["predicted_peak"], r["schedule_peak"]))
     return rows
