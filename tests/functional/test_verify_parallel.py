@@ -28,7 +28,7 @@ def test_a_supported_layout_verifies_under_1e_5():
 def test_a_layer_broken_under_tensor_parallelism_is_named():
     out = io.StringIO()
     flags = [*MODEL, "--spec", "tests.functional.broken_spec", "broken_layer_spec"]
-    assert verify_parallel.verify("tp2dp2", flags, iterations=1, out=out) == 1
+    assert verify_parallel.verify("tp2", flags, iterations=1, out=out) == 1
     failed = [line for line in out.getvalue().splitlines() if line.startswith("FAILED: ")]
     assert failed, out.getvalue()
     assert "the loss of iteration 1 differs" in failed[0]
