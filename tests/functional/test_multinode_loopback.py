@@ -18,8 +18,8 @@ import pytest
 
 import pretrain_gpt
 from tests.functional.test_default_data import default_pipeline  # noqa: F401 (fixture)
-from tests.functional.test_pretrain_gpt import TINY, log_lines
-from tests.functional.test_tensor_parallel_training import _free_port
+from tests.functional.test_pretrain_gpt import TINY
+from tests.functional.test_tensor_parallel_training import _free_port, _grad_norms, _losses
 from tests.functional.test_training_features import ROOT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -49,14 +49,6 @@ def _one_node(nproc, flags):
     proc = _torchrun(["--nproc-per-node", str(nproc), "--master-port", str(_free_port())], flags)
     out, err = proc.communicate(timeout=240)
     return out, [(proc.returncode, err)]
-
-
-def _losses(stdout):
-    return {row["iteration"]: row["loss"] for row in log_lines(stdout)}
-
-
-def _grad_norms(stdout):
-    return {row["iteration"]: row["grad_norm"] for row in log_lines(stdout)}
 
 
 @pytest.fixture(scope="module")
