@@ -40,7 +40,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-_SIZES = ("vpp", "etp", "tp", "pp", "dp", "ep")
 _FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
           "vpp": "--num-virtual-stages-per-pipeline-rank", "ep": "--expert-model-parallel-size",
           "etp": "--expert-tensor-parallel-size"}
@@ -125,7 +124,7 @@ def run_one(argv: List[str], iterations: int) -> Dict[str, Any]:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-    from megatron.global_vars import get_args, get_num_microbatches
+    from megatron.global_vars import get_args, get_num_microbatches, get_tokenizer
     from megatron.initialize import initialize_megatron, reset_megatron
     from megatron.training import (
         _reduce_losses,
@@ -156,20 +155,9 @@ def run_one(argv: List[str], iterations: int) -> Dict[str, Any]:
         for iteration in range(2, iterations + 1):
             reduced, _, _, _ = train_step(pretrain_gpt.forward_step, train_iter, model, optimizer, scheduler)
             history[iteration] = reduced.get("lm loss")
-        return {"weights": weights, "grads": grads, "losses": history,
-                "vocab_size": getattr(args, "vocab_size", None) or getattr(args, "padded_vocab_size", None),
-                "true_vocab": _true_vocab(args)}
+        return {"weights": weights, "grads": grads, "losses": history, "true_vocab": get_tokenizer().vocab_size}
     finally:
         reset_megatron()
-
-
-def _true_vocab(args: argparse.Namespace) -> Optional[int]:
-    from megatron.global_vars import get_tokenizer
-
-    try:
-        return get_tokenizer().vocab_size
-    except Exception:  # no tokenizer built (should not happen after initialize)
-        return None
 
 
 def _worker(rank: int, world: int, port: int, argv: List[str], iterations: int, results: Any) -> None:

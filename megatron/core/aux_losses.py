@@ -9,7 +9,7 @@ So the gradients are those of main_loss + sum of aux losses, with no change to t
 functions, the pipeline schedules or the reported LM loss.
 
 The record (`record_loss`, `record_tokens`) keeps, per 1-based layer number, the detached
-values each micro-batch adds (a layer's value of this rank's tokens), and `collect` sums them
+values each micro-batch adds (a layer's value of this rank's tokens, on its device: no host sync), and `collect` sums them
 over every rank (one all-reduce) at each iteration for the log line (training_log). What a
 value means (a sum or a mean over ranks) is said by the `divide_by` the recorder gives.
 """
@@ -46,8 +46,7 @@ class AuxLossAutoScaler(torch.autograd.Function):
 
 @dataclass
 class _Record:
-    num_layers: int = 0
-    losses: dict[str, torch.Tensor] = field(default_factory=dict)      # name -> [L] float64
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)      # name -> [L] float32
     routed: torch.Tensor | None = None                                 # [L, E] tokens the router chose
     kept: torch.Tensor | None = None                                   # [L, E] tokens the experts ran
 
@@ -55,13 +54,14 @@ class _Record:
 _RECORD = _Record()
 
 
-def _grow(tensor: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+def _grow(tensor: torch.Tensor | None, shape: tuple[int, ...], device: torch.device | None = None) -> torch.Tensor:
+    """`tensor` with `shape` (zeros where it had none), on its device (else `device`, else the CPU)."""
     if tensor is not None and tuple(tensor.shape) == shape:
         return tensor
-    grown = torch.zeros(shape, dtype=torch.float64)
-    if tensor is not None:
-        rows, cols = min(shape[0], tensor.shape[0]), min(shape[-1], tensor.shape[-1])
-        grown[:rows, ..., :cols] = tensor[:rows, ..., :cols]
+    grown = torch.zeros(shape, dtype=torch.float32, device=tensor.device if tensor is not None else device)
+    if tensor is not None:  # (a record made with another layer count: keep what both cover)
+        overlap = tuple(slice(0, min(a, b)) for a, b in zip(shape, tensor.shape))
+        grown[overlap] = tensor[overlap]
     return grown
 
 
@@ -70,11 +70,10 @@ def record_loss(name: str, layer_number: int, num_layers: int, value: torch.Tens
     how many ranks per data-parallel replica the summed values make one value (1: they add up to it)."""
     if layer_number is None:
         return
-    losses = _RECORD.losses.get(name)
-    losses = _grow(losses, (num_layers,))
-    losses[layer_number - 1] += float(value.detach()) / divide_by
+    # On the value's device, without reading it back: no host sync per layer and micro-batch.
+    losses = _grow(_RECORD.losses.get(name), (num_layers,), value.device)
+    losses[layer_number - 1] += value.detach().float() / divide_by
     _RECORD.losses[name] = losses
-    _RECORD.num_layers = max(_RECORD.num_layers, num_layers)
 
 
 def record_tokens(layer_number: int, num_layers: int, routed: torch.Tensor, kept: torch.Tensor) -> None:
@@ -83,10 +82,10 @@ def record_tokens(layer_number: int, num_layers: int, routed: torch.Tensor, kept
     if layer_number is None:
         return
     experts = routed.numel()
-    _RECORD.routed = _grow(_RECORD.routed, (num_layers, experts))
-    _RECORD.kept = _grow(_RECORD.kept, (num_layers, experts))
-    _RECORD.routed[layer_number - 1] += routed.detach().to(torch.float64).cpu()
-    _RECORD.kept[layer_number - 1] += kept.detach().to(torch.float64).cpu()
+    _RECORD.routed = _grow(_RECORD.routed, (num_layers, experts), routed.device)
+    _RECORD.kept = _grow(_RECORD.kept, (num_layers, experts), kept.device)
+    _RECORD.routed[layer_number - 1] += routed.detach().float()
+    _RECORD.kept[layer_number - 1] += kept.detach().float()
 
 
 def has_records() -> bool:
@@ -121,11 +120,10 @@ def collect(names: list[str], num_layers: int, num_experts: int, data_parallel_s
     if experts:
         parts += [_grow(_RECORD.routed, (num_layers, experts)).reshape(-1),
                   _grow(_RECORD.kept, (num_layers, experts)).reshape(-1)]
-    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    flat = torch.cat([part.to(device) for part in parts]) if parts else torch.zeros(0)
     if torch.distributed.is_available() and torch.distributed.is_initialized() and flat.numel():
-        flat = flat.to(device=device or flat.device)
-        communication.all_reduce(flat, group=group)
-        flat = flat.cpu()
+        communication.all_reduce(flat, group=group)  # (on `device`: NCCL reduces only accelerator tensors)
+    flat = flat.cpu()
     losses, offset = {}, 0
     for name in names:
         losses[name] = flat[offset:offset + num_layers] / (data_parallel_size * num_microbatches)

@@ -345,3 +345,12 @@ def test_full_recompute_gives_the_same_gradients_and_records_each_loss_once():
         torch.testing.assert_close(stats.losses[name], plain_stats.losses[name])
         assert (stats.losses[name] > 0).all()
     assert torch.equal(stats.routed, plain_stats.routed)
+
+
+def test_the_record_keeps_its_values_when_collected_for_more_layers():
+    aux_losses.record_loss("z_loss", 2, 2, torch.tensor(3.0))
+    aux_losses.record_tokens(1, 2, torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 3, 3]))
+    stats = aux_losses.collect(["z_loss"], 4, E, 1, 1)  # a record made for 2 layers, read for 4
+    assert stats.losses["z_loss"].tolist() == [0.0, 3.0, 0.0, 0.0]
+    assert stats.routed[0].tolist() == [1, 2, 3, 4] and stats.kept[0].tolist() == [1, 2, 3, 3]
+    assert not stats.routed[1:].any()

@@ -34,10 +34,8 @@ from megatron.model.transformer_config import TransformerConfig
 
 def _expert_tp() -> tuple[int, int]:
     """(rank, size) in the expert tensor-parallel group."""
-    getter = getattr(parallel_state, "get_expert_tensor_parallel_world_size", None)
-    if getter is not None:
-        return parallel_state.get_expert_tensor_parallel_rank(), getter()
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    return (parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size())
 
 
 def _mark_expert(param: nn.Parameter, partition_dim: int, stride: int) -> None:

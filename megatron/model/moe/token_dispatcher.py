@@ -140,20 +140,15 @@ class _ReduceScatterV(torch.autograd.Function):
 
 def _expert_groups() -> dict[str, tuple[dist.ProcessGroup | None, int, int]]:
     """name -> (group, size, rank) of the expert-parallel, expert tensor-parallel and their product."""
-    groups = {"ep": (parallel_state.get_expert_model_parallel_group(),
-                     parallel_state.get_expert_model_parallel_world_size(),
-                     parallel_state.get_expert_model_parallel_rank())}
-    if hasattr(parallel_state, "get_expert_tensor_parallel_group"):
-        groups["etp"] = (parallel_state.get_expert_tensor_parallel_group(),
-                         parallel_state.get_expert_tensor_parallel_world_size(),
-                         parallel_state.get_expert_tensor_parallel_rank())
-        groups["etp-ep"] = (parallel_state.get_expert_tensor_and_model_parallel_group(),
-                            parallel_state.get_expert_tensor_and_model_parallel_world_size(),
-                            parallel_state.get_expert_tensor_and_model_parallel_rank())
-    else:  # before the expert tensor-parallel groups exist: ETP must be 1
-        groups["etp"] = (None, 1, 0)
-        groups["etp-ep"] = groups["ep"]
-    return groups
+    return {"ep": (parallel_state.get_expert_model_parallel_group(),
+                   parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_rank()),
+            "etp": (parallel_state.get_expert_tensor_parallel_group(),
+                    parallel_state.get_expert_tensor_parallel_world_size(),
+                    parallel_state.get_expert_tensor_parallel_rank()),
+            "etp-ep": (parallel_state.get_expert_tensor_and_model_parallel_group(),
+                       parallel_state.get_expert_tensor_and_model_parallel_world_size(),
+                       parallel_state.get_expert_tensor_and_model_parallel_rank())}
 
 
 def _pairs(routing_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,8 +164,9 @@ class AllGatherDispatcher:
         self.num_experts, self.num_local_experts = num_experts, num_local_experts
 
     def run(self, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, experts) -> torch.Tensor:
-        group, size, _ = _expert_groups()["etp-ep"]
-        _, _, ep_rank = _expert_groups()["ep"]
+        groups = _expert_groups()
+        group, size, _ = groups["etp-ep"]
+        _, _, ep_rank = groups["ep"]
         if size > 1:
             x = _Gather.apply(x, group)  # [g T, h]
             probs = _Gather.apply(probs, group)  # [g T, E]
