@@ -64,7 +64,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from megatron.checkpoint_safety import CheckpointError
-from megatron.convert.layout_rules import head_dim, query_groups
+from megatron.convert.layout_rules import expert_key, head_dim, query_groups
 from megatron.convert.megatron_format import EMBEDDING, Dialect, Source, model_entry
 
 POSITIONS = "embedding.position_embeddings.weight"
@@ -73,7 +73,7 @@ OUTPUT = "output_layer.weight"
 # ----------------------------------------------------------------------------- args
 
 # Megatron-LM args that describe something these converters cannot represent (truthy -> refused).
-_UNSUPPORTED = ("num_experts", "multi_latent_attention", "mtp_num_layers", "hybrid_override_pattern",
+_UNSUPPORTED = ("multi_latent_attention", "mtp_num_layers", "hybrid_override_pattern",
                 "is_hybrid_model", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                 "pipeline_model_parallel_layout", "heterogeneous_layers_config_path",
@@ -86,6 +86,27 @@ _BOOLEAN_FLAGS = {  # our flag: Megatron-LM's field (default False when absent)
     "--apply-residual-connection-post-layernorm": "apply_residual_connection_post_layernorm",
     "--fp32-residual-connection": "fp32_residual_connection", "--use-rope-scaling": "use_rope_scaling",
 }
+# MoE fields of Megatron-LM our MoE layer does not have (truthy -> refused, with what it is)
+_MOE_UNSUPPORTED = {
+    "moe_router_enable_expert_bias": "the aux-loss-free expert bias (mlp.router.expert_bias)",
+    "moe_shared_expert_gate": "the shared experts' gate (mlp.shared_experts.gate_weight)",
+    "moe_extended_tp": "--moe-extended-tp (experts split over TP x EP)",
+    "moe_router_num_groups": "group-limited routing",
+    "moe_apply_probs_on_input": "expert inputs weighted by the router (--moe-apply-probs-on-input)",
+    "moe_latent_size": "a latent MoE projection",
+    "moe_router_force_load_balancing": "random routing for benchmarks",
+    "moe_use_upcycling": "upcycling (the checkpoint is then a dense one)",
+}
+# Megatron-LM's MoE values passed to our flags as they are (absent: our default, which is Megatron's)
+_MOE_VALUES = {"--moe-router-topk": "moe_router_topk", "--moe-ffn-hidden-size": "moe_ffn_hidden_size",
+               "--moe-shared-expert-intermediate-size": "moe_shared_expert_intermediate_size",
+               "--moe-router-score-function": "moe_router_score_function",
+               "--moe-router-topk-scaling-factor": "moe_router_topk_scaling_factor",
+               "--moe-router-dtype": "moe_router_dtype", "--moe-z-loss-coeff": "moe_z_loss_coeff",
+               "--moe-expert-capacity-factor": "moe_expert_capacity_factor",
+               "--moe-token-drop-policy": "moe_token_drop_policy"}
+_MOE_BOOLEANS = {"--moe-router-pre-softmax": "moe_router_pre_softmax", "--moe-grouped-gemm": "moe_grouped_gemm",
+                 "--moe-pad-expert-input-to-capacity": "moe_pad_expert_input_to_capacity"}
 # Megatron-LM's fields that are True by default (absent: True), and our flag that turns each off
 _DEFAULT_TRUE_FLAGS = {"--no-bias-gelu-fusion": "bias_gelu_fusion"}
 # copied as they are after validation (tokenizer, counters); absent ones keep our defaults
@@ -132,6 +153,11 @@ def megatron_lm_args(raw: argparse.Namespace, path: str, family: str = "GPT") ->
         if getattr(raw, name, None):
             raise CheckpointError(f"{path}: the checkpoint uses {name}={getattr(raw, name)!r}, "
                                   "which the converter does not support")
+    if getattr(raw, "num_experts", None):
+        for name, what in _MOE_UNSUPPORTED.items():
+            if getattr(raw, name, None):
+                raise CheckpointError(f"{path}: the MoE checkpoint uses {name}={getattr(raw, name)!r} ({what}), "
+                                      "which our MoE layer does not have")
     hidden = int(_required(raw, path, "hidden_size"))
     heads = int(_required(raw, path, "num_attention_heads"))
     swiglu = bool(getattr(raw, "swiglu", False))
@@ -164,6 +190,8 @@ def megatron_lm_args(raw: argparse.Namespace, path: str, family: str = "GPT") ->
         bias = not getattr(raw, "disable_bias_linear", False)
     if not bias:
         flags.append("--disable-bias-linear")
+    if getattr(raw, "num_experts", None):
+        flags += _moe_flags(raw, path)
     args = _validated(flags, path)
 
     # before version 3.0 (Megatron-LM v2.0) tensor parallelism was called model_parallel_size
@@ -178,6 +206,8 @@ def megatron_lm_args(raw: argparse.Namespace, path: str, family: str = "GPT") ->
     args.data_parallel_size = int(_get(raw, "data_parallel_size", default=1))
     args.sequence_parallel = bool(getattr(raw, "sequence_parallel", False)) and args.tensor_model_parallel_size > 1
     args.world_size = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.data_parallel_size
+    if args.num_experts:
+        _expert_sizes(raw, args, path)
     args.tokenizer_type = args.vocab_size = None  # the placeholders `fixed` gave the validation
     for name in _CARRIED:
         if getattr(raw, name, None) is not None:
@@ -192,6 +222,54 @@ def megatron_lm_args(raw: argparse.Namespace, path: str, family: str = "GPT") ->
             raise CheckpointError(f"{path}: a post-LN Megatron-LM BERT is not one BertModel computes")
         args.bert_binary_head = getattr(raw, "bert_binary_head", True) is not False
     return args
+
+
+def _single(raw: argparse.Namespace, name: str, path: str) -> Any:
+    """A field newer Megatron-LM may save as a list (one value per load-balancing type): one value."""
+    value = getattr(raw, name, None)
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise CheckpointError(f"{path}: the checkpoint has {name}={list(value)!r}; our router has one "
+                                  "load-balancing type")
+        value = value[0]
+    return value
+
+
+def _moe_flags(raw: argparse.Namespace, path: str) -> List[str]:
+    """Our MoE flags of Megatron-LM's MoE args (--num-experts and the router's, the layer pattern,
+    the expert sizes); the token dispatcher is not carried (it does not change the model: ours is
+    allgather unless the checkpoint says alltoall)."""
+    flags = ["--num-experts", str(int(raw.num_experts))]
+    freq = getattr(raw, "moe_layer_freq", None)
+    if freq is not None:
+        flags += ["--moe-layer-freq", str(list(freq) if isinstance(freq, (list, tuple)) else int(freq))]
+    for flag, name in _MOE_VALUES.items():
+        if getattr(raw, name, None) is not None:
+            flags += [flag, str(getattr(raw, name))]
+    for name, flag in (("moe_router_load_balancing_type", "--moe-router-load-balancing-type"),
+                       ("moe_aux_loss_coeff", "--moe-aux-loss-coeff")):
+        value = _single(raw, name, path)
+        if value is not None:
+            flags += [flag, str(value)]
+    flags += [flag for flag, name in _MOE_BOOLEANS.items() if getattr(raw, name, False)]
+    if getattr(raw, "moe_token_dispatcher_type", None) == "alltoall":
+        flags += ["--moe-token-dispatcher-type", "alltoall"]
+    return flags
+
+
+def _expert_sizes(raw: argparse.Namespace, args: argparse.Namespace, path: str) -> None:
+    """EP and ETP of the files (ETP absent: the TP size, Megatron's default); the classic per-rank
+    files hold experts split over an ETP that divides the TP size (megatron/convert/expert_files.py)."""
+    tp = args.tensor_model_parallel_size
+    args.expert_model_parallel_size = int(_get(raw, "expert_model_parallel_size", default=1))
+    args.expert_tensor_parallel_size = int(_get(raw, "expert_tensor_parallel_size", default=tp))
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+    if args.num_experts % ep:
+        raise CheckpointError(f"{path}: {args.num_experts} experts do not split over expert_model_parallel_size {ep}")
+    if tp % etp:
+        raise CheckpointError(f"{path}: expert_tensor_parallel_size {etp} does not divide tensor_model_parallel_size "
+                              f"{tp}, so which file holds which expert shard is not known; the converter reads "
+                              "classic MoE files only where it does")
 
 
 def _t5_args(raw: argparse.Namespace, args: argparse.Namespace, path: str) -> None:
@@ -404,6 +482,10 @@ class LegacyDialect(Dialect):
         raw = super().args(state, path)
         version = _version(state, path)
         family = _file_family(raw, self.family, FAMILIES)
+        if getattr(raw, "num_experts", None):
+            raise CheckpointError(f"{path}: the checkpoint uses num_experts={raw.num_experts!r}, which the converter "
+                                  "does not support in classic naming (Megatron-LM's legacy SwitchMLP: sinkhorn top-1 "
+                                  "routing, mlp.local_experts.*); megatron-core MoE checkpoints convert with --loader mcore")
         if family == "T5" and version < 2.0:
             raise CheckpointError(f"{path}: a T5 with checkpoint_version {version}: its attention rows are in an "
                                   "older order the converter does not reorder for the cross-attention")
@@ -445,9 +527,10 @@ _TE_NORMS = (("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
              ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."))
 _LAYER_PART = re.compile(r"^((?:decoder|encoder)\.layers\.\d+\.)(.+)$")  # encoder: BERT's
 # modules whose `_extra_state` megatron-core saves: its own linears (None) and, with TE, TE's modules
-LOCAL_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-TE_EXTRA_STATE = LOCAL_EXTRA_STATE + ("self_attention.core_attention",)
-CROSS_EXTRA_STATE = ("cross_attention.linear_q", "cross_attention.linear_kv", "cross_attention.linear_proj")
+# (every linear of a layer, the experts' and shared experts' included: megatron-core's own or TE's;
+# TE's attention core_attention too; TEGroupedMLP: one per GroupedLinear, experts.linear_fc1 / fc2)
+_LINEAR = re.compile(r"^(.*linear_(?:qkv|proj|fc1|fc2|q|kv))\.")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 
 
 def check_extra_state(value: Any, name: str, path: str) -> None:
@@ -503,14 +586,74 @@ def core_name(name: str) -> str:
     return name
 
 
+# megatron-core's three expert implementations (E_local = E / EP experts in each EP rank's file,
+# F = the expert ffn size / ETP, doubled with SwiGLU: each shard's rows [gate_s ; up_s]):
+#   SequentialMLP  experts.local_experts.{i}.linear_fc1 / linear_fc2.*   ours already
+#   TEGroupedMLP   experts.linear_fc1.weight{i} / bias{i}, linear_fc2.*   -> local_experts.{i}.linear_fc*.*
+#   GroupedMLP     experts.weight1 [h, E_local F]: its memory read as [E_local, h, F] (the forward's
+#                  view), expert i's x @ w1[i]; experts.weight2 [E_local F/(2), h] as [E_local, F/(2), h]
+#                  -> local_experts.{i}.linear_fc1.weight = w1[i].T, linear_fc2.weight = w2[i].T
+_TE_GROUPED = re.compile(r"^(.+\.mlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+_GROUPED = re.compile(r"^(.+\.mlp\.experts\.)weight([12])$")
+
+
+def core_expert_tensors(name: str, value: Any, args: argparse.Namespace, path: str) -> List[tuple]:
+    """(our local name, tensor) pairs of one megatron-core key: an expert tensor of TEGroupedMLP or
+    GroupedMLP in SequentialMLP's names (the table above), any other key as it is."""
+    match = _TE_GROUPED.match(name)
+    if match:
+        prefix, module, kind, index = match.groups()
+        return [(f"{prefix}local_experts.{index}.{module}.{kind}", value)]
+    match = _GROUPED.match(name)
+    if match is None:
+        return [(name, value)]
+    prefix, which = match.groups()
+    hidden, local = int(args.hidden_size), int(args.num_experts) // int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    rows, columns = (hidden, None) if which == "1" else (None, hidden)
+    shape = tuple(value.shape) if torch.is_tensor(value) else ()
+    if (len(shape) != 2 or (rows is not None and shape[0] != rows) or (columns is not None and shape[1] != columns)
+            or shape[1 if which == "1" else 0] % local):
+        raise CheckpointError(f"{path}: {name} has shape {list(shape)}, not GroupedMLP's "
+                              + (f"[{hidden}, {local} experts x ffn]" if which == "1" else f"[{local} experts x ffn, {hidden}]"))
+    if which == "1":  # [h, E_local F] whose memory is [E_local, h, F]
+        experts = value.contiguous().view(local, hidden, shape[1] // local).transpose(1, 2)
+    else:  # [E_local F, h] = [E_local, F, h]
+        experts = value.contiguous().view(local, shape[0] // local, hidden).transpose(1, 2)
+    return [(f"{prefix}local_experts.{i}.linear_fc{which}.weight", experts[i].contiguous()) for i in range(local)]
+
+
+def expert_order(model: Dict[str, Any]) -> Dict[str, Any]:
+    """`model` with each run of expert keys in SequentialMLP's order (expert by expert: fc1, then fc2),
+    as our state dict has them (GroupedMLP's and TEGroupedMLP's files hold one module's experts together)."""
+    out: Dict[str, Any] = {}
+    run: List[str] = []
+
+    def flush() -> None:
+        position = {key: n for n, key in enumerate(run)}  # weight before bias, as they came
+        for key in sorted(run, key=lambda k: (expert_key(k)[1], expert_key(k)[2].split(".")[0], position[k])):
+            out[key] = model[key]
+        run.clear()
+
+    for key in model:
+        if expert_key(key) is not None:
+            run.append(key)
+            continue
+        flush()
+        out[key] = model[key]
+    flush()
+    return out
+
+
 class CoreDialect(Dialect):
     """Megatron-LM checkpoints in megatron-core naming (TE or local spec); writes `transformer_impl`'s."""
 
-    def __init__(self, transformer_impl: str = "transformer_engine", family: str = "GPT") -> None:
+    def __init__(self, transformer_impl: str = "transformer_engine", family: str = "GPT",
+                 grouped_gemm: bool = False) -> None:
         if transformer_impl not in ("transformer_engine", "local"):
             raise CheckpointError(f"--saver-transformer-impl {transformer_impl}: one of transformer_engine, local")
         self.transformer_impl = transformer_impl
         self.family = _family(family, FAMILIES)
+        self.grouped_gemm = grouped_gemm  # writing TE names: the experts as TEGroupedMLP's
 
     def args(self, state: Dict[str, Any], path: str) -> argparse.Namespace:
         raw = super().args(state, path)
@@ -526,36 +669,46 @@ class CoreDialect(Dialect):
             if key_.endswith("_extra_state"):
                 check_extra_state(value, key_, path)
                 continue
-            name = core_name(key_)
-            if name in model:
-                raise CheckpointError(f"{path}: {key_} and another key both name {name} "
-                                      "(TE's fused norm and a separate one?)")
-            model[name] = value
-        return model
+            for name, tensor in core_expert_tensors(key_, value, source.args, path):
+                name = core_name(name)
+                if name in model:
+                    raise CheckpointError(f"{path}: {key_} and another key both name {name} "
+                                          "(TE's fused norm and a separate one?)")
+                model[name] = tensor
+        return expert_order(model)
 
     def to_file(self, model: Dict[str, Any], add: Callable[[torch.Tensor], Any]) -> Dict[str, Any]:
         te = self.transformer_impl == "transformer_engine"
         out: Dict[str, Any] = {}
         layers: Dict[str, bool] = {}  # layer prefix -> it has a cross-attention (T5's decoder)
+        moe = {m.group(1) for m in map(_LAYER_PART.match, model) if m and m.group(2).startswith("mlp.router.")}
+        linears: Dict[str, None] = {}  # the linear modules (in order): each has an `_extra_state`
         for name, tensor in model.items():
             match = _LAYER_PART.match(name)
             if match is not None:
                 prefix, rest = match.groups()
                 layers[prefix] = layers.get(prefix, False) or rest.startswith("cross_attention.")
-                if te:
-                    for fused, local in _TE_NORMS:
-                        if rest.startswith(local):
-                            rest = fused + rest[len(local):]
+                for fused, local in _TE_NORMS if te else ():
+                    # TE's MoE layers keep pre_mlp_layernorm as its own TENorm (there is no mlp.linear_fc1)
+                    if rest.startswith(local) and not (prefix in moe and local == "pre_mlp_layernorm."):
+                        rest = fused + rest[len(local):]
+                grouped = _LOCAL_EXPERT.match(rest) if te and self.grouped_gemm else None
+                if grouped:  # TEGroupedMLP: one GroupedLinear per fc, weight{i} / bias{i}
+                    index, module, kind = grouped.groups()
+                    rest = f"mlp.experts.{module}.{kind}{index}"
+                linear = _LINEAR.match(rest)
+                if linear:
+                    linears[prefix + linear.group(1)] = None
                 name = prefix + rest
             out[name] = tensor
         empty = (lambda: add(torch.empty(0, dtype=torch.uint8))) if te else (lambda: None)
         # what Transformer Engine writes without FP8; megatron-core's linears: None
+        for module in linears:
+            out[f"{module}._extra_state"] = empty()
         for prefix, cross in layers.items():
-            modules = TE_EXTRA_STATE if te else LOCAL_EXTRA_STATE
-            if cross:
-                modules += CROSS_EXTRA_STATE + (("cross_attention.core_attention",) if te else ())
-            for module in modules:
-                out[f"{prefix}{module}._extra_state"] = empty()
+            if te:  # TE's attention modules
+                for attention in ("self_attention",) + (("cross_attention",) if cross else ()):
+                    out[f"{prefix}{attention}.core_attention._extra_state"] = empty()
         if "decoder.final_layernorm.weight" in model or "lm_head.dense.weight" in model:
             out["output_layer._extra_state"] = None  # the last stage has the output layer (its weight may be tied)
         t5 = any(value for value in layers.values()) or any(k.startswith("lm_head.output_layer.") for k in model)
@@ -588,6 +741,10 @@ def megatron_lm_namespace(args: argparse.Namespace, transformer_impl: str) -> ar
     out.use_legacy_models = False
     out.ckpt_format = "torch"
     out.spec = None
-    out.num_experts = None
+    if getattr(args, "num_experts", None):
+        out.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size  # Megatron's validate_args sets it
+        out.moe_use_legacy_grouped_gemm = False
+        if transformer_impl == "local":  # its SequentialMLP names: the local spec builds GroupedMLP with grouped GEMM
+            out.moe_grouped_gemm = False
     return out
 

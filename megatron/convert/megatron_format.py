@@ -191,24 +191,51 @@ def _read(path: str, load_dir: str, iteration: int, release: bool, dialect: Dial
     return state
 
 
-def _stage_models(source: Source, pp_rank: int, chunk: int, ep_rank: int = 0) -> List[Dict[str, Any]]:
-    """The model state dicts (chunk `chunk`) of stage pp_rank's TP files of EP rank ep_rank; the
-    rest (optimizer) is dropped."""
+def _file_path(source: Source, pp_rank: int, tp_rank: int, ep_rank: int) -> str:
+    return get_checkpoint_name(source.load_dir, source.iteration, source.release, pipeline_parallel=source.pp > 1,
+                               tensor_rank=tp_rank, pipeline_rank=pp_rank, expert_parallel=source.experts.ep > 1,
+                               expert_rank=ep_rank)
+
+
+def _stage_models(source: Source, pp_rank: int, chunk: int) -> Tuple[List[Dict[str, Any]], List[List[Dict[str, Any]]]]:
+    """The model state dicts (chunk `chunk`) of stage pp_rank (the rest, optimizer, is dropped): one
+    per TP rank for the dense tensors, and per EP rank one per expert-TP rank for its experts.
+
+    Without expert parallelism these are the TP files. With it, the files are named by (TP rank,
+    EP rank), and which pairs exist is the ranks' layout: every pair when ETP = TP (ours, and
+    Megatron-LM's), else those some rank has (Megatron-LM: EP rank (r // ETP) % EP of the TP rank
+    r % TP). Dense shard t comes from the first file of TP rank t; EP rank e's expert shard s from
+    the first file (t, e) with t % ETP = s (TP ranks with one expert-TP rank hold copies)."""
     key = "model" if source.vp == 1 else f"model{chunk}"
-    models = []
-    ep = source.experts.ep
-    for rank in range(source.tp):
-        path = get_checkpoint_name(source.load_dir, source.iteration, source.release,
-                                   pipeline_parallel=source.pp > 1, tensor_rank=rank, pipeline_rank=pp_rank,
-                                   expert_parallel=ep > 1, expert_rank=ep_rank)
-        state = _read(path, source.load_dir, source.iteration, source.release, source.dialect)
-        models.append(source.dialect.model(state, key, path, source))
-    names = list(models[0])
-    for rank, model in enumerate(models[1:], 1):
-        if set(model) != set(names):
-            raise CheckpointError(f"stage {pp_rank}: TP rank {rank}'s file has keys "
-                                  f"{sorted(set(model) ^ set(names))[:4]} that rank 0's does not (or the reverse)")
-    return models
+    grid = source.experts
+    pairs = [(t, e) for e in range(grid.ep) for t in range(source.tp)]
+    present = [(t, e) for t, e in pairs if grid.ep == 1 or os.path.isfile(_file_path(source, pp_rank, t, e))]
+    dense_from, experts_from = {}, {}
+    for t in range(source.tp):
+        dense_from[t] = next(((t, e) for tt, e in present if tt == t), (t, 0))  # absent: _read names the file
+    for e in range(grid.ep if grid.experts else 0):
+        for shard in range(grid.etp):
+            pair = next(((t, ee) for t, ee in present if ee == e and t % grid.etp == shard), None)
+            if pair is None:
+                raise CheckpointError(f"stage {pp_rank}: no file holds EP rank {e}'s experts (expert-TP rank "
+                                      f"{shard}): {_file_path(source, pp_rank, shard, e)} is missing")
+            experts_from[e, shard] = pair
+    models: Dict[Tuple[int, int], Dict[str, Any]] = {}
+    for pair in [*dense_from.values(), *experts_from.values()]:
+        if pair not in models:
+            path = _file_path(source, pp_rank, *pair)
+            state = _read(path, source.load_dir, source.iteration, source.release, source.dialect)
+            models[pair] = source.dialect.model(state, key, path, source)
+    first_pair, first = next(iter(models.items()))
+    for (t, e), model in models.items():
+        if set(model) != set(first):
+            raise CheckpointError(f"stage {pp_rank}: the file of TP rank {t}" + (f", EP rank {e}" if grid.ep > 1 else "")
+                                  + f" has keys {sorted(set(model) ^ set(first))[:4]} that the file of TP rank "
+                                  f"{first_pair[0]}" + (f", EP rank {first_pair[1]}" if grid.ep > 1 else "")
+                                  + " does not (or the reverse)")
+    dense = [models[dense_from[t]] for t in range(source.tp)]
+    experts = [[models[experts_from[e, shard]] for shard in range(grid.etp)] for e in range(grid.ep if grid.experts else 0)]
+    return dense, experts
 
 
 def _carries_data(value: Any) -> bool:
@@ -248,18 +275,13 @@ def _stage_tensors(source: Source, pp_rank: int, chunk: int) -> Iterator[Tuple[s
     """(local layer name, whole tensor) of model chunk `chunk` of stage pp_rank, its TP shards merged;
     experts numbered globally, each run of expert keys sent for EP rank 0, 1, ... in turn."""
     grid = source.experts
-    files = [_stage_models(source, pp_rank, chunk, e) for e in range(grid.ep)]  # [ep][tp]
-    models = files[0]
-    for e, other in enumerate(files[1:], 1):
-        if set(other[0]) != set(models[0]):
-            raise CheckpointError(f"stage {pp_rank}: EP rank {e}'s files have keys "
-                                  f"{sorted(set(other[0]) ^ set(models[0]))[:4]} that EP rank 0's do not (or the reverse)")
+    models, expert_models = _stage_models(source, pp_rank, chunk)  # [tp], [ep][etp]
     held: List[str] = []  # a run of expert keys (local names), sent when it ends
 
     def experts() -> Iterator[Tuple[str, torch.Tensor]]:
         for e in range(grid.ep):
             for name in held:
-                shards = [m.pop(name) for m in files[e]][:grid.etp]  # TP ranks >= ETP hold copies
+                shards = [m.pop(name) for m in expert_models[e]]
                 yield grid.global_name(name, e), _merged(name, shards, source.args, grid.etp, pp_rank)
         held.clear()
 
@@ -268,10 +290,10 @@ def _stage_tensors(source: Source, pp_rank: int, chunk: int) -> Iterator[Tuple[s
             held.append(name)
             continue
         yield from experts()
-        for other in files[1:]:  # the dense tensors repeat in every EP rank's files
-            for m in other:
-                m.pop(name)
         shards = [m.pop(name) for m in models]  # freed once merged: the stage's memory shrinks
+        for other in expert_models:  # the dense tensors repeat in every EP rank's files
+            for m in other:
+                m.pop(name, None)
         if name.endswith("_extra_state"):
             if any(_carries_data(shard) for shard in shards):
                 raise CheckpointError(f"{name} carries data (FP8 state?) the converter cannot place")
@@ -280,7 +302,7 @@ def _stage_tensors(source: Source, pp_rank: int, chunk: int) -> Iterator[Tuple[s
         del shards
         yield name, whole
     yield from experts()
-    del models, files
+    del models, expert_models
 
 
 def _t5_stage_tensors(source: Source) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -538,7 +560,7 @@ def _write_stream(writer: StageWriter, meta: Metadata, tensors: Iterator[Tuple[s
     rows = writer.args.padded_vocab_size
     tied_copy = pp > 1 and not getattr(meta.args, "untie_embeddings_and_output_weights", False)
     chunk, embedding_sent = 0, False
-    seen = _StreamCheck(int(meta.args.num_layers))
+    seen = _StreamCheck(int(meta.args.num_layers), _moe_layers(meta.args))
     for name, tensor in tensors:
         seen.add(name)
         if is_vocab_tensor(name):
@@ -584,11 +606,24 @@ def _write_t5_stream(writer: StageWriter, meta: Metadata, tensors: Iterator[Tupl
         writer.finish_stage(stage)
 
 
-class _StreamCheck:
-    """Every layer 0..L-1 arrives with layer 0's keys, and no name twice."""
+def _moe_layers(args: argparse.Namespace) -> Optional[List[bool]]:
+    """Which layers (0-based) are MoE layers (--moe-layer-freq, Megatron's pattern); None: a dense model."""
+    if not getattr(args, "num_experts", None):
+        return None
+    freq = getattr(args, "moe_layer_freq", 1) or 1
+    layers = int(args.num_layers)
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(layers)]
+    return [bool(v) for v in freq]
 
-    def __init__(self, num_layers: int) -> None:
-        self.num_layers, self.names, self.layers = num_layers, set(), {}
+
+class _StreamCheck:
+    """Every layer 0..L-1 arrives with layer 0's keys, and no name twice; with MoE layers
+    (`moe`: per layer, from the args) each layer has its kind's keys (an MoE layer a router, a
+    dense one none), the same as the first layer of that kind."""
+
+    def __init__(self, num_layers: int, moe: Optional[List[bool]] = None) -> None:
+        self.num_layers, self.names, self.layers, self.moe = num_layers, set(), {}, moe
 
     def add(self, name: str) -> None:
         if name in self.names:
@@ -601,8 +636,16 @@ class _StreamCheck:
     def check(self) -> None:
         if sorted(self.layers) != list(range(self.num_layers)):
             raise CheckpointError(f"the loader sent layers {sorted(self.layers)}, not 0..{self.num_layers - 1}")
-        first = self.layers[0]
-        for index, keys in self.layers.items():
+        firsts: Dict[bool, Tuple[int, set]] = {}
+        for index, keys in sorted(self.layers.items()):
+            kind = False
+            if self.moe is not None:
+                kind = self.moe[index] if index < len(self.moe) else False
+                routed = any(".mlp.router." in key for key in keys)
+                if routed != kind:
+                    raise CheckpointError(f"layer {index} is {'an MoE' if routed else 'a dense'} layer, but the "
+                                          f"args' moe_layer_freq makes it {'an MoE' if kind else 'a dense'} one")
+            first_index, first = firsts.setdefault(kind, (index, keys))
             if keys != first:
-                raise CheckpointError(f"layer {index} has keys {sorted(keys ^ first)} that layer 0 "
+                raise CheckpointError(f"layer {index} has keys {sorted(keys ^ first)} that layer {first_index} "
                                       "does not (or the reverse)")
