@@ -162,10 +162,6 @@ def test_targets_the_experts_do_not_split_into_are_refused(converted, tmp_path, 
             convert.cli(["--model-type", "GPT", "--load-dir", str(converted["ep2"]), "--save-dir",
                          str(tmp_path / "out"), *flags])
         assert message in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        convert.cli(["--model-type", "GPT", "--load-dir", str(converted["ep2"]), "--saver", "mcore", "--save-dir",
-                     str(tmp_path / "out")])
-    assert "MoE models are not written in megatron-core's names yet" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
 
 
