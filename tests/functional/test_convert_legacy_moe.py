@@ -53,12 +53,15 @@ TE_NORM = ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")  # a dense layer'
 TE_INPUT_NORM = ("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
 
 
-@pytest.fixture(scope="module")
-def moe():
-    """(our args, the whole state dict, the model) of a seeded MoE model, norms away from 1."""
-    args = parse_and_validate_args(argv=FLAGS)
+# a Mixtral: every layer MoE, no shared expert (what --saver hf writes)
+MIXTRAL = FLAGS[:FLAGS.index("--moe-shared-expert-intermediate-size")] + [
+    "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+
+
+def _seeded(flags, seed):
+    args = parse_and_validate_args(argv=flags)
     args.padded_vocab_size = VOCAB
-    torch.manual_seed(300)
+    torch.manual_seed(seed)
     model = GPTModel(core_transformer_config_from_args(args), vocab_size=VOCAB,
                      max_sequence_length=args.max_position_embeddings, share_embeddings_and_output_weights=False,
                      **gpt_model_kwargs(args)).eval()
@@ -67,6 +70,17 @@ def moe():
             if "norm" in key:
                 param.add_(torch.randn_like(param) * 0.3)
     return args, {k: v.detach().clone() for k, v in model.state_dict().items()}, model
+
+
+@pytest.fixture(scope="module")
+def moe():
+    """(our args, the whole state dict, the model) of a seeded MoE model, norms away from 1."""
+    return _seeded(FLAGS, 300)
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return _seeded(MIXTRAL, 301)
 
 
 # ----------------------------------------------------------------------------- writing fixtures
@@ -342,3 +356,21 @@ def test_wrong_moe_layouts_are_one_line_and_nothing_written(layout, message, moe
                             "--save-dir", str(tmp_path / "out")], capsys)
     assert message in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_megatron_lm_moe_checkpoint_converts_to_huggingface_mixtral(mixtral, tmp_path, capsys):
+    """Megatron-LM (TEGroupedMLP, TE spec, TP 2 x EP 2) -> --saver hf: a MixtralForCausalLM whose
+    from_pretrained logits are the original model's."""
+    from transformers import AutoModelForCausalLM
+
+    args, whole, model = mixtral
+    write_megatron_lm_moe(tmp_path / "megatron_lm", args, whole, "te_grouped", te=True, tp=2)
+    _convert("mcore", "hf", tmp_path / "megatron_lm", tmp_path / "hf")
+    assert "-> OK" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    tokens = verify.sample_tokens(VOCAB, 16)
+    with torch.no_grad():
+        expected = verify.logits_of(model, tokens)[..., :VOCAB]
+        got = hf(tokens).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
