@@ -50,7 +50,13 @@ Megatron-LM's args are its argparse Namespace (read through checkpoint_safety's 
 `megatron_lm_args` turns them into ours by running our own flag validation on the model's shape,
 with the older names (model_parallel_size, layernorm_epsilon, disable_bias_linear,
 use_rotary_position_embeddings) and Megatron's defaults filled in explicitly; what cannot be
-inferred, or what we cannot convert (MoE, MLA, uneven pipeline splits...), is one CheckpointError.
+inferred, or what we cannot convert (MLA, uneven pipeline splits, MoE features our MoE layer lacks...),
+is one CheckpointError.
+
+MoE: megatron-core's three expert implementations are read (core_expert_tensors: SequentialMLP's names
+are ours, TEGroupedMLP's weight{i} and GroupedMLP's weight1 / weight2 become them) and the TE spec's MoE
+layers keep their own pre_mlp_layernorm; Megatron-LM's legacy SwitchMLP (classic names) is read as
+top-1 sinkhorn routing (switch_mlp_args). Which file holds which expert shard: megatron_format._stage_models.
 """
 
 from __future__ import annotations
@@ -336,6 +342,7 @@ _CLASSIC_PARTS = (  # (classic prefix inside a layer, ours); older names second
     ("post_attention_layernorm.", "pre_mlp_layernorm."), ("post_attention_norm.", "pre_mlp_layernorm."),
     ("mlp.dense_h_to_4h.", "mlp.linear_fc1."), ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
 )
+_CLASSIC_EXPERT = re.compile(r"^mlp\.local_experts\.(\d+)\.dense_(h_to_4h|4h_to_h)\.(weight|bias)$")
 _CLASSIC_LAYER = re.compile(r"^language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(.+)$")
 _CLASSIC_FINAL = re.compile(r"^language_model\.(?:encoder|transformer)\.final_(?:layer)?norm\.(weight|bias)$")
 _CLASSIC_TOP = {
@@ -425,6 +432,12 @@ def classic_name(name: str, family: str = "GPT") -> str:
     match = _CLASSIC_LAYER.match(name)
     if match:
         index, rest = match.groups()
+        expert = _CLASSIC_EXPERT.match(rest) if family == "GPT" else None
+        if expert:  # legacy SwitchMLP's experts (ParallelMLPs) and router (switch_mlp_args)
+            j, which, leaf = expert.groups()
+            return f"{stack}.layers.{index}.mlp.experts.local_experts.{j}.linear_fc{1 if which == 'h_to_4h' else 2}.{leaf}"
+        if family == "GPT" and rest == "mlp.router.weight":
+            return f"{stack}.layers.{index}.mlp.router.weight"
         for old, new in _CLASSIC_PARTS:
             if rest.startswith(old):
                 return f"{stack}.layers.{index}.{new}{rest[len(old):]}"
@@ -471,6 +484,32 @@ def _file_family(raw: argparse.Namespace, family: str, supported: tuple = FAMILI
     return _family(saved, supported) if isinstance(saved, str) else family
 
 
+def switch_mlp_args(raw: argparse.Namespace, path: str) -> argparse.Namespace:
+    """Megatron-LM's legacy MoE (megatron/legacy/model/transformer.py's SwitchMLP, every layer when
+    num_experts is set) in megatron-core's router terms: top-1 with sigmoid weights, chosen by the
+    Sinkhorn-balanced logits while training and by the largest weight otherwise, the expert's output
+    times its weight; that is megatron-core's (and our) "sinkhorn" load balancing at top-k 1. Its
+    experts are ParallelMLPs of ffn_hidden_size, split over TP (ETP = TP); the router has no bias. The
+    MoE fields a later Megatron-LM saved with it (moe_router_topk 2 by default...) were not read by
+    it and are replaced. With linear biases it is refused: SwitchMLP weights each expert's output bias
+    by the router weight, which the converter has not checked against our experts'."""
+    bias = getattr(raw, "add_bias_linear", None)
+    if bias is None:
+        bias = not getattr(raw, "disable_bias_linear", False)
+    if bias:
+        raise CheckpointError(f"{path}: the checkpoint uses num_experts={raw.num_experts!r}, which the converter does "
+                              "not support with linear biases (Megatron-LM's legacy SwitchMLP converts only with "
+                              "--disable-bias-linear)")
+    out = argparse.Namespace(**vars(raw))
+    for name in (*_MOE_UNSUPPORTED, *_MOE_VALUES.values(), *_MOE_BOOLEANS.values(), "moe_layer_freq",
+                 "moe_z_loss_coeff", "expert_tensor_parallel_size"):
+        setattr(out, name, None)
+    out.moe_router_topk, out.moe_router_load_balancing_type, out.moe_aux_loss_coeff = 1, "sinkhorn", 0.0
+    out.moe_ffn_hidden_size = getattr(raw, "ffn_hidden_size", None)
+    out.moe_token_dispatcher_type = None
+    return out
+
+
 class LegacyDialect(Dialect):
     """Megatron-LM's classic GPT, BERT or T5 (`model.language_model.*`), checkpoint_version 0 to 3
     (T5: 2.0 and 3.0)."""
@@ -483,13 +522,13 @@ class LegacyDialect(Dialect):
         version = _version(state, path)
         family = _file_family(raw, self.family, FAMILIES)
         if getattr(raw, "num_experts", None):
-            raise CheckpointError(f"{path}: the checkpoint uses num_experts={raw.num_experts!r}, which the converter "
-                                  "does not support in classic naming (Megatron-LM's legacy SwitchMLP: sinkhorn top-1 "
-                                  "routing, mlp.local_experts.*); megatron-core MoE checkpoints convert with --loader mcore")
+            raw = switch_mlp_args(raw, path)
         if family == "T5" and version < 2.0:
             raise CheckpointError(f"{path}: a T5 with checkpoint_version {version}: its attention rows are in an "
                                   "older order the converter does not reorder for the cross-attention")
         args = megatron_lm_args(raw, path, family)
+        if args.num_experts and family != "GPT":
+            raise CheckpointError(f"{path}: an MoE {family}: Megatron-LM's legacy SwitchMLP converts for GPT only")
         if version < 2.0 and query_groups(args) != args.num_attention_heads:
             raise CheckpointError(f"{path}: checkpoint_version {version} with grouped-query attention: "
                                   "Megatron-LM never wrote that (GQA came with version 3.0)")

@@ -83,6 +83,17 @@ def mixtral():
     return _seeded(MIXTRAL, 301)
 
 
+# Megatron-LM's legacy SwitchMLP in our terms: top-1, sigmoid weights, Sinkhorn balancing, every layer,
+# experts of --ffn-hidden-size
+SWITCH = FLAGS[:FLAGS.index("--moe-ffn-hidden-size")] + [
+    "--moe-router-topk", "1", "--moe-router-load-balancing-type", "sinkhorn"]
+
+
+@pytest.fixture(scope="module")
+def switch():
+    return _seeded(SWITCH, 302)
+
+
 # ----------------------------------------------------------------------------- writing fixtures
 
 
@@ -374,3 +385,68 @@ def test_megatron_lm_moe_checkpoint_converts_to_huggingface_mixtral(mixtral, tmp
         expected = verify.logits_of(model, tokens)[..., :VOCAB]
         got = hf(tokens).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# ours -> Megatron-LM's legacy GPT layer (core_v0.5-era names) with its SwitchMLP
+CLASSIC_PARTS = {"input_layernorm.": "input_norm.", "self_attention.linear_qkv.": "self_attention.query_key_value.",
+                 "self_attention.linear_proj.": "self_attention.dense.", "pre_mlp_layernorm.": "post_attention_norm.",
+                 "mlp.router.": "mlp.router."}
+CLASSIC_TOP = {"embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+               "decoder.final_layernorm.weight": "encoder.final_norm.weight",
+               "output_layer.weight": "output_layer.weight"}
+
+
+def write_switch_mlp(save_dir, args, whole, tp=2, ep=2):
+    """Megatron-LM's legacy MoE files (classic names, mlp.local_experts.{j}.dense_h_to_4h / dense_4h_to_h,
+    ETP = TP, every (TP, EP) pair), with the MoE fields a later Megatron-LM saves but SwitchMLP ignores."""
+    raw = argparse.Namespace(**vars(args))
+    raw.tensor_model_parallel_size, raw.expert_model_parallel_size = tp, ep
+    raw.expert_tensor_parallel_size, raw.data_parallel_size, raw.world_size = None, ep, tp * ep
+    raw.sequence_parallel, raw.use_legacy_models, raw.transformer_impl = tp > 1, True, "local"
+    raw.moe_router_topk, raw.moe_router_load_balancing_type, raw.moe_aux_loss_coeff = 2, "aux_loss", 0.01
+    local = EXPERTS // ep
+    for t in range(tp):
+        for e in range(ep):
+            flat = {}
+            for name, tensor in whole.items():
+                layer, rest = _layer_of(name)
+                shard = lambda size, rank: shard_for_rank(tensor, tensor_layout(name, args, size, rank), size,  # noqa: E731
+                                                          rank).clone()
+                if layer is None:
+                    flat[CLASSIC_TOP[name]] = shard(tp, t)
+                    continue
+                expert = _expert_of(rest)
+                if expert is not None:
+                    index, tail = expert
+                    if index // local == e:
+                        module, leaf = tail.split(".")
+                        classic = "dense_h_to_4h" if module == "linear_fc1" else "dense_4h_to_h"
+                        flat[f"encoder.layers.{layer}.mlp.local_experts.{index % local}.{classic}.{leaf}"] = shard(tp, t)
+                    continue
+                old = next(prefix for prefix in CLASSIC_PARTS if rest.startswith(prefix))
+                flat[f"encoder.layers.{layer}.{CLASSIC_PARTS[old]}{rest[len(old):]}"] = shard(tp, t)
+            state = {"args": raw, "iteration": ITERATION, "checkpoint_version": 3.0, "model": {"language_model": flat}}
+            path = get_checkpoint_name(str(save_dir), ITERATION, pipeline_parallel=False, tensor_rank=t,
+                                       pipeline_rank=0, expert_parallel=ep > 1, expert_rank=e)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(state, path)
+    with open(get_checkpoint_tracker_filename(str(save_dir)), "w") as f:
+        f.write(str(ITERATION))
+
+
+def test_legacy_switch_mlp_checkpoint_converts_to_the_original_logits(switch, tmp_path, capsys):
+    """--loader legacy: SwitchMLP files at TP 2 x EP 2 convert to ours (top-1 sinkhorn, the saved
+    moe_router_topk 2 not read) with the original logits; with linear biases it is one line."""
+    args, whole, model = switch
+    write_switch_mlp(tmp_path / "legacy", args, whole)
+    _convert("legacy", "megatron", tmp_path / "legacy", tmp_path / "ours", "--target-tensor-parallel-size", "1",
+             "--target-expert-parallel-size", "1")
+    assert "-> OK" in capsys.readouterr().out
+    target = _assert_logits_of_original(model, saver_megatron.read_back, tmp_path / "ours")
+    assert (target.moe_router_topk, target.moe_router_load_balancing_type) == (1, "sinkhorn")
+    _assert_same_tensors(whole, tmp_path / "ours")
+    biased = argparse.Namespace(**{**vars(args), "add_bias_linear": True})
+    write_switch_mlp(tmp_path / "biased", biased, whole)
+    line = _one_line_error(["--model-type", "GPT", "--loader", "legacy", "--load-dir", str(tmp_path / "biased"),
+                            "--save-dir", str(tmp_path / "out")], capsys)
+    assert "not support with linear biases" in line, line
