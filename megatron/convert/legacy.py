@@ -435,7 +435,8 @@ def classic_name(name: str, family: str = "GPT") -> str:
         expert = _CLASSIC_EXPERT.match(rest) if family == "GPT" else None
         if expert:  # legacy SwitchMLP's experts (ParallelMLPs) and router (switch_mlp_args)
             j, which, leaf = expert.groups()
-            return f"{stack}.layers.{index}.mlp.experts.local_experts.{j}.linear_fc{1 if which == 'h_to_4h' else 2}.{leaf}"
+            fc = "linear_fc1" if which == "h_to_4h" else "linear_fc2"
+            return f"{stack}.layers.{index}.mlp.experts.local_experts.{j}.{fc}.{leaf}"
         if family == "GPT" and rest == "mlp.router.weight":
             return f"{stack}.layers.{index}.mlp.router.weight"
         for old, new in _CLASSIC_PARTS:
@@ -647,13 +648,14 @@ def core_expert_tensors(name: str, value: Any, args: argparse.Namespace, path: s
     if match is None:
         return [(name, value)]
     prefix, which = match.groups()
-    hidden, local = int(args.hidden_size), int(args.num_experts) // int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    hidden = int(args.hidden_size)
+    local = int(args.num_experts) // int(getattr(args, "expert_model_parallel_size", 1) or 1)
     rows, columns = (hidden, None) if which == "1" else (None, hidden)
     shape = tuple(value.shape) if torch.is_tensor(value) else ()
     if (len(shape) != 2 or (rows is not None and shape[0] != rows) or (columns is not None and shape[1] != columns)
             or shape[1 if which == "1" else 0] % local):
-        raise CheckpointError(f"{path}: {name} has shape {list(shape)}, not GroupedMLP's "
-                              + (f"[{hidden}, {local} experts x ffn]" if which == "1" else f"[{local} experts x ffn, {hidden}]"))
+        expected = f"[{hidden}, {local} experts x ffn]" if which == "1" else f"[{local} experts x ffn, {hidden}]"
+        raise CheckpointError(f"{path}: {name} has shape {list(shape)}, not GroupedMLP's {expected}")
     if which == "1":  # [h, E_local F] whose memory is [E_local, h, F]
         experts = value.contiguous().view(local, hidden, shape[1] // local).transpose(1, 2)
     else:  # [E_local F, h] = [E_local, F, h]

@@ -197,7 +197,8 @@ def _file_path(source: Source, pp_rank: int, tp_rank: int, ep_rank: int) -> str:
                                expert_rank=ep_rank)
 
 
-def _stage_models(source: Source, pp_rank: int, chunk: int) -> Tuple[List[Dict[str, Any]], List[List[Dict[str, Any]]]]:
+def _stage_models(source: Source, pp_rank: int,
+                  chunk: int) -> Tuple[List[Dict[str, Any]], List[List[Dict[str, Any]]]]:
     """The model state dicts (chunk `chunk`) of stage pp_rank (the rest, optimizer, is dropped): one
     per TP rank for the dense tensors, and per EP rank one per expert-TP rank for its experts.
 
@@ -210,10 +211,11 @@ def _stage_models(source: Source, pp_rank: int, chunk: int) -> Tuple[List[Dict[s
     grid = source.experts
     pairs = [(t, e) for e in range(grid.ep) for t in range(source.tp)]
     present = [(t, e) for t, e in pairs if grid.ep == 1 or os.path.isfile(_file_path(source, pp_rank, t, e))]
+    expert_ranks = range(grid.ep if grid.experts else 0)
     dense_from, experts_from = {}, {}
     for t in range(source.tp):
         dense_from[t] = next(((t, e) for tt, e in present if tt == t), (t, 0))  # absent: _read names the file
-    for e in range(grid.ep if grid.experts else 0):
+    for e in expert_ranks:
         for shard in range(grid.etp):
             pair = next(((t, ee) for t, ee in present if ee == e and t % grid.etp == shard), None)
             if pair is None:
@@ -226,15 +228,18 @@ def _stage_models(source: Source, pp_rank: int, chunk: int) -> Tuple[List[Dict[s
             path = _file_path(source, pp_rank, *pair)
             state = _read(path, source.load_dir, source.iteration, source.release, source.dialect)
             models[pair] = source.dialect.model(state, key, path, source)
+
+    def which(pair: Tuple[int, int]) -> str:
+        return f"TP rank {pair[0]}" + (f", EP rank {pair[1]}" if grid.ep > 1 else "")
+
     first_pair, first = next(iter(models.items()))
-    for (t, e), model in models.items():
+    for pair, model in models.items():
         if set(model) != set(first):
-            raise CheckpointError(f"stage {pp_rank}: the file of TP rank {t}" + (f", EP rank {e}" if grid.ep > 1 else "")
-                                  + f" has keys {sorted(set(model) ^ set(first))[:4]} that the file of TP rank "
-                                  f"{first_pair[0]}" + (f", EP rank {first_pair[1]}" if grid.ep > 1 else "")
-                                  + " does not (or the reverse)")
+            raise CheckpointError(f"stage {pp_rank}: the file of {which(pair)} has keys "
+                                  f"{sorted(set(model) ^ set(first))[:4]} that the file of {which(first_pair)} "
+                                  "does not (or the reverse)")
     dense = [models[dense_from[t]] for t in range(source.tp)]
-    experts = [[models[experts_from[e, shard]] for shard in range(grid.etp)] for e in range(grid.ep if grid.experts else 0)]
+    experts = [[models[experts_from[e, shard]] for shard in range(grid.etp)] for e in expert_ranks]
     return dense, experts
 
 

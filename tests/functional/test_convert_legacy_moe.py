@@ -128,7 +128,7 @@ def _entry(args, whole, naming, te, tp, t, ep, e, etp, pp, stage):
     for name, tensor in whole.items():
         layer, rest = _layer_of(name)
         if layer is None:
-            if (name.startswith("embedding.") and stage != 0) or (not name.startswith("embedding.") and stage != pp - 1):
+            if stage != (0 if name.startswith("embedding.") else pp - 1):
                 continue
             entry[name] = shard_for_rank(tensor, tensor_layout(name, args, tp, t), tp, t).clone()
             continue
@@ -174,7 +174,8 @@ def _entry(args, whole, naming, te, tp, t, ep, e, etp, pp, stage):
         entry[f"{module}._extra_state"] = torch.empty(0, dtype=torch.uint8) if te else None
     if te:
         for local in range(per_stage):
-            entry[f"decoder.layers.{local}.self_attention.core_attention._extra_state"] = torch.empty(0, dtype=torch.uint8)
+            core_attention = f"decoder.layers.{local}.self_attention.core_attention._extra_state"
+            entry[core_attention] = torch.empty(0, dtype=torch.uint8)
     if stage == pp - 1:
         entry["output_layer._extra_state"] = None
     return entry
@@ -410,8 +411,8 @@ def write_switch_mlp(save_dir, args, whole, tp=2, ep=2):
             flat = {}
             for name, tensor in whole.items():
                 layer, rest = _layer_of(name)
-                shard = lambda size, rank: shard_for_rank(tensor, tensor_layout(name, args, size, rank), size,  # noqa: E731
-                                                          rank).clone()
+                shard = lambda size, rank: shard_for_rank(  # noqa: E731
+                    tensor, tensor_layout(name, args, size, rank), size, rank).clone()
                 if layer is None:
                     flat[CLASSIC_TOP[name]] = shard(tp, t)
                     continue
@@ -421,7 +422,8 @@ def write_switch_mlp(save_dir, args, whole, tp=2, ep=2):
                     if index // local == e:
                         module, leaf = tail.split(".")
                         classic = "dense_h_to_4h" if module == "linear_fc1" else "dense_4h_to_h"
-                        flat[f"encoder.layers.{layer}.mlp.local_experts.{index % local}.{classic}.{leaf}"] = shard(tp, t)
+                        key = f"encoder.layers.{layer}.mlp.local_experts.{index % local}.{classic}.{leaf}"
+                        flat[key] = shard(tp, t)
                     continue
                 old = next(prefix for prefix in CLASSIC_PARTS if rest.startswith(prefix))
                 flat[f"encoder.layers.{layer}.{CLASSIC_PARTS[old]}{rest[len(old):]}"] = shard(tp, t)
