@@ -248,7 +248,8 @@ def _moe_flags(raw: argparse.Namespace, path: str) -> List[str]:
     flags = ["--num-experts", str(int(raw.num_experts))]
     freq = getattr(raw, "moe_layer_freq", None)
     if freq is not None:
-        flags += ["--moe-layer-freq", str(list(freq) if isinstance(freq, (list, tuple)) else int(freq))]
+        # an int, a list, or (a pattern string) what our flag parses the same way
+        flags += ["--moe-layer-freq", str(list(freq) if isinstance(freq, (list, tuple)) else freq)]
     for flag, name in _MOE_VALUES.items():
         if getattr(raw, name, None) is not None:
             flags += [flag, str(getattr(raw, name))]
