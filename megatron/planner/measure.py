@@ -16,6 +16,11 @@ optimizer step on zero gradients (Adam's state exists only after a step), then
                                it: the most bytes held at once (full recompute's rerun included),
                                which checks the in-flight counts
 
+MoE layers: without --moe-pad-expert-input-to-capacity the routed token counts depend on the
+router's weights, so the measurement routes as the plan assumes (balanced_routing: token t of a
+rank's T goes to experts t k, ..., t k + k - 1 mod E, each expert getting T k / E); with padding
+every expert runs exactly its capacity and the routing is left alone.
+
 What is not measured: other transient buffers (communication buffers, the cross entropy's
 temporaries, the allocator's slack).
 """
@@ -27,6 +32,29 @@ import io
 from typing import Any
 
 import torch
+
+
+@contextlib.contextmanager
+def balanced_routing(topk: int):
+    """TopKRouter's logits plus 64 at experts t k ... t k + k - 1 (mod E) of token t (rows s-major):
+    top-k then picks those, so every expert gets T k / E of a rank's T tokens. Adding a constant
+    keeps what autograd saves (an add saves nothing)."""
+    from megatron.model.moe.router import TopKRouter
+
+    gating = TopKRouter.gating
+
+    def balanced(self, x):
+        logits = gating(self, x)  # [s, b, E]
+        rows, experts = logits.numel() // self.num_experts, self.num_experts
+        picks = (torch.arange(rows).unsqueeze(1) * topk + torch.arange(topk)) % experts  # [T, k]
+        bias = torch.zeros(rows, experts, dtype=logits.dtype).scatter(1, picks, 64.0)
+        return logits + bias.reshape(logits.shape)
+
+    TopKRouter.gating = balanced
+    try:
+        yield
+    finally:
+        TopKRouter.gating = gating
 
 
 def _chunk_saved_bytes(chunk: Any, args: Any, first: bool, last: bool) -> int:
@@ -124,7 +152,12 @@ def measure_rank(argv: list[str]) -> dict:
     from megatron.planner.plan import plan_rank
     from megatron.training import setup_model_and_optimizer
 
+    routing = contextlib.nullcontext()
+    if "--num-experts" in argv and "--moe-pad-expert-input-to-capacity" not in argv:
+        topk = argv[argv.index("--moe-router-topk") + 1] if "--moe-router-topk" in argv else 2
+        routing = balanced_routing(int(topk))
     try:
+        routing.__enter__()
         with contextlib.redirect_stdout(io.StringIO()):  # the argument block and build messages
             initialize_megatron(argv=list(argv))
             model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
@@ -150,6 +183,7 @@ def measure_rank(argv: list[str]) -> dict:
                 "schedule_peak": schedule_peak,
                 "predicted_peak": predicted.memory["activations"] + predicted.memory["recompute_working"]}
     finally:
+        routing.__exit__(None, None, None)
         reset_megatron()
 
 
@@ -181,6 +215,25 @@ LAYOUTS = {
                                              "--pipeline-model-parallel-size", "2", "--recompute-activations",
                                              "--use-distributed-optimizer", *LLAMA_FLAGS],
 }
+
+
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
+LAYOUTS.update({
+    "ep2-dp4 bf16 moe alltoall": ["--bf16", *MOE_FLAGS, "--expert-model-parallel-size", "2",
+                                  "--moe-token-dispatcher-type", "alltoall"],
+    "tp2-dp2 ep2 etp2 bf16 sp moe allgather": ["--bf16", *MOE_FLAGS, "--tensor-model-parallel-size", "2",
+                                               "--sequence-parallel", "--expert-model-parallel-size", "2",
+                                               "--expert-tensor-parallel-size", "2", "--disable-bias-linear"],
+    "dp4 ep2 bf16 distopt moe alltoall grouped shared aux": [
+        "--bf16", *MOE_FLAGS, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+        "--use-distributed-optimizer", "--moe-grouped-gemm", "--moe-shared-expert-intermediate-size", "32",
+        "--moe-layer-freq", "2", "--moe-aux-loss-coeff", "1e-2", "--swiglu"],
+    "tp2-pp2 ep2 etp1 bf16 sp moe alltoall capacity pad fp32-router": [
+        "--bf16", *MOE_FLAGS, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+        "1", "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.5",
+        "--moe-pad-expert-input-to-capacity", "--moe-router-dtype", "fp32"],
+})
 
 
 def measure_layouts(names: list | None = None) -> dict:

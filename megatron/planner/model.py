@@ -3,7 +3,7 @@ activations autograd keeps per micro-batch, and how many micro-batches the sched
 
 Notation as in docs (s sequence, b micro-batch, h hidden, a heads, g query groups, hn kv
 channels, f ffn width, V padded vocab, t TP, p PP, v virtual stages, d DP, e bytes per activation
-element: 2 for bf16/fp16, 4 for fp32). Everything here is arithmetic on a ModelShape and a Layout;
+element: 2 for bf16/fp16, 4 for fp32; MoE: E experts, k top-k, EP, ETP, expert-DP = t d / (ETP EP)). Everything here is arithmetic on a ModelShape and a Layout;
 nothing allocates a tensor or needs a process group.
 """
 
@@ -16,6 +16,24 @@ from typing import Optional
 
 class PlanError(ValueError):
     """The flags describe something the planner does not model (said in one line)."""
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The MoE MLPs of a GPT (--num-experts and the --moe-* flags the planner models)."""
+
+    num_experts: int
+    layers: tuple  # the 1-based numbers of the MoE layers (--moe-layer-freq)
+    ffn_hidden_size: int  # --moe-ffn-hidden-size (default --ffn-hidden-size)
+    topk: int = 2
+    shared_ffn_hidden_size: int = 0  # --moe-shared-expert-intermediate-size (0: none)
+    grouped_gemm: bool = False
+    dispatcher: str = "allgather"  # or "alltoall"
+    capacity_factor: Optional[float] = None
+    pad_to_capacity: bool = False
+    router_dtype: Optional[str] = None  # None (the activations' dtype), "fp32" or "fp64"
+    pre_softmax: bool = False
+    aux_loss: bool = False  # --moe-router-load-balancing-type aux_loss with a coefficient > 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,11 @@ class ModelShape:
     vocab_size: Optional[int] = None  # the tokenizer's, for re-padding at another TP (search)
     vocab_divisor: int = 128  # --make-vocab-size-divisible-by
     grads_fp32: bool = True
+    moe: Optional[MoEShape] = None
+
+    def is_moe_layer(self, number: int) -> bool:
+        """Whether the 1-based layer `number` has an MoE MLP."""
+        return self.moe is not None and number in self.moe.layers
 
 
 @dataclass(frozen=True)
@@ -65,10 +88,21 @@ class Layout:
     recompute_num_layers: Optional[int] = None
     distribute_saved_activations: bool = False
     distributed_optimizer: bool = False
+    ep: int = 1  # --expert-model-parallel-size
+    etp: Optional[int] = None  # --expert-tensor-parallel-size (None: tp)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel size: the ranks of a stage (t d) over ETP x EP."""
+        return self.tp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def num_microbatches(self) -> int:
@@ -76,6 +110,8 @@ class Layout:
 
     def name(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"etp{self.expert_tp}"] if self.expert_tp != self.tp else []
         parts += [f"mbs{self.micro_batch_size}"] + (["sp"] if self.sequence_parallel else [])
         if self.recompute == "full":
             parts.append(f"full-{self.recompute_method}{self.recompute_num_layers}")
@@ -92,8 +128,6 @@ def _dtype_name(args: argparse.Namespace) -> str:
 def shape_from_args(args: argparse.Namespace, vocab_size: Optional[int] = None) -> ModelShape:
     """The ModelShape of validated pretrain_gpt.py args (padded_vocab_size set); vocab_size, the
     tokenizer's, lets shape_at_tp pad the vocabulary for another TP size."""
-    if getattr(args, "num_experts", None):
-        raise PlanError("--num-experts: the planner models dense GPT layers only (no MoE yet)")
     if getattr(args, "context_parallel_size", 1) != 1:
         raise PlanError("--context-parallel-size > 1 is not modelled by the planner")
     if getattr(args, "qk_layernorm", False) or getattr(args, "squared_relu", False):
@@ -114,7 +148,32 @@ def shape_from_args(args: argparse.Namespace, vocab_size: Optional[int] = None) 
         params_dtype=_dtype_name(args), flash_attn=bool(getattr(args, "use_flash_attn", False)),
         vocab_size=vocab_size, vocab_divisor=args.make_vocab_size_divisible_by,
         grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32) or not
-        (args.bf16 or args.fp16))
+        (args.bf16 or args.fp16), moe=_moe_from_args(args))
+
+
+def _moe_from_args(args: argparse.Namespace) -> Optional[MoEShape]:
+    """The MoEShape of validated args (None for a dense model); what is not modelled is refused."""
+    if not getattr(args, "num_experts", None):
+        return None
+    if args.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        raise PlanError(f"--moe-router-load-balancing-type {args.moe_router_load_balancing_type}: the planner "
+                        "models aux_loss and none only")
+    if args.moe_router_score_function != "softmax":
+        raise PlanError("--moe-router-score-function sigmoid is not modelled by the planner")
+    if args.moe_z_loss_coeff:
+        raise PlanError("--moe-z-loss-coeff is not modelled by the planner")
+    if args.moe_grouped_gemm and args.fp16:
+        raise PlanError("--moe-grouped-gemm with --fp16: the batched fallback's memory is not modelled")
+    from megatron.training_log import moe_layer_numbers
+
+    return MoEShape(
+        num_experts=args.num_experts, layers=tuple(moe_layer_numbers(args)),
+        ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size, topk=args.moe_router_topk,
+        shared_ffn_hidden_size=args.moe_shared_expert_intermediate_size or 0,
+        grouped_gemm=bool(args.moe_grouped_gemm), dispatcher=args.moe_token_dispatcher_type,
+        capacity_factor=args.moe_expert_capacity_factor, pad_to_capacity=bool(args.moe_pad_expert_input_to_capacity),
+        router_dtype=args.moe_router_dtype, pre_softmax=bool(args.moe_router_pre_softmax),
+        aux_loss=args.moe_router_load_balancing_type == "aux_loss" and args.moe_aux_loss_coeff > 0)
 
 
 def shape_at_tp(m: ModelShape, tp: int) -> ModelShape:
@@ -133,30 +192,70 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
                   sequence_parallel=bool(args.sequence_parallel), recompute=args.recompute_granularity,
                   recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                   distribute_saved_activations=bool(args.distribute_saved_activations),
-                  distributed_optimizer=bool(args.use_distributed_optimizer))
+                  distributed_optimizer=bool(args.use_distributed_optimizer),
+                  ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+                  etp=getattr(args, "expert_tensor_parallel_size", None))
 
 
 # ----------------------------------------------------------------------------- parameters
 
 
-def layer_parameters(m: ModelShape, tp: int) -> int:
-    """Parameters of one transformer layer on one TP rank (the gpt_model.py state-dict table)."""
-    h, hn, f = m.hidden_size, m.kv_channels, m.ffn_hidden_size
+def _mlp_parameters(m: ModelShape, f: int, tp: int) -> int:
+    """A dense (tensor-parallel) MLP of width f on one TP rank: fc1 [(2) f/t, h], fc2 [h, f/t] and
+    their biases (fc1's split, fc2's [h] whole)."""
+    h = m.hidden_size
+    fc1_rows = (2 if m.swiglu else 1) * f // tp
+    return fc1_rows * h + h * (f // tp) + ((fc1_rows + h) if m.add_bias_linear else 0)
+
+
+def expert_layer_parameters(m: ModelShape, lay: Layout) -> int:
+    """Expert parameters of one MoE layer on one rank: E/EP experts, each split over ETP
+    (experts.py: fc1 [(2) f/etp, h], fc2 [h, f/etp], biases only at ETP 1)."""
+    moe, h, etp = m.moe, m.hidden_size, lay.expert_tp
+    f = moe.ffn_hidden_size // etp
+    fc1_rows = (2 if m.swiglu else 1) * f
+    per_expert = fc1_rows * h + h * f + ((fc1_rows + h) if m.add_bias_linear else 0)
+    return moe.num_experts // lay.ep * per_expert
+
+
+def layer_parameters(m: ModelShape, tp: int, number: int = 0, lay: Optional[Layout] = None) -> int:
+    """Parameters of one transformer layer on one TP rank (the gpt_model.py state-dict table);
+    for an MoE layer (1-based `number`, with the layout's EP / ETP) the dense part only: the
+    attention, the norms, the router [E, h] (+ bias, replicated) and the shared experts
+    (tensor parallel); expert_layer_parameters holds the experts."""
+    h, hn = m.hidden_size, m.kv_channels
     norm = 2 * h if m.layernorm else h
     qkv_rows = (m.num_attention_heads + 2 * m.num_query_groups) * hn // tp
-    fc1_rows = (2 if m.swiglu else 1) * f // tp
-    weights = qkv_rows * h + h * (m.num_attention_heads * hn // tp) + fc1_rows * h + h * (f // tp)
+    weights = qkv_rows * h + h * (m.num_attention_heads * hn // tp)
     # Column-parallel biases are split, row-parallel biases ([h]) are whole on every rank.
     qkv_bias = qkv_rows if (m.add_bias_linear or m.add_qkv_bias) else 0
-    biases = qkv_bias + ((fc1_rows + 2 * h) if m.add_bias_linear else 0)
-    return 2 * norm + weights + biases
+    biases = qkv_bias + (h if m.add_bias_linear else 0)
+    attention = 2 * norm + weights + biases
+    if not m.is_moe_layer(number):
+        return attention + _mlp_parameters(m, m.ffn_hidden_size, tp)
+    moe = m.moe
+    router = moe.num_experts * h + (moe.num_experts if m.add_bias_linear else 0)
+    shared = _mlp_parameters(m, moe.shared_ffn_hidden_size, tp) if moe.shared_ffn_hidden_size else 0
+    return attention + router + shared
 
 
-def chunk_parameters(m: ModelShape, tp: int, layers: int, first: bool, last: bool) -> int:
-    """Parameters of one model chunk on one TP rank: its layers, the embedding on the very first
-    chunk, the final norm and the output layer (or the tied copy) on the very last."""
-    h = m.hidden_size
-    total = layers * layer_parameters(m, tp)
+def _chunk_layer_numbers(m: ModelShape, lay: Layout, stage: int, chunk: int) -> range:
+    """The 1-based layer numbers of model chunk `chunk` of pipeline rank `stage` (chunk v of rank
+    p is the model's chunk v p_size + p)."""
+    per_chunk = m.num_layers // (lay.pp * lay.vpp)
+    first = (chunk * lay.pp + stage) * per_chunk
+    return range(first + 1, first + per_chunk + 1)
+
+
+def chunk_parameters(m: ModelShape, lay: Layout, stage: int, chunk: int) -> int:
+    """Parameters of one model chunk on one TP rank, expert parameters included: its layers, the
+    embedding on the very first chunk, the final norm and the output layer (or the tied copy) on
+    the very last."""
+    h, tp = m.hidden_size, lay.tp
+    first = stage == 0 and chunk == 0
+    last = stage == lay.pp - 1 and chunk == lay.vpp - 1
+    total = sum(layer_parameters(m, tp, n, lay) + (expert_layer_parameters(m, lay) if m.is_moe_layer(n) else 0)
+                for n in _chunk_layer_numbers(m, lay, stage, chunk))
     if first:
         total += m.padded_vocab_size // tp * h + (m.max_position_embeddings * h if m.learned_positions else 0)
     if last:
@@ -168,10 +267,17 @@ def chunk_parameters(m: ModelShape, tp: int, layers: int, first: bool, last: boo
 
 
 def stage_parameters(m: ModelShape, lay: Layout, stage: int) -> int:
-    """Parameters of pipeline rank `stage` (all its chunks) on one TP rank."""
-    per_chunk = m.num_layers // (lay.pp * lay.vpp)
-    return sum(chunk_parameters(m, lay.tp, per_chunk, first=stage == 0 and c == 0,
-                                last=stage == lay.pp - 1 and c == lay.vpp - 1) for c in range(lay.vpp))
+    """Parameters of pipeline rank `stage` (all its chunks) on one TP rank, experts included."""
+    return sum(chunk_parameters(m, lay, stage, c) for c in range(lay.vpp))
+
+
+def stage_expert_parameters(m: ModelShape, lay: Layout, stage: int) -> int:
+    """The expert parameters among stage_parameters (their own DDP buffers, reduced and, with the
+    distributed optimizer, sharded over the expert-data-parallel group)."""
+    if m.moe is None:
+        return 0
+    return sum(expert_layer_parameters(m, lay) for c in range(lay.vpp)
+               for n in _chunk_layer_numbers(m, lay, stage, c) if m.is_moe_layer(n))
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -203,10 +309,11 @@ def _e(m: ModelShape) -> int:
     return 4 if m.params_dtype == "fp32" else 2
 
 
-def layer_activation_bytes(m: ModelShape, lay: Layout, recompute: Optional[str] = None) -> int:
+def layer_activation_bytes(m: ModelShape, lay: Layout, recompute: Optional[str] = None, moe: bool = False) -> int:
     """Bytes one layer keeps for backward per micro-batch on one TP rank (no full recompute):
     the Korthikanti et al. terms of megatron/model/activation_memory.py, at element size e, with
-    the norms' fp32 statistics, GQA, RoPE, SwiGLU and dropouts as the flags set them."""
+    the norms' fp32 statistics, GQA, RoPE, SwiGLU and dropouts as the flags set them; moe: an
+    MoE layer, whose MLP term is moe_mlp_activation_bytes."""
     e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
     hn, f = m.kv_channels, m.ffn_hidden_size
     heads, groups = m.num_attention_heads // t, max(1, m.num_query_groups // t)
@@ -236,29 +343,103 @@ def layer_activation_bytes(m: ModelShape, lay: Layout, recompute: Optional[str] 
         scores = e * heads * s * s * b  # softmax output
         core += scores + (scores + heads * s * s * b if m.attention_dropout else 0)  # dropout out, mask
     projection = e * s * b * heads * hn
-    fl = f // t
-    if m.swiglu:
-        mlp = e * s * b * (2 * fl + fl + (0 if m.swiglu_fused else fl))
-    else:
-        mlp = 2 * e * s * b * fl  # GeLU input and output
+    mlp = moe_mlp_activation_bytes(m, lay) if moe else _dense_mlp_bytes(m, s * b, f // t)
     return replicated + core + projection + mlp
 
 
-def chunk_activation_bytes(m: ModelShape, lay: Layout, layers: int, first: bool, last: bool) -> int:
+def _dense_mlp_bytes(m: ModelShape, rows: int, fl: int) -> int:
+    """What a dense MLP of fl columns per rank keeps on `rows` tokens beyond its input: fc1's
+    output and the activation's (SwiGLU: gate and up, silu(gate) unless fused, the product)."""
+    if m.swiglu:
+        return _e(m) * rows * (2 * fl + fl + (0 if m.swiglu_fused else fl))
+    return 2 * _e(m) * rows * fl  # GeLU input and output
+
+
+def expert_rows(m: ModelShape, lay: Layout) -> tuple:
+    """(N, M) of one MoE layer and micro-batch on one rank: N the (token, expert) pairs of this
+    rank's T = s/t x b tokens, M the rows its local experts run (over the ETP and EP peers).
+
+    Without a capacity the routing is assumed balanced: each expert gets T k / E of every rank's
+    tokens (the measurement forces such a routing). With --moe-expert-capacity-factor f each
+    expert takes at most C = ceil(T k / E f) of a rank's tokens; with
+    --moe-pad-expert-input-to-capacity exactly C (every token when C >= T): exact, whatever the
+    routing."""
+    import math
+
+    moe, b = m.moe, lay.micro_batch_size
+    tokens = (m.seq_length // lay.tp if lay.sequence_parallel else m.seq_length) * b
+    e_, k = moe.num_experts, moe.topk
+    per_expert = tokens * k / e_
+    if moe.capacity_factor is not None:
+        capacity = math.ceil(tokens * k / e_ * moe.capacity_factor)
+        if moe.pad_to_capacity:
+            per_expert = tokens if capacity >= tokens else capacity
+        elif capacity < tokens:
+            per_expert = min(per_expert, capacity)
+    pairs = int(round(e_ * per_expert))
+    return pairs, lay.expert_tp * pairs
+
+
+def moe_mlp_activation_bytes(m: ModelShape, lay: Layout) -> int:
+    """Bytes an MoE MLP keeps for backward per micro-batch on one rank beyond its input (the norm
+    output, counted with the dense layer's; megatron/model/moe/): the router's fp32 top-k softmax
+    and int64 indices [T, k] (pre-softmax: the softmax [T, E]), the aux loss's fp32 softmax and
+    top-k indices, the capacity's keep mask [T, E] (bool); the dispatcher's int64 (token, expert)
+    pairs (alltoall: [N, 2]; allgather: [M, 2] and the global expert index [M]), the experts'
+    input [M, h], each expert's fc1 output and activation (grouped GEMM: also the stacked local
+    weights), the experts' output, its weights and the weighted output that the combine's
+    index_add keeps ([N] rows alltoall, [M] allgather); the shared experts as a dense MLP; router dtype fp32/fp64: its copy of the input
+    and of the router weight (the input itself then is kept only by the shared experts)."""
+    moe, e, h = m.moe, _e(m), m.hidden_size
+    t, etp = lay.tp, lay.expert_tp
+    tokens = (m.seq_length // t if lay.sequence_parallel else m.seq_length) * lay.micro_batch_size
+    n_pairs, rows = expert_rows(m, lay)
+    e_, k = moe.num_experts, moe.topk
+    total = 4 * tokens * e_ + 8 * tokens * k if moe.pre_softmax else 12 * tokens * k
+    if moe.aux_loss:
+        total += 4 * tokens * e_ + 8 * tokens * k + 4 * e_ + 4  # softmax, top-k, token counts, the loss
+    if moe.capacity_factor is not None:
+        total += tokens * e_
+    if moe.router_dtype is not None:
+        size = 4 if moe.router_dtype == "fp32" else 8
+        total += size * tokens * h + size * e_ * h - (0 if moe.shared_ffn_hidden_size else e * tokens * h)
+    f = moe.ffn_hidden_size // etp
+    local = e_ // lay.ep
+    if moe.dispatcher == "alltoall":
+        total += 16 * n_pairs + e * n_pairs * (2 * h + 1)
+    else:
+        total += 24 * rows + e * rows * (2 * h + 1)
+    total += e * rows * h  # the experts' input
+    if moe.grouped_gemm and local > 1:
+        if (h * e) % 16 or (f * e) % 16:
+            raise PlanError("--moe-grouped-gemm with a hidden or expert width (per ETP rank) not a multiple of "
+                            "16 bytes: the batched fallback's memory is not modelled")
+        total += e * local * ((3 if m.swiglu else 2) * f * h)  # the stacked fc1 and fc2 weights
+        total += 8 * rows if m.add_bias_linear else 0  # the expert index of every row, for the biases
+    total += e * rows * (4 * f if m.swiglu else 2 * f)  # fc1 output; silu(gate) and the product (or GeLU's)
+    if moe.shared_ffn_hidden_size:
+        total += _dense_mlp_bytes(m, m.seq_length * lay.micro_batch_size, moe.shared_ffn_hidden_size // t)
+    return total
+
+
+def chunk_activation_bytes(m: ModelShape, lay: Layout, stage: int, chunk: int) -> int:
     """Bytes one model chunk keeps for backward per micro-batch on one TP rank, its layers plus
     the embedding (first) and the final norm, output layer and cross entropy (last)."""
     e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
     local = s // t if lay.sequence_parallel else s
+    numbers = _chunk_layer_numbers(m, lay, stage, chunk)
+    first = stage == 0 and chunk == 0
+    last = stage == lay.pp - 1 and chunk == lay.vpp - 1
     if lay.recompute == "full":
         split = lay.sequence_parallel or lay.distribute_saved_activations
         kept_input = e * s * b * h // (t if split else 1)
         n = lay.recompute_num_layers
         if lay.recompute_method == "block":
-            total = n * kept_input + (layers - n) * layer_activation_bytes(m, lay)
+            total = n * kept_input + sum(layer_activation_bytes(m, lay, moe=m.is_moe_layer(k)) for k in numbers[n:])
         else:
-            total = (layers // n) * kept_input
+            total = (len(numbers) // n) * kept_input
     else:
-        total = layers * layer_activation_bytes(m, lay, lay.recompute)
+        total = sum(layer_activation_bytes(m, lay, lay.recompute, m.is_moe_layer(k)) for k in numbers)
     # Made once per forward and shared by the chunk's layers: RoPE's fp32 angles [s, 1, 1, hn],
     # and the [1, 1, s, s] bool causal mask, which the recompute checkpoints keep as an input.
     total += 4 * s * m.kv_channels if m.rope else 0
@@ -283,7 +464,8 @@ def recompute_working_bytes(m: ModelShape, lay: Layout) -> int:
     saved-tensor measurement, but part of the peak."""
     if lay.recompute != "full":
         return 0
-    return lay.recompute_num_layers * layer_activation_bytes(m, lay)
+    widest = max(layer_activation_bytes(m, lay, moe=moe) for moe in ({False, m.moe is not None}))
+    return lay.recompute_num_layers * widest
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -307,10 +489,7 @@ def in_flight_units(lay: Layout, stage: int) -> list[int]:
 def stage_activation_bytes(m: ModelShape, lay: Layout, stage: int) -> int:
     """Activation bytes pipeline rank `stage` keeps at its peak: per chunk, the micro-batches in
     flight times the chunk's bytes per micro-batch (recompute_working_bytes not included)."""
-    per_chunk = m.num_layers // (lay.pp * lay.vpp)
-    return sum(units * chunk_activation_bytes(m, lay, per_chunk, first=stage == 0 and c == 0,
-                                              last=stage == lay.pp - 1 and c == lay.vpp - 1)
-               for c, units in enumerate(in_flight_units(lay, stage)))
+    return sum(units * chunk_activation_bytes(m, lay, stage, c) for c, units in enumerate(in_flight_units(lay, stage)))
 
 
 def pipeline_bubble(lay: Layout) -> float:

@@ -26,6 +26,8 @@ from megatron.planner.model import (
     recompute_working_bytes,
     shape_at_tp,
     stage_activation_bytes,
+    expert_rows,
+    stage_expert_parameters,
     stage_parameters,
 )
 
@@ -82,9 +84,10 @@ class RankPlan:
     """One pipeline stage's rank (any of its TP and DP ranks)."""
 
     stage: int
-    parameters: int
+    parameters: int  # expert parameters included
     memory: dict  # bytes by MEMORY_KEYS, plus "recompute_working"
     in_flight: list
+    expert_parameters: int = 0
     comm: dict = field(default_factory=dict)  # bytes sent per step by "tp", "pp", "dp"
     flops: float = 0.0  # this rank's FLOPs per step, recompute included
     compute_s: float = 0.0
@@ -107,11 +110,15 @@ class RankPlan:
 def plan_rank(m: ModelShape, lay: Layout, stage: int) -> RankPlan:
     """Memory of pipeline rank `stage` (bytes; the optimizer table applied to its parameters)."""
     params = stage_parameters(m, lay, stage)
+    experts = stage_expert_parameters(m, lay, stage)
     per_param = bytes_per_parameter(m.params_dtype, m.grads_fp32, lay.distributed_optimizer, lay.dp)
-    memory = {key: int(round(per_param[key] * params)) for key in MEMORY_KEYS[:5]}
+    per_expert = bytes_per_parameter(m.params_dtype, m.grads_fp32, lay.distributed_optimizer, lay.expert_dp)
+    memory = {key: int(round(per_param[key] * (params - experts) + per_expert[key] * experts))
+              for key in MEMORY_KEYS[:5]}
     memory["activations"] = stage_activation_bytes(m, lay, stage)
     memory["recompute_working"] = recompute_working_bytes(m, lay)
-    return RankPlan(stage=stage, parameters=params, memory=memory, in_flight=in_flight_units(lay, stage))
+    return RankPlan(stage=stage, parameters=params, memory=memory, in_flight=in_flight_units(lay, stage),
+                    expert_parameters=experts)
 
 
 # ----------------------------------------------------------------------------- FLOPs and time

@@ -1,5 +1,5 @@
 """The planner's per-rank memory (parameters + gradients + optimizer state + activations) against
-what 4 gloo ranks allocate for the 10 layouts of docs/planner.md (megatron/planner/measure.py:
+what 4 gloo ranks allocate for the 10 dense and 4 MoE layouts of docs/planner.md (megatron/planner/measure.py:
 the optimizer side measured exactly after a step, activations as the saved tensors of one
 forward per model chunk times the micro-batches the schedule keeps in flight; and the peak of the
 saved tensors during one real train_step, which checks the in-flight counts)."""
@@ -19,8 +19,8 @@ def rows(per_rank):
     return table_rows(per_rank)
 
 
-def test_ten_layouts_are_measured(rows):
-    assert len(LAYOUTS) == 10
+def test_fourteen_layouts_are_measured(rows):
+    assert len(LAYOUTS) == 14 and sum("moe" in name for name in LAYOUTS) == 4
     assert {row[0] for row in rows} == set(LAYOUTS)
 
 
