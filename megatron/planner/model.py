@@ -239,7 +239,7 @@ def layer_parameters(m: ModelShape, tp: int, number: int = 0, lay: Optional[Layo
     return attention + router + shared
 
 
-def _chunk_layer_numbers(m: ModelShape, lay: Layout, stage: int, chunk: int) -> range:
+def chunk_layer_numbers(m: ModelShape, lay: Layout, stage: int, chunk: int) -> range:
     """The 1-based layer numbers of model chunk `chunk` of pipeline rank `stage` (chunk v of rank
     p is the model's chunk v p_size + p)."""
     per_chunk = m.num_layers // (lay.pp * lay.vpp)
@@ -255,7 +255,7 @@ def chunk_parameters(m: ModelShape, lay: Layout, stage: int, chunk: int) -> int:
     first = stage == 0 and chunk == 0
     last = stage == lay.pp - 1 and chunk == lay.vpp - 1
     total = sum(layer_parameters(m, tp, n, lay) + (expert_layer_parameters(m, lay) if m.is_moe_layer(n) else 0)
-                for n in _chunk_layer_numbers(m, lay, stage, chunk))
+                for n in chunk_layer_numbers(m, lay, stage, chunk))
     if first:
         total += m.padded_vocab_size // tp * h + (m.max_position_embeddings * h if m.learned_positions else 0)
     if last:
@@ -277,7 +277,7 @@ def stage_expert_parameters(m: ModelShape, lay: Layout, stage: int) -> int:
     if m.moe is None:
         return 0
     return sum(expert_layer_parameters(m, lay) for c in range(lay.vpp)
-               for n in _chunk_layer_numbers(m, lay, stage, c) if m.is_moe_layer(n))
+               for n in chunk_layer_numbers(m, lay, stage, c) if m.is_moe_layer(n))
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -427,7 +427,7 @@ def chunk_activation_bytes(m: ModelShape, lay: Layout, stage: int, chunk: int) -
     the embedding (first) and the final norm, output layer and cross entropy (last)."""
     e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
     local = s // t if lay.sequence_parallel else s
-    numbers = _chunk_layer_numbers(m, lay, stage, chunk)
+    numbers = chunk_layer_numbers(m, lay, stage, chunk)
     first = stage == 0 and chunk == 0
     last = stage == lay.pp - 1 and chunk == lay.vpp - 1
     if lay.recompute == "full":

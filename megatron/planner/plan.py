@@ -21,12 +21,13 @@ from megatron.planner.model import (
     Layout,
     ModelShape,
     bytes_per_parameter,
+    chunk_layer_numbers,
+    expert_rows,
     in_flight_units,
     pipeline_bubble,
     recompute_working_bytes,
     shape_at_tp,
     stage_activation_bytes,
-    expert_rows,
     stage_expert_parameters,
     stage_parameters,
 )
@@ -88,7 +89,7 @@ class RankPlan:
     memory: dict  # bytes by MEMORY_KEYS, plus "recompute_working"
     in_flight: list
     expert_parameters: int = 0
-    comm: dict = field(default_factory=dict)  # bytes sent per step by "tp", "pp", "dp"
+    comm: dict = field(default_factory=dict)  # bytes sent per step by "tp", "pp", "dp", "ep", "edp" (expert DP)
     flops: float = 0.0  # this rank's FLOPs per step, recompute included
     compute_s: float = 0.0
     comm_s: dict = field(default_factory=dict)
@@ -124,33 +125,67 @@ def plan_rank(m: ModelShape, lay: Layout, stage: int) -> RankPlan:
 # ----------------------------------------------------------------------------- FLOPs and time
 
 
-def layer_flops_per_sequence(m: ModelShape) -> float:
-    """training_log.num_floating_point_operations's per-layer term (forward + backward, one sequence)."""
+def layer_flops_per_sequence(m: ModelShape, moe: bool = False) -> float:
+    """training_log.num_floating_point_operations's per-layer term (forward + backward, one
+    sequence); for an MoE layer its attention and shared experts only (expert_flops_per_micro_batch
+    has the routed experts)."""
     s, h, a, g = m.seq_length, m.hidden_size, m.num_attention_heads, m.num_query_groups
     q_ratio = m.kv_channels * a / h
     attention = 12 * h * h * (1 + g / a + s / (2 * h)) * q_ratio
-    mlp = 12 * h * m.ffn_hidden_size * (1.5 if m.swiglu else 1.0)
+    f = m.moe.shared_ffn_hidden_size if moe else m.ffn_hidden_size
+    mlp = 12 * h * f * (1.5 if m.swiglu else 1.0)
     return s * (attention + mlp)
+
+
+def expert_flops_per_micro_batch(m: ModelShape, lay: Layout) -> float:
+    """FLOPs the local experts of one MoE layer run per micro-batch on one rank (forward + backward):
+    12 h (f / ETP) (3/2 with SwiGLU) per row, for the M rows of expert_rows (capacity padding included)."""
+    _, rows = expert_rows(m, lay)
+    return 12 * m.hidden_size * (m.moe.ffn_hidden_size / lay.expert_tp) * (1.5 if m.swiglu else 1.0) * rows
 
 
 def flops_per_step(m: ModelShape, global_batch_size: int) -> float:
     """Model FLOPs of one iteration: training_log.num_floating_point_operations's formula, in
-    its order of operations (so the two agree to the bit); recompute is not counted."""
+    its order of operations (so the two agree to the bit); recompute is not counted. An MoE
+    layer counts the experts a token runs: top-k x moe_ffn_hidden_size + the shared experts."""
     s, layers, h, a, g = m.seq_length, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups
     q_ratio = m.kv_channels * a / h
+    gated = 1.5 if m.swiglu else 1.0
     attention = 12 * layers * h * h * (1 + g / a + s / (2 * h)) * q_ratio
-    mlp = 12 * layers * h * m.ffn_hidden_size * (1.5 if m.swiglu else 1.0)
+    mlp = 12 * layers * h * m.ffn_hidden_size * gated
+    if m.moe is not None:
+        moe_layers = len(m.moe.layers)
+        moe_ffn = m.moe.ffn_hidden_size * m.moe.topk + m.moe.shared_ffn_hidden_size
+        mlp = 12 * h * gated * ((layers - moe_layers) * m.ffn_hidden_size + moe_layers * moe_ffn)
     logits = 6 * h * m.padded_vocab_size
     return global_batch_size * s * (attention + mlp + logits)
 
 
-def _recompute_flops_per_layer(m: ModelShape, lay: Layout) -> float:
+def _recompute_flops_per_layer(m: ModelShape, lay: Layout, moe: bool = False) -> float:
+    """Per sequence: the dense part's rerun (full: its forward; selective: the scores and x V)."""
     if lay.recompute == "full":
-        return layer_flops_per_sequence(m) / 3  # the forward again
+        return layer_flops_per_sequence(m, moe) / 3  # the forward again
     if lay.recompute == "selective":
         q_ratio = m.kv_channels * m.num_attention_heads / m.hidden_size
         return 2 * m.seq_length * m.seq_length * m.hidden_size * q_ratio  # scores and x V, forward
     return 0.0
+
+
+def _stage_flops(m: ModelShape, lay: Layout, stage: int) -> float:
+    """This rank's FLOPs per step, recompute included: the dense parts of its layers over t, its
+    local experts' rows, the logits on the last stage."""
+    sequences = lay.global_batch_size // lay.dp  # per DP rank and step
+    total = 0.0
+    for chunk in range(lay.vpp):
+        for number in chunk_layer_numbers(m, lay, stage, chunk):
+            moe = m.is_moe_layer(number)
+            total += sequences * (layer_flops_per_sequence(m, moe) + _recompute_flops_per_layer(m, lay, moe)) / lay.tp
+            if moe:
+                rerun = 4 / 3 if lay.recompute == "full" else 1.0
+                total += lay.num_microbatches * expert_flops_per_micro_batch(m, lay) * rerun
+    if stage == lay.pp - 1:
+        total += sequences * 6 * m.hidden_size * m.padded_vocab_size * m.seq_length / lay.tp
+    return total
 
 
 def _ring(kind: str, nbytes: float, n: int) -> float:
@@ -163,34 +198,65 @@ def _ring(kind: str, nbytes: float, n: int) -> float:
 def _bandwidths(lay: Layout, dev: Device) -> dict:
     gbps = lambda inside: (dev.intra_node_gbps if inside else dev.inter_node_gbps) * 1e9 / 8  # noqa: E731
     n = dev.devices_per_node
-    return {"tp": gbps(lay.tp <= n), "dp": gbps(lay.tp * lay.dp <= n), "pp": gbps(lay.tp * lay.dp < n)}
+    # expert grid (etp, ep, expert-dp, pp): an EP group spans etp x ep consecutive ranks, an
+    # expert-DP group the stage's t d ranks
+    return {"tp": gbps(lay.tp <= n), "dp": gbps(lay.tp * lay.dp <= n), "pp": gbps(lay.tp * lay.dp < n),
+            "ep": gbps(lay.expert_tp * lay.ep <= n), "edp": gbps(lay.tp * lay.dp <= n)}
 
 
 def _stage_comm(m: ModelShape, lay: Layout, rank: RankPlan) -> dict:
     e = 4 if m.params_dtype == "fp32" else 2
     t, d, b, s, h = lay.tp, lay.dp, lay.micro_batch_size, m.seq_length, m.hidden_size
     mbs_per_step = lay.num_microbatches
-    layers = m.num_layers // lay.pp
+    numbers = [n for c in range(lay.vpp) for n in chunk_layer_numbers(m, lay, rank.stage, c)]
+    moe_layers = sum(m.is_moe_layer(n) for n in numbers)
     act = e * s * b * h  # one [s, b, h] activation
     full = lay.recompute == "full"  # the recomputed forward communicates again
     if lay.sequence_parallel:  # forward 2 AG + 2 RS, backward 2 RS + 2 AG + 2 AG of the saved inputs
         per_layer = (10 + (4 if full else 0)) * _ring("all_gather", act, t)
     else:  # forward 2 AR, backward 2 AR
         per_layer = (4 + (2 if full else 0)) * _ring("all_reduce", act, t)
+    # An MoE layer's MLP does no TP collective (the dispatcher moves its tokens) unless it has shared experts.
+    moe_tp = per_layer if m.moe is not None and m.moe.shared_ffn_hidden_size else per_layer / 2
     ends = (rank.stage == 0) + (rank.stage == lay.pp - 1)  # embedding reduce, output layer's input grad
-    tp = mbs_per_step * (layers * per_layer + ends * _ring("all_reduce", act, t))
+    tp = mbs_per_step * ((len(numbers) - moe_layers) * per_layer + moe_layers * moe_tp
+                         + ends * _ring("all_reduce", act, t))
+    ep = mbs_per_step * moe_layers * _dispatch_bytes(m, lay) * (1.5 if full else 1.0) if moe_layers else 0.0
     sent = act // (t if lay.sequence_parallel else 1)  # a stage's output (its s/t slice under SP)
     boundaries = lay.vpp * 2 - (rank.stage == 0) - (rank.stage == lay.pp - 1) if lay.pp > 1 else 0
     pp = mbs_per_step * sent * boundaries  # activations forward, their gradients backward
     grad_bytes = 4 if m.grads_fp32 or m.params_dtype == "fp32" else 2
-    grads = rank.parameters * grad_bytes
-    if lay.distributed_optimizer:
-        dp = _ring("reduce_scatter", grads, d) + _ring("all_gather", rank.parameters * PARAM_BYTES[m.params_dtype], d)
-    else:
-        dp = _ring("all_reduce", grads, d)
+
+    def reduce(params: int, n: int) -> float:
+        if lay.distributed_optimizer:
+            return _ring("reduce_scatter", params * grad_bytes, n) + _ring("all_gather", params * PARAM_BYTES[m.params_dtype], n)
+        return _ring("all_reduce", params * grad_bytes, n)
+
+    dp = reduce(rank.parameters - rank.expert_parameters, d)
     if lay.pp > 1 and m.tied_embeddings and rank.stage in (0, lay.pp - 1):
         dp += _ring("all_reduce", m.padded_vocab_size // t * h * grad_bytes, 2)  # the tied embedding's grads
-    return {"tp": tp, "pp": pp, "dp": dp}
+    return {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "edp": reduce(rank.expert_parameters, lay.expert_dp)}
+
+
+def _dispatch_bytes(m: ModelShape, lay: Layout) -> float:
+    """Bytes one rank sends for one MoE layer and micro-batch, forward and backward.
+
+    alltoall: the dispatch and the combine each send the pairs routed to other EP ranks
+    ((EP - 1) / EP of the N [h] rows, balanced), forward and backward (4 all-to-alls); with
+    ETP > 1 the received rows are all-gathered and the outputs reduce-scattered over ETP (and the
+    transposes backward). allgather: the tokens [T, h], probs [T, E] and routing map (1 byte)
+    all-gathered over the ETP x EP group, the output reduce-scattered, and the transposes of
+    the first two and the last backward."""
+    e, h = (4 if m.params_dtype == "fp32" else 2), m.hidden_size
+    pairs, rows = expert_rows(m, lay)
+    if m.moe.dispatcher == "alltoall":
+        sent = 4 * e * h * pairs * (lay.ep - 1) / lay.ep
+        return sent + 4 * _ring("all_gather", e * rows * h, lay.expert_tp)
+    group = lay.expert_tp * lay.ep
+    tokens = (m.seq_length // lay.tp if lay.sequence_parallel else m.seq_length) * lay.micro_batch_size
+    probs = (4 if m.moe.router_dtype == "fp32" else 8 if m.moe.router_dtype == "fp64" else e) * group * tokens * m.moe.num_experts
+    return (4 * _ring("all_gather", e * group * tokens * h, group) + 2 * _ring("all_gather", probs, group)
+            + _ring("all_gather", group * tokens * m.moe.num_experts, group))
 
 
 @dataclass
@@ -219,22 +285,18 @@ class Plan:
 def make_plan(m: ModelShape, lay: Layout, dev: Device, overlap_grad_reduce: bool = False) -> Plan:
     """Memory, communication, time and MFU of every stage of the layout."""
     bw = _bandwidths(lay, dev)
-    sequences = lay.global_batch_size // lay.dp  # per DP rank and step
-    layers = m.num_layers // lay.pp
     peak = dev.peak_tflops * 1e12
     ranks, stage_times = [], []
     for stage in range(lay.pp):
         rank = plan_rank(m, lay, stage)
-        per_layer = layer_flops_per_sequence(m) + _recompute_flops_per_layer(m, lay)
-        logits = 6 * m.hidden_size * m.padded_vocab_size * m.seq_length if stage == lay.pp - 1 else 0.0
-        rank.flops = sequences * (layers * per_layer + logits) / lay.tp
+        rank.flops = _stage_flops(m, lay, stage)
         rank.compute_s = rank.flops / (peak * dev.compute_efficiency)
         rank.comm = _stage_comm(m, lay, rank)
         rank.comm_s = {key: value / bw[key] for key, value in rank.comm.items()}
-        dp_exposed = rank.comm_s["dp"]
+        dp_exposed = rank.comm_s["dp"] + rank.comm_s["edp"]
         if overlap_grad_reduce:  # hidden behind the backward of the last micro-batch (2/3 of its compute)
             dp_exposed = max(0.0, dp_exposed - rank.compute_s / lay.num_microbatches * 2 / 3)
-        stage_times.append(((rank.compute_s + rank.comm_s["tp"] + rank.comm_s["pp"]), dp_exposed))
+        stage_times.append(((rank.compute_s + rank.comm_s["tp"] + rank.comm_s["pp"] + rank.comm_s["ep"]), dp_exposed))
         ranks.append(rank)
     bubble = pipeline_bubble(lay)
     step = max(busy for busy, _ in stage_times) * (1 + bubble) + max(dp for _, dp in stage_times)
@@ -250,11 +312,28 @@ def _divisors(n: int) -> list:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _expert_layouts(m: ModelShape, tp: int, dp: int) -> list:
+    """(ep, etp) pairs for an MoE model at this TP x DP (the flags' rules: EP divides the experts,
+    ETP x EP divides t d, ETP divides the expert width, expert biases only at ETP 1); ETP is 1 or
+    t. A dense model: [(1, None)]."""
+    if m.moe is None:
+        return [(1, None)]
+    pairs = []
+    for etp in sorted({1, tp}):
+        if m.moe.ffn_hidden_size % etp or (etp > 1 and m.add_bias_linear):
+            continue
+        for ep in _divisors(m.moe.num_experts):
+            if (tp * dp) % (etp * ep) == 0:
+                pairs.append((ep, None if etp == tp else etp))
+    return pairs
+
+
 def candidate_layouts(m: ModelShape, base: Layout, world_size: int, devices_per_node: int,
                       micro_batch_sizes: Optional[list] = None) -> Iterator[Layout]:
-    """Every TP x PP x DP x VPP x recompute x SP x distributed-optimizer layout of world_size that
-    the flags' validation would accept: TP inside a node dividing heads and groups, layers even
-    over the (virtual) stages, the batch a whole number of micro-batches (a multiple of p for VPP)."""
+    """Every TP x PP x DP x VPP x recompute x SP x distributed-optimizer (x EP x ETP for an MoE
+    model) layout of world_size that the flags' validation would accept: TP inside a node
+    dividing heads and groups, layers even over the (virtual) stages, the batch a whole number
+    of micro-batches (a multiple of p for VPP); an MoE model with TP > 1 takes SP (Megatron's rule)."""
     for tp in _divisors(world_size):
         if tp > devices_per_node or m.num_attention_heads % tp or m.num_query_groups % tp:
             continue
@@ -267,15 +346,18 @@ def candidate_layouts(m: ModelShape, base: Layout, world_size: int, devices_per_
                     continue
                 micro = base.global_batch_size // (mbs * dp)
                 vpps = [v for v in _divisors(m.num_layers // pp) if v == 1 or (pp > 1 and micro % pp == 0 and v <= 8)]
+                sps = (False,) if tp == 1 else (True,) if m.moe is not None else (False, True)
                 for vpp in vpps:
                     for recompute in (None, "selective", "full"):
-                        for sp in ((False, True) if tp > 1 else (False,)):
+                        for sp in sps:
                             for distopt in ((False, True) if dp > 1 else (False,)):
-                                yield replace(base, tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs,
-                                              sequence_parallel=sp, recompute=recompute,
-                                              recompute_method="uniform" if recompute == "full" else None,
-                                              recompute_num_layers=1 if recompute == "full" else None,
-                                              distribute_saved_activations=False, distributed_optimizer=distopt)
+                                for ep, etp in _expert_layouts(m, tp, dp):
+                                    yield replace(base, tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs,
+                                                  sequence_parallel=sp, recompute=recompute,
+                                                  recompute_method="uniform" if recompute == "full" else None,
+                                                  recompute_num_layers=1 if recompute == "full" else None,
+                                                  distribute_saved_activations=False, distributed_optimizer=distopt,
+                                                  ep=ep, etp=etp)
 
 
 def search(m: ModelShape, base: Layout, dev: Device, world_size: int, top: int = 10,
