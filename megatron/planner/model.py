@@ -247,6 +247,11 @@ def chunk_layer_numbers(m: ModelShape, lay: Layout, stage: int, chunk: int) -> r
     return range(first + 1, first + per_chunk + 1)
 
 
+def _moe_count(m: ModelShape, numbers: range) -> int:
+    """How many of the layers `numbers` are MoE layers."""
+    return 0 if m.moe is None else sum(1 for n in numbers if n in m.moe.layers)
+
+
 def chunk_parameters(m: ModelShape, lay: Layout, stage: int, chunk: int) -> int:
     """Parameters of one model chunk on one TP rank, expert parameters included: its layers, the
     embedding on the very first chunk, the final norm and the output layer (or the tied copy) on
@@ -254,8 +259,11 @@ def chunk_parameters(m: ModelShape, lay: Layout, stage: int, chunk: int) -> int:
     h, tp = m.hidden_size, lay.tp
     first = stage == 0 and chunk == 0
     last = stage == lay.pp - 1 and chunk == lay.vpp - 1
-    total = sum(layer_parameters(m, tp, n, lay) + (expert_layer_parameters(m, lay) if m.is_moe_layer(n) else 0)
-                for n in chunk_layer_numbers(m, lay, stage, chunk))
+    numbers = chunk_layer_numbers(m, lay, stage, chunk)
+    moe = _moe_count(m, numbers)
+    total = (len(numbers) - moe) * layer_parameters(m, tp)
+    if moe:
+        total += moe * (layer_parameters(m, tp, m.moe.layers[0], lay) + expert_layer_parameters(m, lay))
     if first:
         total += m.padded_vocab_size // tp * h + (m.max_position_embeddings * h if m.learned_positions else 0)
     if last:
@@ -435,11 +443,16 @@ def chunk_activation_bytes(m: ModelShape, lay: Layout, stage: int, chunk: int) -
         kept_input = e * s * b * h // (t if split else 1)
         n = lay.recompute_num_layers
         if lay.recompute_method == "block":
-            total = n * kept_input + sum(layer_activation_bytes(m, lay, moe=m.is_moe_layer(k)) for k in numbers[n:])
+            rest = numbers[n:]
+            moe = _moe_count(m, rest)
+            total = n * kept_input + (len(rest) - moe) * layer_activation_bytes(m, lay)
+            total += moe * layer_activation_bytes(m, lay, moe=True) if moe else 0
         else:
             total = (len(numbers) // n) * kept_input
     else:
-        total = sum(layer_activation_bytes(m, lay, lay.recompute, m.is_moe_layer(k)) for k in numbers)
+        moe = _moe_count(m, numbers)
+        total = (len(numbers) - moe) * layer_activation_bytes(m, lay, lay.recompute)
+        total += moe * layer_activation_bytes(m, lay, lay.recompute, True) if moe else 0
     # Made once per forward and shared by the chunk's layers: RoPE's fp32 angles [s, 1, 1, hn],
     # and the [1, 1, s, s] bool causal mask, which the recompute checkpoints keep as an input.
     total += 4 * s * m.kv_channels if m.rope else 0

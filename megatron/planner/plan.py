@@ -175,14 +175,14 @@ def _stage_flops(m: ModelShape, lay: Layout, stage: int) -> float:
     """This rank's FLOPs per step, recompute included: the dense parts of its layers over t, its
     local experts' rows, the logits on the last stage."""
     sequences = lay.global_batch_size // lay.dp  # per DP rank and step
-    total = 0.0
-    for chunk in range(lay.vpp):
-        for number in chunk_layer_numbers(m, lay, stage, chunk):
-            moe = m.is_moe_layer(number)
-            total += sequences * (layer_flops_per_sequence(m, moe) + _recompute_flops_per_layer(m, lay, moe)) / lay.tp
-            if moe:
-                rerun = 4 / 3 if lay.recompute == "full" else 1.0
-                total += lay.num_microbatches * expert_flops_per_micro_batch(m, lay) * rerun
+    numbers = [n for chunk in range(lay.vpp) for n in chunk_layer_numbers(m, lay, stage, chunk)]
+    moe = sum(m.is_moe_layer(n) for n in numbers)
+    dense = (layer_flops_per_sequence(m) + _recompute_flops_per_layer(m, lay)) / lay.tp
+    total = sequences * (len(numbers) - moe) * dense
+    if moe:
+        rerun = 4 / 3 if lay.recompute == "full" else 1.0
+        total += moe * sequences * (layer_flops_per_sequence(m, True) + _recompute_flops_per_layer(m, lay, True)) / lay.tp
+        total += moe * lay.num_microbatches * expert_flops_per_micro_batch(m, lay) * rerun
     if stage == lay.pp - 1:
         total += sequences * 6 * m.hidden_size * m.padded_vocab_size * m.seq_length / lay.tp
     return total

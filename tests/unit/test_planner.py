@@ -1,7 +1,8 @@
-"""The planner's formulas (megatron/planner): FLOPs per step are the log line's, bytes per parameter
-are Megatron's optimizer table, the bubble is (p - 1) / (v m), the in-flight micro-batches are the
+"""The planner's formulas (megatron/planner): FLOPs per step are the log line's (and, for MoE, the log
+line is Megatron-LM's count), bytes per parameter are Megatron's optimizer table, the bubble is (p - 1) / (v m), the in-flight micro-batches are the
 schedules' warm-up counts, the GPT layer's activations are Korthikanti et al.'s plus the norms'
-statistics; tools/plan.py and pretrain_gpt.py --dry-run print a plan and exit 0 without a model."""
+statistics; MoE layers' expert rows follow the capacity rules; tools/plan.py and pretrain_gpt.py --dry-run
+print a plan and exit 0 without a model, and --search varies EP for a Mixtral-style model."""
 
 import pytest
 
@@ -28,6 +29,18 @@ LLAMA_7B = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-head
             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
             "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--use-flash-attn"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--moe-layer-freq", "2",
+       "--moe-shared-expert-intermediate-size", "32"]
+# Megatron-LM's examples/mixtral/train_mixtral_8x7b_distributed.sh, its layout left out
+MIXTRAL = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+           "--group-query-attention", "--num-query-groups", "8", "--seq-length", "4096",
+           "--max-position-embeddings", "32768", "--micro-batch-size", "1", "--global-batch-size", "256", "--bf16",
+           "--use-distributed-optimizer", "--overlap-grad-reduce", "--use-flash-attn", "--swiglu", "--normalization",
+           "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+           "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--lr", "1e-4", "--train-iters", "10",
+           "--mock-data", "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm",
+           "--moe-token-dispatcher-type", "alltoall"]
 
 
 def _args(argv, world_size=1, capsys=None):
@@ -40,13 +53,67 @@ def _args(argv, world_size=1, capsys=None):
 
 
 @pytest.mark.parametrize("extra", [[], ["--swiglu", "--group-query-attention", "--num-query-groups", "2"],
-                                   ["--kv-channels", "32", "--ffn-hidden-size", "100"]], ids=["gpt", "gqa", "odd"])
+                                   ["--kv-channels", "32", "--ffn-hidden-size", "100"], MOE + ["--swiglu"]],
+                         ids=["gpt", "gqa", "odd", "moe"])
 def test_flops_per_step_are_the_log_lines(extra, capsys):
     args = _args(SMALL + extra, capsys=capsys)
     plan = plan_from_args(args)
     assert plan.flops_per_step == num_floating_point_operations(args, args.global_batch_size)
     big = _args(LLAMA_7B + ["--tensor-model-parallel-size", "2"], world_size=64, capsys=capsys)
     assert plan_from_args(big).flops_per_step == num_floating_point_operations(big, 1024)
+
+
+def _megatron_lm_flops(args, batch_size):
+    """Megatron-LM's num_floating_point_operations (megatron/training/training.py, transformer_flops)
+    for a GQA MoE GPT without MTP or MLA, restated term by term: per token 3 (forward + 2 backward)
+    x 2 (multiply-add) x [h (f_dense x ffe x dense layers + f_moe x k x ffe x MoE layers + f_shared x
+    ffe x MoE layers) + layers x (h (q + 2 kv) + q h) + h V], plus per sequence s^2 x layers x 3 x 2 x q
+    (causal QK^T and x V); ffe = 3 with SwiGLU, else 2."""
+    tokens, ffe = batch_size * args.seq_length, 3 if args.swiglu else 2
+    pattern = [1 if i % args.moe_layer_freq == 0 else 0 for i in range(args.num_layers)]
+    moe_layers = sum(pattern)
+    q, kv = args.kv_channels * args.num_attention_heads, args.kv_channels * args.num_query_groups
+    mlp = args.hidden_size * (args.ffn_hidden_size * ffe * (args.num_layers - moe_layers)
+                              + args.moe_ffn_hidden_size * args.moe_router_topk * ffe * moe_layers
+                              + (args.moe_shared_expert_intermediate_size or 0) * ffe * moe_layers)
+    attention = args.num_layers * (args.hidden_size * (q + 2 * kv) + q * args.hidden_size)
+    per_token = 3 * 2 * (mlp + attention + args.hidden_size * args.padded_vocab_size)
+    return tokens * per_token + batch_size * args.seq_length ** 2 * args.num_layers * 3 * 2 * q
+
+
+@pytest.mark.parametrize("extra,world_size", [(MIXTRAL + ["--expert-model-parallel-size", "8"], 64),
+                                              (SMALL + MOE + ["--swiglu", "--group-query-attention",
+                                                              "--num-query-groups", "2"], 1)], ids=["mixtral", "small"])
+def test_moe_flops_are_megatron_lms(extra, world_size, capsys):
+    """The log line counts the experts a token runs (top-k + shared) as Megatron-LM does, and the
+    planner's FLOPs per step are the log line's."""
+    args = _args(extra, world_size=world_size, capsys=capsys)
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    planned = plan_from_args(args).flops_per_step  # builds the tokenizer: sets padded_vocab_size
+    logged = num_floating_point_operations(args, args.global_batch_size)
+    assert planned == logged
+    assert logged == pytest.approx(_megatron_lm_flops(args, args.global_batch_size), rel=1e-12)
+
+
+def test_expert_rows_follow_the_capacity_rules():
+    """(pairs, expert rows) per rank: balanced T k / E per expert without a capacity; at most C =
+    ceil(T k / E f) with one; exactly C with padding, or every token when C >= T."""
+    from megatron.planner.model import MoEShape, ModelShape, expert_rows
+
+    def rows(etp=1, **moe):
+        m = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4, kv_channels=16,
+                       ffn_hidden_size=256, padded_vocab_size=128, seq_length=32, max_position_embeddings=32,
+                       moe=MoEShape(num_experts=4, layers=(1, 2), ffn_hidden_size=64, topk=2, **moe))
+        return expert_rows(m, Layout(tp=2, dp=2, ep=2, etp=etp, sequence_parallel=True, micro_batch_size=2))
+
+    assert rows() == (64, 64)  # T = 32 tokens x 2 / 4 experts = 16 each
+    assert rows(etp=2) == (64, 128)  # the ETP peers' tokens too
+    assert rows(capacity_factor=2.0) == (64, 64)  # C = 32 >= 16: nothing dropped
+    assert rows(capacity_factor=0.5) == (32, 32)  # C = 8
+    assert rows(capacity_factor=0.5, pad_to_capacity=True) == (32, 32)
+    assert rows(capacity_factor=1.5, pad_to_capacity=True) == (96, 96)  # C = 24, padded
+    assert rows(capacity_factor=2.0, pad_to_capacity=True) == (128, 128)  # C = 32 >= T: every token
 
 
 @pytest.mark.parametrize("d", [1, 2, 4, 8])
@@ -101,13 +168,27 @@ def test_plan_tool_and_search_for_a_7b_model(capsys):
     out = capsys.readouterr().out
     assert "pipeline bubble" in out and "\n      1 |" in out
     assert main(SMALL + ["--world-size", "3"]) == 2  # a batch that does not split: the flag's one-line error
-    assert main(SMALL + ["--num-experts", "4"]) == 2  # not modelled: said so
+    assert main(SMALL + MOE + ["--moe-z-loss-coeff", "1e-3"]) == 2  # not modelled: said so
+    assert main(SMALL + MOE + ["--moe-router-load-balancing-type", "sinkhorn"]) == 2
     capsys.readouterr()
     assert main(LLAMA_7B + ["--world-size", "64", "--search", "--top", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
     best = lines[2].split("|")[1].strip()
     tp, pp = (int(part[2:]) for part in best.split("-")[:2])
     assert tp <= 2 and pp <= 2, lines  # Megatron's published 7B layouts: TP 1-2, PP 1-2
+
+
+def test_search_varies_ep_for_a_mixtral_model(capsys):
+    """Megatron-LM trains Mixtral 8x7B at TP 1, PP 4, EP 8 (examples/mixtral/README.md): the search over
+    TP x PP x DP x EP x ETP on 64 devices keeps EP 8 in its best layouts, and takes SP with TP > 1."""
+    from tools.plan import main
+
+    assert main(MIXTRAL + ["--world-size", "64", "--search", "--top", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    layouts = [line.split("|")[1].strip() for line in lines[2:7]]
+    assert all("-ep8-" in name for name in layouts), lines
+    assert all("-sp" in name for name in layouts if not name.startswith("tp1-")), lines
+    assert int(layouts[0].split("-")[1][2:]) >= 2, lines  # 47 B parameters: not without a pipeline
 
 
 def test_dry_run_prints_the_plan_and_exits_before_the_model(monkeypatch, capsys):
