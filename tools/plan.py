@@ -5,8 +5,8 @@
 
 Takes pretrain_gpt.py's flags (data flags optional: --mock-data is assumed when none is given) and
 the device flags (megatron/planner/plan.py's Device); --world-size stands for torchrun's
-WORLD_SIZE. --search lists the best TP/PP/DP/VPP/recompute/SP/distributed-optimizer layouts of
-that many devices that fit, by predicted step time. docs/planner.md explains the model.
+WORLD_SIZE. --search lists the best TP/PP/DP/VPP/recompute/SP/distributed-optimizer layouts (and
+EP/ETP for an MoE model) of that many devices that fit, by predicted step time. docs/planner.md explains the model.
 """
 
 import argparse

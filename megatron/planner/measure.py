@@ -219,7 +219,7 @@ LAYOUTS = {
 
 MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
 LAYOUTS.update({
-    "ep2-dp4 bf16 moe alltoall": ["--bf16", *MOE_FLAGS, "--expert-model-parallel-size", "2",
+    "dp4 ep2 bf16 moe alltoall": ["--bf16", *MOE_FLAGS, "--expert-model-parallel-size", "2",
                                   "--moe-token-dispatcher-type", "alltoall"],
     "tp2-dp2 ep2 etp2 bf16 sp moe allgather": ["--bf16", *MOE_FLAGS, "--tensor-model-parallel-size", "2",
                                                "--sequence-parallel", "--expert-model-parallel-size", "2",
