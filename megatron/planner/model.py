@@ -395,7 +395,7 @@ def moe_mlp_activation_bytes(m: ModelShape, lay: Layout) -> int:
     top-k indices, the capacity's keep mask [T, E] (bool); the dispatcher's int64 (token, expert)
     pairs (alltoall: [N, 2]; allgather: [M, 2] and the global expert index [M]), the experts'
     input [M, h], each expert's fc1 output and activation (grouped GEMM: also the stacked local
-    weights), the experts' output, its weights and the weighted output that the combine's
+    weights and the int32 row offsets), the experts' output, its weights and the weighted output that the combine's
     index_add keeps ([N] rows alltoall, [M] allgather); the shared experts as a dense MLP; router dtype fp32/fp64: its copy of the input
     and of the router weight (the input itself then is kept only by the shared experts)."""
     moe, e, h = m.moe, _e(m), m.hidden_size
@@ -422,7 +422,7 @@ def moe_mlp_activation_bytes(m: ModelShape, lay: Layout) -> int:
         if (h * e) % 16 or (f * e) % 16:
             raise PlanError("--moe-grouped-gemm with a hidden or expert width (per ETP rank) not a multiple of "
                             "16 bytes: the batched fallback's memory is not modelled")
-        total += e * local * ((3 if m.swiglu else 2) * f * h)  # the stacked fc1 and fc2 weights
+        total += e * local * ((3 if m.swiglu else 2) * f * h) + 4 * local  # the stacked weights, int32 offsets
         total += 8 * rows if m.add_bias_linear else 0  # the expert index of every row, for the biases
     total += e * rows * (4 * f if m.swiglu else 2 * f)  # fc1 output; silu(gate) and the product (or GeLU's)
     if moe.shared_ffn_hidden_size:
