@@ -1,4 +1,4 @@
-"""Predicted vs measured per-rank memory of the planner's 10 layouts on 4 gloo ranks (docs/planner.md).
+"""Predicted vs measured per-rank memory of the planner's 14 layouts (10 dense, 4 MoE) on 4 gloo ranks (docs/planner.md).
 
     PYTHONPATH=$PWD python bench/plan_memory.py
 

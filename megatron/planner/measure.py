@@ -187,7 +187,7 @@ def measure_rank(argv: list[str]) -> dict:
         reset_megatron()
 
 
-# The 10 layouts of docs/planner.md's table on 4 gloo ranks: a 4-layer GPT (h 64, 4 heads,
+# The 10 dense layouts of docs/planner.md's table (the 4 MoE ones follow) on 4 gloo ranks: a 4-layer GPT (h 64, 4 heads,
 # s 32, micro-batch 2, global batch 16, vocab 255 padded per TP), dropout on.
 BASE_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
               "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
@@ -217,6 +217,7 @@ LAYOUTS = {
 }
 
 
+# The 4 MoE layouts: 4 experts of width 64, top-2 (T k / E = 32 or 16 tokens per expert and rank).
 MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"]
 LAYOUTS.update({
     "dp4 ep2 bf16 moe alltoall": ["--bf16", *MOE_FLAGS, "--expert-model-parallel-size", "2",

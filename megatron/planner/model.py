@@ -3,8 +3,9 @@ activations autograd keeps per micro-batch, and how many micro-batches the sched
 
 Notation as in docs (s sequence, b micro-batch, h hidden, a heads, g query groups, hn kv
 channels, f ffn width, V padded vocab, t TP, p PP, v virtual stages, d DP, e bytes per activation
-element: 2 for bf16/fp16, 4 for fp32; MoE: E experts, k top-k, EP, ETP, expert-DP = t d / (ETP EP)). Everything here is arithmetic on a ModelShape and a Layout;
-nothing allocates a tensor or needs a process group.
+element: 2 for bf16/fp16, 4 for fp32; MoE: E experts, k top-k, EP, ETP, expert-DP = t d / (ETP
+EP)). Everything here is arithmetic on a ModelShape and a Layout; nothing allocates a tensor or
+needs a process group.
 """
 
 from __future__ import annotations
@@ -395,9 +396,10 @@ def moe_mlp_activation_bytes(m: ModelShape, lay: Layout) -> int:
     top-k indices, the capacity's keep mask [T, E] (bool); the dispatcher's int64 (token, expert)
     pairs (alltoall: [N, 2]; allgather: [M, 2] and the global expert index [M]), the experts'
     input [M, h], each expert's fc1 output and activation (grouped GEMM: also the stacked local
-    weights and the int32 row offsets), the experts' output, its weights and the weighted output that the combine's
-    index_add keeps ([N] rows alltoall, [M] allgather); the shared experts as a dense MLP; router dtype fp32/fp64: its copy of the input
-    and of the router weight (the input itself then is kept only by the shared experts)."""
+    weights and the int32 row offsets), the experts' output, its weights and the weighted output
+    that the combine's index_add keeps ([N] rows alltoall, [M] allgather); the shared experts as a
+    dense MLP; router dtype fp32/fp64: its copy of the input and of the router weight (the input
+    itself then is kept only by the shared experts)."""
     moe, e, h = m.moe, _e(m), m.hidden_size
     t, etp = lay.tp, lay.expert_tp
     tokens = (m.seq_length // t if lay.sequence_parallel else m.seq_length) * lay.micro_batch_size

@@ -181,7 +181,8 @@ def _stage_flops(m: ModelShape, lay: Layout, stage: int) -> float:
     total = sequences * (len(numbers) - moe) * dense
     if moe:
         rerun = 4 / 3 if lay.recompute == "full" else 1.0
-        total += moe * sequences * (layer_flops_per_sequence(m, True) + _recompute_flops_per_layer(m, lay, True)) / lay.tp
+        per_sequence = layer_flops_per_sequence(m, True) + _recompute_flops_per_layer(m, lay, True)
+        total += moe * sequences * per_sequence / lay.tp
         total += moe * lay.num_microbatches * expert_flops_per_micro_batch(m, lay) * rerun
     if stage == lay.pp - 1:
         total += sequences * 6 * m.hidden_size * m.padded_vocab_size * m.seq_length / lay.tp
@@ -229,7 +230,8 @@ def _stage_comm(m: ModelShape, lay: Layout, rank: RankPlan) -> dict:
 
     def reduce(params: int, n: int) -> float:
         if lay.distributed_optimizer:
-            return _ring("reduce_scatter", params * grad_bytes, n) + _ring("all_gather", params * PARAM_BYTES[m.params_dtype], n)
+            gather = _ring("all_gather", params * PARAM_BYTES[m.params_dtype], n)
+            return _ring("reduce_scatter", params * grad_bytes, n) + gather
         return _ring("all_reduce", params * grad_bytes, n)
 
     dp = reduce(rank.parameters - rank.expert_parameters, d)
@@ -254,7 +256,8 @@ def _dispatch_bytes(m: ModelShape, lay: Layout) -> float:
         return sent + 4 * _ring("all_gather", e * rows * h, lay.expert_tp)
     group = lay.expert_tp * lay.ep
     tokens = (m.seq_length // lay.tp if lay.sequence_parallel else m.seq_length) * lay.micro_batch_size
-    probs = (4 if m.moe.router_dtype == "fp32" else 8 if m.moe.router_dtype == "fp64" else e) * group * tokens * m.moe.num_experts
+    probs_e = {"fp32": 4, "fp64": 8}.get(m.moe.router_dtype, e)
+    probs = probs_e * group * tokens * m.moe.num_experts
     return (4 * _ring("all_gather", e * group * tokens * h, group) + 2 * _ring("all_gather", probs, group)
             + _ring("all_gather", group * tokens * m.moe.num_experts, group))
 

@@ -61,8 +61,8 @@ def format_plan(plan: Plan) -> list:
             f"  {r.stage:5d} | {r.parameters / 1e6:9.1f} M | {_size(mem['model_params'])} | {_size(mem['grads'])} | "
             f"{_size(mem['main_params'] + mem['main_grads'])} | {_size(mem['optimizer_state'])} | "
             f"{_size(mem['activations'])} ({'+'.join(map(str, r.in_flight))}) | {_size(mem['recompute_working'])} | "
-            f"{_size(r.peak_bytes)} | {_size(r.comm['tp'])} / {_size(r.comm['pp'])} / {_size(r.comm['dp'] + r.comm['edp'])} / "
-            f"{_size(r.comm['ep'])} | "
+            f"{_size(r.peak_bytes)} | {_size(r.comm['tp'])} / {_size(r.comm['pp'])} / "
+            f"{_size(r.comm['dp'] + r.comm['edp'])} / {_size(r.comm['ep'])} | "
             f"{_seconds(r.compute_s)}")
     fits = "fits" if plan.fits else "DOES NOT FIT"
     lines.append(f"  predicted step time {_seconds(plan.step_s)}, MFU {plan.mfu:.1%} "

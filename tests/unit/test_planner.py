@@ -1,8 +1,9 @@
-"""The planner's formulas (megatron/planner): FLOPs per step are the log line's (and, for MoE, the log
-line is Megatron-LM's count), bytes per parameter are Megatron's optimizer table, the bubble is (p - 1) / (v m), the in-flight micro-batches are the
-schedules' warm-up counts, the GPT layer's activations are Korthikanti et al.'s plus the norms'
-statistics; MoE layers' expert rows follow the capacity rules; tools/plan.py and pretrain_gpt.py --dry-run
-print a plan and exit 0 without a model, and --search varies EP for a Mixtral-style model."""
+"""The planner's formulas (megatron/planner): FLOPs per step are the log line's (and, for MoE, the
+log line is Megatron-LM's count), bytes per parameter are Megatron's optimizer table, the bubble is
+(p - 1) / (v m), the in-flight micro-batches are the schedules' warm-up counts, the GPT layer's
+activations are Korthikanti et al.'s plus the norms' statistics; MoE layers' expert rows follow the
+capacity rules; tools/plan.py and pretrain_gpt.py --dry-run print a plan and exit 0 without a model,
+and --search varies EP for a Mixtral-style model."""
 
 import pytest
 
@@ -39,8 +40,8 @@ MIXTRAL = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "
            "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
            "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
            "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--lr", "1e-4", "--train-iters", "10",
-           "--mock-data", "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm",
-           "--moe-token-dispatcher-type", "alltoall"]
+           "--mock-data", "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2",
+           "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"]
 
 
 def _args(argv, world_size=1, capsys=None):
