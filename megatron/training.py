@@ -532,6 +532,8 @@ class _Loop:
         self.record_history = record_history
         self.last_saved_iteration: Optional[int] = None
         self.stats = IntervalStats()
+        global _MOE_INTERVAL  # a new run's interval: a run that stopped between log lines left its values
+        _MOE_INTERVAL = MoEInterval()
 
     # -------------------------------------------------------------- train
     def train(self, train_iter: Iterator, valid_iter: Optional[Iterator]) -> None:

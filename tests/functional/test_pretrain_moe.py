@@ -118,3 +118,20 @@ def test_one_process_logs_balancing_losses_per_layer_tokens_and_warnings():
                      out, re.M)
     assert re.search(r"^WARNING: MoE layer 2 dropped [\d.]+% of its routed tokens in the last 1 iteration\(s\) "
                      r"\(over --moe-drop-warning-threshold 0.1\)", out, re.M)
+
+
+def test_a_run_that_stops_between_log_lines_leaves_nothing_to_the_next_in_the_process():
+    """The MoE interval (per-layer values since the last log line) belongs to one run: a run that
+    stops before its log line, then a run with another expert count in the same process."""
+    from megatron.initialize import reset_megatron
+
+    try:
+        first = pretrain_gpt.main([*MODEL, "--train-iters", "3", "--log-interval", "10"], record_history=True)
+    finally:
+        reset_megatron()
+    try:
+        second = pretrain_gpt.main([*MODEL, "--num-experts", "8", "--train-iters", "2"], record_history=True)
+    finally:
+        reset_megatron()
+    assert [r.iteration for r in first.history] == [1, 2, 3] and [r.iteration for r in second.history] == [1, 2]
+    assert all("load_balancing_loss" in r.losses for r in second.history)
