@@ -265,10 +265,10 @@ def test_a_target_size_that_does_not_split_is_refused(source, capsys):
     assert not (root / "tp3").exists()
 
 
-def test_tp4_pp2_to_tp2_pp1_to_tp1_pp4_and_interleaved_continue_the_unconverted_run(tmp_path):
+def test_tp4_pp2_to_tp2_pp1_to_tp1_pp4_interleaved_continues_the_unconverted_run(tmp_path):
     """A real TP=4 PP=2 run (8 gloo processes, 8 layers, GQA with 2 groups: K/V replicated at TP=4)
     saves at iterations 2 and 3. Its iteration-2 checkpoint, converted TP=4 PP=2 -> TP=2 PP=1 ->
-    TP=1 PP=4 (and -> TP=1 PP=4 with 2 virtual stages of 1 layer), trains iteration 3 at that layout:
+    TP=1 PP=4 with 2 virtual stages of 1 layer, trains iteration 3 at that layout:
     the loss equals the one the unconverted run logged at 3, and the weights after that step equal
     its iteration-3 weights. Plain SGD (no momentum) and a constant learning rate: the converter
     carries no optimizer or scheduler state (as Megatron-LM's), so the comparison holds for any
@@ -284,11 +284,11 @@ def test_tp4_pp2_to_tp2_pp1_to_tp1_pp4_and_interleaved_continue_the_unconverted_
     shutil.copytree(unconverted, at2)
     atomic_write(get_checkpoint_tracker_filename(str(at2)), lambda f: f.write(b"2"))
     _convert(at2, tmp_path / "tp2_pp1", 2, 1)
-    _convert(tmp_path / "tp2_pp1", tmp_path / "tp1_pp4", 1, 4)
+    # (TP=1 PP=4 without virtual stages is the same converter path: test_tp2pp2_to_tp1_to_tp4_keeps_every_weight)
     _convert(tmp_path / "tp2_pp1", tmp_path / "tp1_pp4_vp2", 1, 4, "--target-num-layers-per-virtual-pipeline-stage",
              "1")
     _, expected = _read_whole(unconverted)  # its iteration-3 weights, merged to TP=1
-    for name, virtual in (("tp1_pp4", []), ("tp1_pp4_vp2", ["--num-layers-per-virtual-pipeline-stage", "1"])):
+    for name, virtual in (("tp1_pp4_vp2", ["--num-layers-per-virtual-pipeline-stage", "1"]),):
         out = tmp_path / f"{name}_trained"
         run = _torchrun(4, [*flags, "--pipeline-model-parallel-size", "4", *virtual, "--train-iters", "3",
                             "--load", str(tmp_path / name), "--no-load-optim", "--no-load-rng",
