@@ -36,6 +36,7 @@ from megatron.convert import verify
 from megatron.convert.layout_rules import tensor_layout
 from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.model import GPTModel
+from tests.functional.test_convert_legacy import _assert_same_tensors
 from tests.mcore_reference import run_mcore
 from tools.checkpoint import convert, saver_core, saver_megatron
 
@@ -227,12 +228,6 @@ def _assert_logits_of_original(model, read_back, save_dir):
     result = verify.compare(model, verify.build_serial_model(target_args, tensors), VOCAB, 16)
     assert result.ok, result.describe()
     return target_args
-
-
-def _assert_same_tensors(whole, save_dir):
-    _, tensors = saver_megatron.read_back(str(save_dir))
-    tensors = dict(tensors)
-    assert tensors.keys() == whole.keys() and all(torch.equal(tensors[k], whole[k]) for k in whole)
 
 
 CASES = {  # id: (naming, TE spec, TP, PP, EP, ETP)
