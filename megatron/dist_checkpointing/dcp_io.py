@@ -118,6 +118,11 @@ def _metadata_globals() -> Dict[Tuple[str, str], Any]:
         if hasattr(metadata, name):
             allowed[("torch.distributed.checkpoint.metadata", name)] = getattr(metadata, name)
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = filesystem._StorageInfo
+    # megatron-core's save planner keeps the global plan (its cached SavePlans) in the metadata: plain
+    # dataclasses and an enum of DCP's planner module
+    from torch.distributed.checkpoint import planner
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"):
+        allowed[("torch.distributed.checkpoint.planner", name)] = getattr(planner, name)
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     for name in dir(torch):

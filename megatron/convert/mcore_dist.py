@@ -1,0 +1,192 @@
+"""Megatron-LM's own torch_dist checkpoints (megatron.core.dist_checkpointing, PyTorch DCP backend), read
+as our TP = 1 whole tensors under our names, whatever TP / PP / virtual stages they were written at.
+
+    iter_XXXXXXX/  metadata.json, common.pt (args, checkpoint_version, iteration, ...: what is not
+                   sharded), .metadata (DCP's index), __R_S.distcp (the pieces)
+
+How megatron-core names a GPTModel's tensors (their DCP keys are the ShardedTensors' keys, their
+global shapes include the prepended axes):
+    decoder.layers.<part>                  a homogeneous block: every layer in one global tensor
+                                           [num_layers, *TP = 1 shape] (the layer axis prepended)
+    decoder.layers.<N>.<part>              non-homogeneous layers (heterogeneous specs, MoE every
+                                           k-th layer, singleton_local_shards): one tensor per layer
+    <..>.linear_fc1.weight (SwiGLU)        the gate rows of every TP rank, then the up rows: the
+                                           TP = 1 tensor; with singleton_local_shards the two halves
+                                           are keys of their own, <..>.weight_w / <..>.weight_v
+    <..>.linear_qkv.weight                 query groups in order: our rows (checkpoint_version 3.0)
+    <..>.linear_qkv.layer_norm_weight      the TE names of the fused norms (also what the local spec
+                                           saves): input_layernorm / pre_mlp_layernorm (legacy.core_name)
+    <module>._extra_state/shard_<o>_<n>    ShardedObjects (bytes: a torch.save'd list of the objects);
+                                           empty ones are dropped, FP8 data refused (check_extra_state)
+    output_layer.weight                    absent when tied (the last stage's copy is saved as a
+                                           replica of embedding.word_embeddings.weight)
+    rng_state/..., optimizer.*             not model tensors: not read
+.metadata is read with dist_checkpointing's restricted unpickler, the pieces by DCP with
+weights_only, the extra state and common.pt with checkpoint_safety's allow-list; the args become
+ours as for the torch format (legacy.megatron_lm_args).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from megatron.checkpoint_safety import CheckpointError, load_file
+
+COMMON_FILE = "common.pt"
+_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+_NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine")
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
+_SWIGLU_HALF = re.compile(r"^(.*\.linear_fc1\.(?:weight|bias))_([wv])$")
+
+
+def read_common(base_dir: str) -> Dict[str, Any]:
+    """common.pt of a torch_dist folder, read with the allow-list (CheckpointError otherwise)."""
+    path = os.path.join(base_dir, COMMON_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{base_dir} has metadata.json but no {COMMON_FILE}: the save did not finish")
+    try:
+        common = load_file(path)
+    except CheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- truncated or not a torch file
+        raise CheckpointError(f"cannot read checkpoint file {path}: {type(error).__name__}: {error}") from None
+    if not isinstance(common, dict):
+        raise CheckpointError(f"checkpoint file {path} does not hold a dict")
+    return common
+
+
+def is_megatron_lm(common: Dict[str, Any]) -> bool:
+    """A common.pt that Megatron-LM wrote (ours has a `content` entry naming our layout)."""
+    return "content" not in common
+
+
+class MegatronLMDist:
+    """One Megatron-LM torch_dist iteration folder: `args` (ours), `iteration`, `names()` (our TP = 1
+    names in canonical order) and `read(name)` (that whole tensor). One process, no collectives."""
+
+    def __init__(self, base_dir: str, family: str = "GPT") -> None:
+        from megatron.convert.legacy import megatron_lm_args
+        from megatron.dist_checkpointing import DCP_METADATA, read_dcp_metadata
+
+        self.base_dir = base_dir
+        common = read_common(base_dir)
+        if not is_megatron_lm(common):
+            raise CheckpointError(f"{base_dir} is this framework's torch_dist checkpoint: read it with --loader megatron")
+        path = os.path.join(base_dir, COMMON_FILE)
+        if common.get("args") is None:
+            raise CheckpointError(f"{path} has no saved args: the converter needs them for the tensor layouts")
+        version = common.get("checkpoint_version", 0)
+        if version != 3.0:
+            raise CheckpointError(f"{path} has checkpoint_version {version}; Megatron-LM's torch_dist "
+                                  "checkpoints have 3.0")
+        self.raw_args = common["args"]
+        self.args = megatron_lm_args(self.raw_args, path, family)
+        self.iteration = int(common.get("iteration", 0))
+        metadata_path = os.path.join(base_dir, DCP_METADATA)
+        if not os.path.isfile(metadata_path):
+            raise CheckpointError(f"{base_dir} has no DCP metadata file {DCP_METADATA}: the save did not finish")
+        self.metadata = read_dcp_metadata(metadata_path)
+        self._sources: Dict[str, Tuple[str, Optional[int], Optional[str]]] = {}  # ours -> (key, layer, half)
+        self._scan()
+
+    # ---------------------------------------------------------------- key mapping
+
+    def _scan(self) -> None:
+        from megatron.convert.legacy import check_extra_state, core_name
+        from megatron.dist_checkpointing.load import _canonical_order
+
+        layers = int(self.args.num_layers)
+        found: Dict[str, Tuple[str, Optional[int], Optional[str]]] = {}
+        for key, stored in self.metadata.state_dict_metadata.items():
+            if key.startswith(_NOT_MODEL):
+                continue
+            base = key.split("/shard_", 1)[0]
+            if not base.startswith(_MODEL_PREFIXES):
+                raise CheckpointError(f"{self.base_dir} holds {key}, which is not part of a GPT model this "
+                                      "reader knows (MTP layers, another model family?)")
+            if isinstance(stored, BytesStorageMetadata):
+                if not base.endswith("_extra_state"):
+                    raise CheckpointError(f"{self.base_dir} holds {key} as bytes, not a tensor")
+                for value in self._objects(key):
+                    check_extra_state(value, base, self.base_dir)
+                continue
+            if not isinstance(stored, TensorStorageMetadata):
+                raise CheckpointError(f"{self.base_dir}: {key} is neither a tensor nor bytes")
+            half = None
+            match = _SWIGLU_HALF.match(key)
+            name = key
+            if match is not None:
+                name, half = match.group(1), match.group(2)
+            stacked = _STACKED.match(name)
+            if stacked is not None:
+                if not stored.size or stored.size[0] != layers:
+                    raise CheckpointError(f"{self.base_dir}: {key} has shape {list(stored.size)}, not "
+                                          f"[{layers}, ...] (num_layers {layers} in its args)")
+                for layer in range(layers):
+                    self._add(found, core_name(f"decoder.layers.{layer}.{stacked.group(1)}"), key, layer, half)
+            else:
+                self._add(found, core_name(name), key, None, half)
+        if ".experts." in " ".join(found):
+            raise CheckpointError(f"{self.base_dir} is a MoE checkpoint: Megatron-LM's torch_dist MoE layers "
+                                  "are not read yet")
+        self._sources = {name: found[name] for name in sorted(found, key=_canonical_order)}
+
+    @staticmethod
+    def _add(found: Dict[str, Any], name: str, key: str, layer: Optional[int], half: Optional[str]) -> None:
+        if half is not None:  # the w and v halves: one entry, the v key found from the w key
+            name_key = key[:-2]
+            if name in found and found[name][2] is not None:
+                return
+            found[name] = (name_key, layer, "wv")
+            return
+        if name in found:
+            raise CheckpointError(f"{key} and {found[name][0]} both name {name} (TE's fused norm and a separate one?)")
+        found[name] = (key, layer, None)
+
+    def _objects(self, key: str) -> List[Any]:
+        from megatron.dist_checkpointing.dcp_io import _load_bytes
+        from megatron.dist_checkpointing.load import _read
+
+        data = _read({key: b""}, self.base_dir, self.metadata)[key]
+        objects = _load_bytes(data, f"{key} of {self.base_dir}")
+        return objects if isinstance(objects, list) else [objects]
+
+    # ---------------------------------------------------------------- reading
+
+    def names(self) -> List[str]:
+        return list(self._sources)
+
+    def _slab(self, key: str, layer: Optional[int]) -> torch.Tensor:
+        from megatron.dist_checkpointing.layout import GlobalTensor
+        from megatron.dist_checkpointing.load import _read
+
+        stored = self.metadata.state_dict_metadata.get(key)
+        if not isinstance(stored, TensorStorageMetadata):
+            raise CheckpointError(f"{self.base_dir} holds no tensor {key}")
+        shape = tuple(stored.size)
+        local = shape if layer is None else (1,) + shape[1:]
+        out = torch.empty(local, dtype=stored.properties.dtype)
+        offsets = (0,) * len(shape) if layer is None else (layer,) + (0,) * (len(shape) - 1)
+        try:
+            _read({key: GlobalTensor(shape, [(offsets, out)])}, self.base_dir, self.metadata)
+        except CheckpointError:
+            raise
+        except Exception as error:  # noqa: BLE001 -- a missing or damaged .distcp file
+            raise CheckpointError(f"cannot read {key} from {self.base_dir}: {type(error).__name__}: {error}") from None
+        return out if layer is None else out[0]
+
+    def read(self, name: str) -> torch.Tensor:
+        key, layer, half = self._sources[name]
+        if half is None:
+            return self._slab(key, layer)
+        return torch.cat([self._slab(key + "_w", layer), self._slab(key + "_v", layer)])
+
+    def tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        for name in self._sources:
+            yield name, self.read(name)
