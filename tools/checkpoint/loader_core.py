@@ -29,4 +29,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_checkpoint(args: argparse.Namespace) -> Tuple[Metadata, Iterator[Tuple[str, torch.Tensor]]]:
     """(metadata in our terms, the whole tensors one at a time under our names)."""
+    dist = _torch_dist_folder(args.load_dir)
+    if dist is not None:  # Megatron-LM's --ckpt-format torch_dist (megatron/convert/mcore_dist.py)
+        from megatron.convert.mcore_dist import MegatronLMDist
+        from megatron.convert.megatron_format import true_vocab_size_of
+
+        source = MegatronLMDist(dist, getattr(args, "model_type", None) or "GPT")
+        meta = Metadata(source.args, source.iteration, False,
+                        true_vocab_size_of(source.args, getattr(args, "true_vocab_size", None),
+                                           getattr(args, "vocab_file", None), getattr(args, "tokenizer_model", None)))
+        return meta, source.tensors()
     return loader_megatron.load_checkpoint(args, CoreDialect(family=getattr(args, "model_type", None) or "GPT"))
+
+
+def _torch_dist_folder(load_dir: str):
+    """The iteration folder the tracker names when it is a torch_dist one (metadata.json), else None."""
+    import os
+
+    from megatron.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
+
+    tracker = get_checkpoint_tracker_filename(load_dir)
+    if not os.path.isfile(tracker):
+        return None
+    iteration, release = read_metadata(tracker)
+    base_dir = get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+    return base_dir if os.path.isfile(os.path.join(base_dir, "metadata.json")) else None
