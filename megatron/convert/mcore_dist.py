@@ -153,8 +153,12 @@ class MegatronLMDist:
         from megatron.dist_checkpointing.dcp_io import _load_bytes
         from megatron.dist_checkpointing.load import _read
 
-        data = _read({key: b""}, self.base_dir, self.metadata)[key]
-        objects = _load_bytes(data, f"{key} of {self.base_dir}")
+        try:
+            data = _read({key: b""}, self.base_dir, self.metadata)[key]
+            objects = _load_bytes(data, f"{key} of {self.base_dir}")
+        except Exception as error:  # noqa: BLE001 -- a damaged .distcp file; torch's messages span lines
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise CheckpointError(f"cannot read {key} from {self.base_dir}: {first}") from None
         return objects if isinstance(objects, list) else [objects]
 
     # ---------------------------------------------------------------- reading
@@ -178,7 +182,8 @@ class MegatronLMDist:
         except CheckpointError:
             raise
         except Exception as error:  # noqa: BLE001 -- a missing or damaged .distcp file
-            raise CheckpointError(f"cannot read {key} from {self.base_dir}: {type(error).__name__}: {error}") from None
+            first = str(error).splitlines()[0] if str(error) else ""
+            raise CheckpointError(f"cannot read {key} from {self.base_dir}: {type(error).__name__}: {first}") from None
         return out if layer is None else out[0]
 
     def read(self, name: str) -> torch.Tensor:
