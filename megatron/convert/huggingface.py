@@ -61,8 +61,9 @@ of older checkpoints) are ignored on the way in and not written on the way out.
 
 What the configs cannot express is refused with a ValueError rather than converted into a
 different model: RoPE types other than "default" and Llama 3.1's "llama3" with Megatron-Core's
-constants, GPT-NeoX's parallel residual, activations other than (tanh or erf) GeLU and
-SiLU-GLU, an attention-output bias without MLP biases (or the reverse). A sliding window (Mistral, Qwen2)
+constants, a partial_rotary_factor on a Llama-family model, GPT-NeoX's parallel residual,
+activations other than (tanh or erf) GeLU and SiLU-GLU, an attention-output bias without MLP
+biases (or the reverse). A sliding window (Mistral, Qwen2)
 is not implemented by our attention: the models agree on sequences of at most sliding_window tokens,
 which config_from_hf checks when given seq_length.
 """
@@ -241,6 +242,11 @@ def _llama_config(c: Any, seq_length: int | None) -> tuple[dict, dict]:
         raise ValueError(f"{c.model_type}: HF attends to the last sliding_window={window} keys only; our attention "
                          f"is full causal, so the models agree on sequences of at most {window} tokens, "
                          f"not seq_length {seq_length}")
+    # transformers' Llama-family attention rotates the whole head: version 5's default RoPE never reads
+    # partial_rotary_factor and its llama3 RoPE (like version 4's default) then fails on the shapes.
+    fraction = float(rope_parameters(c).get("partial_rotary_factor", 1.0))
+    _refuse(fraction != 1.0, f"{c.model_type} with partial_rotary_factor {fraction:g}",
+            "transformers' Llama-family models rotate the whole head (drop the factor from config.json)")
     qkv_bias, linear_bias = _llama_biases(c)
     config = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                   num_query_groups=_query_groups(c), kv_channels=_head_dim(c), ffn_hidden_size=c.intermediate_size,

@@ -283,6 +283,13 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     safetensors_torch.save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
     error = _one_line_error([*argv, "--load-dir", str(hf)], capsys)
     assert "lack 1 tensor(s)" in error and "model.layers.1.self_attn.k_proj.weight" in error
+    config = _json(hf / "config.json")
+    with open(hf / "config.json", "w") as f:  # transformers' Llama never rotates part of a head
+        json.dump({**config, "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": 0.5}}, f)
+    error = _one_line_error([*argv, "--load-dir", str(hf)], capsys)
+    assert "llama with partial_rotary_factor 0.5 cannot be converted" in error, error
+    with open(hf / "config.json", "w") as f:
+        json.dump(config, f)
     os.remove(hf / "model.safetensors")
     torch.save({"model.embed_tokens.weight": _Gadget()}, hf / "pytorch_model.bin")
     assert "unpickling it could run code" in _one_line_error([*argv, "--load-dir", str(hf)], capsys)
