@@ -331,8 +331,10 @@ def args_from_hf(checkpoint: HFCheckpoint) -> argparse.Namespace:
     with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints the whole argument block
         args = parse_args(argv=[*argv, *tokenizer])
         values = hf_arg_values(checkpoint.config)
-        # T5's relative positions are refused by validate_args (a GPT run's check): set after it.
-        t5_values = {dest: values.pop(dest) for dest in t5_convert.T5_ARGS if dest in values}
+        family = huggingface.ARCHITECTURES[checkpoint.config.model_type].family
+        # T5's relative positions are refused by validate_args (a GPT run's check): set after it. Only
+        # T5's: a GPT's position_embedding_type (rope) must be there when --use-rope-scaling is checked.
+        t5_values = {dest: values.pop(dest) for dest in t5_convert.T5_ARGS if dest in values} if family == "T5" else {}
         for dest, value in values.items():
             setattr(args, dest, value)
         args.seq_length = hf_seq_length(checkpoint.config)
@@ -344,7 +346,6 @@ def args_from_hf(checkpoint: HFCheckpoint) -> argparse.Namespace:
                 from None
     args.padded_vocab_size = padded_vocab_size(int(checkpoint.config.vocab_size),
                                                int(args.make_vocab_size_divisible_by), 1)
-    family = huggingface.ARCHITECTURES[checkpoint.config.model_type].family
     if family in ("BERT", "T5"):
         args.model_family = family  # which model the converter and verify build (tools/checkpoint/convert.py)
     if family == "BERT":

@@ -61,8 +61,9 @@ of older checkpoints) are ignored on the way in and not written on the way out.
 
 What the configs cannot express is refused with a ValueError rather than converted into a
 different model: RoPE types other than "default" and Llama 3.1's "llama3" with Megatron-Core's
-constants, GPT-NeoX's parallel residual, activations other than (tanh or erf) GeLU and SiLU-GLU,
-an attention-output bias without MLP biases (or the reverse). A sliding window (Mistral, Qwen2)
+constants, a partial_rotary_factor on a Llama-family model, GPT-NeoX's parallel residual,
+activations other than (tanh or erf) GeLU and SiLU-GLU, an attention-output bias without MLP
+biases (or the reverse). A sliding window (Mistral, Qwen2)
 is not implemented by our attention: the models agree on sequences of at most sliding_window tokens,
 which config_from_hf checks when given seq_length.
 """
@@ -241,6 +242,11 @@ def _llama_config(c: Any, seq_length: int | None) -> tuple[dict, dict]:
         raise ValueError(f"{c.model_type}: HF attends to the last sliding_window={window} keys only; our attention "
                          f"is full causal, so the models agree on sequences of at most {window} tokens, "
                          f"not seq_length {seq_length}")
+    # transformers' Llama-family attention rotates the whole head: version 5's default RoPE never reads
+    # partial_rotary_factor and its llama3 RoPE (like version 4's default) then fails on the shapes.
+    fraction = float(rope_parameters(c).get("partial_rotary_factor", 1.0))
+    _refuse(fraction != 1.0, f"{c.model_type} with partial_rotary_factor {fraction:g}",
+            "transformers' Llama-family models rotate the whole head (drop the factor from config.json)")
     qkv_bias, linear_bias = _llama_biases(c)
     config = dict(num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
                   num_query_groups=_query_groups(c), kv_channels=_head_dim(c), ffn_hidden_size=c.intermediate_size,
@@ -484,6 +490,14 @@ def computes_tanh_gelu(values: dict) -> bool:
     return bool(values.get("openai_gelu", False)) or values.get("bias_gelu_fusion", True) is not False
 
 
+def _hf_rope_parameters(args: Any) -> dict:
+    """transformers 5's rope_parameters of our RoPE args: plain, or Llama 3.1's scaling (--use-rope-scaling)."""
+    params = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+    if getattr(args, "use_rope_scaling", False):
+        params.update(MCORE_LLAMA3_ROPE, rope_type="llama3", factor=float(args.rope_scaling_factor))
+    return params
+
+
 def hf_config_from_args(args: Any, vocab_size: int) -> dict:
     """The config.json fields (a dict with model_type and architectures) of the HF model that computes
     what a GPTModel of our training args does; vocab_size is the true (unpadded) vocabulary.
@@ -512,9 +526,6 @@ def hf_config_from_args(args: Any, vocab_size: int) -> dict:
         qwen2 = bool(args.add_qkv_bias) and not args.add_bias_linear
         _refuse(bool(args.add_qkv_bias) != bool(args.add_bias_linear) and not qwen2,
                 "a Llama-style model with linear biases but none on QKV")
-        rope_parameters = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
-        if getattr(args, "use_rope_scaling", False):
-            rope_parameters.update(MCORE_LLAMA3_ROPE, rope_type="llama3", factor=float(args.rope_scaling_factor))
         _refuse(float(args.rotary_percent) != 1.0, "a Llama-style model with --rotary-percent below 1")
         config = dict(common, model_type="qwen2" if qwen2 else "llama",
                       architectures=["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
@@ -522,7 +533,7 @@ def hf_config_from_args(args: Any, vocab_size: int) -> dict:
                       num_hidden_layers=int(args.num_layers), num_attention_heads=heads, num_key_value_heads=groups,
                       head_dim=head_dim, max_position_embeddings=int(args.max_position_embeddings),
                       rms_norm_eps=float(args.norm_epsilon), hidden_act="silu",
-                      attention_dropout=float(args.attention_dropout), rope_parameters=rope_parameters)
+                      attention_dropout=float(args.attention_dropout), rope_parameters=_hf_rope_parameters(args))
         if not qwen2:
             config.update(attention_bias=bool(args.add_bias_linear), mlp_bias=bool(args.add_bias_linear))
         if getattr(args, "num_experts", None):
@@ -538,7 +549,7 @@ def hf_config_from_args(args: Any, vocab_size: int) -> dict:
                     intermediate_size=int(args.ffn_hidden_size), num_hidden_layers=int(args.num_layers),
                     num_attention_heads=heads, max_position_embeddings=int(args.max_position_embeddings),
                     layer_norm_eps=float(args.norm_epsilon), hidden_act=gelu, use_parallel_residual=False,
-                    rotary_pct=float(args.rotary_percent), rotary_emb_base=float(args.rotary_base),
+                    rope_parameters=dict(_hf_rope_parameters(args), partial_rotary_factor=float(args.rotary_percent)),
                     hidden_dropout=float(args.hidden_dropout), attention_dropout=float(args.attention_dropout))
     _refuse(args.position_embedding_type != "learned_absolute",
             f"a GPT-2-style model with --position-embedding-type {args.position_embedding_type}")

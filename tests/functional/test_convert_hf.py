@@ -40,28 +40,68 @@ def _llama_family(kind, **overrides):
     return config_class(**{**kwargs, **overrides})
 
 
+def _llama31_rope(factor=8.0):
+    """Llama 3.1's config.json RoPE (3.2: factor 32): the constants Megatron-Core's --use-rope-scaling fixes."""
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+
+
+def _gpt2(**overrides):
+    kwargs = dict(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+                  activation_function="gelu_new", bos_token_id=1, eos_token_id=1)
+    return transformers.GPT2Config(**{**kwargs, **overrides})
+
+
+def _gpt_neox(**overrides):
+    kwargs = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, max_position_embeddings=POSITIONS, use_parallel_residual=False,
+                  bos_token_id=0, eos_token_id=1)
+    return transformers.GPTNeoXConfig(**{**kwargs, **overrides})
+
+
+# Per HF family every RoPE variant and option the mapping (megatron/convert/huggingface.py) accepts:
+# tied / untied output, MHA / GQA / MQA, biases, an explicit head_dim, partial rotary, Llama 3.1 scaling.
 MODELS = {  # noqa: E731
-    "gpt2": lambda: transformers.GPT2Config(vocab_size=VOCAB, n_positions=POSITIONS, n_embd=HIDDEN, n_layer=LAYERS,
-                                            n_head=HEADS, activation_function="gelu_new", bos_token_id=1,
-                                            eos_token_id=1),
+    "gpt2": lambda: _gpt2(),
+    "gpt2-untied-erf-gelu": lambda: _gpt2(n_layer=2, tie_word_embeddings=False, activation_function="gelu"),
     "llama-gqa": lambda: _llama_family("llama"),
     "llama-tied": lambda: _llama_family("llama", tie_word_embeddings=True, num_key_value_heads=4),
+    "llama3.1-rope-scaling": lambda: _llama_family("llama", num_hidden_layers=2, rope_parameters=_llama31_rope()),
+    "llama3.2-tied-mqa-rope-scaling": lambda: _llama_family(
+        "llama", num_hidden_layers=2, tie_word_embeddings=True, num_key_value_heads=1,
+        rope_parameters=_llama31_rope(factor=32.0)),
+    "llama-biases-head-dim": lambda: _llama_family("llama", num_hidden_layers=2, num_key_value_heads=4,
+                                                   attention_bias=True, mlp_bias=True, head_dim=16),
     "mistral": lambda: _llama_family("mistral", sliding_window=32),
+    "mistral-tied-rope-scaling": lambda: _llama_family("mistral", num_hidden_layers=2, sliding_window=32,
+                                                       tie_word_embeddings=True, rope_parameters=_llama31_rope()),
     "qwen2": lambda: _llama_family("qwen2", num_key_value_heads=1),
-    "gpt-neox-partial-rotary": lambda: transformers.GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, max_position_embeddings=POSITIONS, rotary_pct=0.5, use_parallel_residual=False,
-        bos_token_id=0, eos_token_id=1),
+    "qwen2-tied-rope-scaling": lambda: _llama_family("qwen2", num_hidden_layers=2, tie_word_embeddings=True,
+                                                     rope_parameters=_llama31_rope()),
+    "gpt-neox-partial-rotary": lambda: _gpt_neox(rotary_pct=0.5),
+    "gpt-neox-tied-tanh-rope-scaling": lambda: _gpt_neox(
+        num_hidden_layers=2, tie_word_embeddings=True, hidden_act="gelu_new",
+        rope_parameters=dict(_llama31_rope(), partial_rotary_factor=1.0)),
 }
+# Models with Llama 3.1's RoPE -> how much sharper their attention is made (_save_hf), enough that HF's
+# logits without the scaling differ from HF's by over 50 times the 1e-5 of the logits checks.
+ROPE_SCALED = {name: 60.0 if name.startswith("gpt-neox") else 20.0 for name in MODELS
+               if name.endswith("rope-scaling")}
 
 
-def _save_hf(config, path, seed=0):
+def _save_hf(config, path, seed=0, query_key_scale=1.0):
+    """query_key_scale: sharper attention, so that slow RoPE frequencies (those Llama 3.1's scaling
+    changes, wavelengths over 2048 positions) move the logits of a dozen tokens visibly."""
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms and biases away from 1 and 0, so that a mix-up shows
         for name, param in model.named_parameters():
             if name.endswith(".bias") or "norm" in name or ".ln_" in name:
                 param.add_(0.1 * torch.randn_like(param))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(query_key_scale)
+            elif name.endswith("attention.query_key_value.weight"):  # GPT-NeoX: rows [np, 3, hn]
+                param.view(config.num_attention_heads, 3, -1, param.shape[1])[:, :2].mul_(query_key_scale)
     model.save_pretrained(path)
     return model
 
@@ -84,7 +124,7 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     out = {}
     for name, config in MODELS.items():
-        _save_hf(config(), root / name)
+        _save_hf(config(), root / name, query_key_scale=ROPE_SCALED.get(name, 1.0))
         _convert(root / name, root / f"{name}-tp2pp2", "hf", "megatron",
                  "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
         _convert(root / f"{name}-tp2pp2", root / f"{name}-back", "megatron", "hf")
@@ -109,6 +149,26 @@ def test_hf_to_tp2pp2_to_hf_is_bit_identical(converted, name):
     unequal = [k for k in a if not (a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]))]
     assert not unequal
     assert torch.equal(_hf_logits(back), _hf_logits(source))
+
+
+@pytest.mark.parametrize("name", list(ROPE_SCALED))
+def test_llama3_rope_scaling_is_carried_through(converted, name):
+    """Llama 3.1's scaling reaches our checkpoint as --use-rope-scaling and comes back as the source's
+    rope_parameters; without it HF's logits move by far more than the tolerance of the logits checks."""
+    source, ours, back = converted[name]
+    args = megatron_format.open_source(str(ours)).args
+    expected = _json(source / "config.json")["rope_parameters"]
+    assert (args.position_embedding_type, args.use_rope_scaling, args.rope_scaling_factor, args.rotary_base) == \
+        ("rope", True, expected["factor"], 500000)
+    assert _json(back / "config.json")["rope_parameters"] == expected
+    plain = transformers.AutoConfig.from_pretrained(str(source), local_files_only=True)
+    plain.rope_parameters = {k: v for k, v in expected.items() if k in ("rope_theta", "partial_rotary_factor")}
+    plain.rope_parameters["rope_type"] = "default"
+    unscaled = transformers.AutoModelForCausalLM.from_pretrained(str(source), config=plain, local_files_only=True,
+                                                                 attn_implementation="eager").eval()
+    with torch.no_grad():
+        moved = (unscaled(BATCH).logits - _hf_logits(source)).abs().max().item()
+    assert moved > 50 * 1e-5, moved
 
 
 def _stage_logits(checkpoint, tokens):
@@ -223,6 +283,13 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     safetensors_torch.save_file(weights, str(hf / "model.safetensors"), metadata={"format": "pt"})
     error = _one_line_error([*argv, "--load-dir", str(hf)], capsys)
     assert "lack 1 tensor(s)" in error and "model.layers.1.self_attn.k_proj.weight" in error
+    config = _json(hf / "config.json")
+    with open(hf / "config.json", "w") as f:  # transformers' Llama never rotates part of a head
+        json.dump({**config, "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": 0.5}}, f)
+    error = _one_line_error([*argv, "--load-dir", str(hf)], capsys)
+    assert "llama with partial_rotary_factor 0.5 cannot be converted" in error, error
+    with open(hf / "config.json", "w") as f:
+        json.dump(config, f)
     os.remove(hf / "model.safetensors")
     torch.save({"model.embed_tokens.weight": _Gadget()}, hf / "pytorch_model.bin")
     assert "unpickling it could run code" in _one_line_error([*argv, "--load-dir", str(hf)], capsys)
@@ -320,4 +387,6 @@ def test_a_config_built_from_our_args_gives_the_same_model(converted, name, tmp_
     # Our attention has no sliding window: a Mistral we trained is a Llama.
     expected = "llama" if original["model_type"] == "mistral" else original["model_type"]
     assert written["model_type"] == expected
+    if "rope_parameters" in original:  # the same RoPE, Llama 3.1's scaling included
+        assert written["rope_parameters"] == original["rope_parameters"]
     assert torch.equal(_hf_logits(out), _hf_logits(source))

@@ -234,3 +234,39 @@ def test_each_rank_at_tp2_ep2_etp2_or_1_and_at_ep4_loads_its_file_and_gives_hfs_
                 assert _close(logits, theirs), name
     finally:
         pool.close()
+
+
+def test_llama31_rope_scaling_converts_both_ways(tmp_path):
+    """A Mixtral with Llama 3.1's RoPE (the converter once refused it): HF -> ours -> HF is bit-identical,
+    ours computes HF's logits, and a config built from our args keeps the scaling."""
+    from tests.functional.test_convert_hf import _llama31_rope, _save_hf
+
+    config = _config()
+    config.rope_parameters = _llama31_rope()
+    _save_hf(config, tmp_path / "hf", query_key_scale=20.0)  # sharp attention: the scaling shows in the logits
+    _convert(tmp_path / "hf", tmp_path / "ours", "hf", "megatron")
+    _convert(tmp_path / "ours", tmp_path / "back", "megatron", "hf")
+    theirs = _hf_logits(tmp_path / "hf")
+    meta, tensors = loader_megatron.load_checkpoint(argparse.Namespace(load_dir=str(tmp_path / "ours")))
+    assert (meta.args.use_rope_scaling, meta.args.rope_scaling_factor) == (True, 8.0)
+    assert _close(verify.logits_of(verify.build_serial_model(meta.args, tensors), BATCH), theirs)
+    a = safetensors_torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    b = safetensors_torch.load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    with open(tmp_path / "hf" / "config.json") as f, open(tmp_path / "back" / "config.json") as g:
+        source = json.load(f)
+        assert json.load(g) == source
+    meta, tensors = loader_hf.load_checkpoint(argparse.Namespace(load_dir=str(tmp_path / "hf")))
+    meta.args.hf_config = meta.args.hf_generation_config = None  # as if trained here
+    (tmp_path / "built").mkdir()
+    saver_args = argparse.Namespace(max_shard_size="5GB", tokenizer_dir=None, loader="megatron", load_dir=None)
+    saver_hf.save_checkpoint(meta, tensors, saver_args, str(tmp_path / "built"))
+    with open(tmp_path / "built" / "config.json") as f:
+        assert json.load(f)["rope_parameters"] == source["rope_parameters"]
+    assert torch.equal(_hf_logits(tmp_path / "built"), theirs)
+    plain = transformers.AutoConfig.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    plain.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    unscaled = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), config=plain,
+                                                                 local_files_only=True).eval()
+    with torch.no_grad():
+        assert (unscaled(BATCH).logits - theirs).abs().max().item() > 50 * 1e-5

@@ -199,11 +199,13 @@ def test_transformers4_config_attributes():
      "original_max_position_embeddings"),
     (lambda: llama_family("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
      "'linear' is not supported"),
+    (lambda: llama_family("qwen2", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                    "partial_rotary_factor": 0.5}), "partial_rotary_factor 0.5"),
     (lambda: llama_family("llama", attention_bias=True), "mlp_bias=False"),
     (lambda: llama_family("mistral", sliding_window=SEQ - 1), "sliding_window=31"),
     (lambda: gpt_neox(use_parallel_residual=True), "use_parallel_residual=True"),
     (lambda: gpt2(activation_function="relu"), "'relu' is not supported"),
-], ids=["llama3-constants", "llama3-original-length", "linear-rope", "o-bias-without-mlp-bias",
+], ids=["llama3-constants", "llama3-original-length", "linear-rope", "llama-partial-rotary", "o-bias-without-mlp-bias",
         "sliding-window", "neox-parallel-residual", "relu"])
 def test_refuses_what_it_cannot_convert(hf_config, message):
     with pytest.raises(ValueError, match=message):
