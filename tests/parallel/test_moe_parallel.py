@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from megatron.core import aux_losses, communication, parallel_state, tensor_parallel
 from megatron.core.aux_losses import AuxLossAutoScaler
 from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+from megatron.dist_checkpointing.layout import model_layouts
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.moe.experts import _slice
 from megatron.model.utils import get_num_parameters_across_model_parallel
@@ -141,7 +142,8 @@ def _reduce_like_ddp(model: GPTModel) -> None:
 
 def _run(tp: int = 1, ep: int = 1, etp: int | None = None, serial: bool = False, microbatches: int = 1,
          starve: bool = False, **moe):
-    """(loss of this rank's share, global grads, global weights) of one forward / backward."""
+    """(loss of this rank's share, global grads, global weights, parameter count, {name: global shape}
+    of the torch_dist layouts) of one forward / backward."""
     aux_losses.clear()
     if serial:
         init_parallel()
@@ -167,14 +169,17 @@ def _run(tp: int = 1, ep: int = 1, etp: int | None = None, serial: bool = False,
     named = dict(model.named_parameters())
     grads = _global(model, {n: p.grad.detach().clone() for n, p in named.items()})
     weights = _global(model, {n: p.detach().clone() for n, p in named.items()})
+    shapes = {layout.name: layout.global_shape for layout, _ in model_layouts(model)}
     parallel_state.destroy_model_parallel()
-    return torch.stack(losses).mean(), grads, weights, model.parameter_count
+    return torch.stack(losses).mean(), grads, weights, model.parameter_count, shapes
 
 
 def _errors(result, reference):
-    loss, grads, weights, count = result
-    ref_loss, ref_grads, ref_weights, ref_count = reference
+    loss, grads, weights, count, shapes = result
+    ref_loss, ref_grads, ref_weights, ref_count, ref_shapes = reference
     assert count == ref_count, (count, ref_count)  # every expert counted once, over the expert ranks
+    # a checkpoint's global tensors (this rank's experts among them) are the same at every layout
+    assert {n: ref_shapes.get(n) for n in shapes} == shapes
     assert sorted(grads) == sorted(ref_grads)
     weight_error = max(float((weights[n] - ref_weights[n]).abs().max()) for n in weights)
     grad_errors = {n: float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp(min=1e-12)) for n in grads}
