@@ -245,9 +245,11 @@ CASES = {  # id: (naming, TE spec, TP, PP, EP, ETP, the model fixture)
     "sequential-local-pp2-ep2": ("sequential", False, 1, 2, 2, None, "moe"),
     "te-grouped-tp2-ep2": ("te_grouped", True, 2, 1, 2, None, "moe"),
     "grouped-tp2-etp1-ep2": ("grouped", False, 2, 1, 2, 1, "moe"),
-    # expert biases at ETP 2: SequentialMLP's linear_fc1 / fc2.bias, TEGroupedMLP's bias{i} (GPT-OSS style)
+    # expert biases: SequentialMLP's linear_fc1 / fc2.bias at ETP = TP 2 (megatron-core before ETP, which
+    # divided the TP-reduced fc2 bias by TP), TEGroupedMLP's bias{i} at ETP 1 (GPT-OSS style; megatron-core
+    # 0.16.1 asserts ETP 1 with biased experts)
     "biased-sequential-tp2-ep2": ("sequential", False, 2, 1, 2, None, "biased"),
-    "biased-te-grouped-tp2-ep2": ("te_grouped", True, 2, 1, 2, None, "biased"),
+    "biased-te-grouped-tp2-etp1-ep2": ("te_grouped", True, 2, 1, 2, 1, "biased"),
 }
 
 
@@ -304,6 +306,26 @@ def test_mcore_saver_te_grouped_names_per_ep_rank(moe, tmp_path, capsys):
     gate, up = fc1.chunk(2)
     assert torch.equal(state["model"][moe_layer + "mlp.experts.linear_fc1.weight0"],
                        torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+
+
+def test_mcore_saver_writes_te_grouped_expert_biases(biased, tmp_path, capsys):
+    """Biased experts -> --saver mcore, TE spec with --moe-grouped-gemm at TP 2, ETP 1, EP 2 (a layout
+    megatron-core 0.16.1 builds with biases): TEGroupedMLP's bias{i} per EP rank, fc1's and fc2's
+    whole at ETP 1, on both TP ranks; reading it back gives the original logits."""
+    args, whole, model = biased
+    write_megatron_lm_moe(tmp_path / "src", args, whole, "sequential", args_changes={"moe_grouped_gemm": True})
+    _convert("mcore", "mcore", tmp_path / "src", tmp_path / "te", "--target-tensor-parallel-size", "2",
+             "--target-expert-parallel-size", "2", "--target-expert-tensor-parallel-size", "1")
+    assert "-> OK" in capsys.readouterr().out
+    _assert_logits_of_original(model, saver_core.read_back, tmp_path / "te")
+    experts = "decoder.layers.1.mlp.experts."
+    for t in range(2):
+        state = load_file(str(tmp_path / "te" / f"iter_{ITERATION:07d}" / f"mp_rank_0{t}_001" / "model_optim_rng.pt"))
+        assert sorted(k[len(experts):] for k in state["model"] if k.startswith(experts) and "bias" in k) == [
+            "linear_fc1.bias0", "linear_fc1.bias1", "linear_fc2.bias0", "linear_fc2.bias1"]
+        for module in ("linear_fc1", "linear_fc2"):  # EP rank 1's local expert 1 is global expert 3
+            assert torch.equal(state["model"][f"{experts}{module}.bias1"],
+                               whole[f"{experts}local_experts.3.{module}.bias"])
 
 
 MCORE_LOAD = '''
