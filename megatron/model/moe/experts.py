@@ -18,7 +18,8 @@ Every expert is drawn from its own random stream seeded by the layer's stream an
 index, in full, before this rank keeps its ETP slice: the experts of a model are the same
 whatever EP and ETP build them. Their parameters carry allreduce = False (gradients are reduced
 over the expert-data-parallel group) and expert_parallel = True, and are marked
-tensor_model_parallel over the expert tensor-parallel group (never duplicates of another rank's).
+tensor_model_parallel over the expert tensor-parallel group, but for the fc2 bias: whole on every
+ETP rank, a replica that grad norms and parameter counts take from ETP rank 0 only.
 
 forward(x [N, h] sorted by local expert, counts [E/EP]) -> [N, h]. With moe_grouped_gemm the
 local experts run as one grouped matmul (torch's grouped_mm over the stacked weights where the
@@ -92,9 +93,9 @@ class ExpertLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None or not self.row_parallel:
-            return F.linear(x, self.weight, self.bias)
-        return add_row_parallel_bias(F.linear(x, self.weight), self.bias)
+        if self.bias is not None and self.row_parallel and _expert_tp()[1] > 1:
+            return add_row_parallel_bias(F.linear(x, self.weight), self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 def _slice(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
