@@ -597,8 +597,6 @@ def _validate_moe(args: Namespace) -> None:
         raise ArgsError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0:
         raise ArgsError(f"--moe-expert-capacity-factor must be > 0, got {args.moe_expert_capacity_factor}")
-    if args.add_bias_linear and etp > 1:
-        raise ArgsError("expert linear biases need --expert-tensor-parallel-size 1: add --disable-bias-linear")
     freq = args.moe_layer_freq
     if isinstance(freq, list) and (len(freq) != args.num_layers or any(v not in (0, 1) for v in freq)):
         raise ArgsError(f"--moe-layer-freq: a list must hold --num-layers ({args.num_layers}) values of 0 or 1, "

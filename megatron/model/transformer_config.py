@@ -274,9 +274,6 @@ class TransformerConfig:
         elif len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
             raise ValueError(f"moe_layer_freq as a list must hold num_layers ({self.num_layers}) values of 0 or 1, "
                              f"got {freq!r}")
-        if self.add_bias_linear and self.expert_tensor_parallel_size > 1:
-            raise ValueError("expert linear biases are not supported with expert_tensor_parallel_size > 1: "
-                             "use --disable-bias-linear or --expert-tensor-parallel-size 1")
         if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
             raise ValueError("MoE with tensor parallelism needs sequence parallelism (--sequence-parallel), "
                              "as in Megatron")

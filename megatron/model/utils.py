@@ -95,18 +95,21 @@ def get_num_parameters_across_model_parallel(model: nn.Module | Iterable[nn.Modu
     last stage's copy of a tied embedding not at all.
     Equals the serial model's count plus the vocabulary padding rows. Expert parameters
     (expert_parallel: different experts on different EP ranks, split over expert TP) are summed over
-    the expert tensor-model-pipeline group instead. Collective over the model-parallel group and the
+    the expert tensor-model-pipeline group instead, those whole on every expert-TP rank (row-parallel
+    expert biases) on expert-TP rank 0 only. Collective over the model-parallel group and the
     expert one: every rank must call this.
     """
     from megatron.core import communication, parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     modules = [model] if isinstance(model, nn.Module) else list(model)
+    etp_rank = parallel_state.get_expert_tensor_parallel_rank()
     seen, experts = {}, {}
     for module in modules:
         for param in module.parameters():
             if getattr(param, "expert_parallel", False):
-                experts[id(param)] = param.numel()
+                if getattr(param, "tensor_model_parallel", False) or etp_rank == 0:
+                    experts[id(param)] = param.numel()
             elif (param_is_not_tensor_parallel_duplicate(param) and not getattr(param, "shared_embedding", False)
                     and not getattr(param, "pipeline_copy", False)):
                 seen[id(param)] = param.numel()

@@ -59,6 +59,12 @@ MIXTRAL = FLAGS[:FLAGS.index("--moe-shared-expert-intermediate-size")] + [
     "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
 
 
+# Megatron's default linear biases: every linear's, the experts' too (fc1 split over ETP, fc2 whole);
+# no shared expert (megatron-core's SharedExpertMLP refuses biases)
+_SHARED = FLAGS.index("--moe-shared-expert-intermediate-size")
+BIASED = [f for f in FLAGS[:_SHARED] + FLAGS[_SHARED + 2:] if f != "--disable-bias-linear"]
+
+
 def _seeded(flags, seed):
     args = parse_and_validate_args(argv=flags)
     args.padded_vocab_size = VOCAB
@@ -68,7 +74,7 @@ def _seeded(flags, seed):
                      **gpt_model_kwargs(args)).eval()
     with torch.no_grad():
         for key, param in model.named_parameters():
-            if "norm" in key:
+            if "norm" in key or key.endswith(".bias"):  # (Megatron zeroes biases)
                 param.add_(torch.randn_like(param) * 0.3)
     return args, {k: v.detach().clone() for k, v in model.state_dict().items()}, model
 
@@ -77,6 +83,11 @@ def _seeded(flags, seed):
 def moe():
     """(our args, the whole state dict, the model) of a seeded MoE model, norms away from 1."""
     return _seeded(FLAGS, 300)
+
+
+@pytest.fixture(scope="module")
+def biased():
+    return _seeded(BIASED, 303)
 
 
 @pytest.fixture(scope="module")
@@ -230,17 +241,22 @@ def _assert_logits_of_original(model, read_back, save_dir):
     return target_args
 
 
-CASES = {  # id: (naming, TE spec, TP, PP, EP, ETP)
-    "sequential-local-pp2-ep2": ("sequential", False, 1, 2, 2, None),
-    "te-grouped-tp2-ep2": ("te_grouped", True, 2, 1, 2, None),
-    "grouped-tp2-etp1-ep2": ("grouped", False, 2, 1, 2, 1),
+CASES = {  # id: (naming, TE spec, TP, PP, EP, ETP, the model fixture)
+    "sequential-local-pp2-ep2": ("sequential", False, 1, 2, 2, None, "moe"),
+    "te-grouped-tp2-ep2": ("te_grouped", True, 2, 1, 2, None, "moe"),
+    "grouped-tp2-etp1-ep2": ("grouped", False, 2, 1, 2, 1, "moe"),
+    # expert biases: SequentialMLP's linear_fc1 / fc2.bias at ETP = TP 2 (megatron-core before ETP, which
+    # divided the TP-reduced fc2 bias by TP), TEGroupedMLP's bias{i} at ETP 1 (GPT-OSS style; megatron-core
+    # 0.16.1 asserts ETP 1 with biased experts)
+    "biased-sequential-tp2-ep2": ("sequential", False, 2, 1, 2, None, "biased"),
+    "biased-te-grouped-tp2-etp1-ep2": ("te_grouped", True, 2, 1, 2, 1, "biased"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_megatron_lm_moe_checkpoint_converts_to_the_original_logits(case, moe, tmp_path, capsys):
-    naming, te, tp, pp, ep, etp = CASES[case]
-    args, whole, model = moe
+def test_megatron_lm_moe_checkpoint_converts_to_the_original_logits(case, request, tmp_path, capsys):
+    naming, te, tp, pp, ep, etp, fixture = CASES[case]
+    args, whole, model = request.getfixturevalue(fixture)
     pairs = write_megatron_lm_moe(tmp_path / "megatron_lm", args, whole, naming, te, tp, pp, ep, etp)
     if etp is not None and etp < tp:
         assert len(pairs) < tp * ep  # not every (TP rank, EP rank) pair has a file
@@ -292,6 +308,26 @@ def test_mcore_saver_te_grouped_names_per_ep_rank(moe, tmp_path, capsys):
                        torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
 
 
+def test_mcore_saver_writes_te_grouped_expert_biases(biased, tmp_path, capsys):
+    """Biased experts -> --saver mcore, TE spec with --moe-grouped-gemm at TP 2, ETP 1, EP 2 (a layout
+    megatron-core 0.16.1 builds with biases): TEGroupedMLP's bias{i} per EP rank, fc1's and fc2's
+    whole at ETP 1, on both TP ranks; reading it back gives the original logits."""
+    args, whole, model = biased
+    write_megatron_lm_moe(tmp_path / "src", args, whole, "sequential", args_changes={"moe_grouped_gemm": True})
+    _convert("mcore", "mcore", tmp_path / "src", tmp_path / "te", "--target-tensor-parallel-size", "2",
+             "--target-expert-parallel-size", "2", "--target-expert-tensor-parallel-size", "1")
+    assert "-> OK" in capsys.readouterr().out
+    _assert_logits_of_original(model, saver_core.read_back, tmp_path / "te")
+    experts = "decoder.layers.1.mlp.experts."
+    for t in range(2):
+        state = load_file(str(tmp_path / "te" / f"iter_{ITERATION:07d}" / f"mp_rank_0{t}_001" / "model_optim_rng.pt"))
+        assert sorted(k[len(experts):] for k in state["model"] if k.startswith(experts) and "bias" in k) == [
+            "linear_fc1.bias0", "linear_fc1.bias1", "linear_fc2.bias0", "linear_fc2.bias1"]
+        for module in ("linear_fc1", "linear_fc2"):  # EP rank 1's local expert 1 is global expert 3
+            assert torch.equal(state["model"][f"{experts}{module}.bias1"],
+                               whole[f"{experts}local_experts.3.{module}.bias"])
+
+
 MCORE_LOAD = '''
 import torch, torch.nn.functional as F
 patch_for_cpu()
@@ -323,11 +359,14 @@ emit({"impl": a.transformer_impl, "keys": sorted(state["model"]), "logits": logi
 '''
 
 
-def test_mcore_saver_moe_loads_strictly_in_megatron_core_and_gives_our_logits(moe, tmp_path, capsys):
-    """Megatron-LM (GroupedMLP at EP 2) -> --saver mcore --saver-transformer-impl local at EP 1: megatron-core's
-    MoE GPTModel (local spec: SequentialMLP) loads the file strictly and gives the original logits."""
-    args, whole, model = moe
-    write_megatron_lm_moe(tmp_path / "src", args, whole, "grouped")
+@pytest.mark.parametrize("fixture, naming", [("moe", "grouped"), ("biased", "te_grouped")])
+def test_mcore_saver_moe_loads_strictly_in_megatron_core_and_gives_our_logits(fixture, naming, request, tmp_path,
+                                                                              capsys):
+    """Megatron-LM (GroupedMLP, or with linear biases TEGroupedMLP, at EP 2) -> --saver mcore
+    --saver-transformer-impl local at EP 1: megatron-core's MoE GPTModel (local spec: SequentialMLP,
+    biased experts with add_bias_linear) loads the file strictly and gives the original logits."""
+    args, whole, model = request.getfixturevalue(fixture)
+    write_megatron_lm_moe(tmp_path / "src", args, whole, naming, te=naming == "te_grouped")
     _convert("mcore", "mcore", tmp_path / "src", tmp_path / "local", "--target-expert-parallel-size", "1",
              "--saver-transformer-impl", "local")
     assert "-> OK" in capsys.readouterr().out

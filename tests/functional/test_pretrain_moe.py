@@ -4,7 +4,8 @@ EP = 1, for both dispatchers, with and without capacity dropping; a single proce
 lines (per layer with --moe-per-layer-logging) and warns about a starved expert.
 
 The model: 2 layers, 4 experts of a SwiGLU MLP, top-2, aux loss 1e-2 and z-loss 1e-3, mock data,
-8 iterations of a global batch of 8 (2 micro-batches of 1 per rank at DP = 4). The gradient norm,
+6 iterations of a global batch of 8 (2 micro-batches of 1 per rank at DP = 4); no linear biases but
+in one test, whose experts have biases at expert TP 2. The gradient norm,
 taken over every parameter once (experts included), equals EP = 1's only if every gradient does.
 """
 
@@ -84,6 +85,16 @@ def test_expert_parallel_layouts_train_like_ep1(pool4, reference, dispatcher):
     for name in names:
         run = pool4.run(_pretrain, [*MODEL, "--moe-token-dispatcher-type", dispatcher, *LAYOUTS[name]])[-1]
         _same(run, reference, f"{dispatcher} {name}")
+
+
+def test_biased_experts_at_expert_tp_2_train_like_ep1(pool4):
+    """Megatron's default linear biases, TP 2 with SP x EP 2 (expert TP 2): the zero-initialised
+    biases move from the first step on, so later losses use them."""
+    biased = [f for f in MODEL if f != "--disable-bias-linear"]
+    reference = pool4.run(_pretrain, biased)[-1]
+    run = pool4.run(_pretrain, [*biased, "--moe-token-dispatcher-type", "alltoall",
+                                *LAYOUTS["tp2-sp-ep2-dp2-distopt"]])[-1]
+    _same(run, reference, "biased tp2-sp-ep2-dp2-distopt")
 
 
 def test_expert_parallel_with_capacity_dropping_trains_like_ep1(pool4):

@@ -11,6 +11,9 @@ TP) and gathers every gradient into its full, global form (expert i of EP rank r
 r * E/EP + i; TP / ETP shards concatenated along their partition dim). Then the same for the
 layout under test, and the two are compared.
 
+With add_bias_linear the experts' biases are set to values drawn per global expert (Megatron
+zeroes them at init, which would hide a bias counted once per expert-TP rank) before the run.
+
 The balancing losses are those of each micro-batch (its tokens over the tensor-parallel group), so
 the serial model runs each data-parallel replica's share as one micro-batch.
 Capacity drops a rank's own tokens (Megatron's rule), so with dropping the reference is EP = 1 at
@@ -28,7 +31,9 @@ import torch.nn.functional as F
 from megatron.core import aux_losses, communication, parallel_state, tensor_parallel
 from megatron.core.aux_losses import AuxLossAutoScaler
 from megatron.core.distributed.finalize_model_grads import allreduce_sequence_parallel_grads
+from megatron.dist_checkpointing.layout import model_layouts
 from megatron.model import GPTModel, TransformerConfig
+from megatron.model.moe.experts import _slice
 from megatron.model.utils import get_num_parameters_across_model_parallel
 from tests.parallel.harness import init_parallel
 
@@ -36,12 +41,35 @@ VOCAB, SEQ, BATCH, HIDDEN, EXPERTS, SEED = 128, 16, 4, 32, 4, 2024
 
 
 def _config(tp: int, ep: int, etp: int | None, **moe) -> TransformerConfig:
-    return TransformerConfig(
+    fields = dict(
         num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=48, hidden_dropout=0.0,
         attention_dropout=0.0, init_method_std=0.05, add_bias_linear=False, gated_linear_unit=True,
         activation_func=F.silu, normalization="RMSNorm", tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
         num_moe_experts=EXPERTS, moe_ffn_hidden_size=24, moe_router_topk=2, moe_aux_loss_coeff=0.01,
-        moe_z_loss_coeff=0.001, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, **moe)
+        moe_z_loss_coeff=0.001, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    return TransformerConfig(**{**fields, **moe})
+
+
+def _set_expert_biases(model: GPTModel) -> None:
+    """Each expert bias := values drawn from its global name, this rank's ETP rows of fc1's (SwiGLU:
+    [gate_r ; up_r]), fc2's whole."""
+    ep, ep_rank = parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_model_parallel_rank()
+    etp, etp_rank = (parallel_state.get_expert_tensor_parallel_world_size(),
+                     parallel_state.get_expert_tensor_parallel_rank())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not (getattr(param, "expert_parallel", False) and name.endswith(".bias")):
+                continue
+            head, rest = name.split(".local_experts.")
+            index, tail = rest.split(".", 1)
+            layer = int(head.split(".")[2])
+            expert = ep_rank * (EXPERTS // ep) + int(index)
+            generator = torch.Generator().manual_seed(1000 * layer + 10 * expert + (tail == "linear_fc2.bias"))
+            if tail == "linear_fc1.bias":
+                full = torch.randn(param.numel() * etp, generator=generator) * 0.5
+                param.copy_(_slice(full, 0, 2, etp_rank, etp))
+            else:
+                param.copy_(torch.randn(param.numel(), generator=generator) * 0.5)
 
 
 def _model(tp: int, ep: int, etp: int | None, **moe) -> GPTModel:
@@ -114,7 +142,8 @@ def _reduce_like_ddp(model: GPTModel) -> None:
 
 def _run(tp: int = 1, ep: int = 1, etp: int | None = None, serial: bool = False, microbatches: int = 1,
          starve: bool = False, **moe):
-    """(loss of this rank's share, global grads, global weights) of one forward / backward."""
+    """(loss of this rank's share, global grads, global weights, parameter count, {name: global shape}
+    of the torch_dist layouts) of one forward / backward."""
     aux_losses.clear()
     if serial:
         init_parallel()
@@ -125,6 +154,8 @@ def _run(tp: int = 1, ep: int = 1, etp: int | None = None, serial: bool = False,
     model = _model(1 if serial else tp, 1 if serial else ep, None if serial else etp, **moe)
     if starve:
         _starve_expert_3(model)
+    if moe.get("add_bias_linear"):
+        _set_expert_biases(model)
     tokens, labels = _rank_share(dp, dp_rank)
     AuxLossAutoScaler.set_loss_scale(1.0 / microbatches)
     losses = []
@@ -138,14 +169,17 @@ def _run(tp: int = 1, ep: int = 1, etp: int | None = None, serial: bool = False,
     named = dict(model.named_parameters())
     grads = _global(model, {n: p.grad.detach().clone() for n, p in named.items()})
     weights = _global(model, {n: p.detach().clone() for n, p in named.items()})
+    shapes = {layout.name: layout.global_shape for layout, _ in model_layouts(model)}
     parallel_state.destroy_model_parallel()
-    return torch.stack(losses).mean(), grads, weights, model.parameter_count
+    return torch.stack(losses).mean(), grads, weights, model.parameter_count, shapes
 
 
 def _errors(result, reference):
-    loss, grads, weights, count = result
-    ref_loss, ref_grads, ref_weights, ref_count = reference
+    loss, grads, weights, count, shapes = result
+    ref_loss, ref_grads, ref_weights, ref_count, ref_shapes = reference
     assert count == ref_count, (count, ref_count)  # every expert counted once, over the expert ranks
+    # a checkpoint's global tensors (this rank's experts among them) are the same at every layout
+    assert {n: ref_shapes.get(n) for n in shapes} == shapes
     assert sorted(grads) == sorted(ref_grads)
     weight_error = max(float((weights[n] - ref_weights[n]).abs().max()) for n in weights)
     grad_errors = {n: float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp(min=1e-12)) for n in grads}
@@ -154,14 +188,16 @@ def _errors(result, reference):
             "weight": weight_error}
 
 
-def _against_ep1(tp: int, ep: int, etp: int | None, capacity: float | None):
+def _against_ep1(tp: int, ep: int, etp: int | None, capacity: float | None, **extra):
     """{dispatcher: errors} of the layout at EP = ep against EP = 1 (and the serial model when dropless).
-    At EP = 1 both dispatchers compute the same function, so one reference serves both."""
-    reference = _run(tp=tp, ep=1, etp=etp, moe_expert_capacity_factor=capacity)
-    serial = _run(serial=True, microbatches=4 // tp) if capacity is None else None
+    At EP = 1 both dispatchers compute the same function, so one reference serves both. extra: more
+    config fields, the same in all three."""
+    reference = _run(tp=tp, ep=1, etp=etp, moe_expert_capacity_factor=capacity, **extra)
+    serial = _run(serial=True, microbatches=4 // tp, **extra) if capacity is None else None
     out = {}
     for dispatcher in ("allgather", "alltoall"):
-        result = _run(tp=tp, ep=ep, etp=etp, moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=capacity)
+        result = _run(tp=tp, ep=ep, etp=etp, moe_token_dispatcher_type=dispatcher, moe_expert_capacity_factor=capacity,
+                      **extra)
         errors = _errors(result, reference)
         if serial is not None:  # the serial model, on each data-parallel replica's share as one micro-batch
             local = result[0].reshape(1)
@@ -191,6 +227,25 @@ def test_expert_parallel_loss_and_gradients_equal_ep1(dist_pool, tp, ep, etp, ca
     for rank, by_dispatcher in enumerate(dist_pool.run(_against_ep1, tp, ep, etp, capacity)):
         for dispatcher, errors in by_dispatcher.items():
             assert errors["weight"] == 0.0, (rank, dispatcher, errors)  # the same experts at every EP / ETP
+            assert errors["loss"] < 1e-5 and errors["grad"] < 1e-5, (rank, dispatcher, errors)
+
+
+BIASED = [  # (tp, ep, etp, grouped GEMM): every layout above, with biased experts
+    *[(tp, ep, etp, False) for tp, ep, etp in LAYOUTS],
+    (2, 2, None, True),
+    (1, 4, None, True),
+]
+
+
+@pytest.mark.parametrize("tp, ep, etp, grouped", BIASED,
+                         ids=[f"tp{t}ep{e}etp{x or t}" + ("-grouped" if g else "") for t, e, x, g in BIASED])
+def test_biased_experts_equal_ep1_and_the_serial_model(dist_pool, tp, ep, etp, grouped):
+    """add_bias_linear: the expert fc1 bias split over expert TP, the fc2 bias counted once in the
+    expert-TP sum and weighted with the rest by the router probability; both dispatchers."""
+    extra = dict(add_bias_linear=True, moe_grouped_gemm=grouped)
+    for rank, by_dispatcher in enumerate(dist_pool.run(_against_ep1, tp, ep, etp, None, **extra)):
+        for dispatcher, errors in by_dispatcher.items():
+            assert errors["weight"] == 0.0, (rank, dispatcher, errors)
             assert errors["loss"] < 1e-5 and errors["grad"] < 1e-5, (rank, dispatcher, errors)
 
 

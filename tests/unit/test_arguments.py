@@ -189,8 +189,6 @@ BAD = [
      "--moe-router-load-balancing-type sinkhorn takes no aux loss"),
     ("moe-pad", "--num-experts 4 --moe-pad-expert-input-to-capacity", [], {},
      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
-    ("moe-etp-bias", "--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel", [], {"WORLD_SIZE": "2"},
-     "expert linear biases need --expert-tensor-parallel-size 1"),
     ("moe-freq", "--num-experts 4 --moe-layer-freq [1,0,1]", [], {}, "--moe-layer-freq: a list must hold --num-layers"),
     ("moe-flex", "--num-experts 4 --moe-token-dispatcher-type flex", [], {},
      "--moe-token-dispatcher-type flex: the DeepEP dispatcher is not supported yet"),
@@ -232,6 +230,15 @@ def test_sequence_parallel_needs_tensor_parallelism(monkeypatch, capsys):
 
     config = core_transformer_config_from_args(args)
     assert config.tensor_model_parallel_size == 2 and config.sequence_parallel is True
+
+
+def test_biased_experts_are_accepted_at_expert_tensor_parallel_size_2(monkeypatch):
+    from megatron.arguments import core_transformer_config_from_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = run("--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2")
+    config = core_transformer_config_from_args(args)
+    assert config.add_bias_linear and (config.expert_tensor_parallel_size, config.expert_model_parallel_size) == (2, 2)
 
 
 def test_recompute_and_flash_attention_flags_reach_the_config(monkeypatch):

@@ -1,19 +1,25 @@
 """The experts of this rank: E/EP feed-forward networks, each split over the expert tensor-parallel group.
 
 Keys (megatron-core's SequentialMLP, local spec): local_experts.{i}.linear_fc1.weight
-[(2) ffn/etp, h] and local_experts.{i}.linear_fc2.weight [h, ffn/etp] (biases with
-add_bias_linear, only at ETP = 1), i the local index: global expert ep_rank * E/EP + i.
+[(2) ffn/etp, h] and local_experts.{i}.linear_fc2.weight [h, ffn/etp], with add_bias_linear
+linear_fc1.bias [(2) ffn/etp] (this rank's rows, as the weight's) and linear_fc2.bias [h] (whole on
+every ETP rank, as a RowParallelLinear's); i the local index: global expert ep_rank * E/EP + i.
 A gated expert (SwiGLU) holds [gate ; up] of its ffn/etp units in fc1, as the dense MLP does per
 TP rank, so the experts are the same functions at every ETP.
 
 Experts do no communication: the token dispatcher hands each rank the tokens of its experts
 (gathered over the expert tensor-parallel group) and sums the partial fc2 outputs afterwards.
+So that the sum holds the fc2 bias once, only expert-TP rank 0 adds it (the dispatcher then
+weights bias and all by the token's router probability, as megatron-core's ETP = 1 experts do);
+its gradient, the sum of the output gradient rows, is the same on every ETP rank (they all hold
+the gradient of the summed output), so each rank computes it and the copies stay equal.
 
 Every expert is drawn from its own random stream seeded by the layer's stream and its global
 index, in full, before this rank keeps its ETP slice: the experts of a model are the same
 whatever EP and ETP build them. Their parameters carry allreduce = False (gradients are reduced
 over the expert-data-parallel group) and expert_parallel = True, and are marked
-tensor_model_parallel over the expert tensor-parallel group (never duplicates of another rank's).
+tensor_model_parallel over the expert tensor-parallel group, but for the fc2 bias: whole on every
+ETP rank, a replica that grad norms and parameter counts take from ETP rank 0 only.
 
 forward(x [N, h] sorted by local expert, counts [E/EP]) -> [N, h]. With moe_grouped_gemm the
 local experts run as one grouped matmul (torch's grouped_mm over the stacked weights where the
@@ -38,28 +44,57 @@ def _expert_tp() -> tuple[int, int]:
             parallel_state.get_expert_tensor_parallel_world_size())
 
 
-def _mark_expert(param: nn.Parameter, partition_dim: int, stride: int) -> None:
+def _mark_expert(param: nn.Parameter, partition_dim: int | None, stride: int = 1) -> None:
+    """partition_dim None: the param is whole on every ETP rank (a row-parallel bias)."""
     param.allreduce = False
     param.expert_parallel = True
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    param.partition_stride = stride
+    param.tensor_model_parallel = partition_dim is not None
+    if partition_dim is not None:
+        param.partition_dim = partition_dim
+        param.partition_stride = stride
+
+
+class _AddOnFirstRank(torch.autograd.Function):
+    """x + bias on expert-TP rank 0, x elsewhere; the backward gives every rank bias's whole
+    gradient (see the module docstring: every ETP rank holds the same gradient of x)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, first):
+        ctx.bias_shape = bias.shape
+        return x + bias if first else x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.sum_to_size(ctx.bias_shape), None
+
+
+def add_row_parallel_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x (an ETP partial sum) + bias (broadcast), counted once in the sum over the ETP group."""
+    rank, size = _expert_tp()
+    if size == 1:
+        return x + bias
+    return _AddOnFirstRank.apply(x, bias, rank == 0)
 
 
 class ExpertLinear(nn.Module):
-    """One expert linear: weight [out_local, in] (this ETP rank's rows or columns of the full one)."""
+    """One expert linear: weight [out_local, in] (this ETP rank's rows or columns of the full one).
+    A column-parallel one (partition_dim 0) holds its bias's rows; a row-parallel one (partition_dim
+    1) the whole bias, added once over the ETP group (add_row_parallel_bias)."""
 
     def __init__(self, weight: torch.Tensor, partition_dim: int, stride: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
         _mark_expert(self.weight, partition_dim, stride)
+        self.row_parallel = partition_dim == 1
         if bias is not None:
             self.bias = nn.Parameter(bias)
-            _mark_expert(self.bias, 0, stride)
+            _mark_expert(self.bias, None if self.row_parallel else 0, stride)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None and self.row_parallel and _expert_tp()[1] > 1:
+            return add_row_parallel_bias(F.linear(x, self.weight), self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -136,7 +171,7 @@ class SequentialMLP(MegatronModule):
             if bias1 is not None:
                 hidden = hidden + bias1[index]
             out = _grouped_mm(expert.activation(hidden), fc2.transpose(1, 2), offsets)  # [N, h]
-            return out + bias2[index] if bias2 is not None else out
+            return add_row_parallel_bias(out, bias2[index]) if bias2 is not None else out
         # Batched: [n, longest, h] with each expert's rows first and zeros after them.
         longest = max(counts) if counts else 0
         padded = x.new_zeros(len(counts), longest, x.shape[-1])
@@ -147,7 +182,7 @@ class SequentialMLP(MegatronModule):
             hidden = hidden + bias1.unsqueeze(1)
         out = torch.bmm(expert.activation(hidden), fc2.transpose(1, 2))
         if bias2 is not None:
-            out = out + bias2.unsqueeze(1)
+            out = add_row_parallel_bias(out, bias2.unsqueeze(1))
         return out[mask]
 
 
