@@ -300,6 +300,15 @@ LAYOUTS.update({
 })
 
 
+# 2 vocabulary-dominated layouts: GPT-2's 50257 tokens (padded to 50304 / 50432) at hidden 64, where
+# the loss's [s, b, V] transients (logits, fp32 copies) are a quarter of the peak.
+GPT2_VOCAB = ["--vocab-size", "50257"]
+LAYOUTS.update({
+    "tp1-pp1-dp4 fp32 gpt2-vocab": GPT2_VOCAB,
+    "tp2-dp2 bf16 gpt2-vocab": [*GPT2_VOCAB, "--bf16", "--tensor-model-parallel-size", "2"],
+})
+
+
 def measure_layouts(names: list | None = None) -> dict:
     """Task for every rank of a 4-rank job: {layout: this rank's measure_rank result}."""
     return {name: measure_rank(BASE_FLAGS + LAYOUTS[name]) for name in (names or list(LAYOUTS))}
