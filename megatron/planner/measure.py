@@ -316,12 +316,13 @@ def measure_layouts(names: list | None = None) -> dict:
 
 def table_rows(per_rank: list) -> list:
     """(layout, rank, stage, measured, predicted, relative difference of the totals, predicted and
-    measured schedule peak of the activations) per layout and rank from measure_layouts' results."""
+    measured schedule peak of the activations, predicted peak and the allocator's measured peak)
+    per layout and rank from measure_layouts' results."""
     rows = []
     for name in per_rank[0]:
         for rank, results in enumerate(per_rank):
             r = results[name]
             measured, predicted = r["measured"]["total"], r["predicted"]["total"]
             rows.append((name, rank, r["stage"], r["measured"], r["predicted"], (predicted - measured) / measured,
-                         r["predicted_peak"], r["schedule_peak"]))
+                         r["predicted_peak"], r["schedule_peak"], r["predicted_iteration_peak"], r["iteration_peak"]))
     return rows
