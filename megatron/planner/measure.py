@@ -124,19 +124,77 @@ class _LiveSaved:
             del self.live[pointer]
 
 
-def _train_step_peak(model: list, optimizer: Any, scheduler: Any) -> int:
+def _train_step_peak(model: list, optimizer: Any, scheduler: Any, train_iter: Any) -> int:
     """One real train_step (the pipeline schedule of the flags, mock data) under _LiveSaved: the
     peak of the saved-tensor bytes this rank held at once (full recompute's rerun included)."""
     import pretrain_gpt
-    from megatron.training import build_train_valid_test_data_iterators, train_step
+    from megatron.training import train_step
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        train_iter, _, _ = build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
     tracker = _LiveSaved([p for chunk in model for p in chunk.parameters()])
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
         _, skipped, _, _ = train_step(pretrain_gpt.forward_step, train_iter, model, optimizer, scheduler)
     assert not skipped and tracker.current == 0, tracker.current
     return tracker.peak
+
+
+def allocated_peak(events: list) -> int:
+    """The most bytes held at once by the CPU allocator's blocks that were allocated inside a
+    profiled window, from its allocation events [(time ns, pointer, bytes: + allocated, - freed)].
+
+    The profiler sees only this thread's frees: a block whose last reference a collective's
+    worker thread drops (gloo's copies inside a collective, a buffer its work object still held)
+    is freed unseen. Such a block counts as freed when its pointer is allocated again, and
+    _allocation_events adds a free at the end of the collective for what was allocated inside it.
+    A free of a block allocated before the window is left out (its size is not known): what the
+    window frees of older tensors is not subtracted, an upper bound by at most those bytes."""
+    live, current, peak = {}, 0, 0
+    # at equal times a free comes first: a pointer is reused only after its block is freed
+    for _, pointer, size in sorted(events, key=lambda event: (event[0], event[2] > 0)):
+        if size > 0:
+            current += size - live.get(pointer, 0)
+            live[pointer] = size
+            peak = max(peak, current)
+        elif pointer in live:
+            current -= live.pop(pointer)
+    return peak
+
+
+def _allocation_events(profiler: Any) -> list:
+    """(time ns, pointer, bytes) of every CPU allocation and free the profiler recorded, and a
+    free at the end of the collective (a c10d:: op) of each block allocated inside one: the
+    backend's own copies, freed by its worker thread once the collective is done."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], [(node, None) for node in profiler.profiler.kineto_results.experimental_event_tree()]
+    while stack:
+        node, collective_end = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            size, pointer = node.extra_fields.alloc_size, node.extra_fields.ptr
+            events.append((node.start_time_ns, pointer, size))
+            if collective_end is not None and size > 0:
+                events.append((collective_end, pointer, -size))
+        if collective_end is None and node.name.startswith("c10d::"):
+            collective_end = node.end_time_ns
+        stack.extend((child, collective_end) for child in node.children)
+    return events
+
+
+def _iterations_peak(model: list, optimizer: Any, scheduler: Any, train_iter: Any, iterations: int) -> int:
+    """The peak of the live bytes in PyTorch's CPU allocator over `iterations` real train_steps
+    (forward, loss, backward, gradient reduction and optimizer step, every transient included), on
+    top of what was live before them (parameters, gradients, optimizer state): torch's profiler
+    with profile_memory reports every allocation and free of the CPU allocator on this thread,
+    autograd's backward included (it runs on the calling thread for CPU tensors)."""
+    import pretrain_gpt
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron.training import train_step
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        for _ in range(iterations):
+            _, skipped, _, _ = train_step(pretrain_gpt.forward_step, train_iter, model, optimizer, scheduler)
+            assert not skipped
+    return allocated_peak(_allocation_events(profiler))
 
 
 def measure_rank(argv: list[str]) -> dict:
@@ -146,11 +204,11 @@ def measure_rank(argv: list[str]) -> dict:
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.core.optimizer.memory import optimizer_memory_per_parameter
-    from megatron.global_vars import get_args
+    from megatron.global_vars import get_args, get_tokenizer
     from megatron.initialize import initialize_megatron, reset_megatron
     from megatron.planner.model import in_flight_units, layout_from_args, shape_from_args
     from megatron.planner.plan import plan_rank
-    from megatron.training import setup_model_and_optimizer
+    from megatron.training import build_train_valid_test_data_iterators, setup_model_and_optimizer
 
     routing = contextlib.nullcontext()
     if "--num-experts" in argv and "--moe-pad-expert-input-to-capacity" not in argv:
@@ -162,8 +220,12 @@ def measure_rank(argv: list[str]) -> dict:
             initialize_megatron(argv=list(argv))
             model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider, ModelType.encoder_or_decoder)
         args = get_args()
-        schedule_peak = _train_step_peak(model, optimizer, scheduler)  # Adam's state exists after it
+        with contextlib.redirect_stdout(io.StringIO()):
+            train_iter, _, _ = build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
+        schedule_peak = _train_step_peak(model, optimizer, scheduler, train_iter)  # Adam's state exists after it
         memory = optimizer_memory_per_parameter(model, optimizer)
+        # the rest of the 3 iterations, their allocator peak on top of the steady state
+        iteration_peak = sum(memory["bytes"].values()) + _iterations_peak(model, optimizer, scheduler, train_iter, 2)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         pp, vpp = args.pipeline_model_parallel_size, len(model)
         lay = layout_from_args(args)
@@ -175,12 +237,13 @@ def measure_rank(argv: list[str]) -> dict:
         measured = dict(memory["bytes"])
         measured["activations"] = sum(n * u for n, u in zip(per_chunk, units))
         measured["total"] = sum(measured.values())
-        predicted = plan_rank(shape_from_args(args), lay, stage)
+        predicted = plan_rank(shape_from_args(args, get_tokenizer().vocab_size), lay, stage)
         return {"stage": stage, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
                 "dp_rank": parallel_state.get_data_parallel_rank(), "measured": measured,
                 "predicted": predicted.memory_breakdown(), "num_parameters": memory["num_parameters"],
                 "predicted_parameters": predicted.parameters, "chunk_activations": per_chunk, "units": units,
-                "schedule_peak": schedule_peak,
+                "schedule_peak": schedule_peak, "iteration_peak": iteration_peak,
+                "predicted_iteration_peak": predicted.peak_bytes,
                 "predicted_peak": predicted.memory["activations"] + predicted.memory["recompute_working"]}
     finally:
         routing.__exit__(None, None, None)
@@ -191,7 +254,7 @@ def measure_rank(argv: list[str]) -> dict:
 # s 32, micro-batch 2, global batch 16, vocab 255 padded per TP), dropout on.
 BASE_FLAGS = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
               "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "16",
-              "--lr", "1e-3", "--train-iters", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
+              "--lr", "1e-3", "--train-iters", "3", "--mock-data", "--tokenizer-type", "NullTokenizer",
               "--vocab-size", "255", "--num-workers", "0", "--eval-iters", "0", "--seed", "1234"]
 LLAMA_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
                "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "2",
@@ -237,6 +300,15 @@ LAYOUTS.update({
 })
 
 
+# 2 vocabulary-dominated layouts: GPT-2's 50257 tokens (padded to 50304 / 50432) at hidden 64, where
+# the loss's [s, b, V] transients (logits, fp32 copies) are a quarter of the peak.
+GPT2_VOCAB = ["--vocab-size", "50257"]
+LAYOUTS.update({
+    "tp1-pp1-dp4 fp32 gpt2-vocab": GPT2_VOCAB,
+    "tp2-dp2 bf16 gpt2-vocab": [*GPT2_VOCAB, "--bf16", "--tensor-model-parallel-size", "2"],
+})
+
+
 def measure_layouts(names: list | None = None) -> dict:
     """Task for every rank of a 4-rank job: {layout: this rank's measure_rank result}."""
     return {name: measure_rank(BASE_FLAGS + LAYOUTS[name]) for name in (names or list(LAYOUTS))}
@@ -244,12 +316,13 @@ def measure_layouts(names: list | None = None) -> dict:
 
 def table_rows(per_rank: list) -> list:
     """(layout, rank, stage, measured, predicted, relative difference of the totals, predicted and
-    measured schedule peak of the activations) per layout and rank from measure_layouts' results."""
+    measured schedule peak of the activations, predicted peak and the allocator's measured peak)
+    per layout and rank from measure_layouts' results."""
     rows = []
     for name in per_rank[0]:
         for rank, results in enumerate(per_rank):
             r = results[name]
             measured, predicted = r["measured"]["total"], r["predicted"]["total"]
             rows.append((name, rank, r["stage"], r["measured"], r["predicted"], (predicted - measured) / measured,
-                         r["predicted_peak"], r["schedule_peak"]))
+                         r["predicted_peak"], r["schedule_peak"], r["predicted_iteration_peak"], r["iteration_peak"]))
     return rows

@@ -67,6 +67,7 @@ class ModelShape:
     vocab_divisor: int = 128  # --make-vocab-size-divisible-by
     grads_fp32: bool = True
     moe: Optional[MoEShape] = None
+    fast_loss: bool = True  # t = 1 takes the cross entropy's one-rank path (fp32 softmax, native kernels)
 
     def is_moe_layer(self, number: int) -> bool:
         """Whether the 1-based layer `number` has an MoE MLP."""
@@ -149,7 +150,9 @@ def shape_from_args(args: argparse.Namespace, vocab_size: Optional[int] = None) 
         params_dtype=_dtype_name(args), flash_attn=bool(getattr(args, "use_flash_attn", False)),
         vocab_size=vocab_size, vocab_divisor=args.make_vocab_size_divisible_by,
         grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32) or not
-        (args.bf16 or args.fp16), moe=_moe_from_args(args))
+        (args.bf16 or args.fp16), moe=_moe_from_args(args),
+        fast_loss=(not args.fp16_lm_cross_entropy or not (args.bf16 or args.fp16))
+        and getattr(args, "fused_kernels_cpu_impl", "native") != "reference")
 
 
 def _moe_from_args(args: argparse.Namespace) -> Optional[MoEShape]:
@@ -510,3 +513,87 @@ def stage_activation_bytes(m: ModelShape, lay: Layout, stage: int) -> int:
 def pipeline_bubble(lay: Layout) -> float:
     """The fraction of ideal time the pipeline idles: (p - 1) / (v m) (Narayanan et al. 2021)."""
     return (lay.pp - 1) / (lay.vpp * lay.num_microbatches)
+
+
+# ----------------------------------------------------------------------------- transients
+
+_LOSS_CHUNK_BYTES = 4 << 20  # the one-rank cross entropy's fp32 probabilities per chunk of tokens
+
+
+def _weight_grad_bytes(m: ModelShape, n: int) -> int:
+    """What the weight gradient of an n-element weight allocates on its way into the fp32 (or
+    half) main_grad: a half-precision product plus the fp32 copy main_grad.add_ makes of it, or,
+    when the dtypes agree, the placeholder gradient the fused accumulation returns."""
+    e = _e(m)
+    grad = 4 if m.grads_fp32 or m.params_dtype == "fp32" else 2
+    return (e + grad) * n if grad != e else e * n
+
+
+def loss_transient_bytes(m: ModelShape, lay: Layout) -> int:
+    """The last stage's most bytes beyond what autograd keeps, around the loss: the cross
+    entropy's forward (the logits, which nothing saves, and its fp32 working copies), its backward
+    (t > 1: the softmax's clone and its cast) and the output layer's backward (the logits' and its
+    input's gradients, the weight gradient). At a 128k vocabulary the logits alone are s b V e."""
+    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    vocab = m.padded_vocab_size // t
+    tokens = s * b
+    logits = e * tokens * vocab  # [s, b, V/t]
+    gathered = e * tokens * h if lay.sequence_parallel else 0  # the output layer's all-gathered input
+    if t == 1 and m.fast_loss:
+        # chunks of fp32 probabilities: the previous chunk's is still referenced when the next is made,
+        # and the chunk itself is copied to fp32 (or, with padding, to a contiguous copy)
+        real = min(m.vocab_size or m.padded_vocab_size, m.padded_vocab_size)
+        rows = min(tokens, max(1, _LOSS_CHUNK_BYTES // (4 * real)))
+        live = 2 if tokens > rows else 1
+        copies = 1 if e != 4 or real < m.padded_vocab_size else 0
+        forward = logits + 4 * rows * real * (live + copies)
+        backward, grad_logits = 0, 0  # scales the saved gradient in place, which becomes the logits' gradient
+    else:
+        forward = logits + 4 * tokens * vocab  # the fp32 copy; its exp is the saved softmax
+        backward = 4 * tokens * vocab + (logits if e != 4 else 0)  # the softmax's clone, cast to the logits' dtype
+        grad_logits = logits - 4 * tokens * vocab  # replaces the saved softmax
+    output = grad_logits + e * tokens * h + _weight_grad_bytes(m, vocab * h)
+    return max(forward + gathered, backward, output + gathered)
+
+
+def layer_transient_bytes(m: ModelShape, lay: Layout) -> int:
+    """A layer's most bytes beyond what autograd keeps during its backward: the MLP's first linear
+    (the gradient of its output, of its input and two of the residual stream, and its weight
+    gradient) or the core attention's (the gradients of the [b, np, s, s] probabilities and
+    scores, without flash attention)."""
+    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    rows = (2 if m.swiglu else 1) * m.ffn_hidden_size // t  # fc1's output features per rank
+    mlp = 3 * e * s * b * h + e * s * b * rows + _weight_grad_bytes(m, rows * h)
+    attention = 0 if m.flash_attn else 2 * e * b * (m.num_attention_heads // t) * s * s
+    return max(mlp, attention)
+
+
+_GENERATOR_STATE_BYTES = 5056  # torch.get_rng_state() of the CPU generator (mt19937), a uint8 tensor
+
+
+def checkpoint_rng_bytes(m: ModelShape, lay: Layout, stage: int) -> int:
+    """Recompute's checkpoints keep, outside autograd's saved tensors, the generator states of
+    their forward (the CPU generator and the tensor-parallel tracker's stream, each 5056 bytes on
+    CPU): per checkpointed unit (each layer with selective, each group of recompute_num_layers with
+    full) and micro-batch in flight, plus one micro-batch more, whose released graph the measured
+    runs still held (its states are freed by Python's garbage collector, not at once)."""
+    if not lay.recompute:
+        return 0
+    units = m.num_layers // (lay.pp * lay.vpp)
+    if lay.recompute == "full":
+        units = lay.recompute_num_layers if lay.recompute_method == "block" else units // lay.recompute_num_layers
+    return 2 * _GENERATOR_STATE_BYTES * units * (sum(in_flight_units(lay, stage)) + 1)
+
+
+def transient_bytes(m: ModelShape, lay: Layout, stage: int) -> int:
+    """Pipeline rank `stage`'s most bytes held beyond its saved activations at their peak
+    (stage_activation_bytes) at any moment of a step: a layer's backward (with full recompute on
+    top of the rerun group's activations), the loss on the last stage, and on the first stage the
+    embedding's weight gradient (when the micro-batch's own activations are already freed)."""
+    phases = [layer_transient_bytes(m, lay) + recompute_working_bytes(m, lay)]
+    if stage == lay.pp - 1:
+        phases.append(loss_transient_bytes(m, lay))
+    if stage == 0:
+        freed = chunk_activation_bytes(m, lay, 0, 0)
+        phases.append(_weight_grad_bytes(m, m.padded_vocab_size // lay.tp * m.hidden_size) - freed)
+    return max(phases) + checkpoint_rng_bytes(m, lay, stage)

@@ -30,6 +30,7 @@ from megatron.planner.model import (
     stage_activation_bytes,
     stage_expert_parameters,
     stage_parameters,
+    transient_bytes,
 )
 
 GIB = 1024 ** 3
@@ -86,7 +87,7 @@ class RankPlan:
 
     stage: int
     parameters: int  # expert parameters included
-    memory: dict  # bytes by MEMORY_KEYS, plus "recompute_working"
+    memory: dict  # bytes by MEMORY_KEYS, plus "recompute_working" and "transient" (which includes it)
     in_flight: list
     expert_parameters: int = 0
     comm: dict = field(default_factory=dict)  # bytes sent per step by "tp", "pp", "dp", "ep", "edp" (expert DP)
@@ -100,7 +101,7 @@ class RankPlan:
 
     @property
     def peak_bytes(self) -> int:
-        return self.total_bytes + self.memory["recompute_working"]
+        return self.total_bytes + self.memory["transient"]
 
     def memory_breakdown(self) -> dict:
         out = {key: self.memory[key] for key in MEMORY_KEYS}
@@ -118,6 +119,7 @@ def plan_rank(m: ModelShape, lay: Layout, stage: int) -> RankPlan:
               for key in MEMORY_KEYS[:5]}
     memory["activations"] = stage_activation_bytes(m, lay, stage)
     memory["recompute_working"] = recompute_working_bytes(m, lay)
+    memory["transient"] = transient_bytes(m, lay, stage)
     return RankPlan(stage=stage, parameters=params, memory=memory, in_flight=in_flight_units(lay, stage),
                     expert_parameters=experts)
 

@@ -13,10 +13,10 @@ from megatron.planner.plan import GIB, Device, Plan, device_from_args, make_plan
 
 
 def _size(n: float) -> str:
-    """Bytes with a binary unit: 6.23G, 421.40M, 12.0K."""
+    """Bytes with their binary unit named: 6.23 GiB, 421.40 MiB, 12.0 KiB."""
     if n >= GIB:
-        return f"{n / GIB:.2f}G"
-    return f"{n / 2**20:.2f}M" if n >= 2**20 else f"{n / 1024:.1f}K"
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
 def _seconds(t: float) -> str:
@@ -54,7 +54,7 @@ def format_plan(plan: Plan) -> list:
              f"  {lay.num_microbatches} micro-batches per step; pipeline bubble (p-1)/(v m) = {plan.bubble:.2%}; "
              f"model FLOPs per step {plan.flops_per_step:.4E} (the log line's)",
              "  stage | params/rank | weights | grads | main p+g | optimizer | activations (in flight) | "
-             "recompute work | total | TP / PP / DP / EP sent per step | compute"]
+             "recompute work | peak (with transients) | TP / PP / DP / EP sent per step | compute"]
     for r in plan.ranks:
         mem = r.memory
         lines.append(
