@@ -10,9 +10,10 @@ field, with its local-time prefix (as Megatron-LM core_v0.13 prints it), e.g.
      number of nan iterations:   0 |
 
 (one line in the real output). The throughput keeps Megatron's one decimal from 1 TFLOP/s up and
-shows three significant digits below (0.000123 for a tiny model on a CPU), as a plain decimal. Losses are averaged over the iterations of the interval whose
-update was applied; skipped iterations (fp16 overflow) are counted instead, and iterations whose
-loss is inf/nan are counted as nan iterations.
+shows three significant digits below (0.000123 for a tiny model on a CPU), as a plain decimal.
+Losses are averaged over the iterations of the interval whose update was applied; skipped
+iterations (fp16 overflow) are counted instead, and iterations whose loss is inf/nan are counted as
+nan iterations.
 
 The progress line (iterations, rate, ETA) goes to stderr of the same rank, right after the log
 line, as one complete line written at once, so that merged output (`2>&1 | tee log`) keeps every

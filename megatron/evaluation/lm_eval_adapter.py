@@ -55,7 +55,8 @@ def merge_model_args(model_args: Dict[str, Any], lm_eval_args: Optional[Dict[str
             merged[key] = value
         elif key == "batch_size" and str(merged[key]) != str(value):  # '8' from the command line, 8 from model_args
             raise ModelArgsError(f"batch_size={merged[key]} in --model_args and --batch_size {value} differ "
-                                 f"(lm_eval's --batch_size defaults to 1 when not given): give it once, e.g. --batch_size {merged[key]}")
+                                 "(lm_eval's --batch_size defaults to 1 when not given): give it once, "
+                                 f"e.g. --batch_size {merged[key]}")
     return merged
 
 
