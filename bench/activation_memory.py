@@ -146,6 +146,13 @@ def main() -> None:
     s, b, h, a, t = (args.seq_length, args.micro_batch_size, args.hidden_size, args.num_attention_heads,
                      args.tensor_model_parallel_size)
     shape, dtype = (s, b, h, a), DTYPES[args.dtype]
+    if dtype == torch.bfloat16:
+        from megatron.core.cpu_bf16 import slow_bf16_warning
+
+        # the bytes are the same, only the time to get them grows: say why it is slow, then measure
+        warning = slow_bf16_warning("each bf16 forward here", "--dtype fp32 measures fp32 activations quickly")
+        if warning:
+            print(warning, flush=True)
 
     measured = _measure([case for case in CASES if not case[1]], shape, dtype, options)
     if t > 1:

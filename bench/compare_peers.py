@@ -42,6 +42,10 @@ one set of initial weights in all three (bench/compare_llama.py: ours from Megat
 flags with get_llama_layer_spec, LlamaForCausalLM, megatron-core's local spec with RMSNorm), so
 their first losses, printed, agree.
 
+On a CPU without a fast bf16 path (bf16 GEMMs over 4x slower than fp32, as with AVX2 only:
+bench/peak.py's slow_bf16_reason) the bf16 runs and ceiling are skipped, the reason printed first
+and last; --allow-slow-bf16 runs them anyway.
+
 megatron-core is looked for at --mcore-path (default .venv/peers/megatron_core), installed with
     .venv/bin/pip install --no-deps --target .venv/peers/megatron_core megatron-core
 """
@@ -688,6 +692,8 @@ def report(results: dict[tuple[str, str], Measured], peaks: dict, args: argparse
     for precision in PRECISIONS:
         if precision in args.precisions:
             print(ratio_line(precision, {f: results[(precision, f)] for f in FRAMEWORKS}))
+    if getattr(args, "skipped", None):
+        print(args.skipped)
 
 
 def config_text(shape: GPTShape | None = None) -> str:
@@ -745,6 +751,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "other jobs and is not counted (default 0.9)")
     parser.add_argument("--retries", type=int, default=2, help="re-runs of a run that lost over half its steps")
     parser.add_argument("--peak-repeats", type=int, default=7)
+    parser.add_argument("--allow-slow-bf16", action="store_true",
+                        help="measure bf16 even on a CPU without a fast bf16 path (bench/peak.py: skipped "
+                             "there by default, its runs would take hours)")
     parser.add_argument("--profile", choices=FRAMEWORKS, default=None,
                         help="profile one step of this framework (first of --precisions) instead")
     parser.add_argument("--profile-rows", type=int, default=25)
@@ -764,6 +773,11 @@ def main(argv: list[str] | None = None) -> None:
     args.threads = args.threads or peak.available_cores()
     if args.worker:
         return worker(args)
+    args.precisions, args.skipped = peak.drop_slow_bf16(args.precisions, args.allow_slow_bf16)
+    if args.skipped:
+        print(args.skipped, flush=True)
+    if not args.precisions:
+        return None
     if args.profile:
         return profile(args)
     before = peak.measure_peaks(repeats=args.peak_repeats, precisions=args.precisions, threads=args.threads)

@@ -179,6 +179,12 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if dtype == torch.bfloat16:
+        from megatron.core.cpu_bf16 import slow_bf16_warning
+
+        warning = slow_bf16_warning("the attention core in bf16")  # None on a GPU or with native bf16
+        if warning:
+            print(warning, flush=True)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, triton {fk.triton_version()}, "
           f"{args.clock} clock, median of {args.repeats} samples of forward+backward (ms per call)")

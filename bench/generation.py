@@ -14,7 +14,9 @@ so both sides hold the same weights. For each dtype and batch size, on the same 
 Printed per case: generated tokens per second (batch x new tokens / seconds, the median of --repeats
 runs after one warm-up; ours and HF's alternate, run by run), the time to the first token (a run with one new token: the prefill), and
 whether our greedy tokens equal HF's (they should in fp32; in bf16 rounding may flip a near-tie).
-The ratio ours / HF is quoted in docs/PERFORMANCE.md. Compare figures within one run only.
+The ratio ours / HF is quoted in docs/PERFORMANCE.md. Compare figures within one run only. On a CPU
+without a fast bf16 path (bench/peak.py's slow_bf16_reason) bf16 is skipped, the reason printed;
+--allow-slow-bf16 runs it anyway.
 """
 
 from __future__ import annotations
@@ -112,12 +114,21 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--no-uncached", action="store_false", dest="uncached",
                         help="Skip the uncached runs (they recompute the prefix: slow).")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--allow-slow-bf16", action="store_true",
+                        help="run bf16 even on a CPU without a fast bf16 path (about 100x slower than fp32)")
     options = parser.parse_args(argv)
+    from bench.peak import drop_slow_bf16
+
+    dtypes, skipped = drop_slow_bf16(options.dtypes.split(","), options.allow_slow_bf16)
+    if skipped:
+        print(skipped, file=sys.stderr if options.json else sys.stdout, flush=True)
+    if not dtypes:
+        return
     positions = options.prompt_length + options.new_tokens
     hf32, ours32 = build_models(options.hidden_size, options.num_layers, options.num_attention_heads,
                                 options.vocab_size, positions)
     results = {}
-    for dtype_name in options.dtypes.split(","):
+    for dtype_name in dtypes:
         dtype = DTYPES[dtype_name]
         hf, ours = hf32.to(dtype), ours32.to(dtype)
         for batch in (int(b) for b in options.batch_sizes.split(",")):

@@ -18,6 +18,10 @@ machine, with the threads it may use.
 On CPU the threads are the cores this process may run on (os.sched_getaffinity). On a CUDA
 machine the same script measures the GPU (bigger sizes), going through megatron.core.device
 for the device and the synchronisation, as the rest of the project does.
+
+On a CPU without a fast bf16 path (megatron/core/cpu_bf16.py's probe: bf16 over 4x slower than
+fp32, e.g. AVX2 only) bf16 is skipped with the reason printed: its ceiling alone would take many
+minutes. --allow-slow-bf16 measures it anyway; compare_peers.py and generation.py do the same.
 """
 
 from __future__ import annotations
@@ -48,6 +52,33 @@ def _device_module():
     from megatron.core import device
 
     return device
+
+
+def slow_bf16_reason() -> str | None:
+    """Why this machine's bf16 measurements are skipped, or None when bf16 is worth measuring.
+
+    A CPU without a native bf16 path (AVX2 only) runs bf16 GEMMs ~100x slower than fp32: the
+    bf16 ceiling alone would take many minutes at CPU_SIZES (n = 2048 is 17 GFLOP a matmul), and a
+    bf16 training run as long. megatron.core.cpu_bf16's few-millisecond probe decides; never on a GPU."""
+    device_mod = _device_module()
+    if device_mod.accelerator_available():
+        return None
+    from megatron.core import cpu_bf16
+
+    speed = cpu_bf16.bf16_speed()
+    if not speed.slow:
+        return None
+    return (f"bf16 skipped: this CPU has no fast bf16 path (a {cpu_bf16.PROBE_SIZE}x{cpu_bf16.PROBE_SIZE} bf16 "
+            f"matmul measured {speed.ratio:.0f}x slower than fp32, over {cpu_bf16.SLOW_RATIO:g}x), so its "
+            f"measurements would not finish in reasonable time; --allow-slow-bf16 runs them anyway")
+
+
+def drop_slow_bf16(precisions: Sequence[str], allow_slow: bool = False) -> tuple[list[str], str | None]:
+    """(precisions without bf16 when slow_bf16_reason() gives a reason, that reason or None)."""
+    if "bf16" not in precisions or allow_slow:
+        return list(precisions), None
+    reason = slow_bf16_reason()
+    return ([p for p in precisions if p != "bf16"] if reason else list(precisions)), reason
 
 
 def available_cores() -> int:
@@ -148,15 +179,20 @@ def format_peaks(peaks: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
                         help=f"comma-separated n (default CPU {CPU_SIZES}, GPU {GPU_SIZES})")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: available cores)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = parser.parse_args()
-    peaks = measure_peaks(args.sizes, args.repeats, threads=args.threads)
+    parser.add_argument("--allow-slow-bf16", action="store_true",
+                        help="measure bf16 even on a CPU without a fast bf16 path (can take many minutes)")
+    args = parser.parse_args(argv)
+    precisions, skipped = drop_slow_bf16(tuple(DTYPES), args.allow_slow_bf16)
+    if skipped:
+        print(skipped, file=sys.stderr if args.json else sys.stdout, flush=True)
+    peaks = measure_peaks(args.sizes, args.repeats, precisions=precisions, threads=args.threads)
     print(json.dumps(peaks) if args.json else format_peaks(peaks))
 
 

@@ -4,6 +4,7 @@
     -> global variables (tokenizer, timers, writers, micro-batch calculator)
     -> torch.distributed (under torchrun: env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT)
     -> parallel state -> the node topology check (rank 0 prints how the groups fall on nodes)
+    -> on CPU: threads and allocator; with --bf16, a warning when this CPU has no fast bf16 path
     -> random seeds -> deterministic mode
 """
 
@@ -22,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from megatron import global_vars
-from megatron.core import cpu_runtime, device, node_topology, parallel_state, watchdog
+from megatron.core import cpu_bf16, cpu_runtime, device, node_topology, parallel_state, watchdog
 from megatron.core.pipeline_parallel import p2p_communication
-from megatron.utils import print_line, print_rank_0
+from megatron.utils import get_rank_safe, print_line, print_rank_0
 
 
 def initialize_megatron(extra_args_provider: Optional[Callable] = None, args_defaults: Optional[Dict] = None,
@@ -50,10 +51,22 @@ def initialize_megatron(extra_args_provider: Optional[Callable] = None, args_def
     _initialize_distributed(args)
     if device.get_device().type == "cpu":
         print_rank_0("> " + cpu_runtime.configure(args.cpu_threads, args.cpu_malloc_tuning).describe())
+        if args.bf16:
+            _warn_if_slow_bf16()
     _set_random_seed(args.seed)
     if args.deterministic_mode:
         _set_deterministic_mode()
     return args
+
+
+def _warn_if_slow_bf16() -> None:
+    """--bf16 on a CPU without native bf16 instructions runs ~100x slower than fp32: say so, once
+    (only rank 0 probes: the ranks of a job share one kind of processor)."""
+    if get_rank_safe() == 0:
+        warning = cpu_bf16.slow_bf16_warning("this --bf16 run",
+                                             "fp32 (without --bf16) is the fast path on this machine")
+        if warning:
+            print_line(warning)
 
 
 def reset_megatron() -> None:

@@ -9,9 +9,11 @@ field, with its local-time prefix (as Megatron-LM core_v0.13 prints it), e.g.
      loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |
      number of nan iterations:   0 |
 
-(one line in the real output). Losses are averaged over the iterations of the interval whose
-update was applied; skipped iterations (fp16 overflow) are counted instead, and iterations whose
-loss is inf/nan are counted as nan iterations.
+(one line in the real output). The throughput keeps Megatron's one decimal from 1 TFLOP/s up and
+shows three significant digits below (0.000123 for a tiny model on a CPU), as a plain decimal.
+Losses are averaged over the iterations of the interval whose update was applied; skipped
+iterations (fp16 overflow) are counted instead, and iterations whose loss is inf/nan are counted as
+nan iterations.
 
 The progress line (iterations, rate, ETA) goes to stderr of the same rank, right after the log
 line, as one complete line written at once, so that merged output (`2>&1 | tee log`) keeps every
@@ -98,6 +100,17 @@ class IntervalStats:
         return {key: total / max(self.advanced, 1) for key, total in self.losses.items()}
 
 
+def format_tflops(value: float) -> str:
+    """The throughput field: Megatron's '{:.1f}' from 1 TFLOP/s up; below, enough decimals for three
+    significant digits (never an exponent), so that a CPU or a tiny model does not read 0.0.
+
+    12.34 -> '12.3', 0.0123 -> '0.0123', 0.000123 -> '0.000123'; 0, nan and inf as '{:.1f}' prints them."""
+    if not math.isfinite(value) or value <= 0 or value >= 1:
+        return "{:.1f}".format(value)
+    decimals = min(2 - math.floor(math.log10(value)), 12)  # 3 significant digits; 1e-12 TFLOP/s is 1 FLOP/s
+    return "{:.{}f}".format(value, decimals)
+
+
 def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, ms_per_iteration: float,
                     tflops_per_gpu: float, learning_rate: float, global_batch_size: int,
                     losses: Dict[str, float], loss_scale: float, grad_norm: Optional[float],
@@ -108,7 +121,7 @@ def format_log_line(*, iteration: int, train_iters: int, consumed_samples: int, 
     line += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
     line += " consumed samples: {:12d} |".format(consumed_samples)
     line += " elapsed time per iteration (ms): {:.1f} |".format(ms_per_iteration)
-    line += " throughput per GPU (TFLOP/s/GPU): {:.1f} |".format(tflops_per_gpu)
+    line += " throughput per GPU (TFLOP/s/GPU): {} |".format(format_tflops(tflops_per_gpu))
     line += " learning rate: {:.6E} |".format(learning_rate)
     line += " global batch size: {:5d} |".format(global_batch_size)
     for key, value in losses.items():

@@ -1,7 +1,7 @@
 """megatron_compat: our GPT checkpoints as a model of EleutherAI's lm-evaluation-harness (lm_eval >= 0.4.9).
 
     python -m megatron.evaluation.lm_eval_adapter --model megatron_compat \
-        --model_args load_hf=HF_DIR,batch_size=8 --tasks hellaswag --output_path results/
+        --model_args load_hf=HF_DIR --batch_size 8 --tasks hellaswag --output_path results/
     python -m megatron.evaluation.lm_eval_adapter --model megatron_compat \
         --model_args "load=CKPT,megatron_args=--use-checkpoint-args --tokenizer-type GPT2BPETokenizer --vocab-file v.json --merge-file m.txt" \
         --tasks my_task --include_path my_tasks/
@@ -14,7 +14,12 @@ running it is lm_eval's own command line with the class registered. model_args:
 | load_hf | a transformers directory (our --load-hf: config.json, safetensors, tokenizer.json) |
 | load | our checkpoint directory (--load) |
 | megatron_args | any other flags of ours, one string (split as a shell splits it): model shape, tokenizer, --tensor-model-parallel-size ... |
-| batch_size, max_length, max_gen_toks | as lm-eval's HFLM (max_length: default --max-position-embeddings) |
+| max_length, max_gen_toks | as lm-eval's HFLM (max_length: default --max-position-embeddings) |
+
+The batch size is lm_eval's own `--batch_size N` (a fixed N, no 'auto'; lm_eval's default is 1),
+which lm_eval hands to the model beside model_args. `batch_size=N` in model_args as well is accepted
+when it is the same N (lm_eval 0.4.13 alone would stop with "got multiple values for keyword
+argument 'batch_size'"); a different N is one error line naming both, before lm_eval loads its tasks.
 
 The three request types go to HarnessLM (megatron/evaluation/lm_harness.py), which follows HFLM's
 rules; lm_eval only schedules the requests and computes the metrics. Tested serially; under
@@ -27,15 +32,47 @@ from __future__ import annotations
 
 import shlex
 import sys
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 
+class ModelArgsError(ValueError):
+    """model_args that cannot build the model (one line, no traceback, from the command line)."""
+
+
+def merge_model_args(model_args: Dict[str, Any], lm_eval_args: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """model_args plus what lm_eval's command line adds beside them (batch_size, max_batch_size,
+    device; None: not given), where lm_eval itself would pass a key twice. batch_size must then
+    agree; for device and max_batch_size, which this model does not use (the device comes from
+    megatron.core.device, the batch size is fixed), model_args' value is kept."""
+    merged = dict(model_args)
+    for key, value in (lm_eval_args or {}).items():
+        if value is None:
+            continue
+        if key not in merged:
+            merged[key] = value
+        elif key == "batch_size" and str(merged[key]) != str(value):  # '8' from the command line, 8 from model_args
+            raise ModelArgsError(f"batch_size={merged[key]} in --model_args and --batch_size {value} differ "
+                                 "(lm_eval's --batch_size defaults to 1 when not given): give it once, "
+                                 f"e.g. --batch_size {merged[key]}")
+    return merged
+
+
 @register_model("megatron_compat")
 class MegatronCompatLM(TemplateLM):
     """lm_eval's LM interface over a HarnessLM (built from model_args, or given as harness_lm)."""
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: Optional[Dict[str, Any]] = None):
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls(**merge_model_args(simple_parse_args_string(arg_string), additional_config))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: Dict[str, Any], additional_config: Optional[Dict[str, Any]] = None):
+        return cls(**merge_model_args(arg_dict, additional_config))
 
     def __init__(self, load_hf: Optional[str] = None, load: Optional[str] = None, megatron_args: str = "",
                  batch_size: Any = 8, max_length: Optional[int] = None, max_gen_toks: int = 256,
@@ -78,7 +115,7 @@ def _build(load_hf: Optional[str], load: Optional[str], megatron_args: str, batc
     from tools.lm_eval_harness import build_harness_lm, initialize
 
     if str(batch_size).startswith("auto"):
-        raise ValueError("megatron_compat takes a fixed batch_size (no 'auto')")
+        raise ModelArgsError("megatron_compat takes a fixed --batch_size N (no 'auto')")
     argv = shlex.split(megatron_args or "")
     argv += ["--load-hf", load_hf] if load_hf else []
     argv += ["--load", load] if load else []
@@ -93,8 +130,33 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
+    _check_batch_size(list(sys.argv))
     cli_evaluate()
 
 
+def _check_batch_size(argv: List[str]) -> None:
+    """merge_model_args' batch_size check on the command line, before lm_eval indexes its task
+    library (tens of seconds) only to stop when it builds the model."""
+    try:  # lm_eval 0.4.10's command line and later; before it, the check waits for the model's creation
+        import dataclasses
+
+        from lm_eval._cli import HarnessCLI
+        from lm_eval.config.evaluate_config import EvaluatorConfig
+    except ImportError:
+        return
+    saved = sys.argv
+    try:
+        sys.argv = argv  # HarnessCLI parses sys.argv (and inserts its 'run')
+        args = HarnessCLI().parse_args()
+    finally:
+        sys.argv = saved
+    if getattr(args, "model", None) != "megatron_compat" or not isinstance(getattr(args, "model_args", None), dict):
+        return
+    default = {f.name: f.default for f in dataclasses.fields(EvaluatorConfig)}.get("batch_size")
+    merge_model_args(args.model_args, {"batch_size": getattr(args, "batch_size", default)})
+
+
 if __name__ == "__main__":
-    main()
+    from megatron.cli import run_cli
+
+    run_cli(main, "lm_eval_adapter", errors=(ModelArgsError,))

@@ -2,8 +2,9 @@
 transformers computation on the same weights, with lm-evaluation-harness 0.4's rules re-derived
 here (the context/continuation token boundary, left truncation, rolling windows, greedy until),
 serially, at TP=2, and at PP=2 from our checkpoint of it (convert.py) with our GPT2BPETokenizer;
-acc / acc_norm of a multiple-choice fixture; a bad line is one FILE:LINE; lm_eval's own evaluator
-over megatron_compat when lm_eval is installed."""
+acc / acc_norm of a multiple-choice fixture; a bad line is one FILE:LINE; lm_eval's own command line
+over megatron_compat when lm_eval is installed (the batch size given in model_args and as --batch_size;
+two different ones are one line)."""
 
 import contextlib
 import io
@@ -246,17 +247,6 @@ def test_a_bad_line_is_one_file_line_error(hf, tmp_path):
     assert "Traceback" not in run.stderr
 
 
-LM_EVAL_SCRIPT = """
-import json, sys
-import megatron.evaluation.lm_eval_adapter  # registers megatron_compat
-from lm_eval import simple_evaluate
-from lm_eval.tasks import TaskManager
-out = simple_evaluate(model="megatron_compat", model_args=sys.argv[1], tasks=sys.argv[2].split(","),
-                      task_manager=TaskManager(include_path=sys.argv[3]), log_samples=True)
-samples = {task: [{"doc": s["doc"], "resps": s["resps"], "filtered_resps": s["filtered_resps"]} for s in rows]
-           for task, rows in out["samples"].items()}
-json.dump({"results": out["results"], "samples": samples}, open(sys.argv[4], "w"), default=str)
-"""
 TASK_YAML = """task: {name}
 dataset_path: json
 dataset_kwargs:
@@ -277,9 +267,8 @@ TASK_BODIES = {
 }
 
 
-def test_lm_eval_runs_megatron_compat_on_local_yaml_tasks(hf, serial, tmp_path):
-    """lm_eval's own evaluator (when it is installed) over YAML tasks on local JSONL files: the
-    registered megatron_compat model gives our tool's scores and HF's greedy text."""
+def _write_yaml_tasks(hf, directory):
+    """TASK_BODIES as lm_eval YAML tasks over local JSONL files in directory (lm_eval needed)."""
     import importlib.util
 
     if importlib.util.find_spec("lm_eval") is None:
@@ -289,26 +278,57 @@ def test_lm_eval_runs_megatron_compat_on_local_yaml_tasks(hf, serial, tmp_path):
     generate = [{"context": c, "target": _hf_greedy(hf, c, 5)} for c in GENERATE_CONTEXTS]
     rows = {"tiny_mc": mc, "tiny_rolling": [{"text": t} for t in ROLLING], "tiny_generate": generate}
     for name, (output_type, body) in TASK_BODIES.items():
-        data = tmp_path / f"{name}.jsonl"
+        data = directory / f"{name}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows[name]))
-        (tmp_path / f"{name}.yaml").write_text(TASK_YAML.format(name=name, data=data, output_type=output_type,
-                                                                 body=body))
-    out = tmp_path / "lm_eval.json"
-    env = {**os.environ, "PYTHONPATH": ROOT, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-           "HF_HOME": str(tmp_path / "hf_home")}
-    run = subprocess.run([sys.executable, "-c", LM_EVAL_SCRIPT, f"load_hf={hf[2]},batch_size=3",
-                          ",".join(TASK_BODIES), str(tmp_path), str(out)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+        (directory / f"{name}.yaml").write_text(TASK_YAML.format(name=name, data=data, output_type=output_type,
+                                                                  body=body))
+    return {**os.environ, "PYTHONPATH": ROOT, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+            "HF_HOME": str(directory / "hf_home")}
+
+
+def _adapter_cli(directory, env, *flags):
+    """The documented command line: lm_eval's own, with megatron_compat registered."""
+    return subprocess.run([sys.executable, "-m", "megatron.evaluation.lm_eval_adapter", "--model", "megatron_compat",
+                           "--include_path", str(directory), *flags],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+
+
+def test_lm_eval_runs_megatron_compat_on_local_yaml_tasks(hf, serial, tmp_path):
+    """lm_eval's own command line (when it is installed) over YAML tasks on local JSONL files: the
+    registered megatron_compat model gives our tool's scores and HF's greedy text. The batch size
+    is given both ways, as lm_eval 0.4.13 hands its --batch_size beside model_args (lm_eval alone
+    stopped there with "got multiple values for keyword argument 'batch_size'")."""
+    env = _write_yaml_tasks(hf, tmp_path)
+    run = _adapter_cli(tmp_path, env, "--model_args", f"load_hf={hf[2]},batch_size=3", "--batch_size", "3",
+                       "--tasks", ",".join(TASK_BODIES), "--output_path", str(tmp_path / "out"), "--log_samples")
     assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(out.read_text())
+    assert "batch_size: 3" in run.stdout
+    [results] = (tmp_path / "out").glob("**/results_*.json")
+    got = json.loads(results.read_text())["results"]
     ours = serial[1]["results"]
-    assert got["results"]["tiny_mc"]["acc,none"] == pytest.approx(ours["mc"]["acc"])
-    assert got["results"]["tiny_mc"]["acc_norm,none"] == pytest.approx(ours["mc"]["acc_norm"])
+    assert got["tiny_mc"]["acc,none"] == pytest.approx(ours["mc"]["acc"])
+    assert got["tiny_mc"]["acc_norm,none"] == pytest.approx(ours["mc"]["acc_norm"])
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
-        assert got["results"]["tiny_rolling"][f"{metric},none"] == pytest.approx(
+        assert got["tiny_rolling"][f"{metric},none"] == pytest.approx(
             ours["requests"][f"loglikelihood_rolling/{metric}"], rel=1e-5)
-    for sample in got["samples"]["tiny_generate"]:
+    [samples] = (tmp_path / "out").glob("**/samples_tiny_generate_*.jsonl")
+    samples = [json.loads(line) for line in samples.read_text().splitlines()]
+    assert len(samples) == len(GENERATE_CONTEXTS)
+    for sample in samples:
         expected = _hf_greedy(hf, sample["doc"]["context"], 5)
         for term in ("\n\n", "ot", "<|endoftext|>"):
             expected = expected.split(term)[0]
         assert sample["filtered_resps"][0] == expected
+
+
+def test_two_different_batch_sizes_are_one_line_before_lm_eval_loads_tasks(tmp_path):
+    """batch_size=8 in model_args against lm_eval's --batch_size (its default 1 here): one line,
+    exit status 1, no traceback, before lm_eval indexes its task library or the model is built."""
+    pytest.importorskip("lm_eval")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run = _adapter_cli(tmp_path, env, "--model_args", f"load_hf={tmp_path / 'never_read'},batch_size=8",
+                       "--tasks", "tiny_mc")
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "lm_eval_adapter: error: batch_size=8 in --model_args and --batch_size 1 differ (lm_eval's --batch_size "
+        "defaults to 1 when not given): give it once, e.g. --batch_size 8"]

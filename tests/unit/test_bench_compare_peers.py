@@ -1,5 +1,6 @@
 """bench/compare_peers.py and bench/peak.py: the FLOPs formula, MFU, the ratio lines and how a
-framework that cannot run is reported. No timings are asserted."""
+framework that cannot run is reported, and bf16 skipped with its reason on a CPU without a fast bf16
+path (the probe replaced). No timings are asserted."""
 
 from __future__ import annotations
 
@@ -210,3 +211,46 @@ def test_first_loss_line_and_llama_config_line():
                                                      "SwiGLU ffn 688, RMSNorm, RoPE")
     assert cp.config_text(cp.GPT_SHAPE).startswith("GPT 4 layers, hidden 256, 8 heads, vocab 8192")
     assert cp.parse_args([]).model == "gpt" and cp.parse_args(["--model", "llama"]).model == "llama"
+
+
+# ---------------------------------------------------------------- a CPU without a fast bf16 path
+
+@pytest.fixture
+def slow_bf16_cpu(monkeypatch):
+    """An AVX2-only EPYC as the probe sees it: bf16 1.2 GFLOP/s, fp32 168 (megatron/core/cpu_bf16.py)."""
+    from megatron.core import cpu_bf16, device
+
+    monkeypatch.setattr(device, "accelerator_available", lambda: False)
+    monkeypatch.setattr(cpu_bf16, "bf16_speed", lambda: cpu_bf16.Bf16Speed(fp32_gflops=168.0, bf16_gflops=1.2))
+
+
+def test_bf16_is_dropped_with_its_reason_only_where_bf16_is_slow(slow_bf16_cpu, monkeypatch):
+    from megatron.core import cpu_bf16
+
+    kept, reason = peak.drop_slow_bf16(["fp32", "bf16"])
+    assert kept == ["fp32"]
+    assert reason.startswith("bf16 skipped: this CPU has no fast bf16 path (a 128x128 bf16 matmul measured 140x "
+                             "slower than fp32, over 4x)") and reason.endswith("--allow-slow-bf16 runs them anyway")
+    assert peak.drop_slow_bf16(["fp32", "bf16"], allow_slow=True) == (["fp32", "bf16"], None)
+    monkeypatch.setattr(cpu_bf16, "bf16_speed", lambda: cpu_bf16.Bf16Speed(fp32_gflops=100.0, bf16_gflops=180.0))
+    assert peak.drop_slow_bf16(["fp32", "bf16"]) == (["fp32", "bf16"], None)
+
+
+def test_compare_peers_skips_bf16_on_such_a_cpu_before_measuring_anything(slow_bf16_cpu, monkeypatch, capsys):
+    monkeypatch.setattr(cp, "spawn", lambda *a: pytest.fail("a bf16 run was started"))
+    monkeypatch.setattr(peak, "measure_peaks", lambda *a, **k: pytest.fail("the bf16 ceiling was measured"))
+    monkeypatch.setattr(cp, "_load_peak_module", lambda: peak)
+    cp.main(["--precisions", "bf16"])
+    assert capsys.readouterr().out.splitlines()[0].startswith("bf16 skipped: this CPU has no fast bf16 path")
+
+
+def test_peak_and_generation_benches_skip_bf16_too(slow_bf16_cpu, monkeypatch, capsys):
+    from bench import generation
+
+    peak.main(["--sizes", "32", "--repeats", "1", "--threads", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("bf16 skipped:")
+    assert [line.split() for line in out if line.split()[:1] == ["n"]] == [["n", "fp32"]]  # the fp32 column only
+    monkeypatch.setattr(generation, "build_models", lambda *a: pytest.fail("models built for a skipped dtype"))
+    generation.main(["--dtypes", "bf16"])
+    assert capsys.readouterr().out.startswith("bf16 skipped:")

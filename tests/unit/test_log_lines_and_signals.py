@@ -1,4 +1,5 @@
-"""The log line's prefix, the progress line's single write, and loader workers under --exit-signal-handler.
+"""The log line's prefix and throughput field, the progress line's single write, and loader workers
+under --exit-signal-handler.
 
 End to end under torchrun: tests/functional/test_torchrun_logs_and_signals.py.
 """
@@ -72,3 +73,17 @@ def test_loader_workers_ignore_sigterm_only_under_the_exit_signal_handler():
                                                data_parallel_size=1, num_workers=1, workers_ignore_sigterm=ignore)
         assert next(iter(loader)).tolist() == [int(ignore)] * 2, ignore
     assert signal.getsignal(signal.SIGTERM) != signal.SIG_IGN  # the training process keeps its handler
+
+
+def test_throughput_shows_three_significant_digits_below_one_tflops():
+    """Megatron's '{:.1f}' read 0.0 for every CPU run; below 1 TFLOP/s the field now has three
+    significant digits, as a plain decimal that float() and a '[\\d.]+' pattern both read."""
+    def field(tflops):
+        line = format_log_line(**{**FIELDS, "tflops_per_gpu": tflops}, now="2025-06-01 12:34:56")
+        return re.search(r"\| throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \| learning rate", line).group(1)
+
+    assert field(123.456) == "123.5" and field(1.0) == "1.0"  # Megatron's format, unchanged
+    assert field(0.5) == "0.500" and field(0.0123456) == "0.0123"
+    assert field(0.000123456) == "0.000123" and float(field(0.000123456)) == 0.000123
+    assert field(4.5e-9) == "0.00000000450"
+    assert field(0.0) == "0.0"
