@@ -6,7 +6,8 @@
 
 Every line of the input is a JSON object; the text under each --json-keys key becomes one
 document of `{output_prefix}_{key}_document.bin/.idx` (`_sentence` with --split-sentences,
-where each sentence is one sequence). Files with a `.gz` suffix are read through gzip.
+where each sentence is one sequence). Files with a `.gz` suffix are read through gzip. The input
+may also be a pipe, read once as a stream (`--input <(zstdcat corpus.jsonl.zst)`, one partition).
 
 Differences from Megatron-LM's script, all in the direction of safety:
   * the output never exists half-written: every file is written under a temporary name and
@@ -28,6 +29,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -82,11 +84,24 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def is_pipe(path: str) -> bool:
+    """A named pipe or a shell's process substitution (`--input <(zstdcat corpus.jsonl.zst)`):
+    read once, as a stream, by a single partition."""
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _validate_args(args: argparse.Namespace) -> None:
     if args.tokenizer_type is None:
         raise PreprocessError("--tokenizer-type is required")
     if not os.path.isfile(args.input):
-        raise PreprocessError(f"--input {args.input}: no such file")
+        if not is_pipe(args.input):
+            raise PreprocessError(f"--input {args.input}: no such file")
+        if args.partitions > 1:
+            raise PreprocessError(f"--input {args.input} is a pipe, which can be read once: "
+                                  f"--partitions {args.partitions} needs a file (use --partitions 1)")
     if args.workers < 1:
         raise PreprocessError(f"--workers must be at least 1 (got {args.workers})")
     if args.partitions < 1:

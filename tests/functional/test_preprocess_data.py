@@ -115,6 +115,26 @@ def test_gzip_input(tmp_path):
     assert read_documents(tmp_path / "out_text_document") == [[[3, 4]]]
 
 
+def test_a_pipe_is_read_as_a_stream_and_gives_the_files_output(tmp_path):
+    # `--input <(zstdcat corpus.jsonl.zst)`: the shell hands over a pipe, read once.
+    import threading
+
+    lines = "".join(json.dumps({"text": f"{i} {i + 1} {i + 2}"}) + "\n" for i in range(300))
+    (tmp_path / "in.jsonl").write_text(lines)
+    preprocess_data.main(null_args(tmp_path / "in.jsonl", tmp_path / "from_file", "--append-eod"))
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text(lines), daemon=True)
+    writer.start()
+    preprocess_data.main(null_args(fifo, tmp_path / "from_pipe", "--append-eod", workers=2))
+    writer.join(timeout=10)
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"from_pipe_text_document{suffix}").read_bytes() == \
+            (tmp_path / f"from_file_text_document{suffix}").read_bytes()
+    with pytest.raises(PreprocessError, match=r"is a pipe, which can be read once: --partitions 2 needs a file"):
+        preprocess_data.main(null_args(fifo, tmp_path / "x", "--partitions", "2", workers=2))
+
+
 def test_progress_lines_report_rates(tmp_path, capsys):
     write_jsonl(tmp_path / "in.jsonl", ["1 2"] * 10)
     preprocess_data.main(null_args(tmp_path / "in.jsonl", tmp_path / "out", "--log-interval", "5"))
@@ -259,21 +279,44 @@ def test_command_line_reports_errors_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def _feed_forever(fifo, stop):
+    """Write documents into a named pipe until the reader is gone: the run cannot finish on its own."""
+    try:
+        with open(fifo, "w", encoding="utf-8") as f:
+            k = 0
+            while not stop.is_set():
+                f.write("".join(json.dumps({"text": " ".join(str(i % 997) for i in range(j, j + 50))}) + "\n"
+                                for j in range(k, k + 500)))
+                k += 500
+    except (BrokenPipeError, OSError):
+        pass
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
 def test_interrupted_run_leaves_no_output_under_the_final_names(tmp_path, sig):
+    # The input is a pipe fed without end, so the signal always lands mid-run, however loaded the
+    # machine is (a finite file could be done before the signal arrives).
     import signal
+    import threading
 
-    write_jsonl(tmp_path / "in.jsonl", [" ".join(str(i % 997) for i in range(k, k + 50)) for k in range(200_000)])
+    fifo = tmp_path / "in.jsonl"
+    os.mkfifo(fifo)
+    stop = threading.Event()
+    feeder = threading.Thread(target=_feed_forever, args=(fifo, stop), daemon=True)
+    feeder.start()
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tools" / "preprocess_data.py"),
-         *null_args(tmp_path / "in.jsonl", out / "x", "--log-interval", "2000", workers=2)],
+         *null_args(fifo, out / "x", "--log-interval", "2000", workers=2)],
         stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     for line in proc.stderr:  # interrupt once it is visibly midway
         if line.startswith("Processed"):
             break
     proc.send_signal(getattr(signal, sig))
-    proc.communicate(timeout=60)
+    try:
+        proc.communicate(timeout=60)
+    finally:
+        stop.set()
     assert proc.returncode != 0
     final_names = {"x_text_document.bin", "x_text_document.idx"}
     assert not final_names & set(os.listdir(out))
