@@ -59,7 +59,7 @@ def bert_dataset_config_from_args(args: Any, tokenizer: Any) -> BERTMaskedWordPi
     """The config pretrain_bert.py builds: the GPT data flags plus --mask-prob (0.15),
     --short-seq-prob (0.1) and --bert-binary-head (True; --bert-no-binary-head), with
     whole-word masking of N-grams up to 3, as Megatron's pretrain_bert.py hard-codes."""
-    from megatron.arguments import gpt_dataset_config_from_args
+    from megatron.training.arguments import gpt_dataset_config_from_args
 
     base = gpt_dataset_config_from_args(args, tokenizer)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}

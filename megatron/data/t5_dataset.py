@@ -109,7 +109,7 @@ def t5_dataset_config_from_args(args: Any, tokenizer: Any) -> T5MaskedWordPieceD
     --encoder-seq-length, is the encoder's), --decoder-seq-length, --mask-prob (0.15) and
     --short-seq-prob (0.1), with whole-word N-grams up to 10 of geometric lengths (p = 0.2, or
     1 / --mean-noise-span-length, pretrain_t5.py's flag of ours)."""
-    from megatron.arguments import gpt_dataset_config_from_args
+    from megatron.training.arguments import gpt_dataset_config_from_args
 
     base = gpt_dataset_config_from_args(args, tokenizer)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}

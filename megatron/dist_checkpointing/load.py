@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from megatron.checkpoint_manifest import manifest_path, read_manifest, verify_file
-from megatron.checkpoint_safety import CheckpointError, load_file
+from megatron.training.checkpoint_manifest import manifest_path, read_manifest, verify_file
+from megatron.training.checkpoint_safety import CheckpointError, load_file
 from megatron.dist_checkpointing.common import (
     COMMON_FILE, DCP_METADATA, FORMAT, LAYOUT_VERSION, _CONTENT_FORMAT, _print_rank_0, _rank, _world,
     iteration_dir,
@@ -134,8 +134,8 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
                     load_dir: str, base_dir: str, iteration: int, release: bool,
                     strict: bool = True) -> Tuple[int, float]:
     """Load a torch_dist checkpoint at this run's layout (collective). Returns (iteration, flops)."""
-    from megatron.checkpoint_fit import check_checkpoint_args
-    from megatron.checkpoint_rng import set_rng_state
+    from megatron.training.checkpoint_fit import check_checkpoint_args
+    from megatron.training.checkpoint_rng import set_rng_state
 
     common = read_common(base_dir, args)
     saved_args = common.get("args")
@@ -353,7 +353,7 @@ def benchmark_save_load(model: Any, optimizer: Any, opt_param_scheduler: Any, ar
     'load' (load_checkpoint into the same model and optimizer), and 'bytes' (the iteration folder).
     `args` is copied; its save/load/ckpt_format/async_save are set here.
     """
-    from megatron import checkpointing
+    from megatron.training import checkpointing
 
     run = copy.copy(args)
     run.save = run.load = directory

@@ -128,7 +128,7 @@ def _train_step_peak(model: list, optimizer: Any, scheduler: Any) -> int:
     """One real train_step (the pipeline schedule of the flags, mock data) under _LiveSaved: the
     peak of the saved-tensor bytes this rank held at once (full recompute's rerun included)."""
     import pretrain_gpt
-    from megatron.training import build_train_valid_test_data_iterators, train_step
+    from megatron.training.training import build_train_valid_test_data_iterators, train_step
 
     with contextlib.redirect_stdout(io.StringIO()):
         train_iter, _, _ = build_train_valid_test_data_iterators(pretrain_gpt.train_valid_test_datasets_provider)
@@ -146,11 +146,11 @@ def measure_rank(argv: list[str]) -> dict:
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.core.optimizer.memory import optimizer_memory_per_parameter
-    from megatron.global_vars import get_args
-    from megatron.initialize import initialize_megatron, reset_megatron
+    from megatron.training.global_vars import get_args
+    from megatron.training.initialize import initialize_megatron, reset_megatron
     from megatron.planner.model import in_flight_units, layout_from_args, shape_from_args
     from megatron.planner.plan import plan_rank
-    from megatron.training import setup_model_and_optimizer
+    from megatron.training.training import setup_model_and_optimizer
 
     routing = contextlib.nullcontext()
     if "--num-experts" in argv and "--moe-pad-expert-input-to-capacity" not in argv:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from argparse import Namespace
 
-from megatron.utils import print_line
+from megatron.training.utils import print_line
 
 # The flags only rope reads, with their defaults (given with another value: the warning names them).
 ROPE_ONLY_FLAGS = (("rotary_base", 10000), ("rotary_percent", 1.0), ("rotary_interleaved", False),
@@ -44,7 +44,7 @@ def is_t5(args: Namespace) -> bool:
 
 def _errors():
     # arguments_validation imports this module: take its error class and flag() when called.
-    from megatron.arguments_validation import ArgsError, flag
+    from megatron.training.arguments_validation import ArgsError, flag
 
     return ArgsError, flag
 

@@ -12,7 +12,7 @@
                                           from the data-parallel shards and stored unpadded, so a run
                                           may resume at another data-parallel size
         checksums.json                    size and sha256 of every file of the iteration
-                                          (megatron/checkpoint_manifest.py), verified on load
+                                          (megatron/training/checkpoint_manifest.py), verified on load
 
 `model_optim_rng.pt` is one torch.save'd dict:
 
@@ -35,9 +35,9 @@ temporaries a killed save left in a folder are removed by the next save there), 
 manifest and then the tracker are written (by rank 0, once every rank reported its files
 complete), so a crash at any point leaves the previous checkpoint loadable and the tracker
 naming it. A failed write is reported on every rank with the file, the errno and the
-checkpoint that is still intact (megatron/checkpoint_writes.py). Files are read with the
-allow-list unpickler of megatron/checkpoint_safety.py; the RNG entry is described in
-megatron/checkpoint_rng.py, the checks of a checkpoint against this run in checkpoint_fit.py.
+checkpoint that is still intact (megatron/training/checkpoint_writes.py). Files are read with the
+allow-list unpickler of megatron/training/checkpoint_safety.py; the RNG entry is described in
+megatron/training/checkpoint_rng.py, the checks of a checkpoint against this run in checkpoint_fit.py.
 """
 
 from __future__ import annotations
@@ -50,18 +50,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.checkpoint_fit import (
+from megatron.training.checkpoint_fit import (
     apply_checkpoint_args, check_checkpoint_args, check_parallel_layout, load_model_chunks,
 )
-from megatron.checkpoint_manifest import manifest_path, verify_file, write_manifest
-from megatron.checkpoint_rng import get_rng_state, set_rng_state
-from megatron.checkpoint_safety import CheckpointError, load_file
-from megatron.checkpoint_writes import (
+from megatron.training.checkpoint_manifest import manifest_path, verify_file, write_manifest
+from megatron.training.checkpoint_rng import get_rng_state, set_rng_state
+from megatron.training.checkpoint_safety import CheckpointError, load_file
+from megatron.training.checkpoint_writes import (
     Failure, attempt, broadcast_from_rank_0, describe_write_error, gather_results, local_error,
 )
 from megatron.core import communication, device, parallel_state
 from megatron.core.atomic_io import Checksum, atomic_write, remove_stale_temporaries
-from megatron.utils import print_line
+from megatron.training.utils import print_line
 
 _CHECKPOINT_VERSION = 3.0
 _TRACKER_NAME = "latest_checkpointed_iteration.txt"

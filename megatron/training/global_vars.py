@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from megatron.timers import Timers
-from megatron.utils import print_line
+from megatron.core.timers import Timers
+from megatron.training.utils import print_line
 
 _ARGS: Optional[argparse.Namespace] = None
 _TOKENIZER: Any = None
@@ -25,7 +25,7 @@ _SIGNAL_HANDLER: Any = None
 
 def _ensure(value: Any, name: str) -> Any:
     if value is None:
-        raise RuntimeError(f"{name} is not initialized; call megatron.initialize.initialize_megatron() first")
+        raise RuntimeError(f"{name} is not initialized; call megatron.training.initialize.initialize_megatron() first")
     return value
 
 
@@ -75,14 +75,14 @@ def set_args(args: argparse.Namespace) -> None:
 def set_global_variables(args: argparse.Namespace, build_tokenizer: bool = True) -> None:
     """Set args, the micro-batch calculator, tokenizer, timers and the writers from args."""
     global _TOKENIZER, _TIMERS, _MICROBATCHES
-    from megatron.microbatches import build_num_microbatches_calculator
+    from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 
     set_args(args)
     _MICROBATCHES = build_num_microbatches_calculator(
         args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
         args.data_parallel_size)
     if build_tokenizer:
-        from megatron.tokenizer import build_tokenizer as _build
+        from megatron.training.tokenizer import build_tokenizer as _build
 
         _TOKENIZER = _build(args)
     _TIMERS = Timers(getattr(args, "timing_log_level", 0))
@@ -119,7 +119,7 @@ def _set_wandb_writer(args: argparse.Namespace) -> None:
 def _set_signal_handler(args: argparse.Namespace) -> None:
     global _SIGNAL_HANDLER
     if getattr(args, "exit_signal_handler", False):
-        from megatron.dist_signal_handler import DistributedSignalHandler
+        from megatron.training.dist_signal_handler import DistributedSignalHandler
 
         _SIGNAL_HANDLER = DistributedSignalHandler().__enter__()
 
