@@ -15,7 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-from megatron.training.utils import print_line
+from megatron.core.utils import print_line
 
 
 class NumMicroBatchesCalculator(ABC):

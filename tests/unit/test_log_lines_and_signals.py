@@ -9,7 +9,7 @@ import signal
 import torch
 from torch.utils.data import Dataset
 
-from megatron.training import utils
+from megatron.core import utils
 from megatron.data.data_samplers import build_pretraining_data_loader
 from megatron.training.training_log import Progress, format_log_line
 
