@@ -94,8 +94,9 @@ def is_dataset_built_on_rank() -> bool:
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
     """BERT datasets for --data-path / --split (sentence-split `_text_sentence` data)."""
-    from megatron.data.bert_dataset import BERTMaskedWordPieceDataset, bert_dataset_config_from_args
+    from megatron.data.bert_dataset import BERTMaskedWordPieceDataset
     from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.training.dataset_configs import bert_dataset_config_from_args
 
     args = get_args()
     config = bert_dataset_config_from_args(args, get_tokenizer())

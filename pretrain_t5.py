@@ -103,7 +103,8 @@ def is_dataset_built_on_rank() -> bool:
 def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
     """T5 datasets for --data-path / --split (sentence-split `_text_sentence` data)."""
     from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.data.t5_dataset import T5MaskedWordPieceDataset, t5_dataset_config_from_args
+    from megatron.data.t5_dataset import T5MaskedWordPieceDataset
+    from megatron.training.dataset_configs import t5_dataset_config_from_args
 
     args = get_args()
     config = t5_dataset_config_from_args(args, get_tokenizer())

@@ -196,7 +196,7 @@ def bench_io(hidden: int, layers: int, heads: int, vocab: int, seq: int, workdir
     timed save + load of its model, optimizer and scheduler in each format (IO_CASES)."""
     import megatron.training.checkpointing as checkpointing
     import pretrain_gpt
-    from megatron.dist_checkpointing import benchmark_save_load
+    from megatron.training.checkpointing import benchmark_save_load
 
     results: Dict[str, Dict[str, float]] = {}
 

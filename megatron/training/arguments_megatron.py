@@ -28,6 +28,7 @@ import argparse
 from argparse import Namespace
 from typing import Any, NamedTuple
 
+from megatron.training.argument_utils import ArgsError, flag
 from megatron.training.utils import print_line
 
 
@@ -325,8 +326,6 @@ def no_effect_flags_given(args: Namespace) -> list:
 
 def _take_alias(args: Namespace, alias: str, dest: str) -> None:
     """Megatron's second name of a flag (--encoder-num-layers for --num-layers): give one of the two."""
-    from megatron.training.arguments_validation import ArgsError, flag
-
     value = getattr(args, alias)
     if value is not None:
         if getattr(args, dest) not in (None, value):
@@ -349,8 +348,6 @@ ATTENTION_BACKENDS["fused"] = ATTENTION_BACKENDS["flash"]
 
 def _validate_attention_backend(args: Namespace) -> None:
     """--attention-backend onto use_flash_attn: flash/fused set it, local/unfused refuse it, auto keeps it."""
-    from megatron.training.arguments_validation import ArgsError
-
     backend = args.attention_backend
     if backend in ("flash", "fused"):
         args.use_flash_attn = True
@@ -365,9 +362,6 @@ def _validate_attention_backend(args: Namespace) -> None:
 def validate_megatron_flags(args: Namespace) -> None:
     """Megatron-LM flags that map onto ours, the ones refused only in some combinations, and one
     warning naming the given flags that have no effect here. Raises ArgsError."""
-    # arguments_validation imports this module for its tables: import its error class when called.
-    from megatron.training.arguments_validation import ArgsError
-
     _take_alias(args, "encoder_num_layers", "num_layers")
     _take_alias(args, "encoder_seq_length", "seq_length")
     if not args.add_position_embedding and args.position_embedding_type != "rope":

@@ -44,15 +44,12 @@ from typing import Any
 
 import torch
 
+from megatron.training.argument_utils import ArgsError, flag
 from megatron.training.arguments_megatron import refusal_rows, validate_megatron_flags
 from megatron.training.arguments_model import default_ffn_hidden_size, validate_model_architecture
 from megatron.core import device
 from megatron.data.utils import parse_and_normalize_split, parse_data_path
 from megatron.training.utils import print_line
-
-
-class ArgsError(ValueError):
-    """A bad command line: the message names the flag(s) involved and what to do."""
 
 
 # Deprecated / shorthand flags in one table: dest -> (action, message or (target dest, value)).
@@ -82,11 +79,6 @@ NOT_YET_SUPPORTED = (
 
 # The GPT model's required shape flags (Megatron's required_args).
 REQUIRED_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
-
-
-def flag(dest: str) -> str:
-    """'micro_batch_size' -> '--micro-batch-size'."""
-    return "--" + dest.replace("_", "-")
 
 
 def _print_rank_0(args: Namespace, message: str) -> None:

@@ -43,7 +43,9 @@ megatron/training/checkpoint_rng.py, the checks of a checkpoint against this run
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -657,3 +659,36 @@ __all__ = [
     "get_checkpoint_tracker_filename", "get_rng_state", "check_parallel_layout", "load_args_from_checkpoint",
     "load_checkpoint", "read_metadata", "save_checkpoint",
 ]
+
+
+def benchmark_save_load(model: Any, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+                        directory: str, ckpt_format: str = "torch_dist", async_save: bool = False,
+                        iteration: int = 1) -> Dict[str, float]:
+    """Time one save and one load of (model, optimizer, scheduler) in `ckpt_format` ('torch' or
+    'torch_dist', async_save with torch_dist) under `directory` (for bench/checkpoint_io.py).
+
+    Collective when distributed. Returns seconds: 'save' (until save_checkpoint returned: what
+    training waits for), 'finalize' (until the tracker names it; equal to 'save' when synchronous),
+    'load' (load_checkpoint into the same model and optimizer), and 'bytes' (the iteration folder).
+    `args` is copied; its save/load/ckpt_format/async_save are set here.
+    """
+    from megatron import dist_checkpointing
+
+    run = copy.copy(args)
+    run.save = run.load = directory
+    run.ckpt_format, run.async_save = ckpt_format, bool(async_save)
+    run.auto_detect_ckpt_format = False
+    for name in ("no_save_optim", "no_load_optim", "no_save_rng", "no_load_rng", "finetune"):
+        setattr(run, name, getattr(run, name, False) or False)
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, run)
+    saved = time.perf_counter()
+    dist_checkpointing.maybe_finalize_async_save(blocking=True)
+    finalized = time.perf_counter()
+    load_checkpoint(model, optimizer, opt_param_scheduler, run)
+    loaded = time.perf_counter()
+    folder = dist_checkpointing.iteration_dir(directory, iteration)
+    size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
+    return {"save": saved - start, "finalize": finalized - start, "load": loaded - finalized, "bytes": float(size)}

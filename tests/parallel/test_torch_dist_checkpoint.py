@@ -222,8 +222,7 @@ def test_the_converter_reads_torch_dist(saved, tmp_path, capsys):
 def test_the_bench_helper_saves_and_loads_either_format_in_one_process(tmp_path):
     """benchmark_save_load (for bench/checkpoint_io.py) times a real round trip: a fresh model and
     Adam loaded from what it wrote hold the saved weights and moments."""
-    from megatron.training.checkpointing import load_checkpoint
-    from megatron.dist_checkpointing import benchmark_save_load
+    from megatron.training.checkpointing import benchmark_save_load, load_checkpoint
     from tests.unit.test_checkpointing import TinyGPT, make_args
 
     def model_and_adam(seed):
