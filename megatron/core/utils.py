@@ -29,6 +29,19 @@ def unwrap_model(model: nn.Module | list[nn.Module]) -> nn.Module | list[nn.Modu
     return model
 
 
+def get_model_config(model: nn.Module | list[nn.Module]):
+    """The config of the innermost model (the first chunk of a list), under Megatron-core's name.
+
+    The innermost one, not the first `.config` on the way in: our DistributedDataParallel keeps its
+    DistributedDataParallelConfig as `.config`, where Megatron's keeps the TransformerConfig."""
+    if isinstance(model, (list, tuple)):
+        model = model[0]
+    inner = unwrap_model(model)
+    if not hasattr(inner, "config"):
+        raise AttributeError(f"{type(inner).__name__} has no config (not a megatron model?)")
+    return inner.config
+
+
 class _NoGraphContext:
     """Stands in for an autograd ctx when no graph is recorded: what forward saves is dropped."""
 

@@ -11,6 +11,13 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
+from megatron.core.num_microbatches_calculator import (  # noqa: F401  (the calculator is core's)
+    get_current_global_batch_size,
+    get_num_microbatches,
+    init_num_microbatches_calculator,
+    unset_num_microbatches_calculator,
+    update_num_microbatches,
+)
 from megatron.core.timers import Timers
 from megatron.training.utils import print_line
 
@@ -19,7 +26,6 @@ _TOKENIZER: Any = None
 _TIMERS: Optional[Timers] = None
 _TENSORBOARD_WRITER: Any = None
 _WANDB_WRITER: Any = None
-_MICROBATCHES: Any = None
 _SIGNAL_HANDLER: Any = None
 
 
@@ -55,18 +61,6 @@ def get_signal_handler() -> Any:
     return _SIGNAL_HANDLER
 
 
-def get_num_microbatches() -> int:
-    return _ensure(_MICROBATCHES, "micro-batch calculator").get()
-
-
-def get_current_global_batch_size() -> int:
-    return _ensure(_MICROBATCHES, "micro-batch calculator").get_current_global_batch_size()
-
-
-def update_num_microbatches(consumed_samples: int, consistency_check: bool = True) -> None:
-    _ensure(_MICROBATCHES, "micro-batch calculator").update(consumed_samples, consistency_check)
-
-
 def set_args(args: argparse.Namespace) -> None:
     global _ARGS
     _ARGS = args
@@ -74,11 +68,9 @@ def set_args(args: argparse.Namespace) -> None:
 
 def set_global_variables(args: argparse.Namespace, build_tokenizer: bool = True) -> None:
     """Set args, the micro-batch calculator, tokenizer, timers and the writers from args."""
-    global _TOKENIZER, _TIMERS, _MICROBATCHES
-    from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
-
+    global _TOKENIZER, _TIMERS
     set_args(args)
-    _MICROBATCHES = build_num_microbatches_calculator(
+    init_num_microbatches_calculator(
         args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
         args.data_parallel_size)
     if build_tokenizer:
@@ -126,11 +118,12 @@ def _set_signal_handler(args: argparse.Namespace) -> None:
 
 def unset_global_variables() -> None:
     """Forget every global (closing the writers and restoring the signal handler)."""
-    global _ARGS, _TOKENIZER, _TIMERS, _TENSORBOARD_WRITER, _WANDB_WRITER, _MICROBATCHES, _SIGNAL_HANDLER
+    global _ARGS, _TOKENIZER, _TIMERS, _TENSORBOARD_WRITER, _WANDB_WRITER, _SIGNAL_HANDLER
     if _TENSORBOARD_WRITER is not None:
         _TENSORBOARD_WRITER.close()
     if _WANDB_WRITER is not None:
         _WANDB_WRITER.finish()
     if _SIGNAL_HANDLER is not None:
         _SIGNAL_HANDLER.__exit__(None, None, None)
-    _ARGS = _TOKENIZER = _TIMERS = _TENSORBOARD_WRITER = _WANDB_WRITER = _MICROBATCHES = _SIGNAL_HANDLER = None
+    unset_num_microbatches_calculator()
+    _ARGS = _TOKENIZER = _TIMERS = _TENSORBOARD_WRITER = _WANDB_WRITER = _SIGNAL_HANDLER = None

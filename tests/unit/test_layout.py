@@ -7,6 +7,8 @@ import ast
 import functools
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 LOWER_LAYERS = ("megatron.core", "megatron.model", "megatron.data")
 
@@ -97,3 +99,59 @@ def test_the_graph_sees_imports_inside_functions():
     assert "megatron.training.checkpointing" in graph["megatron.training.arguments_validation"]
     assert "megatron.dist_checkpointing" in graph["megatron.training.checkpointing"]
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_megatron_core_names():
+    """The megatron.core names Megatron-LM's scripts and Accelerate import."""
+    from torch import nn
+
+    from megatron.core import mpu, parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
+    from megatron.core.utils import get_model_config
+
+    assert mpu is parallel_state
+    assert get_forward_backward_func(1) is schedules.forward_backward_no_pipelining
+    assert get_forward_backward_func(2) is schedules.forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(2, 2) is schedules.forward_backward_pipelining_with_interleaving
+
+    inner = nn.Linear(2, 2)
+    inner.config = {"hidden_size": 2}
+    wrapper = nn.Module()  # as DistributedDataParallel: the model in .module, its own config beside it
+    wrapper.module, wrapper.config = inner, {"bucket_size": 40}
+    assert get_model_config([wrapper]) is inner.config and get_model_config(wrapper) is inner.config
+    assert get_model_config(inner) is inner.config
+    with pytest.raises(AttributeError, match="Linear has no config"):
+        get_model_config(nn.Linear(2, 2))
+
+
+def test_the_num_microbatches_calculator_is_core_state():
+    from megatron.core import num_microbatches_calculator as calc
+    from megatron.training import global_vars
+
+    calc.init_num_microbatches_calculator(0, None, 16, 2, 2)  # 16 / (2 x 2)
+    try:
+        assert (calc.get_num_microbatches(), calc.get_current_global_batch_size(), calc.get_micro_batch_size()) == (4, 16, 2)
+        assert global_vars.get_num_microbatches() == 4  # the framework reads the same calculator
+        # Ramp 4 -> 16 by 4 over 64 samples (3 steps, one per 64 / 3 samples), micro-batch 1 x DP 2.
+        calc.init_num_microbatches_calculator(0, [4, 4, 64], 16, 1, 2)
+        seen = []
+        for consumed in (0, 21, 22, 43, 64, 65):
+            calc.update_num_microbatches(consumed)
+            seen.append((calc.get_current_global_batch_size(), calc.get_num_microbatches()))
+        assert seen == [(4, 2), (4, 2), (8, 4), (12, 6), (16, 8), (16, 8)]
+    finally:
+        calc.unset_num_microbatches_calculator()
+    with pytest.raises(RuntimeError, match="micro-batch calculator is not initialized"):
+        calc.get_num_microbatches()
+
+
+def test_megatron_training_names():
+    import megatron.training as training
+    from megatron.training import global_vars, initialize, training as loop, utils
+
+    assert (training.get_args, training.get_tokenizer, training.get_timers) == (
+        global_vars.get_args, global_vars.get_tokenizer, global_vars.get_timers)
+    assert (training.pretrain, training.get_model, training.initialize_megatron) == (
+        loop.pretrain, loop.get_model, initialize.initialize_megatron)
+    assert (training.print_rank_0, training.print_rank_last, training.is_last_rank) == (
+        utils.print_rank_0, utils.print_rank_last, utils.is_last_rank)
