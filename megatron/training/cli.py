@@ -39,7 +39,7 @@ REPORT_WAIT_S = 5.0
 # imported (an error cannot come from a module that never ran), so reporting an error imports
 # nothing heavy. Add a row for a new error class whose message names the flag, file or line.
 USER_INPUT_ERRORS = (
-    ("megatron.training.arguments_validation", "ArgsError"),
+    ("megatron.training.argument_utils", "ArgsError"),
     ("megatron.training.checkpointing", "CheckpointError"),
     ("megatron.data.indexed_dataset", "IndexedDatasetError"),
     ("megatron.training.tokenizer.tokenizer", "TokenizerConfigError"),

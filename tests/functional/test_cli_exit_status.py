@@ -23,7 +23,7 @@ def test_megatron_debug_shows_the_traceback(monkeypatch):
     proc = run_cli(["pretrain_gpt.py", *BAD])
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == ("megatron.training.arguments_validation.ArgsError: "
+    assert proc.stderr.strip().splitlines()[-1] == ("megatron.training.argument_utils.ArgsError: "
                                                     "--adam-beta1 must be in [0, 1), got 1.5")
 
 
