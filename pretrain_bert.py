@@ -26,18 +26,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron.core import device, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
-from megatron.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
+from megatron.training.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
 from megatron.model import BertModel  # noqa: E402
 from megatron.model.bert_model import bert_loss  # noqa: E402
-from megatron.training import pretrain  # noqa: E402
-from megatron.utils import print_rank_0  # noqa: E402
+from megatron.training.training import pretrain  # noqa: E402
+from megatron.training.utils import print_rank_0  # noqa: E402
 
 BATCH_KEYS = ("text", "types", "labels", "is_random", "loss_mask", "padding_mask")
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> BertModel:
     """A BertModel shaped by the flags (Megatron's: two tokentypes with the binary head, none without)."""
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
 
     args = get_args()
     print_rank_0("building BERT model ...")
@@ -94,8 +94,9 @@ def is_dataset_built_on_rank() -> bool:
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
     """BERT datasets for --data-path / --split (sentence-split `_text_sentence` data)."""
-    from megatron.data.bert_dataset import BERTMaskedWordPieceDataset, bert_dataset_config_from_args
+    from megatron.data.bert_dataset import BERTMaskedWordPieceDataset
     from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.training.dataset_configs import bert_dataset_config_from_args
 
     args = get_args()
     config = bert_dataset_config_from_args(args, get_tokenizer())
@@ -107,13 +108,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
 
 
 def main(argv: Optional[List[str]] = None, record_history: bool = False):
-    """Train with the flags in argv (None: sys.argv); returns megatron.training.TrainingResult."""
+    """Train with the flags in argv (None: sys.argv); returns megatron.training.training.TrainingResult."""
     return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                     forward_step, args_defaults={"tokenizer_type": "BertWordPieceLowerCase", "model_family": "BERT"}, argv=argv,
                     record_history=record_history)
 
 
 if __name__ == "__main__":
-    from megatron.cli import run_cli
+    from megatron.training.cli import run_cli
 
     run_cli(main, "pretrain_bert.py")  # bad input: one line and exit status 1 (MEGATRON_DEBUG=1: traceback)

@@ -22,15 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron.core import device, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
-from megatron.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
+from megatron.training.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
-from megatron.training import pretrain  # noqa: E402
-from megatron.utils import print_rank_0  # noqa: E402
+from megatron.training.training import pretrain  # noqa: E402
+from megatron.training.utils import print_rank_0  # noqa: E402
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
     """A GPTModel shaped by the flags."""
-    from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs
+    from megatron.training.arguments import core_transformer_config_from_args, gpt_model_kwargs
 
     args = get_args()
     print_rank_0("building GPT model ...")
@@ -115,7 +115,7 @@ def is_dataset_built_on_rank() -> bool:
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
     """GPT datasets for --data-path / --split (or the per-split paths, or --mock-data)."""
-    from megatron.arguments import gpt_dataset_config_from_args
+    from megatron.training.arguments import gpt_dataset_config_from_args
     from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.data.gpt_dataset import GPTDataset
 
@@ -129,13 +129,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
 
 
 def main(argv: Optional[List[str]] = None, record_history: bool = False):
-    """Train with the flags in argv (None: sys.argv); returns megatron.training.TrainingResult."""
+    """Train with the flags in argv (None: sys.argv); returns megatron.training.training.TrainingResult."""
     return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                     forward_step, args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, argv=argv,
                     record_history=record_history)
 
 
 if __name__ == "__main__":
-    from megatron.cli import run_cli
+    from megatron.training.cli import run_cli
 
     run_cli(main, "pretrain_gpt.py")  # bad input: one line and exit status 1 (MEGATRON_DEBUG=1: traceback)

@@ -34,11 +34,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron.core import device, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
-from megatron.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
+from megatron.training.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
 from megatron.model import T5Model  # noqa: E402
 from megatron.model.t5_model import t5_attention_masks  # noqa: E402
-from megatron.training import pretrain  # noqa: E402
-from megatron.utils import print_rank_0  # noqa: E402
+from megatron.training.training import pretrain  # noqa: E402
+from megatron.training.utils import print_rank_0  # noqa: E402
 from pretrain_gpt import loss_func  # noqa: E402  (Megatron's pretrain_t5.py takes GPT's loss too)
 
 BATCH_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask")
@@ -55,7 +55,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, add_enco
     megatron/convert/t5.py) apply with --use-checkpoint-args; without them it is Megatron's T5."""
     import dataclasses
 
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
     from megatron.convert.t5 import t5_model_kwargs, t5_transformer_config_kwargs
 
     args = get_args()
@@ -103,7 +103,8 @@ def is_dataset_built_on_rank() -> bool:
 def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
     """T5 datasets for --data-path / --split (sentence-split `_text_sentence` data)."""
     from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.data.t5_dataset import T5MaskedWordPieceDataset, t5_dataset_config_from_args
+    from megatron.data.t5_dataset import T5MaskedWordPieceDataset
+    from megatron.training.dataset_configs import t5_dataset_config_from_args
 
     args = get_args()
     config = t5_dataset_config_from_args(args, get_tokenizer())
@@ -125,13 +126,13 @@ def add_t5_args(parser):
 
 
 def main(argv: Optional[List[str]] = None, record_history: bool = False):
-    """Train with the flags in argv (None: sys.argv); returns megatron.training.TrainingResult."""
+    """Train with the flags in argv (None: sys.argv); returns megatron.training.training.TrainingResult."""
     return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_and_decoder,
                     forward_step, extra_args_provider=add_t5_args, args_defaults=dict(T5_ARGS_DEFAULTS), argv=argv,
                     record_history=record_history)
 
 
 if __name__ == "__main__":
-    from megatron.cli import run_cli
+    from megatron.training.cli import run_cli
 
     run_cli(main, "pretrain_t5.py")  # bad input: one line and exit status 1 (MEGATRON_DEBUG=1: traceback)

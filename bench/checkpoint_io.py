@@ -13,7 +13,7 @@ sampled every 10 ms from /proc: what the conversion itself allocated), each also
 the model's bytes. The largest tensor and one layer's bytes are printed beside them.
 
 io: save and load times of one model + Adam state through
-megatron.checkpointing, `--ckpt-format torch` vs `torch_dist`, synchronous and `--async-save`
+megatron.training.checkpointing, `--ckpt-format torch` vs `torch_dist`, synchronous and `--async-save`
 (the time training waits, and the time until the checkpoint is complete).
 
 Figures are of this machine in this run; compare them within one run only.
@@ -46,7 +46,7 @@ def model_args(hidden: int, layers: int, heads: int, vocab: int, seq: int) -> ar
     import contextlib
     import io
 
-    from megatron.arguments import parse_and_validate_args
+    from megatron.training.arguments import parse_and_validate_args
 
     with contextlib.redirect_stdout(io.StringIO()):  # not the arguments table
         args = parse_and_validate_args(argv=[
@@ -63,7 +63,7 @@ def model_args(hidden: int, layers: int, heads: int, vocab: int, seq: int) -> ar
 
 def shapes(args: argparse.Namespace) -> Dict[str, Tuple[int, ...]]:
     """The TP = 1 state dict's shapes, from a model built without initialization (then freed)."""
-    from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs
+    from megatron.training.arguments import core_transformer_config_from_args, gpt_model_kwargs
     from megatron.model import GPTModel
 
     serial = argparse.Namespace(**{**vars(args), "tensor_model_parallel_size": 1, "perform_initialization": False})
@@ -194,9 +194,9 @@ IO_CASES = (("torch", False), ("torch_dist", False), ("torch_dist", True))
 def bench_io(hidden: int, layers: int, heads: int, vocab: int, seq: int, workdir: str) -> Dict[str, Dict[str, float]]:
     """One real training step of pretrain_gpt.py (one process, Adam), then, where it would save, a
     timed save + load of its model, optimizer and scheduler in each format (IO_CASES)."""
-    import megatron.checkpointing as checkpointing
+    import megatron.training.checkpointing as checkpointing
     import pretrain_gpt
-    from megatron.dist_checkpointing import benchmark_save_load
+    from megatron.training.checkpointing import benchmark_save_load
 
     results: Dict[str, Dict[str, float]] = {}
 

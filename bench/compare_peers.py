@@ -13,7 +13,7 @@ none on biases/norms), gradient clipping at global norm 1.0 (Megatron's default)
 random tokens held in memory.
 
     ours            megatron.model.GPTModel through pretrain_gpt.py's model_provider and
-                    forward_step, megatron.training.setup_model_and_optimizer (get_model:
+                    forward_step, megatron.training.training.setup_model_and_optimizer (get_model:
                     Float16Module under --bf16, DistributedDataParallel's fp32 grad buffer;
                     get_megatron_optimizer: fp32 main params) and train_step, default flags.
     transformers    GPT2LMHeadModel (its default attention implementation) and a plain loop:
@@ -131,7 +131,7 @@ def flops_per_step(shape: GPTShape | None = None) -> int:
     """Model FLOPs of one training step: 6 N T + 12 L s h T (T tokens, attention over the full s x s).
 
     The paper's count (forward 2 FLOPs per multiply-add, backward twice forward, no recompute,
-    causal masking not discounted): megatron/training_log.py's num_floating_point_operations
+    causal masking not discounted): megatron/training/training_log.py's num_floating_point_operations
     (Megatron-LM core_v0.13's, the causal half of the scores) plus 6 L s^2 h per sequence. Kept
     so that the MFU figures recorded in docs/PERFORMANCE.md stay comparable."""
     shape = shape or SHAPE
@@ -358,15 +358,15 @@ class _MainParamsAdamW:
 # ------------------------------------------------------------------------------ the three frameworks
 
 def run_ours(precision: str, warmup: int, steps: int, extra_flags: list[str]) -> tuple[dict, dict]:
-    """This project through pretrain_gpt.py's pieces and megatron.training.train_step."""
+    """This project through pretrain_gpt.py's pieces and megatron.training.training.train_step."""
     sys.path.insert(0, ROOT)
     import torch
 
     import pretrain_gpt
     from megatron.core import device
     from megatron.core.enums import ModelType
-    from megatron.initialize import initialize_megatron
-    from megatron.training import setup_model_and_optimizer, train_step
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import setup_model_and_optimizer, train_step
 
     s = SHAPE
     argv = ["--num-layers", str(s.layers), "--hidden-size", str(s.hidden), "--num-attention-heads", str(s.heads),
@@ -408,8 +408,8 @@ def _ours_llama_provider(pre_process: bool = True, post_process: bool = True):
     """The Llama-style GPTModel of the flags (LLAMA_FLAGS): their TransformerConfig, as
     pretrain_gpt.model_provider builds it, with get_llama_layer_spec, RoPE, untied, and the
     initial weights of bench/compare_llama.py loaded."""
-    from megatron.arguments import core_transformer_config_from_args
-    from megatron.global_vars import get_args, get_tokenizer
+    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training.global_vars import get_args, get_tokenizer
 
     args = get_args()
     config = core_transformer_config_from_args(args)

@@ -7,7 +7,7 @@ The default config (printed first) is a GPT of 4 layers, hidden 256, 8 heads, se
 micro-batch 4, global batch 8, fp32, dropout 0, on synthetic data (--mock-data, NullTokenizer
 with a 32,000-token vocabulary), so the figure measures the model and the loop, not the disk.
 Warm-up iterations are run first and not timed. TFLOP/s uses the GPT FLOPs formula of
-megatron/training_log.py (docs/training.md).
+megatron/training/training_log.py (docs/training.md).
 """
 
 import argparse
@@ -18,14 +18,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core import device  # noqa: E402
-from megatron.global_vars import get_args  # noqa: E402
-from megatron.initialize import initialize_megatron  # noqa: E402
-from megatron.training import (  # noqa: E402
+from megatron.training.global_vars import get_args  # noqa: E402
+from megatron.training.initialize import initialize_megatron  # noqa: E402
+from megatron.training.training import (  # noqa: E402
     build_train_valid_test_data_iterators,
     setup_model_and_optimizer,
     train_step,
 )
-from megatron.training_log import num_floating_point_operations  # noqa: E402
+from megatron.training.training_log import num_floating_point_operations  # noqa: E402
 
 DEFAULT_FLAGS = [
     "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",

@@ -19,7 +19,7 @@ from tasks.errors import TaskError
 
 
 class TaskDataError(TaskError):
-    """A malformed task data file: the message starts with FILE:LINE (megatron/cli.py prints it as one line)."""
+    """A malformed task data file: the message starts with FILE:LINE (megatron/training/cli.py prints it as one line)."""
 
     def __init__(self, filename: str, line: int, message: str) -> None:
         super().__init__(f"{filename}:{line}: {message}")

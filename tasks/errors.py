@@ -1,6 +1,6 @@
 """The tasks' user-input error: its message names the flag, or the FILE:LINE of a bad record.
 
-tasks/main.py (through megatron.cli.run_cli, whose USER_INPUT_ERRORS lists it) prints it as one
+tasks/main.py (through megatron.training.cli.run_cli, whose USER_INPUT_ERRORS lists it) prints it as one
 line and exits with status 1.
 """
 

@@ -20,11 +20,11 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from megatron.arguments_validation import ArgsError
+from megatron.training.arguments_validation import ArgsError
 from megatron.core import device, parallel_state
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.global_vars import get_args
-from megatron.utils import is_last_rank, print_rank_last
+from megatron.training.global_vars import get_args
+from megatron.training.utils import is_last_rank, print_rank_last
 from tasks.finetune_utils import EpochBatches, process_batch
 
 

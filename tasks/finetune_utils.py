@@ -2,7 +2,7 @@
 
     datasets            train_valid_datasets_provider() -> (train, valid); --epochs x the batches
                         of an epoch gives train_iters (set before the LR schedule is built)
-    model, optimizer    megatron.training.setup_model_and_optimizer (--load resumes exactly:
+    model, optimizer    megatron.training.training.setup_model_and_optimizer (--load resumes exactly:
                         weights, optimizer, scheduler, RNG, and the epoch/batch position)
     --pretrained-checkpoint   loaded when --load holds no checkpoint (iteration 0): the BERT trunk's
                         weights only (no optimizer, scheduler or RNG); the task head starts new
@@ -35,19 +35,19 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
-from megatron.arguments_validation import ArgsError
+from megatron.training.arguments_validation import ArgsError
 from megatron.core import device, parallel_state
 from megatron.core.enums import ModelType
-from megatron.global_vars import get_args, get_num_microbatches, get_timers
-from megatron.training import (
+from megatron.training.global_vars import get_args, get_num_microbatches, get_timers
+from megatron.training.training import (
     IterationRecord,
     TrainingResult,
     _Loop,
     setup_model_and_optimizer,
     train_step,
 )
-from megatron.training_log import Progress, num_floating_point_operations
-from megatron.utils import print_rank_0
+from megatron.training.training_log import Progress, num_floating_point_operations
+from megatron.training.utils import print_rank_0
 
 
 @dataclass
@@ -151,7 +151,7 @@ def load_pretrained_checkpoint(model: List[torch.nn.Module], optimizer: Any, arg
     """The model's weights from --pretrained-checkpoint (torch or torch_dist), as --finetune loads them:
     no optimizer, scheduler, RNG or iteration; keys the task model lacks or adds are its load_state_dict's
     business (megatron/model/classification.py)."""
-    from megatron.checkpointing import load_checkpoint
+    from megatron.training.checkpointing import load_checkpoint
 
     pretrained = copy.copy(args)
     pretrained.finetune, pretrained.no_load_optim, pretrained.no_load_rng = True, True, True
@@ -166,7 +166,7 @@ def _torch_dist_names(load_dir: str) -> Optional[set]:
     """The tensor names of the torch_dist checkpoint the tracker in load_dir names (None: another format)."""
     import os
 
-    from megatron.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
+    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
     from megatron.dist_checkpointing.common import DCP_METADATA
     from megatron.dist_checkpointing.dcp_io import read_dcp_metadata
 
@@ -179,7 +179,7 @@ def _torch_dist_names(load_dir: str) -> Optional[set]:
 
 
 def _check_torch_dist_names(model: List[torch.nn.Module], saved: set, load_dir: str) -> None:
-    from megatron.checkpointing import CheckpointError
+    from megatron.training.checkpointing import CheckpointError
     from megatron.dist_checkpointing.layout import model_layouts
 
     names = [layout.name for layout, _ in model_layouts(model)]  # global names (layer numbers across stages)

@@ -93,9 +93,9 @@ def task_module(task: str) -> Any:
 
 def main(argv: Optional[List[str]] = None) -> Any:
     """Parse the flags (argv None: sys.argv), initialize, run the task; returns its main's result."""
-    from megatron.arguments_validation import ArgsError
-    from megatron.global_vars import get_args
-    from megatron.initialize import initialize_megatron
+    from megatron.training.arguments_validation import ArgsError
+    from megatron.training.global_vars import get_args
+    from megatron.training.initialize import initialize_megatron
 
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
@@ -117,6 +117,6 @@ def main(argv: Optional[List[str]] = None) -> Any:
 
 
 if __name__ == "__main__":
-    from megatron.cli import run_cli
+    from megatron.training.cli import run_cli
 
     run_cli(main, "tasks/main.py")  # bad input: one line and exit status 1 (MEGATRON_DEBUG=1: traceback)

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.cli import run_cli  # noqa: E402
+from megatron.training.cli import run_cli  # noqa: E402
 from tools.run_text_generation_server import ServerFlagError, _DATA_FLAGS, build_model  # noqa: E402
 
 
@@ -34,9 +34,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def main(argv: List[str] = None) -> None:
-    from megatron.global_vars import get_tokenizer
+    from megatron.training.global_vars import get_tokenizer
     from megatron.inference.api import generate
-    from megatron.initialize import initialize_megatron
+    from megatron.training.initialize import initialize_megatron
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(arg.split("=")[0] in _DATA_FLAGS for arg in argv):

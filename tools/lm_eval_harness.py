@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.cli import run_cli  # noqa: E402
+from megatron.training.cli import run_cli  # noqa: E402
 from megatron.evaluation.lm_harness import HarnessRequestError  # noqa: E402
 from megatron.evaluation.lm_tasks import TaskFileError  # noqa: E402
 from tools.run_text_generation_server import ServerFlagError, _DATA_FLAGS, build_model  # noqa: E402
@@ -45,7 +45,7 @@ def add_harness_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def initialize(argv: List[str]) -> argparse.Namespace:
     """initialize_megatron for scoring (no data, no optimizer); the checked args."""
-    from megatron.initialize import initialize_megatron
+    from megatron.training.initialize import initialize_megatron
 
     argv = list(argv)
     if not any(arg.split("=")[0] in _DATA_FLAGS for arg in argv):
@@ -66,7 +66,7 @@ def initialize(argv: List[str]) -> argparse.Namespace:
 def build_harness_lm(args: argparse.Namespace) -> "HarnessLM":  # noqa: F821 - imported lazily
     """This rank's model, loaded (--load or --load-hf), as a HarnessLM."""
     from megatron.evaluation.lm_harness import HarnessLM
-    from megatron.global_vars import get_tokenizer
+    from megatron.training.global_vars import get_tokenizer
 
     return HarnessLM(build_model(args), get_tokenizer(), args.max_length, args.eval_batch_size, args.max_gen_toks)
 

@@ -91,6 +91,6 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from megatron.cli import run_cli
+    from megatron.training.cli import run_cli
 
     run_cli(main, "make_default_corpus.py")

@@ -17,7 +17,7 @@ from typing import List, Optional
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.cli import run_cli
+from megatron.training.cli import run_cli
 from megatron.data.indexed_dataset import (
     IndexedDataset,
     IndexedDatasetBuilder,

@@ -17,8 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.arguments import parse_args, validate_args  # noqa: E402
-from megatron.arguments_validation import ArgsError  # noqa: E402
+from megatron.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron.training.arguments_validation import ArgsError  # noqa: E402
 from megatron.planner.model import PlanError  # noqa: E402
 from megatron.planner.report import format_plan, plan_from_args, search_from_args  # noqa: E402
 

@@ -39,9 +39,9 @@ from typing import Iterator, List, Optional, Tuple
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.cli import run_cli
+from megatron.training.cli import run_cli
 from megatron.data.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
-from megatron.tokenizer import add_tokenizer_args, build_tokenizer
+from megatron.training.tokenizer import add_tokenizer_args, build_tokenizer
 
 
 class PreprocessError(RuntimeError):

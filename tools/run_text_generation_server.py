@@ -8,7 +8,7 @@ The model is built and loaded as pretraining builds it (initialize_megatron, get
 load_checkpoint or the --load-hf weights; no optimizer). Rank 0 serves; before each generation
 it broadcasts the request (as JSON bytes) to every rank, and the other ranks wait in a loop for
 the next request and run the same generation, so the tensor- and pipeline-parallel collectives
-of the engine line up. Bad flags end in one line (megatron.cli).
+of the engine line up. Bad flags end in one line (megatron.training.cli).
 """
 
 import argparse
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.cli import run_cli  # noqa: E402
+from megatron.training.cli import run_cli  # noqa: E402
 from megatron.inference.server import GenerationBackend  # noqa: E402
 
 _STOP, _GENERATE = 0, 1
@@ -58,9 +58,9 @@ def _check_server_flags(args: argparse.Namespace) -> None:
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """The model of this rank, loaded, in eval mode (one chunk: no virtual pipeline stages)."""
-    from megatron.global_vars import get_tokenizer
-    from megatron.load_hf import load_hf_instead, load_hf_weights
-    from megatron.training import get_model
+    from megatron.training.global_vars import get_tokenizer
+    from megatron.training.load_hf import load_hf_instead, load_hf_weights
+    from megatron.training.training import get_model
     from pretrain_gpt import model_provider
 
     if args.virtual_pipeline_model_parallel_size is not None:
@@ -70,7 +70,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     if load_hf_instead(args):
         load_hf_weights(model, args, get_tokenizer().vocab_size)
     else:
-        from megatron.checkpointing import CheckpointError, checkpoint_exists, load_checkpoint
+        from megatron.training.checkpointing import CheckpointError, checkpoint_exists, load_checkpoint
 
         if not checkpoint_exists(args.load):
             raise CheckpointError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt)")
@@ -154,8 +154,8 @@ def _listen(args: argparse.Namespace) -> Any:
 
 
 def main(argv: List[str] = None) -> None:
-    from megatron.global_vars import get_tokenizer
-    from megatron.initialize import initialize_megatron
+    from megatron.training.global_vars import get_tokenizer
+    from megatron.training.initialize import initialize_megatron
     from megatron.inference.server import ApiBackend
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -16,7 +16,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.cli import run_cli  # noqa: E402
+from megatron.training.cli import run_cli  # noqa: E402
 
 
 class CliError(ValueError):

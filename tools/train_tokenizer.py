@@ -29,8 +29,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:  # runnable as `python tools/train_tokenizer.py` from a checkout
     sys.path.insert(0, _ROOT)
 
-from megatron.cli import run_cli  # noqa: E402
-from megatron.tokenizer import build_tokenizer  # noqa: E402
+from megatron.training.cli import run_cli  # noqa: E402
+from megatron.training.tokenizer import build_tokenizer  # noqa: E402
 
 TYPES = (
     "GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer")

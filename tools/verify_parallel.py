@@ -124,9 +124,9 @@ def run_one(argv: List[str], iterations: int) -> Dict[str, Any]:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-    from megatron.global_vars import get_args, get_num_microbatches, get_tokenizer
-    from megatron.initialize import initialize_megatron, reset_megatron
-    from megatron.training import (
+    from megatron.training.global_vars import get_args, get_num_microbatches, get_tokenizer
+    from megatron.training.initialize import initialize_megatron, reset_megatron
+    from megatron.training.training import (
         _reduce_losses,
         build_train_valid_test_data_iterators,
         setup_model_and_optimizer,

@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_safety import CheckpointError, load_file
+from megatron.training.checkpoint_safety import CheckpointError, load_file
 from megatron.convert import huggingface, mixtral
 from megatron.convert import t5 as t5_convert
 from megatron.convert.layout_rules import is_vocab_tensor, padded_vocab_size
@@ -323,7 +323,7 @@ def hf_seq_length(hf_config: Any) -> int:
 
 def args_from_hf(checkpoint: HFCheckpoint) -> argparse.Namespace:
     """Validated training args (TP = 1, PP = 1) of the checkpoint's model, its vocabulary padded."""
-    from megatron.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_args, validate_args
 
     argv = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data"]
     tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.abspath(checkpoint.path)] \

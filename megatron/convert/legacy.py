@@ -1,6 +1,6 @@
 """Megatron-LM's own `--ckpt-format torch` checkpoints in our terms, and ours in theirs.
 
-The directory layout is ours (megatron/checkpointing.py); what differs is inside each file, and
+The directory layout is ours (megatron/training/checkpointing.py); what differs is inside each file, and
 megatron_format's reader and writer take that difference as a `Dialect`:
 
     dialect  model entry of one (TP, PP) file                              fused QKV rows of a TP shard
@@ -69,7 +69,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.convert.layout_rules import expert_key, head_dim, query_groups
 from megatron.convert.megatron_format import EMBEDDING, Dialect, Source, model_entry
 
@@ -310,7 +310,7 @@ def _virtual_stages(raw: argparse.Namespace, args: argparse.Namespace, path: str
 
 def _validated(flags: List[str], path: str) -> argparse.Namespace:
     """Our full Namespace of these model flags, validated as pretrain_gpt.py validates them."""
-    from megatron.arguments import ArgsError, parse_args, validate_args
+    from megatron.training.arguments import ArgsError, parse_args, validate_args
 
     fixed = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
              "--tokenizer-type", "NullTokenizer", "--vocab-size", "1"]  # replaced by the checkpoint's

@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from megatron.checkpoint_safety import CheckpointError, load_file
+from megatron.training.checkpoint_safety import CheckpointError, load_file
 
 COMMON_FILE = "common.pt"
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")

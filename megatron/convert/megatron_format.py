@@ -31,9 +31,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_manifest import manifest_path, verify_file, write_manifest
-from megatron.checkpoint_safety import CheckpointError, load_file
-from megatron.checkpointing import (
+from megatron.training.checkpoint_manifest import manifest_path, verify_file, write_manifest
+from megatron.training.checkpoint_safety import CheckpointError, load_file
+from megatron.training.checkpointing import (
     find_checkpoint_rank_0, get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata,
 )
 from megatron.convert.layout_rules import (

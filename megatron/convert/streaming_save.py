@@ -6,7 +6,7 @@ writes each tensor's bytes as its record the moment it is added and keeps only a
 (key, dtype, shape); finish(obj) then pickles `obj`, in which the placeholders stand for the
 tensors, exactly as torch.save would have pickled the real ones (_rebuild_tensor_v2 over a typed
 storage named ("storage", FloatStorage, KEY, "cpu", numel)). The result is read by torch.load,
-weights_only or not, mmap or not, and by megatron.checkpoint_safety.load_file.
+weights_only or not, mmap or not, and by megatron.training.checkpoint_safety.load_file.
 
 The bytes pass through a sha256 as they are written (the checksum manifest needs no second read).
 """

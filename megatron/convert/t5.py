@@ -68,7 +68,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 
 ARCHITECTURE = "T5ForConditionalGeneration"
 EMBEDDING = "shared.weight"

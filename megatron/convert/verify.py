@@ -26,7 +26,7 @@ from typing import Iterable, Tuple
 
 import torch
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 
 TOLERANCE = 1e-5
 NUM_SEQUENCES, SEQUENCE_LENGTH, SEED = 2, 16, 1234
@@ -54,7 +54,7 @@ class Comparison:
 
 def build_serial_model(args: argparse.Namespace, tensors: Iterable[Tuple[str, torch.Tensor]]) -> torch.nn.Module:
     """A TP = 1, PP = 1 fp32 GPTModel of `args`' shape holding the streamed whole tensors (strict)."""
-    from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs
+    from megatron.training.arguments import core_transformer_config_from_args, gpt_model_kwargs
     from megatron.model import GPTModel
 
     serial = copy.deepcopy(args)

@@ -10,7 +10,7 @@ import json
 import os
 from typing import Optional
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 
 # Tokenizer types whose vocabulary is a tokenizer model (--tokenizer-model), and what a model file
 # of each kind is built as when the checkpoint's args name no such type.
@@ -76,7 +76,7 @@ def _tokenizer_model_size(args: argparse.Namespace, path: str) -> int:
 
 
 def _built_size(args: argparse.Namespace, tokenizer_type: str, flag: str, **files: str) -> int:
-    from megatron.tokenizer.tokenizer import build_tokenizer
+    from megatron.training.tokenizer.tokenizer import build_tokenizer
 
     spec = argparse.Namespace(tokenizer_type=tokenizer_type, vocab_extra_ids=getattr(args, "vocab_extra_ids", 0),
                               padded_vocab_size=0, rank=1, **files)  # rank 1: no "building" line

@@ -13,17 +13,16 @@ and masked by bert_masking.create_masked_lm_predictions. Every field is numpy in
 
 A training script builds the splits as Megatron's pretrain_bert.py does:
 
-    config = bert_dataset_config_from_args(args, tokenizer)   # --mask-prob, --short-seq-prob, ...
+    config = bert_dataset_config_from_args(args, tokenizer)   # megatron.training.dataset_configs
     train, valid, test = BlendedMegatronDatasetBuilder(
         BERTMaskedWordPieceDataset, train_valid_test_num_samples, is_built_on_rank, config).build()
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Tuple, Union
+from typing import ClassVar, Dict, List, Tuple, Union
 
 import numpy as np
 
@@ -53,19 +52,6 @@ class BERTMaskedWordPieceDatasetConfig(MaskedWordPieceDatasetConfig):
                 f"--seq-length {self.sequence_length} is too small for a BERT sample: [CLS] A [SEP] B [SEP] "
                 f"takes {NUM_SPECIAL_TOKENS} special tokens, and at least 2 tokens of text are needed "
                 f"(--seq-length >= {NUM_SPECIAL_TOKENS + 2})")
-
-
-def bert_dataset_config_from_args(args: Any, tokenizer: Any) -> BERTMaskedWordPieceDatasetConfig:
-    """The config pretrain_bert.py builds: the GPT data flags plus --mask-prob (0.15),
-    --short-seq-prob (0.1) and --bert-binary-head (True; --bert-no-binary-head), with
-    whole-word masking of N-grams up to 3, as Megatron's pretrain_bert.py hard-codes."""
-    from megatron.arguments import gpt_dataset_config_from_args
-
-    base = gpt_dataset_config_from_args(args, tokenizer)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-    return BERTMaskedWordPieceDatasetConfig(
-        **fields, masking_probability=args.mask_prob, short_sequence_probability=args.short_seq_prob,
-        masking_max_ngram=3, masking_do_full_word=True, classification_head=args.bert_binary_head)
 
 
 # ---------------------------------------------------------------------------- the dataset

@@ -1,6 +1,6 @@
 """GPTDatasetConfig: everything the GPT dataset layer needs, validated up front.
 
-Field names follow Megatron-Core's GPTDatasetConfig; megatron/arguments.py translates the flags
+Field names follow Megatron-Core's GPTDatasetConfig; megatron/training/arguments.py translates the flags
 (--seed, --seq-length, --data-path, --train/valid/test-data-path, --split, --data-cache-path,
 --mock-data, --reset-position-ids, --reset-attention-mask, --eod-mask-loss, ...).
 """

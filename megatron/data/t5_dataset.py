@@ -23,11 +23,10 @@ that follow it in labels gives back the cut text.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
+from typing import ClassVar, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -102,28 +101,6 @@ class T5MaskedWordPieceDatasetConfig(MaskedWordPieceDatasetConfig):
         """The most spans a sample can have: each span is at least one of the at most
         masking_probability x target tokens masked."""
         return t5_max_spans(self.masking_probability, self.sequence_length)
-
-
-def t5_dataset_config_from_args(args: Any, tokenizer: Any) -> T5MaskedWordPieceDatasetConfig:
-    """The config Megatron's pretrain_t5.py builds: the GPT data flags (--seq-length, alias
-    --encoder-seq-length, is the encoder's), --decoder-seq-length, --mask-prob (0.15) and
-    --short-seq-prob (0.1), with whole-word N-grams up to 10 of geometric lengths (p = 0.2, or
-    1 / --mean-noise-span-length, pretrain_t5.py's flag of ours)."""
-    from megatron.arguments import gpt_dataset_config_from_args
-
-    base = gpt_dataset_config_from_args(args, tokenizer)
-    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
-    return T5MaskedWordPieceDatasetConfig(
-        **fields, sequence_length_decoder=args.decoder_seq_length, masking_probability=args.mask_prob,
-        short_sequence_probability=args.short_seq_prob, masking_max_ngram=10, masking_do_full_word=True,
-        masking_use_longer_ngrams=False, masking_use_geometric_distribution=True,
-        **_geometric_p(getattr(args, "mean_noise_span_length", None)))
-
-
-def _geometric_p(mean_span_length: Optional[float]) -> dict:
-    if mean_span_length is None:
-        return {}  # Megatron's 0.2
-    return {"masking_geometric_p": 1.0 / mean_span_length}
 
 
 class T5MaskedWordPieceDataset(MaskedWordPieceDataset):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from megatron.core.atomic_io import atomic_write
-from megatron.utils import print_line
+from megatron.core.utils import print_line
 
 
 class Split(enum.Enum):

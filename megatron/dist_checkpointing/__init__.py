@@ -111,7 +111,6 @@ from megatron.dist_checkpointing.save import (  # noqa: F401
     save_checkpoint,
 )
 from megatron.dist_checkpointing.load import (  # noqa: F401
-    benchmark_save_load,
     open_whole,
     whole_model_tensors,
     load_args,
@@ -129,7 +128,6 @@ __all__ = [
     "TensorLayout",
     "abandon_async_saves",
     "async_save_pending",
-    "benchmark_save_load",
     "finalize_async_save",
     "flat_boxes",
     "index_runs",

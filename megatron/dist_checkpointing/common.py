@@ -10,7 +10,7 @@ from typing import Tuple
 
 import torch.distributed as dist
 
-from megatron.utils import print_line
+from megatron.core.utils import print_line
 
 FORMAT = "torch_dist"
 METADATA_JSON = "metadata.json"

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.planner import TensorWriteData
 
-from megatron.checkpoint_safety import CheckpointError, safe_globals
+from megatron.training.checkpoint_safety import CheckpointError, safe_globals
 from megatron.dist_checkpointing.common import DCP_METADATA, METADATA_JSON, iteration_dir
 from megatron.dist_checkpointing.layout import GlobalTensor
 

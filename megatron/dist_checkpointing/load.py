@@ -6,27 +6,24 @@ See megatron/dist_checkpointing/__init__.py for the layout and the rules.
 from __future__ import annotations
 
 import argparse
-import copy
 import os
-import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from megatron.checkpoint_manifest import manifest_path, read_manifest, verify_file
-from megatron.checkpoint_safety import CheckpointError, load_file
+from megatron.training.checkpoint_manifest import manifest_path, read_manifest, verify_file
+from megatron.training.checkpoint_safety import CheckpointError, load_file
 from megatron.dist_checkpointing.common import (
     COMMON_FILE, DCP_METADATA, FORMAT, LAYOUT_VERSION, _CONTENT_FORMAT, _print_rank_0, _rank, _world,
-    iteration_dir,
 )
 from megatron.dist_checkpointing.layout import (
     GlobalTensor, TensorLayout, _entry_boxes, _inner, _is_distributed, model_layouts, optimizer_entries,
     optimizer_kind,
 )
 from megatron.dist_checkpointing.dcp_io import _LoadPlanner, _SafeReader, _load_bytes, read_dcp_metadata
-from megatron.dist_checkpointing.save import _rng_key, _sizes, maybe_finalize_async_save, saved_sizes
+from megatron.dist_checkpointing.save import _rng_key, _sizes, saved_sizes
 
 # ============================================================================ load
 
@@ -134,8 +131,8 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
                     load_dir: str, base_dir: str, iteration: int, release: bool,
                     strict: bool = True) -> Tuple[int, float]:
     """Load a torch_dist checkpoint at this run's layout (collective). Returns (iteration, flops)."""
-    from megatron.checkpoint_fit import check_checkpoint_args
-    from megatron.checkpoint_rng import set_rng_state
+    from megatron.training.checkpoint_fit import check_checkpoint_args
+    from megatron.training.checkpoint_rng import set_rng_state
 
     common = read_common(base_dir, args)
     saved_args = common.get("args")
@@ -340,36 +337,3 @@ def whole_model_tensors(base_dir: str, metadata: Metadata) -> Iterator[Tuple[str
         whole = torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
         _read({name: GlobalTensor(tuple(whole.shape), [((0,) * whole.dim(), whole)])}, base_dir, metadata)
         yield name, whole
-
-
-def benchmark_save_load(model: Any, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
-                        directory: str, ckpt_format: str = FORMAT, async_save: bool = False,
-                        iteration: int = 1) -> Dict[str, float]:
-    """Time one save and one load of (model, optimizer, scheduler) in `ckpt_format` ('torch' or
-    'torch_dist', async_save with torch_dist) under `directory` (for bench/checkpoint_io.py).
-
-    Collective when distributed. Returns seconds: 'save' (until save_checkpoint returned: what
-    training waits for), 'finalize' (until the tracker names it; equal to 'save' when synchronous),
-    'load' (load_checkpoint into the same model and optimizer), and 'bytes' (the iteration folder).
-    `args` is copied; its save/load/ckpt_format/async_save are set here.
-    """
-    from megatron import checkpointing
-
-    run = copy.copy(args)
-    run.save = run.load = directory
-    run.ckpt_format, run.async_save = ckpt_format, bool(async_save)
-    run.auto_detect_ckpt_format = False
-    for name in ("no_save_optim", "no_load_optim", "no_save_rng", "no_load_rng", "finetune"):
-        setattr(run, name, getattr(run, name, False) or False)
-    if dist.is_initialized():
-        dist.barrier()
-    start = time.perf_counter()
-    checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, run)
-    saved = time.perf_counter()
-    maybe_finalize_async_save(blocking=True)
-    finalized = time.perf_counter()
-    checkpointing.load_checkpoint(model, optimizer, opt_param_scheduler, run)
-    loaded = time.perf_counter()
-    folder = iteration_dir(directory, iteration)
-    size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
-    return {"save": saved - start, "finalize": finalized - start, "load": loaded - finalized, "bytes": float(size)}

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from megatron.checkpoint_manifest import write_manifest
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_manifest import write_manifest
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.core import parallel_state
 from megatron.core.atomic_io import Checksum, atomic_write, file_checksum
 from megatron.dist_checkpointing.common import (
@@ -209,7 +209,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
                     rng_state: Any = None) -> None:
     """Save in the torch_dist layout (module docstring); with args.async_save only the planning
     and staging happen now and the files are written in the background. Collective."""
-    from megatron.checkpoint_rng import get_rng_state
+    from megatron.training.checkpoint_rng import get_rng_state
 
     save_dir = args.save
     finalize_async_save(blocking=True)  # one save in flight at a time, as Megatron

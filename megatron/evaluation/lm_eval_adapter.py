@@ -157,6 +157,6 @@ def _check_batch_size(argv: List[str]) -> None:
 
 
 if __name__ == "__main__":
-    from megatron.cli import run_cli
+    from megatron.training.cli import run_cli
 
     run_cli(main, "lm_eval_adapter", errors=(ModelArgsError,))

@@ -90,7 +90,7 @@ def sorted_batches(items: Sequence[Any], key: Callable[[Any], Any], batch_size: 
 
 
 class HarnessLM:
-    """model: this rank's GPTModel chunk (eval mode); tokenizer: one of megatron.tokenizer's.
+    """model: this rank's GPTModel chunk (eval mode); tokenizer: one of megatron.training.tokenizer's.
     max_length: the longest input (HFLM's max_length: the model's position table)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, max_length: int, batch_size: int = 8,

@@ -7,7 +7,7 @@ text is prompt + generation (Megatron's prompts_plus_generations), cut after the
 segments the text of each token; logprobs[i][j] the log-probability of token j + 1 (None unless
 logprobs=True); tokens the ids. Prompts are tokenized with tokenizer.tokenize, prefixed with
 tokenizer.eod when add_BOS (Megatron uses the end-of-document token as BOS), and padded with eod.
-tokenizer is one of megatron.tokenizer's (tokenize, detokenize, eod).
+tokenizer is one of megatron.training.tokenizer's (tokenize, detokenize, eod).
 """
 
 from __future__ import annotations

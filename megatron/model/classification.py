@@ -17,7 +17,7 @@ from torch import nn
 from megatron.model.bert_model import BertModel, _linear
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.utils import init_rng
-from megatron.utils import print_rank_last
+from megatron.core.utils import print_rank_last
 
 # Keys of a pretraining BertModel that a task model has no place for.
 PRETRAINING_HEAD_PREFIXES = ("lm_head.", "output_layer.", "binary_head.")

@@ -1,7 +1,7 @@
 """TransformerConfig: the shape, regularisation, init and precision of a transformer.
 
 Field names and defaults are Megatron-Core's (`megatron/core/transformer/transformer_config.py`),
-so `megatron/arguments.py` maps flags one-to-one (`--hidden-size` -> hidden_size, ...). The model
+so `megatron/training/arguments.py` maps flags one-to-one (`--hidden-size` -> hidden_size, ...). The model
 reads only this object, never the global args.
 
 Derived in __post_init__ (as Megatron does):

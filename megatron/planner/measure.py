@@ -128,7 +128,7 @@ def _train_step_peak(model: list, optimizer: Any, scheduler: Any, train_iter: An
     """One real train_step (the pipeline schedule of the flags, mock data) under _LiveSaved: the
     peak of the saved-tensor bytes this rank held at once (full recompute's rerun included)."""
     import pretrain_gpt
-    from megatron.training import train_step
+    from megatron.training.training import train_step
 
     tracker = _LiveSaved([p for chunk in model for p in chunk.parameters()])
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
@@ -188,7 +188,7 @@ def _iterations_peak(model: list, optimizer: Any, scheduler: Any, train_iter: An
     import pretrain_gpt
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron.training import train_step
+    from megatron.training.training import train_step
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         for _ in range(iterations):
@@ -204,11 +204,11 @@ def measure_rank(argv: list[str]) -> dict:
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.core.optimizer.memory import optimizer_memory_per_parameter
-    from megatron.global_vars import get_args, get_tokenizer
-    from megatron.initialize import initialize_megatron, reset_megatron
+    from megatron.training.global_vars import get_args, get_tokenizer
+    from megatron.training.initialize import initialize_megatron, reset_megatron
     from megatron.planner.model import in_flight_units, layout_from_args, shape_from_args
     from megatron.planner.plan import plan_rank
-    from megatron.training import build_train_valid_test_data_iterators, setup_model_and_optimizer
+    from megatron.training.training import build_train_valid_test_data_iterators, setup_model_and_optimizer
 
     routing = contextlib.nullcontext()
     if "--num-experts" in argv and "--moe-pad-expert-input-to-capacity" not in argv:

@@ -168,7 +168,7 @@ def _moe_from_args(args: argparse.Namespace) -> Optional[MoEShape]:
         raise PlanError("--moe-z-loss-coeff is not modelled by the planner")
     if args.moe_grouped_gemm and args.fp16:
         raise PlanError("--moe-grouped-gemm with --fp16: the batched fallback's memory is not modelled")
-    from megatron.training_log import moe_layer_numbers
+    from megatron.training.training_log import moe_layer_numbers
 
     return MoEShape(
         num_experts=args.num_experts, layers=tuple(moe_layer_numbers(args)),

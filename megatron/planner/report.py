@@ -26,9 +26,9 @@ def _seconds(t: float) -> str:
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """The plan of validated pretrain_gpt.py args with the device flags; FLOPs per step are the log
     line's (training_log.num_floating_point_operations) for the global batch."""
-    from megatron.training_log import num_floating_point_operations
+    from megatron.training.training_log import num_floating_point_operations
 
-    from megatron.tokenizer import build_tokenizer
+    from megatron.training.tokenizer import build_tokenizer
 
     with contextlib.redirect_stdout(io.StringIO()):
         vocab_size = build_tokenizer(args).vocab_size  # sets args.padded_vocab_size if unset, as pretrain() does
@@ -93,17 +93,17 @@ def search_from_args(args: argparse.Namespace, top: int = 10, micro_batch_sizes:
 def dry_run(extra_args_provider: Optional[Callable], args_defaults: Optional[dict], argv: Optional[list]) -> None:
     """pretrain(..., --dry-run): parse and validate as initialize_megatron does (no process group,
     no model, no data), print the plan on rank 0 and exit 0. Returns when --dry-run is not given."""
-    from megatron.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_args, validate_args
 
     args = parse_args(extra_args_provider, argv=argv)
     if not args.dry_run:
         return
     if args.use_checkpoint_args or (args_defaults or {}).get("use_checkpoint_args", False):
-        from megatron.checkpointing import load_args_from_checkpoint
+        from megatron.training.checkpointing import load_args_from_checkpoint
 
         load_args_from_checkpoint(args)
     if args.load_hf is not None:
-        from megatron.load_hf import apply_hf_args
+        from megatron.training.load_hf import apply_hf_args
 
         apply_hf_args(args, argv, extra_args_provider)
     with contextlib.redirect_stdout(io.StringIO()):

@@ -7,7 +7,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 from torch.utils.data import Dataset
 
-from megatron.utils import print_rank_0
+from megatron.training.utils import print_rank_0
 from tasks.data_utils import TaskDataError, build_sample, build_tokens_types_paddings_from_text
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 from typing import Callable, Optional
 
-from megatron.global_vars import get_args, get_tokenizer
-from megatron.utils import print_rank_0
+from megatron.training.global_vars import get_args, get_tokenizer
+from megatron.training.utils import print_rank_0
 from tasks.eval_utils import accuracy_func_provider
 from tasks.finetune_utils import FinetuneResult, finetune
 
@@ -27,7 +27,7 @@ ARGS_DEFAULTS = {"tokenizer_type": "BertWordPieceLowerCase", "train_iters": 1, "
 
 def classification_model_provider(num_classes: int) -> Callable:
     def model_provider(pre_process: bool = True, post_process: bool = True):
-        from megatron.arguments import core_transformer_config_from_args
+        from megatron.training.arguments import core_transformer_config_from_args
         from megatron.model.classification import Classification
 
         args = get_args()

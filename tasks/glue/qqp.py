@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from megatron.utils import print_rank_0
+from megatron.training.utils import print_rank_0
 from tasks.data_utils import TaskDataError, clean_text
 from tasks.glue.data import GLUEAbstractDataset, parse_uid, require_text, tsv_rows
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from megatron.global_vars import get_args, get_tokenizer
-from megatron.utils import print_rank_0
+from megatron.training.global_vars import get_args, get_tokenizer
+from megatron.training.utils import print_rank_0
 from tasks.eval_utils import accuracy_func_provider
 from tasks.finetune_utils import FinetuneResult, finetune
 from tasks.race.data import RaceDataset
@@ -33,7 +33,7 @@ def train_valid_datasets_provider():
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True):
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
     from megatron.model.multiple_choice import MultipleChoice
 
     args = get_args()

@@ -4,7 +4,7 @@
     tasks/main.py --task LAMBADA --valid-data lambada_test.jsonl [--strict-lambada] ...
 
 Each batch of samples (datasets.py) goes through the pipeline schedule's forward-only path, as
-megatron/training.py's evaluation does, so TP, SP, PP and DP all work; every rank builds the same
+megatron/training/training.py's evaluation does, so TP, SP, PP and DP all work; every rank builds the same
 dataset, data-parallel rank r takes samples r, r + dp, ..., and the sums are added over the
 data-parallel group on the last stage. The last rank prints Megatron's lines:
 
@@ -28,8 +28,8 @@ import torch
 from megatron.core import device, parallel_state
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import unwrap_model
-from megatron.global_vars import get_tokenizer
-from megatron.utils import print_rank_0, print_rank_last
+from megatron.training.global_vars import get_tokenizer
+from megatron.training.utils import print_rank_0, print_rank_last
 from tasks.errors import TaskError
 from tasks.zeroshot_gpt.datasets import build_lambada_dataset, build_wikitext103_dataset
 
@@ -53,9 +53,9 @@ def get_model_provider(eval_metric: str):
 
 def load_model(args, eval_metric: str) -> List[torch.nn.Module]:
     """The model chunks of this rank with the weights of --load (or --pretrained-checkpoint, --load-hf)."""
-    from megatron.checkpointing import CheckpointError, checkpoint_exists, load_checkpoint
-    from megatron.load_hf import load_hf_instead, load_hf_weights
-    from megatron.training import get_model
+    from megatron.training.checkpointing import CheckpointError, checkpoint_exists, load_checkpoint
+    from megatron.training.load_hf import load_hf_instead, load_hf_weights
+    from megatron.training.training import get_model
 
     if args.load is None and args.pretrained_checkpoint is None and args.load_hf is None:
         raise TaskError(f"--task {args.task} evaluates a trained model: pass --load CHECKPOINT_DIR "

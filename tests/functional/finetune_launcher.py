@@ -28,7 +28,7 @@ def task_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _pretrained_flag_refused() -> bool:
-    from megatron.arguments_megatron import REFUSED
+    from megatron.training.arguments_megatron import REFUSED
 
     return any("--pretrained-checkpoint" in row.names for row in REFUSED)
 
@@ -39,7 +39,7 @@ def run_task(argv: List[str]):
         from tasks.main import main
 
         return main(list(argv))
-    from megatron.initialize import initialize_megatron
+    from megatron.training.initialize import initialize_megatron
 
     argv = list(argv)
     module = importlib.import_module(MODULES[argv[argv.index("--task") + 1]])

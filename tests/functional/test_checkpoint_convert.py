@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs, parse_and_validate_args
-from megatron.checkpoint_manifest import write_manifest
-from megatron.checkpoint_safety import load_file
-from megatron.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
+from megatron.training.arguments import core_transformer_config_from_args, gpt_model_kwargs, parse_and_validate_args
+from megatron.training.checkpoint_manifest import write_manifest
+from megatron.training.checkpoint_safety import load_file
+from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.convert import megatron_format
 from megatron.convert.layout_rules import renumber
 from megatron.core import parallel_state

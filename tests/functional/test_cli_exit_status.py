@@ -23,7 +23,7 @@ def test_megatron_debug_shows_the_traceback(monkeypatch):
     proc = run_cli(["pretrain_gpt.py", *BAD])
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == ("megatron.arguments_validation.ArgsError: "
+    assert proc.stderr.strip().splitlines()[-1] == ("megatron.training.argument_utils.ArgsError: "
                                                     "--adam-beta1 must be in [0, 1), got 1.5")
 
 
@@ -36,4 +36,4 @@ def test_under_torchrun_the_message_appears_once(monkeypatch):
     assert output.count("--adam-beta1 must be in [0, 1)") == 1, output
     assert MESSAGE in proc.stderr.splitlines()  # the whole line, from rank 0
     # torchrun's own failure report follows; no worker printed a traceback of ours
-    assert "megatron/arguments_validation.py" not in output and os.sep + "pretrain_gpt.py\", line" not in output
+    assert "megatron/training/arguments_validation.py" not in output and os.sep + "pretrain_gpt.py\", line" not in output

@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 
-from megatron.checkpointing import get_checkpoint_name
-from megatron.checkpoint_safety import load_file
+from megatron.training.checkpointing import get_checkpoint_name
+from megatron.training.checkpoint_safety import load_file
 from megatron.convert import verify
 from tests.functional.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
 from tests.parallel.harness import DistributedPool, init_parallel
@@ -117,7 +117,7 @@ def _stage_outputs(checkpoint, tokens, padding_mask, types):
     builds it; the last stage returns (MLM logits gathered over TP, binary logits)."""
     import torch.distributed as dist
 
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
     from megatron.core import parallel_state
     from megatron.model import BertModel
 
@@ -273,8 +273,8 @@ def test_the_hf_config_built_from_our_args_is_the_sources(converted):
 def test_pretrain_gpt_load_hf_refuses_a_bert_model(converted):
     import argparse
 
-    from megatron.checkpoint_safety import CheckpointError
-    from megatron.load_hf import apply_hf_args
+    from megatron.training.checkpoint_safety import CheckpointError
+    from megatron.training.load_hf import apply_hf_args
 
     root, model = converted
     with pytest.raises(CheckpointError, match=f"a {model.config.model_type} model is not a GPTModel"):

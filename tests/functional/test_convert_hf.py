@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint_safety import CheckpointError, load_file
-from megatron.checkpointing import get_checkpoint_name
+from megatron.training.checkpoint_safety import CheckpointError, load_file
+from megatron.training.checkpointing import get_checkpoint_name
 from megatron.convert import megatron_format
 from tests.functional.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
 from tests.parallel.harness import DistributedPool, init_parallel
@@ -175,7 +175,7 @@ def _stage_logits(checkpoint, tokens):
     """Task: this rank's stage of our TP=2 PP=2 checkpoint; the last stage returns the whole logits."""
     import torch.distributed as dist
 
-    from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs
+    from megatron.training.arguments import core_transformer_config_from_args, gpt_model_kwargs
     from megatron.core import parallel_state
     from megatron.model import GPTModel
 
@@ -357,8 +357,8 @@ def test_load_hf_at_tp2_trains_from_the_converted_models_loss_and_saves(converte
 
 
 def test_load_hf_refuses_a_flag_that_disagrees_with_the_hf_config(converted):
-    from megatron.arguments import parse_args
-    from megatron.load_hf import apply_hf_args
+    from megatron.training.arguments import parse_args
+    from megatron.training.load_hf import apply_hf_args
 
     source = str(converted["llama-gqa"][0])
     argv = ["--load-hf", source, "--num-layers", "3", "--swiglu", "--hidden-dropout", "0.2", *TRAIN]

@@ -24,8 +24,8 @@ import os
 import pytest
 import torch
 
-from megatron.arguments import core_transformer_config_from_args, parse_and_validate_args
-from megatron.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
+from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
+from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.convert import verify
 from megatron.convert.layout_rules import renumber, tensor_layout
 from megatron.core.tensor_parallel.layout import shard_for_rank

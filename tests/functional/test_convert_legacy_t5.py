@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from megatron.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
+from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.convert import verify
 from megatron.model.t5_model import t5_attention_masks
 from tests.mcore_reference import require_mcore, run_mcore
@@ -231,7 +231,7 @@ def _classic_t5_entry(whole: dict, args, tp: int, rank: int) -> dict:
 def test_classic_t5_tp2_converts_to_the_same_tensors_and_logits(tmp_path, capsys):
     import argparse
 
-    from megatron.arguments import core_transformer_config_from_args, parse_and_validate_args
+    from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
     from megatron.model.t5_model import T5Model
 
     args = parse_and_validate_args(argv=CLASSIC_FLAGS)

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.convert import verify
 from tests.functional.test_convert_legacy import _args
 from tests.mcore_reference import run_mcore

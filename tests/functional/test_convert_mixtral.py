@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint_safety import load_file
-from megatron.checkpointing import get_checkpoint_name
+from megatron.training.checkpoint_safety import load_file
+from megatron.training.checkpointing import get_checkpoint_name
 from megatron.convert import huggingface, megatron_format, verify
 from tests.functional.test_convert_hf import _convert
 from tests.parallel.harness import DistributedPool, init_parallel
@@ -193,8 +193,8 @@ def test_state_dict_mapping_takes_and_gives_the_modules_fused_names(hf_model):
 
 def _rank_logits(checkpoint, ep, etp, tokens, hf_dir=None):
     """Task (4 ranks, PP = 1): this rank's file of our checkpoint loaded strictly; the whole logits.
-    With hf_dir: --load-hf's weights of this rank (megatron/load_hf.py) must be the file's."""
-    from megatron.arguments import core_transformer_config_from_args, gpt_model_kwargs
+    With hf_dir: --load-hf's weights of this rank (megatron/training/load_hf.py) must be the file's."""
+    from megatron.training.arguments import core_transformer_config_from_args, gpt_model_kwargs
     from megatron.core import parallel_state, tensor_parallel
     from megatron.model import GPTModel
 
@@ -211,7 +211,7 @@ def _rank_logits(checkpoint, ep, etp, tokens, hf_dir=None):
     model.load_state_dict(state["model"], strict=True)
     model.eval()
     if hf_dir is not None:  # pretrain_gpt.py --load-hf's reader fills a fresh model with the same tensors
-        from megatron.load_hf import load_hf_weights
+        from megatron.training.load_hf import load_hf_weights
 
         fresh = GPTModel(core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
                          max_sequence_length=args.max_position_embeddings, parallel_output=False,

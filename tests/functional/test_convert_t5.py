@@ -24,8 +24,8 @@ import json
 import pytest
 import torch
 
-from megatron.checkpoint_safety import CheckpointError, load_file
-from megatron.checkpointing import get_checkpoint_name
+from megatron.training.checkpoint_safety import CheckpointError, load_file
+from megatron.training.checkpointing import get_checkpoint_name
 from megatron.convert import huggingface, megatron_format, t5, verify
 from tests.functional.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
 from tests.parallel.harness import DistributedPool, init_parallel
@@ -155,7 +155,7 @@ def test_our_converted_model_gives_hfs_logits(converted):
 
 def _rank_logits(checkpoint, inputs):
     """Task: this rank's T5Model of the TP = 2 checkpoint, built from its saved args; the gathered logits."""
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
     from megatron.core import parallel_state, tensor_parallel
     from megatron.model.t5_model import T5Model, t5_attention_masks
 
@@ -276,7 +276,7 @@ def test_the_hf_config_built_from_our_args_is_the_sources(converted):
 
 
 def test_pretrain_gpt_load_hf_refuses_a_t5_model(converted):
-    from megatron.load_hf import apply_hf_args
+    from megatron.training.load_hf import apply_hf_args
 
     root, _ = converted
     with pytest.raises(CheckpointError, match="a t5 model is not a GPTModel; convert it with .* --model-type T5"):
@@ -323,12 +323,12 @@ def _labels():
 def _stage_loss(checkpoint):
     """Task: this rank's T5Model stage of the checkpoint, built from its file's args (split rank
     included) and loaded strictly; the pipeline's mean loss on the last stage (else [])."""
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import schedules
     from megatron.model.t5_model import T5Model, t5_attention_masks
-    from megatron.training import _stage_roles
+    from megatron.training.training import _stage_roles
 
     args = load_file(get_checkpoint_name(checkpoint, 0, release=True, pipeline_parallel=True))["args"]
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,

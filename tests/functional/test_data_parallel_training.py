@@ -24,7 +24,7 @@ import re
 
 import pytest
 
-from megatron.checkpoint_safety import load_file
+from megatron.training.checkpoint_safety import load_file
 from tests.functional.test_default_data import default_pipeline  # noqa: F401 (fixture)
 from tests.functional.test_pretrain_gpt import log_lines
 from tests.functional.test_tensor_parallel_training import (COMMON, COUNT, TOTAL, VALIDATION, _grad_norms, _losses,

@@ -39,7 +39,7 @@ def test_default_pipeline_round_trips(default_pipeline):
     root, corpus, count, tokenizer_flags = default_pipeline
     args = preprocess_data.get_args(["--input", str(corpus), "--output-prefix", "x", "--workers", "1",
                                      *tokenizer_flags])
-    from megatron.tokenizer import build_tokenizer
+    from megatron.training.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(args)
     assert tokenizer.vocab_size == 600

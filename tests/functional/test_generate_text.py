@@ -21,7 +21,7 @@ def checkpoint(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("generate") / "ckpt"
     pretrain_gpt.main([*MODEL, *TOKENIZER, "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-2",
                        "--mock-data", "--save", str(ckpt), "--save-interval", "3", "--eval-iters", "0"])
-    from megatron.initialize import reset_megatron
+    from megatron.training.initialize import reset_megatron
 
     reset_megatron()
     return ckpt
@@ -44,11 +44,11 @@ def test_prints_each_prompts_greedy_continuation_as_the_api_gives_it(checkpoint)
     # the same as the library call on the same checkpoint
     import torch
 
-    from megatron.checkpointing import load_checkpoint
-    from megatron.global_vars import get_tokenizer
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.global_vars import get_tokenizer
     from megatron.inference.api import generate
-    from megatron.initialize import initialize_megatron, reset_megatron
-    from megatron.training import get_model
+    from megatron.training.initialize import initialize_megatron, reset_megatron
+    from megatron.training.training import get_model
 
     args = initialize_megatron(argv=[*MODEL, *TOKENIZER, "--micro-batch-size", "1", "--train-iters", "1", "--lr", "0",
                                      "--mock-data", "--load", str(checkpoint)])

@@ -101,7 +101,7 @@ def _flags(hf, task_files, out):
 @pytest.fixture(scope="module")
 def serial(hf, task_files):
     """The tool's main in this process (the TP=2 and bad-input runs are real command lines)."""
-    from megatron.initialize import reset_megatron
+    from megatron.training.initialize import reset_megatron
     from tools import lm_eval_harness
 
     stdout = io.StringIO()

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from megatron.checkpoint_safety import load_file
+from megatron.training.checkpoint_safety import load_file
 from tests.functional.test_default_data import default_pipeline  # noqa: F401 (fixture)
 from tests.functional.test_tensor_parallel_training import COMMON, VALIDATION, _grad_norms, _losses, _torchrun
 from tests.functional.test_training_features import run_cli

@@ -63,7 +63,7 @@ def corpus_slice(tmp_path_factory, corpus_path):
 
 
 def test_round_trip_reproduces_every_document_of_the_real_corpus(tmp_path, corpus_path, corpus_docs, gpt2_vocab_dir):
-    from megatron.tokenizer import build_tokenizer
+    from megatron.training.tokenizer import build_tokenizer
 
     prefix = tmp_path / "kjv"
     result = preprocess_data.main(gpt2_args(corpus_path, prefix, gpt2_vocab_dir, "--append-eod", workers=2))
@@ -147,7 +147,7 @@ def test_progress_lines_report_rates(tmp_path, capsys):
 def test_split_sentences_with_punkt(tmp_path, corpus_slice, nltk_data_dir, bert_vocab_file):
     import nltk
 
-    from megatron.tokenizer import build_tokenizer
+    from megatron.training.tokenizer import build_tokenizer
 
     docs = [json.loads(line)["text"] for line in open(corpus_slice)][:20]
     write_jsonl(tmp_path / "in.jsonl", docs)
@@ -169,7 +169,7 @@ def test_keep_newlines_sentences_concatenate_to_the_document(tmp_path, nltk_data
     write_jsonl(tmp_path / "in.jsonl", [text])
     preprocess_data.main(gpt2_args(tmp_path / "in.jsonl", tmp_path / "nl", gpt2_vocab_dir,
                                    "--split-sentences", "--keep-newlines"))
-    from megatron.tokenizer import build_tokenizer
+    from megatron.training.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(preprocess_data.get_args(gpt2_args(tmp_path / "in.jsonl", tmp_path / "x",
                                                                    gpt2_vocab_dir)))

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.checkpointing import get_checkpoint_tracker_filename
+from megatron.training.checkpointing import get_checkpoint_tracker_filename
 from megatron.core.enums import ModelType
-from megatron.training import NaNLossError, pretrain
+from megatron.training.training import NaNLossError, pretrain
 from tools import preprocess_data
 
 TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",

@@ -42,7 +42,7 @@ DROPPING = ["--moe-expert-capacity-factor", "1.0"]
 
 def _pretrain(argv):
     """Every rank: train with argv; the last rank's records (it logs the losses)."""
-    from megatron.initialize import reset_megatron
+    from megatron.training.initialize import reset_megatron
 
     try:
         result = pretrain_gpt.main(list(argv), record_history=True)
@@ -134,7 +134,7 @@ def test_one_process_logs_balancing_losses_per_layer_tokens_and_warnings():
 def test_a_run_that_stops_between_log_lines_leaves_nothing_to_the_next_in_the_process():
     """The MoE interval (per-layer values since the last log line) belongs to one run: a run that
     stops before its log line, then a run with another expert count in the same process."""
-    from megatron.initialize import reset_megatron
+    from megatron.training.initialize import reset_megatron
 
     try:
         first = pretrain_gpt.main([*MODEL, "--train-iters", "3", "--log-interval", "10"], record_history=True)

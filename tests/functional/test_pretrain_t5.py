@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import pretrain_t5
-from megatron.checkpointing import get_checkpoint_tracker_filename
+from megatron.training.checkpointing import get_checkpoint_tracker_filename
 from tools import make_default_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -109,7 +109,7 @@ LAYOUTS = {
 
 def _pretrain_t5(argv):
     """Every rank: train with argv; the last rank's {iteration: lm loss} (it logs the losses)."""
-    from megatron.initialize import reset_megatron
+    from megatron.training.initialize import reset_megatron
 
     try:
         result = pretrain_t5.main(list(argv), record_history=True)

@@ -40,10 +40,10 @@ def vocab(bert_vocab_file):
 def pretrained(tmp_path_factory, vocab):
     """A pretrain_bert.py model (LM head, pooler, binary head: its provider) saved at iteration 1."""
     import pretrain_bert
-    from megatron.checkpointing import save_checkpoint
+    from megatron.training.checkpointing import save_checkpoint
     from megatron.core.enums import ModelType
-    from megatron.initialize import initialize_megatron
-    from megatron.training import setup_model_and_optimizer
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import setup_model_and_optimizer
 
     path = str(tmp_path_factory.mktemp("bert-pretrained"))
     args = initialize_megatron(argv=[*TINY, *vocab, "--mock-data", "--train-iters", "1", "--save", path,
@@ -150,7 +150,7 @@ def test_a_stopped_and_resumed_run_repeats_the_uninterrupted_one(data, vocab, pr
 
 
 def test_a_malformed_row_is_one_line_naming_file_and_line(data, vocab, tmp_path, capsys):
-    from megatron.cli import run_cli
+    from megatron.training.cli import run_cli
 
     bad = tmp_path / "MNLI" / "train.tsv"
     bad.parent.mkdir()

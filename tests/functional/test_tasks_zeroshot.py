@@ -176,7 +176,7 @@ def test_wikitext_windows_differ_with_the_stride(setup, capsys):
 
 
 def test_lambada_targets_strict_and_not(setup):
-    from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+    from megatron.training.tokenizer.gpt2_bpe import GPT2BPETokenizer
 
     vocab = Path(setup["flags"][setup["flags"].index("--vocab-file") + 1])
     ours = GPT2BPETokenizer(str(vocab), str(vocab.parent / "merges.txt"))  # the task's tokenizer
@@ -264,7 +264,7 @@ def test_bad_input_is_one_line(setup, tmp_path, capsys):
         tasks_main.main(["--task", "WIKITEXT103", "--valid-data", str(tmp_path / "missing.tokens"), *setup["flags"]])
     with pytest.raises(TaskError, match="--task LAMBADA needs --valid-data with exactly one file"):
         tasks_main.main(["--task", "LAMBADA", *setup["flags"]])
-    from megatron.checkpointing import CheckpointError
+    from megatron.training.checkpointing import CheckpointError
 
     flags = list(setup["flags"])
     flags[flags.index("--load") + 1] = str(tmp_path / "no-checkpoint")

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 import pretrain_gpt
-from megatron import checkpointing
-from megatron.checkpointing import CheckpointError, get_checkpoint_tracker_filename
+from megatron.training import checkpointing
+from megatron.training.checkpointing import CheckpointError, get_checkpoint_tracker_filename
 from tests.conftest import ROOT
 from tests.functional.test_pretrain_gpt import MOCK, TINY, log_lines, losses
 

@@ -8,7 +8,7 @@ import os
 import torch
 
 import megatron.core.atomic_io as atomic_io
-from megatron.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from tests.parallel.harness import init_parallel
 from tests.unit.test_checkpointing import TinyGPT, make_args
 

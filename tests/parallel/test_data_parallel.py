@@ -156,7 +156,7 @@ def test_overlap_launches_bucket_reductions_during_backward(dist_pool):
 
 
 def _replicas_start_equal():
-    from megatron.training import check_weights_equal_across_data_parallel_replicas
+    from megatron.training.training import check_weights_equal_across_data_parallel_replicas
 
     init_parallel(tp=1)
     torch.manual_seed(dist.get_rank())  # a different draw on every rank ...

@@ -21,7 +21,7 @@ from megatron.inference.api import beam_search, score
 from megatron.inference.generation import generate_tokens
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.transformer_layer import get_layer_offset
-from megatron.tokenizer.null_tokenizer import NullTokenizer
+from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 from tests.parallel.harness import init_parallel
 from tests.unit.test_hf_equivalence import VOCAB, gpt2, llama_family, make_hf
 

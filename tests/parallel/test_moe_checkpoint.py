@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.core.atomic_io import atomic_write
 from megatron.dist_checkpointing import read_dcp_metadata
 from tests.parallel.test_torch_dist_checkpoint import _pretrain, _pretrain_error
@@ -41,10 +41,10 @@ def _load_and_save(argv, save_dir):
     that layout in torch_dist under save_dir (no training step in between)."""
     import pretrain_gpt
     from megatron import dist_checkpointing
-    from megatron.global_vars import get_args
-    from megatron.initialize import initialize_megatron, reset_megatron
+    from megatron.training.global_vars import get_args
+    from megatron.training.initialize import initialize_megatron, reset_megatron
     from megatron.core.enums import ModelType
-    from megatron.training import setup_model_and_optimizer
+    from megatron.training.training import setup_model_and_optimizer
 
     try:
         initialize_megatron(args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, argv=list(argv))

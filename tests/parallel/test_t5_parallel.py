@@ -85,7 +85,7 @@ def test_tp2_loss_and_gradients_equal_the_serial_model(dist_pool, position_embed
 
 def _stage_model(tp: int, position_embedding_type: str, layers: int, sp: bool = False) -> T5Model:
     from megatron.core.enums import ModelType
-    from megatron.training import _stage_roles
+    from megatron.training.training import _stage_roles
 
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
@@ -212,7 +212,7 @@ def test_pipeline_loss_and_gradients_equal_the_serial_model(dist_pool, tp, pp, s
 
 def _refusals():
     from megatron.core.enums import ModelType
-    from megatron.training import _stage_roles
+    from megatron.training.training import _stage_roles
 
     messages = []
     for pp, split, kind in ((4, 2, "learned_absolute"), (2, None, "learned_absolute")):

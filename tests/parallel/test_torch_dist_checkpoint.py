@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.core.atomic_io import atomic_write
 from megatron.dist_checkpointing import HOLD_ENV, flat_boxes, index_runs, read_dcp_metadata, split_runs
 from tests.parallel.harness import DistributedPool
@@ -45,7 +45,7 @@ def _pretrain(argv):
     try:
         result = pretrain_gpt.main(list(argv), record_history=True)
     finally:
-        from megatron.initialize import reset_megatron
+        from megatron.training.initialize import reset_megatron
 
         reset_megatron()
     return {record.iteration: record.losses.get("lm loss") for record in result.history}
@@ -196,7 +196,7 @@ def test_the_converter_reads_torch_dist(saved, tmp_path, capsys):
     global tensors (verified by logits) and writes it at TP=1 in the torch format: one process loads
     it and logs the uninterrupted run's loss of iteration 3 (it follows from the weights of 2)."""
     import pretrain_gpt
-    from megatron.initialize import reset_megatron
+    from megatron.training.initialize import reset_megatron
     from tools.checkpoint import convert, saver_megatron
 
     ckpt, losses = saved
@@ -222,8 +222,7 @@ def test_the_converter_reads_torch_dist(saved, tmp_path, capsys):
 def test_the_bench_helper_saves_and_loads_either_format_in_one_process(tmp_path):
     """benchmark_save_load (for bench/checkpoint_io.py) times a real round trip: a fresh model and
     Adam loaded from what it wrote hold the saved weights and moments."""
-    from megatron.checkpointing import load_checkpoint
-    from megatron.dist_checkpointing import benchmark_save_load
+    from megatron.training.checkpointing import benchmark_save_load, load_checkpoint
     from tests.unit.test_checkpointing import TinyGPT, make_args
 
     def model_and_adam(seed):

@@ -1,4 +1,4 @@
-"""megatron/arguments.py: Megatron's flag names and defaults, validation errors that name the flag,
+"""megatron/training/arguments.py: Megatron's flag names and defaults, validation errors that name the flag,
 derived values, aliases, args_defaults, extra flags and the config builders."""
 
 import copy
@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from megatron import arguments_validation as validation
-from megatron.arguments import (
+from megatron.training import arguments_validation as validation
+from megatron.training.arguments import (
     ArgsError,
     gpt_dataset_config_from_args,
     parse_and_validate_args,
@@ -226,14 +226,14 @@ def test_sequence_parallel_needs_tensor_parallelism(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = run("--sequence-parallel", "--tensor-model-parallel-size", "2")
     assert args.sequence_parallel is True and args.data_parallel_size == 1
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
     assert config.tensor_model_parallel_size == 2 and config.sequence_parallel is True
 
 
 def test_biased_experts_are_accepted_at_expert_tensor_parallel_size_2(monkeypatch):
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     args = run("--num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2")
@@ -242,7 +242,7 @@ def test_biased_experts_are_accepted_at_expert_tensor_parallel_size_2(monkeypatc
 
 
 def test_recompute_and_flash_attention_flags_reach_the_config(monkeypatch):
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(run("--recompute-activations", "--use-flash-attn"))
     assert (config.recompute_granularity, config.recompute_method, config.use_flash_attn) == ("selective", None, True)
@@ -517,7 +517,7 @@ def test_gpt_dataset_config_per_split_and_mock():
 
 def test_core_transformer_config_from_args():
     pytest.importorskip("megatron.model", reason="megatron.model (TransformerConfig) is not written yet")
-    from megatron.arguments import core_transformer_config_from_args
+    from megatron.training.arguments import core_transformer_config_from_args
 
     args = run("--bf16 --disable-bias-linear --no-masked-softmax-fusion --no-bias-dropout-fusion "
                "--layernorm-epsilon 1e-6 --apply-query-key-layer-scaling --openai-gelu --hidden-dropout 0.0")
@@ -533,7 +533,7 @@ def test_core_transformer_config_from_args():
 
 def test_optimizer_config_from_args():
     pytest.importorskip("megatron.core.optimizer", reason="megatron.core.optimizer is not written yet")
-    from megatron.arguments import optimizer_config_from_args
+    from megatron.training.arguments import optimizer_config_from_args
 
     args = run("--fp16 --optimizer sgd --sgd-momentum 0.8 --min-lr 1e-4 --clip-grad 0.5 --loss-scale-window 50 "
                "--hysteresis 1 --initial-loss-scale 1024 --weight-decay 0.1 --log-num-zeros-in-grad")

@@ -1,4 +1,4 @@
-"""The Llama-family flags (megatron/arguments.py, megatron/arguments_model.py): Megatron's names and
+"""The Llama-family flags (megatron/training/arguments.py, megatron/training/arguments_model.py): Megatron's names and
 defaults, the rules validate_args applies to them, and what reaches TransformerConfig and GPTModel."""
 
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 import torch.nn.functional as F
 
-from megatron.arguments import (
+from megatron.training.arguments import (
     ArgsError,
     core_transformer_config_from_args,
     gpt_model_kwargs,

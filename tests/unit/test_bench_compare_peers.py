@@ -12,7 +12,7 @@ import pytest
 
 from bench import compare_peers as cp
 from bench import peak
-from megatron.training_log import num_floating_point_operations
+from megatron.training.training_log import num_floating_point_operations
 
 RATIO_LINE = re.compile(r"^(fp32|bf16): ratio vs transformers (\d+\.\d\dx|missing \(.+\)) "
                         r"\| ratio vs megatron-core (\d+\.\d\dx|missing \(.+\))$")
@@ -159,7 +159,7 @@ def test_llama_flops_formula_is_megatrons_with_query_groups_and_swiglu():
 
 
 def test_llama_flags_parse_to_the_benchmarked_model():
-    from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
+    from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
 
     s = cp.LLAMA_SHAPE
     argv = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",

@@ -10,13 +10,14 @@ import json
 import numpy as np
 import pytest
 
-from megatron.arguments import parse_args
+from megatron.training.arguments import parse_args
+from megatron.training.dataset_configs import bert_dataset_config_from_args
 from megatron.data.bert_dataset import (MT19937_64, BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig,
-                                        _TargetLengths, bert_dataset_config_from_args, build_sample_index)
+                                        _TargetLengths, build_sample_index)
 from megatron.data.bert_masking import _choose_ngram_size
 from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError
-from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+from megatron.training.tokenizer.bert_wordpiece import BertWordPieceTokenizer
 from tools import preprocess_data
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]

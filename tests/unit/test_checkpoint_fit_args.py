@@ -1,12 +1,12 @@
-"""megatron/checkpoint_fit.py: the architecture args compared when a checkpoint is loaded, and the
+"""megatron/training/checkpoint_fit.py: the architecture args compared when a checkpoint is loaded, and the
 ones --use-checkpoint-args takes from it."""
 
 from argparse import Namespace
 
 import pytest
 
-from megatron.checkpoint_fit import apply_checkpoint_args, check_checkpoint_args
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_fit import apply_checkpoint_args, check_checkpoint_args
+from megatron.training.checkpoint_safety import CheckpointError
 
 LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128, kv_channels=8,
              max_position_embeddings=32, padded_vocab_size=128, untie_embeddings_and_output_weights=True,

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import megatron.arguments_validation as validation
+import megatron.training.arguments_validation as validation
 import megatron.core.atomic_io as atomic_io
 import pretrain_gpt
-from megatron.arguments import ArgsError, parse_and_validate_args
-from megatron.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from megatron.training.arguments import ArgsError, parse_and_validate_args
+from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron.core.atomic_io import atomic_write
 from tests.unit.test_checkpointing import TinyGPT, assert_same_weights, build, make_args, model_file
 
@@ -157,7 +157,7 @@ def test_read_only_tracker_and_a_first_save(ckpt, monkeypatch):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
         return real(path, write, checksum)
 
-    monkeypatch.setattr("megatron.checkpointing.atomic_write", tracker_on_read_only_fs)
+    monkeypatch.setattr("megatron.training.checkpointing.atomic_write", tracker_on_read_only_fs)
     with pytest.raises(CheckpointError) as info:
         save_checkpoint(20, [model], optimizer, scheduler, args)
     assert str(info.value) == (

@@ -1,4 +1,4 @@
-"""Reading a checkpoint runs no code from it: the allow-list unpickler (megatron/checkpoint_safety.py).
+"""Reading a checkpoint runs no code from it: the allow-list unpickler (megatron/training/checkpoint_safety.py).
 
 A checkpoint whose pickle calls os.system is refused on every path that reads one (--load,
 --finetune --no-load-optim --no-load-rng, --use-checkpoint-args), naming the file and the global,
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.checkpoint_safety import CheckpointError, ForeignObject, load_file
+from megatron.training.checkpoint_safety import CheckpointError, ForeignObject, load_file
 
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "1",

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-import megatron.checkpointing as checkpointing
-from megatron.checkpointing import (
+import megatron.training.checkpointing as checkpointing
+from megatron.training.checkpointing import (
     CheckpointError,
     checkpoint_exists,
     find_checkpoint_rank_0,
@@ -29,7 +29,7 @@ from megatron.checkpointing import (
     read_metadata,
     save_checkpoint,
 )
-from megatron.checkpoint_safety import load_file
+from megatron.training.checkpoint_safety import load_file
 from megatron.core import device, tensor_parallel
 
 TRACKER = "latest_checkpointed_iteration.txt"

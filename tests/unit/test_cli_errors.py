@@ -1,4 +1,4 @@
-"""Bad input ends as one line `PROG: error: ...` and exit status 1, without a traceback (megatron/cli.py).
+"""Bad input ends as one line `PROG: error: ...` and exit status 1, without a traceback (megatron/training/cli.py).
 
 Each case runs an entry point's main() in-process through run_cli, as its `__main__` does; the
 subprocess and torchrun runs are in tests/functional/test_cli_exit_status.py.
@@ -10,8 +10,8 @@ import re
 import pytest
 
 import pretrain_gpt
-from megatron import cli
-from megatron.arguments_validation import ArgsError
+from megatron.training import cli
+from megatron.training.arguments_validation import ArgsError
 from tests.functional.test_pretrain_gpt import MOCK, TINY
 from tools import inspect_dataset, make_default_corpus, merge_datasets, preprocess_data, train_tokenizer
 
@@ -145,8 +145,8 @@ def test_swapped_vocab_and_merge_files_are_named(capsys, gpt2_files, swap):
 
 
 def test_gpt2_files_that_are_neither_are_named(tmp_path, gpt2_files):
-    from megatron.tokenizer.gpt2_bpe import read_merges, read_vocab
-    from megatron.tokenizer.tokenizer import TokenizerConfigError
+    from megatron.training.tokenizer.gpt2_bpe import read_merges, read_vocab
+    from megatron.training.tokenizer.tokenizer import TokenizerConfigError
 
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(TokenizerConfigError, match="list.json is JSON but not GPT-2's vocab.json"):

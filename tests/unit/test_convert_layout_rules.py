@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.convert.layout_rules import UnknownTensorError, padded_vocab_size, tensor_layout
 from megatron.convert.megatron_format import (
     Metadata, check_target, target_vocab_size, true_vocab_size_of, write_tensors,
@@ -166,7 +166,7 @@ def test_true_vocabulary_size_from_a_tokenizer_model_as_training_counts_it(sente
     tokens; WordPiece: the vocab.txt lines; a HuggingFace tokenizer.json: its size with added tokens."""
     from tokenizers import Tokenizer, models
 
-    from megatron.tokenizer.tokenizer import build_tokenizer
+    from megatron.training.tokenizer.tokenizer import build_tokenizer
 
     def built(**kwargs):
         return build_tokenizer(argparse.Namespace(padded_vocab_size=0, rank=1, vocab_extra_ids=0, **kwargs)).vocab_size

@@ -51,7 +51,7 @@ def test_no_probe_on_a_gpu_machine(monkeypatch):
 
 
 def _start_up_output(capsys, argv):
-    from megatron.initialize import initialize_megatron, reset_megatron
+    from megatron.training.initialize import initialize_megatron, reset_megatron
     from tests.functional.test_pretrain_gpt import MOCK, TINY
 
     threads = torch.get_num_threads()

@@ -253,7 +253,7 @@ def test_fast_path_and_plain_path_train_to_the_same_losses(precision, capsys):
         fast = _losses(argv)
         plain = _losses(argv + PLAIN_FLAGS)
     finally:
-        from megatron.initialize import _destroy_distributed
+        from megatron.training.initialize import _destroy_distributed
 
         _destroy_distributed()
         torch.set_num_threads(threads)
@@ -278,7 +278,7 @@ def test_torch_compile_flag_trains_to_the_same_losses(capsys):
         eager = _losses(argv)
         compiled = _losses(argv + ["--torch-compile"])
     finally:
-        from megatron.initialize import _destroy_distributed
+        from megatron.training.initialize import _destroy_distributed
 
         _destroy_distributed()
         torch.set_num_threads(threads)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import pretrain_gpt
-from megatron.arguments import ArgsError, parse_and_validate_args
-from megatron.cli import user_input_errors
+from megatron.training.arguments import ArgsError, parse_and_validate_args
+from megatron.training.cli import user_input_errors
 from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.data.dataset_config import GPTDatasetConfig
 from megatron.data.gpt_dataset import GPTDataset

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from megatron.checkpoint_fit import check_checkpoint_args, check_parallel_layout
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_fit import check_checkpoint_args, check_parallel_layout
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.dist_checkpointing import layout
 from megatron.dist_checkpointing.layout import global_expert_names, model_layouts
 from megatron.dist_checkpointing.save import saved_sizes
@@ -133,7 +133,7 @@ def test_the_moe_shape_is_compared():
 
 
 def test_the_classic_format_refuses_experts_split_over_another_etp(monkeypatch, tmp_path):
-    from megatron import checkpointing
+    from megatron.training import checkpointing
     from megatron.core import parallel_state
 
     monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)

@@ -18,7 +18,7 @@ import torch
 
 from megatron import fused_kernels
 from megatron.fused_kernels import fused_core_attention
-from megatron.arguments import core_transformer_config_from_args, parse_and_validate_args, parse_args
+from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args, parse_args
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.layers import fused_impl
 

@@ -250,7 +250,7 @@ def test_prevent_newline_after_colon_and_seeded_sampling(hf):
 
 def test_api_generate_and_score_give_megatrons_response():
     from megatron.inference.api import generate, score
-    from megatron.tokenizer.null_tokenizer import NullTokenizer
+    from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 
     hf = make_hf(gpt2())
     ours = make_ours(hf, FUSED)
@@ -314,7 +314,7 @@ def test_beam_search_with_the_kv_cache_equals_the_recomputed_one(hf, monkeypatch
 def test_api_beam_search_gives_the_best_hypotheses_as_text():
     from megatron.inference import api
     from megatron.inference.beam_search import beam_search, model_next_logits
-    from megatron.tokenizer.null_tokenizer import NullTokenizer
+    from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 
     ours = make_ours(make_hf(gpt2()), FUSED)
     tokenizer = NullTokenizer(VOCAB - 1)
@@ -345,7 +345,7 @@ def test_server_stream_equals_the_whole_greedy_answer():
     import json
 
     from megatron.inference.server import ApiBackend, GenerationServer
-    from megatron.tokenizer.null_tokenizer import NullTokenizer
+    from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 
     ours = make_ours(make_hf(gpt2()), FUSED)
     server = GenerationServer(ApiBackend(ours, NullTokenizer(VOCAB - 1)), port=0, log_requests=False).start()
@@ -378,7 +378,7 @@ def test_top_logprobs_are_the_models_most_likely_next_tokens():
     import json
 
     from megatron.inference.server import ApiBackend, GenerationServer
-    from megatron.tokenizer.null_tokenizer import NullTokenizer
+    from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 
     ours = make_ours(make_hf(gpt2()), FUSED)
     tokens, lengths = prompts()

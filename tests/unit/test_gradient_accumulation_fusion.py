@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.arguments import core_transformer_config_from_args, parse_and_validate_args
+from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.model import Float16Module, GPTModel, TransformerConfig

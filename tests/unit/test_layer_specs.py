@@ -213,7 +213,7 @@ def test_spec_flag_trains_the_users_layer_from_pretrain_gpt():
     """--spec MODULE NAME (Megatron's flag): pretrain_gpt builds this module's parallel block."""
     import pretrain_gpt
     from megatron.core.enums import ModelType
-    from megatron.training import pretrain
+    from megatron.training.training import pretrain
 
     models = []
 

@@ -10,9 +10,9 @@ import signal
 import torch
 from torch.utils.data import Dataset
 
-from megatron import utils
+from megatron.core import utils
 from megatron.data.data_samplers import build_pretraining_data_loader
-from megatron.training_log import Progress, format_log_line
+from megatron.training.training_log import Progress, format_log_line
 
 FIELDS = dict(iteration=10, train_iters=100, consumed_samples=80, ms_per_iteration=12.5, tflops_per_gpu=0.0,
               learning_rate=1e-3, global_batch_size=8, losses={"lm loss": 5.0}, loss_scale=1.0, grad_norm=1.5,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megatron.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 MAX_LR, MIN_LR = 1.0, 0.1
 WARMUP, DECAY = 100, 1000

@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import pretrain_gpt
-from megatron.checkpoint_rng import PHILOX_STATE_BYTES, get_rng_state
-from megatron.checkpoint_safety import CheckpointError, ForeignObject, load_file
-from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpoint_rng import PHILOX_STATE_BYTES, get_rng_state
+from megatron.training.checkpoint_safety import CheckpointError, ForeignObject, load_file
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.core import device, tensor_parallel
 from megatron.core.enums import ModelType
-from megatron.training import pretrain
+from megatron.training.training import pretrain
 from tests.mcore_reference import run_mcore
 from tests.unit.test_checkpointing import TinyGPT, build, make_args
 

@@ -1,5 +1,5 @@
 """Megatron-LM core_v0.13's GPT scripts against our parser: every flag parses, and each one either
-works, has no effect (said in one warning line) or is refused naming itself (megatron/arguments_megatron.py).
+works, has no effect (said in one warning line) or is refused naming itself (megatron/training/arguments_megatron.py).
 
 The flag sets are those of examples/gpt3/train_gpt3_175b_distributed.sh,
 examples/llama/train_llama3_8b_h100_fp8.sh (its mock-data branch) and
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron import arguments_megatron
-from megatron.arguments import ArgsError, core_transformer_config_from_args, parse_args, validate_args
+from megatron.training import arguments_megatron
+from megatron.training.arguments import ArgsError, core_transformer_config_from_args, parse_args, validate_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,7 +171,7 @@ def test_llama3_8b_script_refuses_fp8_and_names_what_has_no_effect(paths, capsys
     assert sorted(_warned(capsys.readouterr().out)) == sorted(LLAMA3_NO_EFFECT)
     assert args.use_flash_attn is True  # --attention-backend fused: the fused-kernel core attention
     assert args.train_samples == 800 and args.lr_decay_samples == 780
-    # the Llama architecture flags work (megatron/arguments_model.py)
+    # the Llama architecture flags work (megatron/training/arguments_model.py)
     assert (args.position_embedding_type, args.rotary_base, args.ffn_hidden_size) == ("rope", 1000000, 224)
     config = core_transformer_config_from_args(args)
     assert config.gated_linear_unit and config.num_query_groups == 2 and config.layernorm_zero_centered_gamma

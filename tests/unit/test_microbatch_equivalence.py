@@ -12,7 +12,7 @@ import torch
 
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 from megatron.model import GPTModel, TransformerConfig
-from megatron.training import _reduce_losses
+from megatron.training.training import _reduce_losses
 from pretrain_gpt import loss_func
 
 GLOBAL_BATCH, SEQ, VOCAB = 8, 16, 97

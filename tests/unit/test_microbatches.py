@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from megatron.microbatches import (
+from megatron.core.num_microbatches_calculator import (
     ConstantNumMicroBatches,
     RampupBatchsizeNumMicroBatches,
     build_num_microbatches_calculator,

@@ -1,11 +1,11 @@
-"""megatron/training_log.py num_floating_point_operations: Megatron-LM core_v0.13's count, checked
+"""megatron/training/training_log.py num_floating_point_operations: Megatron-LM core_v0.13's count, checked
 against numbers worked out by hand, GEMM by GEMM, for a GPT and a Llama-style layer."""
 
 from argparse import Namespace
 
 import pytest
 
-from megatron.training_log import num_floating_point_operations
+from megatron.training.training_log import num_floating_point_operations
 
 
 def gemm_by_gemm(*, s, layers, h, heads, groups, d, f, vocab, gated, batch):

@@ -18,7 +18,7 @@ from megatron.core.optimizer import (
     count_zeros_fp32,
     get_megatron_optimizer,
 )
-from megatron.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
 class Tiny(nn.Module):

@@ -21,7 +21,7 @@ from megatron.core.optimizer import (
     get_megatron_optimizer,
     optimizer_memory_per_parameter,
 )
-from megatron.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 # (param dtype, grad_reduce_in_fp32) -> Megatron's bytes per parameter (non-distributed, distributed at d = 1)
 TABLE = {"fp16/fp16": (torch.float16, False, 20.0), "bf16/fp32": (torch.bfloat16, True, 18.0),

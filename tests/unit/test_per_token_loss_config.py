@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.arguments import ArgsError, core_transformer_config_from_args, parse_and_validate_args
+from megatron.training.arguments import ArgsError, core_transformer_config_from_args, parse_and_validate_args
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.model import GPTModel, TransformerConfig
 

@@ -7,7 +7,7 @@ and --search varies EP for a Mixtral-style model."""
 
 import pytest
 
-from megatron.arguments import parse_args, validate_args
+from megatron.training.arguments import parse_args, validate_args
 from megatron.model.activation_memory import paper_activation_bytes
 from megatron.planner.model import (
     Layout,
@@ -18,7 +18,7 @@ from megatron.planner.model import (
     shape_from_args,
 )
 from megatron.planner.report import plan_from_args
-from megatron.training_log import num_floating_point_operations
+from megatron.training.training_log import num_floating_point_operations
 
 SMALL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "1e-3",
@@ -194,7 +194,7 @@ def test_search_varies_ep_for_a_mixtral_model(capsys):
 
 def test_dry_run_prints_the_plan_and_exits_before_the_model(monkeypatch, capsys):
     import pretrain_gpt
-    from megatron import training
+    from megatron.training import training
 
     def refuse(*args, **kwargs):
         raise AssertionError("--dry-run built the model")

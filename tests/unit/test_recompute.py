@@ -219,7 +219,7 @@ def test_pretrain_gpt_trains_to_the_same_losses_with_the_recompute_flags(capsys)
                                        record_history=True)
             runs[name] = [record.losses["lm loss"] for record in result.history]
     finally:
-        from megatron.initialize import _destroy_distributed
+        from megatron.training.initialize import _destroy_distributed
 
         _destroy_distributed()  # in-process runs leave the (1-rank) process group for the next tests otherwise
     capsys.readouterr()

@@ -3,8 +3,8 @@ whose stages post in an order that cannot match is reported with who waits on wh
 
 import pytest
 
-from megatron.arguments import parse_args, validate_args
-from megatron.arguments_validation import ArgsError
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.arguments_validation import ArgsError
 from megatron.core.pipeline_parallel import p2p_communication, schedules, simulator
 
 

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint_safety import load_file
+from megatron.training.checkpoint_safety import load_file
 from megatron.convert.streaming_save import StreamingFile
 from megatron.core.atomic_io import file_checksum
 

@@ -10,11 +10,11 @@ import argparse
 import numpy as np
 import pytest
 
-from megatron.arguments import parse_args
+from megatron.training.arguments import parse_args
+from megatron.training.dataset_configs import t5_dataset_config_from_args
 from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.data.t5_dataset import (T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig,
-                                      t5_dataset_config_from_args)
-from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+from megatron.data.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
+from megatron.training.tokenizer.bert_wordpiece import BertWordPieceTokenizer
 from tools import preprocess_data
 
 NUM_SAMPLES = 400

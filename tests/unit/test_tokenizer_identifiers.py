@@ -13,7 +13,7 @@ from argparse import Namespace
 
 import pytest
 
-from megatron.tokenizer import build_tokenizer
+from megatron.training.tokenizer import build_tokenizer
 from tests.mcore_reference import run_mcore
 
 # --tokenizer-type -> (Megatron's class, the positional paths and the options it passes to the base)
@@ -64,7 +64,7 @@ def test_tokenizers_describe_themselves_as_megatron_lm_does(files):
 
 def test_sentencepiece_family_description(files):
     """The SentencePiece types (no small model to build here) follow Megatron's table too."""
-    from megatron.tokenizer.tokenizer import megatron_unique_identifiers
+    from megatron.training.tokenizer.tokenizer import megatron_unique_identifiers
 
     args = _args("SentencePieceTokenizer", files)
     args.tokenizer_model = "spm.model"

@@ -1,11 +1,11 @@
-"""megatron.tokenizer against the reference libraries, on the real vocabularies and corpus."""
+"""megatron.training.tokenizer against the reference libraries, on the real vocabularies and corpus."""
 import argparse
 import json
 import sys
 
 import pytest
 
-from megatron.tokenizer import (
+from megatron.training.tokenizer import (
     MegatronTokenizer,
     TokenizerConfigError,
     UnsupportedSpecialToken,
@@ -13,9 +13,9 @@ from megatron.tokenizer import (
     build_tokenizer,
     vocab_size_with_padding,
 )
-from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
-from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer, bytes_to_unicode
-from megatron.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+from megatron.training.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+from megatron.training.tokenizer.gpt2_bpe import GPT2BPETokenizer, bytes_to_unicode
+from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 
 GPT2_STRINGS = [
     "Hello world",
@@ -314,7 +314,7 @@ def test_huggingface_tokenizer_json_and_folder(tmp_path, hf_gpt2, gpt2, monkeypa
         assert tok.detokenize(tok.tokenize(text)) == text
         assert tok.inv_vocab[15496] == "Hello"
     # Without transformers a folder is read through tokenizers from its tokenizer.json.
-    import megatron.tokenizer.huggingface_tokenizer as module
+    import megatron.training.tokenizer.huggingface_tokenizer as module
 
     monkeypatch.setattr(module, "_import_transformers", lambda: None)
     no_transformers = HuggingFaceTokenizer(str(tmp_path / "saved"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.tokenizer import build_tokenizer
+from megatron.training.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 # tools/ is a folder of scripts, not a package: load the script as a module by its path.

@@ -38,8 +38,8 @@ def test_off_in_one_process():
 
 
 def test_watchdog_seconds_flag():
-    from megatron.arguments import parse_args, validate_args
-    from megatron.arguments_validation import ArgsError
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments_validation import ArgsError
 
     argv = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
             "--max-position-embeddings", "8", "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1",

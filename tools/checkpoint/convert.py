@@ -36,8 +36,8 @@ from typing import List, Optional
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.checkpoint_safety import CheckpointError  # noqa: E402
-from megatron.cli import run_cli  # noqa: E402
+from megatron.training.checkpoint_safety import CheckpointError  # noqa: E402
+from megatron.training.cli import run_cli  # noqa: E402
 from megatron.convert.layout_rules import UnknownTensorError  # noqa: E402
 
 MODEL_TYPES = ("GPT", "BERT", "T5")

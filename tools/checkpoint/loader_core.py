@@ -46,7 +46,7 @@ def _torch_dist_folder(load_dir: str):
     """The iteration folder the tracker names when it is a torch_dist one (metadata.json), else None."""
     import os
 
-    from megatron.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
+    from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename, read_metadata
 
     tracker = get_checkpoint_tracker_filename(load_dir)
     if not os.path.isfile(tracker):

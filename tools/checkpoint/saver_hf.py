@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.convert import huggingface
 from megatron.convert.hf_files import (
     ARCHITECTURE_FLAGS, CONFIG, DEFAULT_MAX_SHARD_SIZE, GENERATION_CONFIG, HFCheckpoint, ShardWriter, _hf_config,

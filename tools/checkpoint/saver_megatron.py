@@ -11,7 +11,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.convert.megatron_format import (
     OURS, Dialect, Metadata, check_target, open_source, read_tensors, write_tensors,
 )

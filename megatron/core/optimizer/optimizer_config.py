@@ -10,7 +10,7 @@ import torch
 @dataclass
 class OptimizerConfig:
     """Optimizer, precision and loss-scaling settings (built from the CLI by
-    megatron.arguments.optimizer_config_from_args)."""
+    megatron.training.arguments.optimizer_config_from_args)."""
 
     optimizer: str = "adam"
     """'adam' (AdamW when decoupled_weight_decay) or 'sgd'."""

@@ -22,25 +22,26 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import global_vars
+from megatron.training import global_vars
 from megatron.core import cpu_bf16, cpu_runtime, device, node_topology, parallel_state, watchdog
 from megatron.core.pipeline_parallel import p2p_communication
-from megatron.utils import get_rank_safe, print_line, print_rank_0
+from megatron.core.utils import get_rank_safe
+from megatron.training.utils import print_line, print_rank_0
 
 
 def initialize_megatron(extra_args_provider: Optional[Callable] = None, args_defaults: Optional[Dict] = None,
                         argv: Optional[List[str]] = None, ignore_unknown_args: bool = False) -> argparse.Namespace:
     """Set up a training process; argv None reads sys.argv. Returns the validated args."""
-    from megatron.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_args, validate_args
 
     reset_megatron()
     args = parse_args(extra_args_provider, ignore_unknown_args, argv=argv)
     if args.use_checkpoint_args or (args_defaults or {}).get("use_checkpoint_args", False):
-        from megatron.checkpointing import load_args_from_checkpoint
+        from megatron.training.checkpointing import load_args_from_checkpoint
 
         load_args_from_checkpoint(args)
     if args.load_hf is not None:
-        from megatron.load_hf import apply_hf_args
+        from megatron.training.load_hf import apply_hf_args
 
         apply_hf_args(args, argv, extra_args_provider)
     validate_args(args, args_defaults or {})

@@ -18,7 +18,7 @@ import os
 import re
 from typing import Dict, List, Optional, Sequence
 
-from megatron.tokenizer.base import MegatronTokenizer
+from megatron.training.tokenizer.base import MegatronTokenizer
 
 INSTALL_HINT = "pip install -e .[huggingface]"
 # Conventional strings for special tokens when a bare tokenizer.json carries no roles.

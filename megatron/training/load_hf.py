@@ -25,7 +25,7 @@ from typing import Any, Callable, List, Optional, Set
 
 import torch
 
-from megatron.checkpointing import CheckpointError  # (imported there, so run_cli reports it in one line)
+from megatron.training.checkpointing import CheckpointError  # (imported there, so run_cli reports it in one line)
 from megatron.convert import huggingface
 from megatron.convert.hf_files import (
     ARCHITECTURE_FLAGS, TRAINING_FLAGS, HFCheckpoint, hf_arg_values, hf_seq_length, pad_rows,
@@ -39,7 +39,7 @@ _UNSET = object()
 
 def given_dests(argv: Optional[List[str]], extra_args_provider: Optional[Callable] = None) -> Set[str]:
     """The dests the command line sets explicitly (whatever the value, the parser's default included)."""
-    from megatron.arguments import build_parser
+    from megatron.training.arguments import build_parser
 
     parser = build_parser(extra_args_provider)
     parser.set_defaults(**{action.dest: _UNSET for action in parser._actions if action.dest != "help"})
@@ -104,7 +104,7 @@ def apply_hf_args(args: argparse.Namespace, argv: Optional[List[str]] = None,
 
 def load_hf_instead(args: argparse.Namespace) -> bool:
     """--load-hf is used: given, and --load (if any) holds no checkpoint yet."""
-    from megatron.checkpointing import checkpoint_exists
+    from megatron.training.checkpointing import checkpoint_exists
 
     return getattr(args, "load_hf", None) is not None and not checkpoint_exists(args.load)
 
@@ -114,7 +114,7 @@ def load_hf_weights(model: List[torch.nn.Module], args: argparse.Namespace, voca
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.layout import shard_for_rank
     from megatron.core.utils import unwrap_model
-    from megatron.utils import print_rank_0
+    from megatron.training.utils import print_rank_0
 
     checkpoint = HFCheckpoint(args.load_hf)
     rules = {rule.ours: rule for rule in checkpoint.rules()}

@@ -18,7 +18,7 @@ import json
 import os
 from typing import Dict, Optional
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.core.atomic_io import Checksum, atomic_write, file_checksum
 
 MANIFEST_NAME = "checksums.json"

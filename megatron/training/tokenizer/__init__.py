@@ -11,9 +11,9 @@
 
 The tokenizer classes are imported lazily by build_tokenizer; import them from their modules.
 """
-from megatron.tokenizer.arguments import TOKENIZER_TYPES, add_tokenizer_args
-from megatron.tokenizer.base import MegatronTokenizer, UnsupportedSpecialToken
-from megatron.tokenizer.tokenizer import (
+from megatron.training.tokenizer.arguments import TOKENIZER_TYPES, add_tokenizer_args
+from megatron.training.tokenizer.base import MegatronTokenizer, UnsupportedSpecialToken
+from megatron.training.tokenizer.tokenizer import (
     TokenizerConfigError,
     build_tokenizer,
     vocab_size_with_padding,

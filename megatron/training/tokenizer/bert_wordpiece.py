@@ -13,7 +13,7 @@ per whitespace-separated word; the per-character cleanup runs through ``str.tran
 import unicodedata
 from typing import Dict, List, Sequence
 
-from megatron.tokenizer.base import MegatronTokenizer
+from megatron.training.tokenizer.base import MegatronTokenizer
 
 UNK, CLS, SEP, PAD, MASK, BOS, EOS = "[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]", "[BOS]", "[EOS]"
 _CACHE_LIMIT = 1_000_000

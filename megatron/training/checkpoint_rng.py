@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 from megatron.core import device, tensor_parallel
 
 CPU_TRACKER_KEY = "cpu_rng_tracker_states"

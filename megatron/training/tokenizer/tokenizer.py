@@ -19,8 +19,8 @@ from argparse import Namespace
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from megatron.tokenizer.base import MegatronTokenizer
-from megatron.utils import print_line
+from megatron.training.tokenizer.base import MegatronTokenizer
+from megatron.training.utils import print_line
 
 
 class TokenizerConfigError(ValueError):
@@ -57,14 +57,14 @@ def _file_flag(args: Namespace, attr: str, allow_dir: bool = False) -> str:
 
 
 def _gpt2(args: Namespace) -> MegatronTokenizer:
-    from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+    from megatron.training.tokenizer.gpt2_bpe import GPT2BPETokenizer
 
     return GPT2BPETokenizer(_file_flag(args, "vocab_file"), _file_flag(args, "merge_file"))
 
 
 def _bert(lower_case: bool) -> Callable[[Namespace], MegatronTokenizer]:
     def build(args: Namespace) -> MegatronTokenizer:
-        from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+        from megatron.training.tokenizer.bert_wordpiece import BertWordPieceTokenizer
 
         return BertWordPieceTokenizer(_file_flag(args, "vocab_file"), lower_case=lower_case,
                                       vocab_extra_ids=getattr(args, "vocab_extra_ids", 0))
@@ -72,32 +72,32 @@ def _bert(lower_case: bool) -> Callable[[Namespace], MegatronTokenizer]:
 
 
 def _sentencepiece(args: Namespace) -> MegatronTokenizer:
-    from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+    from megatron.training.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 
     return SentencePieceTokenizer(_file_flag(args, "tokenizer_model"),
                                   vocab_extra_ids=getattr(args, "vocab_extra_ids", 0))
 
 
 def _gpt_sentencepiece(args: Namespace) -> MegatronTokenizer:
-    from megatron.tokenizer.sentencepiece_tokenizer import GPTSentencePieceTokenizer
+    from megatron.training.tokenizer.sentencepiece_tokenizer import GPTSentencePieceTokenizer
 
     return GPTSentencePieceTokenizer(_file_flag(args, "tokenizer_model"))
 
 
 def _llama2(args: Namespace) -> MegatronTokenizer:
-    from megatron.tokenizer.sentencepiece_tokenizer import Llama2Tokenizer
+    from megatron.training.tokenizer.sentencepiece_tokenizer import Llama2Tokenizer
 
     return Llama2Tokenizer(_file_flag(args, "tokenizer_model"))
 
 
 def _huggingface(args: Namespace) -> MegatronTokenizer:
-    from megatron.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+    from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
 
     return HuggingFaceTokenizer(_file_flag(args, "tokenizer_model", allow_dir=True))
 
 
 def _null(args: Namespace) -> MegatronTokenizer:
-    from megatron.tokenizer.null_tokenizer import NullTokenizer
+    from megatron.training.tokenizer.null_tokenizer import NullTokenizer
 
     if getattr(args, "vocab_size", None) is None:
         raise TokenizerConfigError("--tokenizer-type NullTokenizer needs --vocab-size")

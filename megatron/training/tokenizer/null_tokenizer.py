@@ -1,7 +1,7 @@
 """NullTokenizer: the text already is space-separated token ids (for tests and benchmarks)."""
 from typing import Dict, List, Sequence
 
-from megatron.tokenizer.base import MegatronTokenizer
+from megatron.training.tokenizer.base import MegatronTokenizer
 
 
 class NullTokenizer(MegatronTokenizer):

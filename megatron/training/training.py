@@ -25,7 +25,7 @@ import torch
 from megatron.core import communication, device, parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.global_vars import (
+from megatron.training.global_vars import (
     get_args,
     get_num_microbatches,
     get_signal_handler,
@@ -35,8 +35,8 @@ from megatron.global_vars import (
     get_wandb_writer,
     update_num_microbatches,
 )
-from megatron.initialize import initialize_megatron
-from megatron.training_log import (
+from megatron.training.initialize import initialize_megatron
+from megatron.training.training_log import (
     IntervalStats,
     Progress,
     format_communication_stats,
@@ -49,7 +49,7 @@ from megatron.training_log import (
     num_floating_point_operations,
     write_scalars,
 )
-from megatron.utils import print_datetime, print_line, print_rank_0, print_rank_last
+from megatron.training.utils import print_datetime, print_line, print_rank_0, print_rank_last
 
 _TRAIN_START_TIME: float = time.time()
 
@@ -255,7 +255,7 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
 
 def get_optimizer_param_scheduler(optimizer: Any) -> Any:
     """The LR/WD scheduler, with every length converted to samples as Megatron does."""
-    from megatron.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     args = get_args()
     if args.train_samples is None:  # iteration-based training (train_iters is derived otherwise)
@@ -287,7 +287,7 @@ def get_optimizer_param_scheduler(optimizer: Any) -> Any:
 
 def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType) -> Tuple[List[torch.nn.Module], Any, Any]:
     """Model, optimizer and scheduler; loads --load when given (sets args.iteration)."""
-    from megatron.arguments import optimizer_config_from_args
+    from megatron.training.arguments import optimizer_config_from_args
     from megatron.core.optimizer import get_megatron_optimizer
 
     args = get_args()
@@ -296,13 +296,13 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType) -
     optimizer = get_megatron_optimizer(optimizer_config_from_args(args), model)
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
-    from megatron.load_hf import load_hf_instead, load_hf_weights
+    from megatron.training.load_hf import load_hf_instead, load_hf_weights
 
     if load_hf_instead(args):  # --load-hf, and no checkpoint of this run under --load yet
         load_hf_weights(model, args, get_tokenizer().vocab_size)
         optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
     elif args.load is not None or args.pretrained_checkpoint is not None:
-        from megatron.checkpointing import load_checkpoint
+        from megatron.training.checkpointing import load_checkpoint
 
         timers = get_timers()
         timers("load-checkpoint").start()
@@ -318,7 +318,7 @@ def _set_train_iters(args: argparse.Namespace) -> None:
     """--train-samples: the iterations they take, with the batch-size ramp-up (Megatron's update_train_iters)."""
     if args.train_samples is None:
         return
-    from megatron.microbatches import get_train_iters_for_samples
+    from megatron.core.num_microbatches_calculator import get_train_iters_for_samples
 
     args.train_iters = get_train_iters_for_samples(args.train_samples, args.rampup_batch_size,
                                                    args.global_batch_size)
@@ -681,7 +681,7 @@ class _Loop:
 
     # -------------------------------------------------------------- checkpoints and exits
     def save(self) -> None:
-        from megatron.checkpointing import save_checkpoint
+        from megatron.training.checkpointing import save_checkpoint
 
         with _not_training_time():
             save_checkpoint(self.result.iteration, self.model, self.optimizer, self.opt_param_scheduler,

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from megatron.utils import print_rank_last, timestamp
+from megatron.training.utils import print_rank_last, timestamp
 
 
 def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:

@@ -11,21 +11,27 @@ from __future__ import annotations
 import argparse
 from typing import Any, Optional
 
-from megatron.timers import Timers
-from megatron.utils import print_line
+from megatron.core.num_microbatches_calculator import (  # noqa: F401  (the calculator is core's)
+    get_current_global_batch_size,
+    get_num_microbatches,
+    init_num_microbatches_calculator,
+    unset_num_microbatches_calculator,
+    update_num_microbatches,
+)
+from megatron.core.timers import Timers
+from megatron.training.utils import print_line
 
 _ARGS: Optional[argparse.Namespace] = None
 _TOKENIZER: Any = None
 _TIMERS: Optional[Timers] = None
 _TENSORBOARD_WRITER: Any = None
 _WANDB_WRITER: Any = None
-_MICROBATCHES: Any = None
 _SIGNAL_HANDLER: Any = None
 
 
 def _ensure(value: Any, name: str) -> Any:
     if value is None:
-        raise RuntimeError(f"{name} is not initialized; call megatron.initialize.initialize_megatron() first")
+        raise RuntimeError(f"{name} is not initialized; call megatron.training.initialize.initialize_megatron() first")
     return value
 
 
@@ -55,18 +61,6 @@ def get_signal_handler() -> Any:
     return _SIGNAL_HANDLER
 
 
-def get_num_microbatches() -> int:
-    return _ensure(_MICROBATCHES, "micro-batch calculator").get()
-
-
-def get_current_global_batch_size() -> int:
-    return _ensure(_MICROBATCHES, "micro-batch calculator").get_current_global_batch_size()
-
-
-def update_num_microbatches(consumed_samples: int, consistency_check: bool = True) -> None:
-    _ensure(_MICROBATCHES, "micro-batch calculator").update(consumed_samples, consistency_check)
-
-
 def set_args(args: argparse.Namespace) -> None:
     global _ARGS
     _ARGS = args
@@ -74,15 +68,13 @@ def set_args(args: argparse.Namespace) -> None:
 
 def set_global_variables(args: argparse.Namespace, build_tokenizer: bool = True) -> None:
     """Set args, the micro-batch calculator, tokenizer, timers and the writers from args."""
-    global _TOKENIZER, _TIMERS, _MICROBATCHES
-    from megatron.microbatches import build_num_microbatches_calculator
-
+    global _TOKENIZER, _TIMERS
     set_args(args)
-    _MICROBATCHES = build_num_microbatches_calculator(
+    init_num_microbatches_calculator(
         args.rank, args.rampup_batch_size, args.global_batch_size, args.micro_batch_size,
         args.data_parallel_size)
     if build_tokenizer:
-        from megatron.tokenizer import build_tokenizer as _build
+        from megatron.training.tokenizer import build_tokenizer as _build
 
         _TOKENIZER = _build(args)
     _TIMERS = Timers(getattr(args, "timing_log_level", 0))
@@ -119,18 +111,19 @@ def _set_wandb_writer(args: argparse.Namespace) -> None:
 def _set_signal_handler(args: argparse.Namespace) -> None:
     global _SIGNAL_HANDLER
     if getattr(args, "exit_signal_handler", False):
-        from megatron.dist_signal_handler import DistributedSignalHandler
+        from megatron.training.dist_signal_handler import DistributedSignalHandler
 
         _SIGNAL_HANDLER = DistributedSignalHandler().__enter__()
 
 
 def unset_global_variables() -> None:
     """Forget every global (closing the writers and restoring the signal handler)."""
-    global _ARGS, _TOKENIZER, _TIMERS, _TENSORBOARD_WRITER, _WANDB_WRITER, _MICROBATCHES, _SIGNAL_HANDLER
+    global _ARGS, _TOKENIZER, _TIMERS, _TENSORBOARD_WRITER, _WANDB_WRITER, _SIGNAL_HANDLER
     if _TENSORBOARD_WRITER is not None:
         _TENSORBOARD_WRITER.close()
     if _WANDB_WRITER is not None:
         _WANDB_WRITER.finish()
     if _SIGNAL_HANDLER is not None:
         _SIGNAL_HANDLER.__exit__(None, None, None)
-    _ARGS = _TOKENIZER = _TIMERS = _TENSORBOARD_WRITER = _WANDB_WRITER = _MICROBATCHES = _SIGNAL_HANDLER = None
+    unset_num_microbatches_calculator()
+    _ARGS = _TOKENIZER = _TIMERS = _TENSORBOARD_WRITER = _WANDB_WRITER = _SIGNAL_HANDLER = None

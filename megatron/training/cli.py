@@ -39,12 +39,12 @@ REPORT_WAIT_S = 5.0
 # imported (an error cannot come from a module that never ran), so reporting an error imports
 # nothing heavy. Add a row for a new error class whose message names the flag, file or line.
 USER_INPUT_ERRORS = (
-    ("megatron.arguments_validation", "ArgsError"),
-    ("megatron.checkpointing", "CheckpointError"),
+    ("megatron.training.argument_utils", "ArgsError"),
+    ("megatron.training.checkpointing", "CheckpointError"),
     ("megatron.data.indexed_dataset", "IndexedDatasetError"),
-    ("megatron.tokenizer.tokenizer", "TokenizerConfigError"),
-    ("megatron.optimizer_param_scheduler", "SchedulerMismatchError"),
-    ("megatron.training", "NaNLossError"),
+    ("megatron.training.tokenizer.tokenizer", "TokenizerConfigError"),
+    ("megatron.core.optimizer_param_scheduler", "SchedulerMismatchError"),
+    ("megatron.training.training", "NaNLossError"),
     ("tasks.errors", "TaskError"),
 )
 # OSErrors about a path the user named; their message carries the path.

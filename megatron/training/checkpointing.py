@@ -12,7 +12,7 @@
                                           from the data-parallel shards and stored unpadded, so a run
                                           may resume at another data-parallel size
         checksums.json                    size and sha256 of every file of the iteration
-                                          (megatron/checkpoint_manifest.py), verified on load
+                                          (megatron/training/checkpoint_manifest.py), verified on load
 
 `model_optim_rng.pt` is one torch.save'd dict:
 
@@ -35,33 +35,35 @@ temporaries a killed save left in a folder are removed by the next save there), 
 manifest and then the tracker are written (by rank 0, once every rank reported its files
 complete), so a crash at any point leaves the previous checkpoint loadable and the tracker
 naming it. A failed write is reported on every rank with the file, the errno and the
-checkpoint that is still intact (megatron/checkpoint_writes.py). Files are read with the
-allow-list unpickler of megatron/checkpoint_safety.py; the RNG entry is described in
-megatron/checkpoint_rng.py, the checks of a checkpoint against this run in checkpoint_fit.py.
+checkpoint that is still intact (megatron/training/checkpoint_writes.py). Files are read with the
+allow-list unpickler of megatron/training/checkpoint_safety.py; the RNG entry is described in
+megatron/training/checkpoint_rng.py, the checks of a checkpoint against this run in checkpoint_fit.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.checkpoint_fit import (
+from megatron.training.checkpoint_fit import (
     apply_checkpoint_args, check_checkpoint_args, check_parallel_layout, load_model_chunks,
 )
-from megatron.checkpoint_manifest import manifest_path, verify_file, write_manifest
-from megatron.checkpoint_rng import get_rng_state, set_rng_state
-from megatron.checkpoint_safety import CheckpointError, load_file
-from megatron.checkpoint_writes import (
+from megatron.training.checkpoint_manifest import manifest_path, verify_file, write_manifest
+from megatron.training.checkpoint_rng import get_rng_state, set_rng_state
+from megatron.training.checkpoint_safety import CheckpointError, load_file
+from megatron.training.checkpoint_writes import (
     Failure, attempt, broadcast_from_rank_0, describe_write_error, gather_results, local_error,
 )
 from megatron.core import communication, device, parallel_state
 from megatron.core.atomic_io import Checksum, atomic_write, remove_stale_temporaries
-from megatron.utils import print_line
+from megatron.training.utils import print_line
 
 _CHECKPOINT_VERSION = 3.0
 _TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -657,3 +659,36 @@ __all__ = [
     "get_checkpoint_tracker_filename", "get_rng_state", "check_parallel_layout", "load_args_from_checkpoint",
     "load_checkpoint", "read_metadata", "save_checkpoint",
 ]
+
+
+def benchmark_save_load(model: Any, optimizer: Any, opt_param_scheduler: Any, args: argparse.Namespace,
+                        directory: str, ckpt_format: str = "torch_dist", async_save: bool = False,
+                        iteration: int = 1) -> Dict[str, float]:
+    """Time one save and one load of (model, optimizer, scheduler) in `ckpt_format` ('torch' or
+    'torch_dist', async_save with torch_dist) under `directory` (for bench/checkpoint_io.py).
+
+    Collective when distributed. Returns seconds: 'save' (until save_checkpoint returned: what
+    training waits for), 'finalize' (until the tracker names it; equal to 'save' when synchronous),
+    'load' (load_checkpoint into the same model and optimizer), and 'bytes' (the iteration folder).
+    `args` is copied; its save/load/ckpt_format/async_save are set here.
+    """
+    from megatron import dist_checkpointing
+
+    run = copy.copy(args)
+    run.save = run.load = directory
+    run.ckpt_format, run.async_save = ckpt_format, bool(async_save)
+    run.auto_detect_ckpt_format = False
+    for name in ("no_save_optim", "no_load_optim", "no_save_rng", "no_load_rng", "finetune"):
+        setattr(run, name, getattr(run, name, False) or False)
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, run)
+    saved = time.perf_counter()
+    dist_checkpointing.maybe_finalize_async_save(blocking=True)
+    finalized = time.perf_counter()
+    load_checkpoint(model, optimizer, opt_param_scheduler, run)
+    loaded = time.perf_counter()
+    folder = dist_checkpointing.iteration_dir(directory, iteration)
+    size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
+    return {"save": saved - start, "finalize": finalized - start, "load": loaded - finalized, "bytes": float(size)}

@@ -28,8 +28,8 @@ Order (each step may rely on the values the earlier ones derived):
 | 13 | _set_training_state | consumed/skipped sample counters, variable_seq_lengths |
 
 Every error is an ArgsError naming the flag(s) and what to do. validate_megatron_flags is in
-megatron/arguments_megatron.py, beside its tables of Megatron-LM's flags; validate_model_architecture
-in megatron/arguments_model.py.
+megatron/training/arguments_megatron.py, beside its tables of Megatron-LM's flags; validate_model_architecture
+in megatron/training/arguments_model.py.
 """
 
 from __future__ import annotations
@@ -44,15 +44,12 @@ from typing import Any
 
 import torch
 
-from megatron.arguments_megatron import refusal_rows, validate_megatron_flags
-from megatron.arguments_model import default_ffn_hidden_size, validate_model_architecture
+from megatron.training.argument_utils import ArgsError, flag
+from megatron.training.arguments_megatron import refusal_rows, validate_megatron_flags
+from megatron.training.arguments_model import default_ffn_hidden_size, validate_model_architecture
 from megatron.core import device
 from megatron.data.utils import parse_and_normalize_split, parse_data_path
-from megatron.utils import print_line
-
-
-class ArgsError(ValueError):
-    """A bad command line: the message names the flag(s) involved and what to do."""
+from megatron.training.utils import print_line
 
 
 # Deprecated / shorthand flags in one table: dest -> (action, message or (target dest, value)).
@@ -73,7 +70,7 @@ FLAG_ALIASES: dict[str, tuple] = {
 # The refusal table: features that later issues add. A row: (dest, flag as the user sees it,
 # supported value, feature). A value other than the supported one raises "not supported yet";
 # delete the row when it lands. Megatron-LM's flags of features we lack are its last rows
-# (megatron/arguments_megatron.py REFUSED).
+# (megatron/training/arguments_megatron.py REFUSED).
 NOT_YET_SUPPORTED = (
     ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
     ("transformer_impl", "--transformer-impl", "local", "Transformer Engine layers"),
@@ -82,11 +79,6 @@ NOT_YET_SUPPORTED = (
 
 # The GPT model's required shape flags (Megatron's required_args).
 REQUIRED_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
-
-
-def flag(dest: str) -> str:
-    """'micro_batch_size' -> '--micro-batch-size'."""
-    return "--" + dest.replace("_", "-")
 
 
 def _print_rank_0(args: Namespace, message: str) -> None:
@@ -509,7 +501,7 @@ def _validate_optimizer(args: Namespace) -> None:
     _require_positive(args, ("clip_grad",), allow_zero=True)  # 0: no clipping
 
 
-# numpy seeds are below 2**32; each pipeline stage adds 100 x its rank (megatron/initialize.py).
+# numpy seeds are below 2**32; each pipeline stage adds 100 x its rank (megatron/training/initialize.py).
 _MAX_SEED = 2**32 - 1
 
 
@@ -539,7 +531,7 @@ def _validate_checkpointing(args: Namespace) -> None:
         if getattr(args, dest) and args.load is None:
             raise ArgsError(f"{flag(dest)} needs --load (the checkpoint directory to read)")
     if args.load is not None:
-        from megatron.checkpointing import check_load_directory
+        from megatron.training.checkpointing import check_load_directory
 
         check_load_directory(args.load)
     if args.save is not None:

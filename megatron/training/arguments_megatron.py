@@ -12,11 +12,11 @@ Each one parses here, with Megatron's name, dest and default, and is one of:
 REFUSED's rows are the last rows of arguments_validation.NOT_YET_SUPPORTED (the refusal table).
 
 A flag given with its default value passes either way (scripts often spell out defaults).
-The Megatron flags that work here are in megatron/arguments.py; validate_megatron_flags (below)
+The Megatron flags that work here are in megatron/training/arguments.py; validate_megatron_flags (below)
 maps those that are other names of ours (--attention-backend, --encoder-num-layers,
 --encoder-seq-length) and refuses the ones only some values of which are supported
 (--recompute-modules, --microbatch-group-size-per-virtual-pipeline-stage, --no-position-embedding).
-Megatron flags in neither table, nor in megatron/arguments.py (its retro, vision, biencoder,
+Megatron flags in neither table, nor in megatron/training/arguments.py (its retro, vision, biencoder,
 inference, MLA, in-process-restart, straggler, one-logger, fault-tolerance, kitchen, SFT and
 multi-storage-client groups), are unknown flags: argparse stops with its usage error.
 docs/training.md ("Megatron flags") lists both tables; a test keeps the two in step.
@@ -28,7 +28,8 @@ import argparse
 from argparse import Namespace
 from typing import Any, NamedTuple
 
-from megatron.utils import print_line
+from megatron.training.argument_utils import ArgsError, flag
+from megatron.training.utils import print_line
 
 
 class MegatronFlag(NamedTuple):
@@ -325,8 +326,6 @@ def no_effect_flags_given(args: Namespace) -> list:
 
 def _take_alias(args: Namespace, alias: str, dest: str) -> None:
     """Megatron's second name of a flag (--encoder-num-layers for --num-layers): give one of the two."""
-    from megatron.arguments_validation import ArgsError, flag
-
     value = getattr(args, alias)
     if value is not None:
         if getattr(args, dest) not in (None, value):
@@ -349,8 +348,6 @@ ATTENTION_BACKENDS["fused"] = ATTENTION_BACKENDS["flash"]
 
 def _validate_attention_backend(args: Namespace) -> None:
     """--attention-backend onto use_flash_attn: flash/fused set it, local/unfused refuse it, auto keeps it."""
-    from megatron.arguments_validation import ArgsError
-
     backend = args.attention_backend
     if backend in ("flash", "fused"):
         args.use_flash_attn = True
@@ -365,9 +362,6 @@ def _validate_attention_backend(args: Namespace) -> None:
 def validate_megatron_flags(args: Namespace) -> None:
     """Megatron-LM flags that map onto ours, the ones refused only in some combinations, and one
     warning naming the given flags that have no effect here. Raises ArgsError."""
-    # arguments_validation imports this module for its tables: import its error class when called.
-    from megatron.arguments_validation import ArgsError
-
     _take_alias(args, "encoder_num_layers", "num_layers")
     _take_alias(args, "encoder_seq_length", "seq_length")
     if not args.add_position_embedding and args.position_embedding_type != "rope":

@@ -3,7 +3,7 @@
 | function | what |
 |---|---|
 | parse_args(extra_args_provider, ignore_unknown_args, argv) | the Namespace; RANK / WORLD_SIZE from the environment |
-| validate_args(args, defaults) | checks and derived values (megatron/arguments_validation.py) |
+| validate_args(args, defaults) | checks and derived values (megatron/training/arguments_validation.py) |
 | parse_and_validate_args(...) | both |
 | print_args(args) | Megatron's "---- arguments ----" block on rank 0 |
 | core_transformer_config_from_args(args) | megatron.model.TransformerConfig |
@@ -26,14 +26,14 @@ from argparse import Namespace
 from collections.abc import Callable
 from typing import Any
 
-from megatron.arguments_validation import (
+from megatron.training.arguments_validation import (
     ArgsError,
     env_rank_and_world_size,
     print_args,
     validate_args,
 )
-from megatron.arguments_megatron import add_megatron_flags
-from megatron.tokenizer.arguments import add_tokenizer_args
+from megatron.training.arguments_megatron import add_megatron_flags
+from megatron.training.tokenizer.arguments import add_tokenizer_args
 
 __all__ = [
     "ArgsError",
@@ -284,7 +284,7 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load", type=str, default=None, help="Directory holding a checkpoint.")
     group.add_argument("--load-hf", type=str, default=None,
                        help="A transformers model directory to start from: the model flags come from its "
-                            "config.json, the weights are sharded for this TP/PP on load (megatron/load_hf.py); "
+                            "config.json, the weights are sharded for this TP/PP on load (megatron/training/load_hf.py); "
                             "a checkpoint under --load wins once there is one.")
     group.add_argument("--no-load-optim", action="store_true", default=None, help="Do not load the optimizer.")
     group.add_argument("--no-load-rng", action="store_true", default=None, help="Do not load the RNG state.")
@@ -663,7 +663,7 @@ def _architecture_kwargs(args: Namespace) -> dict[str, Any]:
 
 def gpt_model_kwargs(args: Namespace) -> dict[str, Any]:
     """GPTModel's position-embedding keywords (Megatron-Core's names) and --spec's layer spec from validated args."""
-    from megatron.arguments_model import layer_spec_from_flag
+    from megatron.training.arguments_model import layer_spec_from_flag
 
     return dict(
         transformer_layer_spec=layer_spec_from_flag(args.spec),

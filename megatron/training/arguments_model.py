@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from argparse import Namespace
 
-from megatron.utils import print_line
+from megatron.training.argument_utils import ArgsError, flag
+from megatron.training.utils import print_line
 
 # The flags only rope reads, with their defaults (given with another value: the warning names them).
 ROPE_ONLY_FLAGS = (("rotary_base", 10000), ("rotary_percent", 1.0), ("rotary_interleaved", False),
@@ -42,13 +43,6 @@ def is_t5(args: Namespace) -> bool:
     return getattr(args, "model_family", None) == T5_FAMILY
 
 
-def _errors():
-    # arguments_validation imports this module: take its error class and flag() when called.
-    from megatron.arguments_validation import ArgsError, flag
-
-    return ArgsError, flag
-
-
 def _warn(args: Namespace, message: str) -> None:
     if getattr(args, "rank", 0) == 0:
         print_line(f"WARNING: {message}")
@@ -57,7 +51,6 @@ def _warn(args: Namespace, message: str) -> None:
 def default_ffn_hidden_size(args: Namespace) -> int:
     """Megatron's default MLP width: 4h, or with --swiglu 2/3 of it rounded down to a multiple of
     64 (two input projections: about the parameters of the 4h GeLU MLP)."""
-    ArgsError, _ = _errors()
     if not args.swiglu:
         return 4 * args.hidden_size
     size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
@@ -68,7 +61,6 @@ def default_ffn_hidden_size(args: Namespace) -> int:
 
 
 def _validate_position_embedding(args: Namespace) -> None:
-    ArgsError, flag = _errors()
     kind = args.position_embedding_type
     if kind in REFUSED_POSITION_EMBEDDINGS and not (kind == "relative" and is_t5(args)):
         raise ArgsError(f"--position-embedding-type {kind}: {REFUSED_POSITION_EMBEDDINGS[kind]} are not "
@@ -101,7 +93,6 @@ def _validate_position_embedding(args: Namespace) -> None:
 def _validate_query_groups(args: Namespace) -> None:
     """With --group-query-attention, the groups split the heads evenly, and either each TP rank
     holds whole groups or (fewer groups than ranks) each group's K/V is replicated on TP / groups ranks."""
-    ArgsError, _ = _errors()
     heads, groups, tp = args.num_attention_heads, args.num_query_groups, args.tensor_model_parallel_size
     if not args.group_query_attention:
         if groups != 1:
@@ -120,7 +111,6 @@ def _validate_query_groups(args: Namespace) -> None:
 
 
 def _validate_activation(args: Namespace) -> None:
-    ArgsError, _ = _errors()
     chosen = [name for name, on in (("--swiglu", args.swiglu), ("--squared-relu", args.squared_relu),
                                     ("--openai-gelu", args.openai_gelu)) if on]
     if len(chosen) > 1:
@@ -130,7 +120,6 @@ def _validate_activation(args: Namespace) -> None:
 def _validate_t5(args: Namespace) -> None:
     """T5's lengths, sentinels and positions (Megatron's pretrain_t5.py needs both lengths; the
     learned position table serves the encoder and the decoder, each counting from 0)."""
-    ArgsError, _ = _errors()
     kind = args.position_embedding_type
     if kind not in T5_POSITION_EMBEDDINGS:
         raise ArgsError(f"--position-embedding-type {kind}: T5 takes learned_absolute (Megatron's default) or "
@@ -179,7 +168,6 @@ def _validate_t5(args: Namespace) -> None:
 
 def _validate_bert(args: Namespace) -> None:
     """BERT's masking flags and its data (the masked-WordPiece dataset reads real sentence data)."""
-    ArgsError, _ = _errors()
     if not 0.0 < args.mask_prob < 1.0:
         raise ArgsError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
     if not 0.0 <= args.short_seq_prob <= 1.0:
@@ -211,7 +199,6 @@ def layer_spec_from_flag(spec: list[str] | None):
 
     from megatron.model.spec import ModuleSpec
 
-    ArgsError, _ = _errors()
     if len(spec) != 2:
         raise ArgsError(f"--spec takes two values, MODULE NAME (e.g. --spec my_specs parallel_block_spec), "
                         f"got {len(spec)}: {' '.join(spec) or '(none)'}")

@@ -8,14 +8,19 @@ reaching --global-batch-size once more than ramp_samples samples have been consu
 
     gbs(consumed) = start + int(consumed / (ramp_samples / num_increments)) * incr   (consumed <= ramp)
                   = global_batch_size                                               (consumed >  ramp)
+
+The process-wide calculator of a run sits here under Megatron-core's names
+(init_num_microbatches_calculator, get_num_microbatches, update_num_microbatches, ...), so the
+schedules and outside callers such as Accelerate read it without the framework's global args.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Optional
 
-from megatron.utils import print_line
+from megatron.core.utils import print_line
 
 
 class NumMicroBatchesCalculator(ABC):
@@ -41,6 +46,7 @@ class ConstantNumMicroBatches(NumMicroBatchesCalculator):
 
     def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> None:
         super().__init__()
+        self.micro_batch_size = micro_batch_size
         micro_batch_times_data_parallel = micro_batch_size * data_parallel_size
         if micro_batch_times_data_parallel <= 0 or global_batch_size % micro_batch_times_data_parallel != 0:
             raise ValueError(
@@ -155,3 +161,42 @@ def get_train_iters_for_samples(train_samples: int, rampup_batch_size: Sequence 
         # The partial last batch is thrown away.
         iterations += (train_samples - consumed_samples) // global_batch_size
     return iterations
+
+
+_GLOBAL_NUM_MICROBATCHES_CALCULATOR: Optional[NumMicroBatchesCalculator] = None
+
+
+def _calculator() -> NumMicroBatchesCalculator:
+    if _GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+        raise RuntimeError("micro-batch calculator is not initialized; call "
+                           "megatron.training.initialize.initialize_megatron() (or init_num_microbatches_calculator) first")
+    return _GLOBAL_NUM_MICROBATCHES_CALCULATOR
+
+
+def init_num_microbatches_calculator(rank: int, rampup_batch_size: Sequence | None, global_batch_size: int,
+                                     micro_batch_size: int, data_parallel_size: int) -> None:
+    """Set the process-wide calculator (build_num_microbatches_calculator's), replacing any earlier one."""
+    global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = build_num_microbatches_calculator(
+        rank, rampup_batch_size, global_batch_size, micro_batch_size, data_parallel_size)
+
+
+def unset_num_microbatches_calculator() -> None:
+    global _GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    _GLOBAL_NUM_MICROBATCHES_CALCULATOR = None
+
+
+def get_num_microbatches() -> int:
+    return _calculator().get()
+
+
+def get_current_global_batch_size() -> int:
+    return _calculator().get_current_global_batch_size()
+
+
+def get_micro_batch_size() -> int:
+    return _calculator().micro_batch_size
+
+
+def update_num_microbatches(consumed_samples: int, consistency_check: bool = True) -> None:
+    _calculator().update(consumed_samples, consistency_check)

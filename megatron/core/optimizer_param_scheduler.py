@@ -30,7 +30,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron.utils import print_line
+from megatron.core.utils import print_line
 
 _LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")

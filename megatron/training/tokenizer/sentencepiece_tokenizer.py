@@ -10,7 +10,7 @@
 import re
 from typing import Dict, List, Sequence
 
-from megatron.tokenizer.base import MegatronTokenizer
+from megatron.training.tokenizer.base import MegatronTokenizer
 
 
 def load_sentencepiece(model_file: str):

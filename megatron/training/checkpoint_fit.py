@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch import nn
 
-from megatron.checkpoint_safety import CheckpointError
+from megatron.training.checkpoint_safety import CheckpointError
 
 # Model-shape and architecture args compared on load and taken from the checkpoint by
 # --use-checkpoint-args: (attribute, how to name it in an error message). A checkpoint's weights
