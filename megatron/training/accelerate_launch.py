@@ -1,0 +1,263 @@
+"""Run an unchanged HuggingFace Accelerate Megatron-LM script on this project, on CPU with gloo.
+
+    torchrun --nproc-per-node 4 -m megatron.training.accelerate_launch \\
+        --config_file megatron_lm_config.yaml  megatron_lm_gpt_pretraining.py --model_name_or_path ...
+
+On a GPU machine Accelerate drives this package as it drives Megatron-LM (`accelerate launch
+--config_file ... script.py`); on a CPU it cannot, for reasons that are Accelerate's, not the
+script's:
+  * `accelerate.utils.is_megatron_lm_available()` asks for the `megatron-core` distribution's
+    version; this project is installed as `megatron-compat` and does not claim that name;
+  * `AcceleratorState` picks `DistributedType.MEGATRON_LM` only for GPUs, so on CPU the plugin is
+    never used;
+  * `accelerate/utils/megatron_lm.py` asserts `torch.cuda.is_available()` and moves batches and loss
+    accumulators with `torch.cuda.current_device()` / `torch.cuda.FloatTensor`.
+
+This launcher makes those three answer for a CPU, and changes nothing else: the first two are
+replaced right after Accelerate defines them (an import hook, before any of Accelerate's modules
+reads them), and `accelerate.utils.megatron_lm` sees a `torch` whose `cuda` namespace places on
+the CPU; torch itself is untouched. Everything else the script does is Accelerate's own code
+calling this package's Megatron-LM interface. It only knows the Accelerate releases it is
+tested with (TESTED_ACCELERATE_VERSIONS) and refuses any other in one line.
+
+`--config_file` reads the YAML `accelerate config` writes and sets the environment variables
+`accelerate launch` would (ACCELERATE_USE_MEGATRON_LM, MEGATRON_LM_TP_DEGREE, ...,
+ACCELERATE_MIXED_PRECISION); without it, set them yourself. From Python (a notebook, one process)
+call `enable()` before the first `import accelerate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import os
+import runpy
+import sys
+import types
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+TESTED_ACCELERATE_VERSIONS = ("1.16.0",)
+
+_PATCHED_MODULES = ("accelerate.utils.imports", "accelerate.state", "accelerate.utils.megatron_lm")
+
+
+class AccelerateLaunchError(Exception):
+    """A one-line reason the launcher cannot run the script."""
+
+
+def check_accelerate_version() -> str:
+    """The installed accelerate's version, if it is one this launcher is tested with."""
+    try:
+        version = importlib.metadata.version("accelerate")
+    except importlib.metadata.PackageNotFoundError:
+        raise AccelerateLaunchError(
+            f"accelerate is not installed: pip install accelerate=={TESTED_ACCELERATE_VERSIONS[-1]}") from None
+    if version not in TESTED_ACCELERATE_VERSIONS:
+        raise AccelerateLaunchError(
+            f"accelerate {version} is installed; the CPU launcher is tested with accelerate "
+            f"{', '.join(TESTED_ACCELERATE_VERSIONS)} only: pip install accelerate=={TESTED_ACCELERATE_VERSIONS[-1]}")
+    return version
+
+
+# ----------------------------------------------------------------------------- the three answers
+
+
+def _megatron_lm_available():
+    """accelerate's is_megatron_lm_available(), for this package: on when the environment asks for
+    Megatron-LM and `megatron.training` is importable (Accelerate's own test, minus the version of
+    the megatron-core distribution)."""
+    flag = os.environ.get("ACCELERATE_USE_MEGATRON_LM", "false").strip().lower()
+    if flag not in ("1", "true", "yes", "y", "on", "t"):
+        return None
+    return importlib.util.find_spec("megatron.training")
+
+
+class _CudaOnCPU(types.SimpleNamespace):
+    """The part of `torch.cuda` accelerate/utils/megatron_lm.py uses, placing on the CPU."""
+
+    def __init__(self):
+        super().__init__(
+            is_available=lambda: True,
+            current_device=lambda: torch.device("cpu"),
+            empty_cache=lambda: None,
+            synchronize=lambda *a, **k: None,
+            FloatTensor=lambda data: torch.tensor(data, dtype=torch.float32),
+            LongTensor=lambda data: torch.tensor(data, dtype=torch.long),
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"torch.cuda.{name} is not available to Accelerate's Megatron-LM code on CPU")
+
+
+class _TorchOnCPU(types.ModuleType):
+    """`torch` as accelerate/utils/megatron_lm.py sees it under this launcher: every attribute is
+    torch's own except `cuda`."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CudaOnCPU()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _patch_imports(module: types.ModuleType) -> None:
+    module.is_megatron_lm_available = _megatron_lm_available
+
+
+def _patch_state(module: types.ModuleType) -> None:
+    cls = module.AcceleratorState
+    if getattr(cls.__init__, "_megatron_cpu", False):
+        return
+    original = cls.__init__
+    DistributedType = module.DistributedType
+
+    def __init__(self, *args, megatron_lm_plugin=None, **kwargs):
+        original(self, *args, megatron_lm_plugin=megatron_lm_plugin, **kwargs)
+        if (_megatron_lm_available() and megatron_lm_plugin is not None
+                and self.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU)):
+            # What AcceleratorState does on GPUs (state.py, the MEGATRON_LM branch), on the CPU.
+            self.distributed_type = DistributedType.MEGATRON_LM
+            megatron_lm_plugin.set_mixed_precision(self._mixed_precision)
+            self.megatron_lm_plugin = megatron_lm_plugin
+            module.PartialState._shared_state["distributed_type"] = self.distributed_type
+
+    __init__._megatron_cpu = True
+    cls.__init__ = __init__
+
+
+def _patch_megatron_lm(module: types.ModuleType) -> None:
+    module.torch = _TorchOnCPU()
+
+
+_PATCHES: Dict[str, Callable[[types.ModuleType], None]] = {
+    "accelerate.utils.imports": _patch_imports,
+    "accelerate.state": _patch_state,
+    "accelerate.utils.megatron_lm": _patch_megatron_lm,
+}
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    def __init__(self, loader, patch):
+        self._loader, self._patch = loader, patch
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        self._patch(module)
+
+
+class _AccelerateHook(importlib.abc.MetaPathFinder):
+    """Applies a patch to each of _PATCHED_MODULES right after it executes."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _PATCHES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchAfterExec(spec.loader, _PATCHES[fullname])
+        return spec
+
+
+def enable() -> None:
+    """Let Accelerate's Megatron-LM integration run this package on CPU. Call it before accelerate
+    is first imported; idempotent."""
+    check_accelerate_version()
+    if any(isinstance(finder, _AccelerateHook) for finder in sys.meta_path):
+        return
+    imported = [name for name in _PATCHED_MODULES if name in sys.modules]
+    if imported:
+        raise AccelerateLaunchError(
+            "accelerate was imported before megatron.training.accelerate_launch.enable(): call it first")
+    sys.meta_path.insert(0, _AccelerateHook())
+
+
+# ----------------------------------------------------------------------------- accelerate config
+
+
+def env_from_accelerate_config(path: str) -> Dict[str, str]:
+    """The environment `accelerate launch --config_file PATH` gives a Megatron-LM script."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except OSError as e:
+        raise AccelerateLaunchError(f"--config_file {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise AccelerateLaunchError(f"--config_file {path}: not YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(config, dict):
+        raise AccelerateLaunchError(f"--config_file {path}: not an accelerate config (a mapping expected)")
+    megatron = config.get("megatron_lm_config") or {}
+    if not isinstance(megatron, dict) or not megatron:
+        raise AccelerateLaunchError(f"--config_file {path}: has no megatron_lm_config section "
+                                    "(answer yes to Megatron-LM in `accelerate config`)")
+    env = {"ACCELERATE_USE_MEGATRON_LM": "true"}
+    for key, value in megatron.items():
+        if not key.startswith("megatron_lm_"):
+            raise AccelerateLaunchError(f"--config_file {path}: unknown megatron_lm_config key {key!r}")
+        env["MEGATRON_LM_" + key[len("megatron_lm_"):].upper()] = str(value)
+    if config.get("mixed_precision") not in (None, ""):
+        env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"])
+    return env
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _parse(argv: List[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron.training.accelerate_launch",
+        description="Run an Accelerate Megatron-LM script on this project on CPU (under torchrun for several ranks).")
+    parser.add_argument("--config_file", default=None,
+                        help="The YAML `accelerate config` wrote (its megatron_lm_config and mixed_precision).")
+    parser.add_argument("script", help="The training script, run as __main__.")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="The script's own arguments.")
+    return parser.parse_args(argv)
+
+
+def prepare(argv: List[str]) -> List[str]:
+    """Everything before the script runs (flags, config, version, the hook): the script's argv."""
+    args = _parse(argv)
+    if not os.path.isfile(args.script):
+        raise AccelerateLaunchError(f"{args.script}: no such script")
+    if args.config_file is not None:
+        os.environ.update(env_from_accelerate_config(args.config_file))
+    os.environ.setdefault("ACCELERATE_USE_MEGATRON_LM", "true")
+    enable()
+    return [args.script, *args.script_args]
+
+
+def run_script(script_argv: List[str]) -> None:
+    """Run the script as `python script.py args` would: as __main__, its folder first on sys.path."""
+    sys.argv = list(script_argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script_argv[0])))
+    runpy.run_path(script_argv[0], run_name="__main__")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from megatron.training.cli import run_cli
+
+    script_argv: List[str] = []
+
+    def _prepare() -> None:
+        script_argv.extend(prepare(sys.argv[1:] if argv is None else argv))
+
+    try:
+        run_cli(_prepare, "megatron.training.accelerate_launch", errors=(AccelerateLaunchError,))
+    except SystemExit as done:
+        if done.code:
+            raise
+    run_script(script_argv)  # the script's own errors keep their tracebacks
+
+
+if __name__ == "__main__":
+    main()
