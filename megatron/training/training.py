@@ -35,6 +35,7 @@ from megatron.training.global_vars import (
     get_wandb_writer,
     update_num_microbatches,
 )
+from megatron.training.arguments_validation import require_training_data
 from megatron.training.initialize import initialize_megatron
 from megatron.training.training_log import (
     IntervalStats,
@@ -97,6 +98,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     dry_run(extra_args_provider, args_defaults, argv)  # --dry-run: the plan, then exit 0 (returns otherwise)
     initialize_megatron(extra_args_provider, args_defaults, argv=argv)
     args = get_args()
+    require_training_data(args)  # the datasets below come from the flags
     print_rank_0("time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME))
     print_datetime("after megatron is initialized")
 
