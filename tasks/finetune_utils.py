@@ -158,7 +158,7 @@ def load_pretrained_checkpoint(model: List[torch.nn.Module], optimizer: Any, arg
     saved = _torch_dist_names(args.pretrained_checkpoint)
     if saved is not None:  # torch_dist reads into the model's tensors: the key check is here
         _check_torch_dist_names(model, saved, args.pretrained_checkpoint)
-    load_checkpoint(model, None, None, pretrained, load_arg="pretrained_checkpoint", strict=False)
+    load_checkpoint(model, None, None, load_arg="pretrained_checkpoint", strict=False, args=pretrained)
     optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
 
 

@@ -309,7 +309,7 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType) -
         timers = get_timers()
         timers("load-checkpoint").start()
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
-            model, optimizer, opt_param_scheduler, args)
+            model, optimizer, opt_param_scheduler, args=args)
         timers("load-checkpoint").stop()
         if args.finetune or args.no_load_optim or args.iteration == 0:
             optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
@@ -687,7 +687,7 @@ class _Loop:
 
         with _not_training_time():
             save_checkpoint(self.result.iteration, self.model, self.optimizer, self.opt_param_scheduler,
-                            get_args(), self.result.num_floating_point_operations_so_far)
+                            self.result.num_floating_point_operations_so_far, args=get_args())
         self.last_saved_iteration = self.result.iteration
 
     def _exit(self, reason: str, message: str) -> bool:
