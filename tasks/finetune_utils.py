@@ -44,7 +44,7 @@ from megatron.training.training import (
     TrainingResult,
     _Loop,
     setup_model_and_optimizer,
-    train_step,
+    train_step_report,
 )
 from megatron.training.training_log import Progress, num_floating_point_operations
 from megatron.training.utils import print_rank_0
@@ -229,8 +229,8 @@ def _train(loop: _Loop, forward_step: Callable, train: EpochBatches, valid: Iter
         print_rank_0(f"working on epoch {epoch + 1} ...")
         for batch in train.batches(args.seed + epoch, start=start_iteration):
             start_iteration = 0
-            losses, skipped, grad_norm, num_zeros = train_step(forward_step, batch, model, loop.optimizer,
-                                                               loop.opt_param_scheduler)
+            losses, skipped, grad_norm, num_zeros = train_step_report(forward_step, batch, model, loop.optimizer,
+                                                                      loop.opt_param_scheduler)
             iteration += 1
             loop.result.iteration = iteration
             batch_size = args.micro_batch_size * args.data_parallel_size
