@@ -319,9 +319,12 @@ def training_log(loss_dict: Dict[str, Any], total_loss_dict: Dict[str, Any], lea
         learning_rate=learning_rate if learning_rate is not None else 0.0, global_batch_size=batch_size,
         losses=losses, loss_scale=loss_scale, grad_norm=grad_norm, num_zeros_in_grad=num_zeros_in_grad,
         params_norm=params_norm, skipped=total_loss_dict[SKIPPED_ITERS], nan=total_loss_dict[NAN_ITERS]))
-    if reset:
+    if reset:  # the next interval starts empty (Megatron zeroes its sums and hides zero averages)
         for key in list(total_loss_dict):
-            total_loss_dict[key] = 0 if key in (ADVANCED_ITERS, SKIPPED_ITERS, NAN_ITERS) else 0.0
+            if key in (ADVANCED_ITERS, SKIPPED_ITERS, NAN_ITERS):
+                total_loss_dict[key] = 0
+            else:
+                del total_loss_dict[key]
     if report_memory_flag:
         report_memory(f"(after {iteration} iterations)")
         report_memory_flag = False
