@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.core import device
 from megatron.training.utils import get_ltor_masks_and_position_ids
 
 # megatron.legacy (BertModel, T5Model, Classification, the legacy dataset builder) is being added in
@@ -248,7 +249,7 @@ def _accelerate_forward_step(data_iterator, model):
     (loss, {"lm loss": averaged}) through average_losses_across_data_parallel_group."""
     from megatron.training.utils import average_losses_across_data_parallel_group
 
-    tokens_ = next(data_iterator)["input_ids"].long()
+    tokens_ = next(data_iterator)["input_ids"].long().to(device.get_device())  # Accelerate's send_to_device
     labels, tokens = tokens_[:, 1:].contiguous(), tokens_[:, :-1].contiguous()
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens, eod_token=EOD, pad_token=EOD, reset_position_ids=False, reset_attention_mask=False,
@@ -267,7 +268,7 @@ def _direct_loss(model, batches):
     losses = []
     with torch.no_grad():
         for batch in batches:
-            tokens_ = batch["input_ids"]
+            tokens_ = batch["input_ids"].to(device.get_device())
             labels, tokens = tokens_[:, 1:], tokens_[:, :-1]
             attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
                 tokens, EOD, EOD, False, False, False, True)
