@@ -23,27 +23,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron.core import device, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
+from megatron.training.gpt_builders import gpt_builder  # noqa: E402
 from megatron.model import GPTModel  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
 from megatron.training.utils import print_rank_0  # noqa: E402
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    """A GPTModel shaped by the flags."""
-    from megatron.training.arguments import core_transformer_config_from_args, gpt_model_kwargs
-
-    args = get_args()
-    print_rank_0("building GPT model ...")
-    config = core_transformer_config_from_args(args)
-    num_tokens, padded = get_tokenizer().vocab_size, args.padded_vocab_size
-    print_rank_0(f" > loss over all {padded} ids, the {padded - num_tokens} padding ids included (Megatron's loss, "
-                 "--include-padded-vocab-in-loss)" if args.include_padded_vocab_in_loss else
-                 f" > loss over the tokenizer's {num_tokens} ids, the {padded - num_tokens} padding ids excluded "
-                 f"(--include-padded-vocab-in-loss for Megatron's loss over all {padded})")
-    return GPTModel(config, vocab_size=padded, num_tokens=num_tokens,
-                    max_sequence_length=args.max_position_embeddings,
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    pre_process=pre_process, post_process=post_process, **gpt_model_kwargs(args))
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
+    """A GPTModel shaped by the flags (megatron/training/gpt_builders.py)."""
+    return gpt_builder(get_args(), pre_process, post_process, vp_stage=vp_stage)
 
 
 def get_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:

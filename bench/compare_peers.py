@@ -366,7 +366,7 @@ def run_ours(precision: str, warmup: int, steps: int, extra_flags: list[str]) ->
     from megatron.core import device
     from megatron.core.enums import ModelType
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import setup_model_and_optimizer, train_step
+    from megatron.training.training import setup_model_and_optimizer, train_step_report
 
     s = SHAPE
     argv = ["--num-layers", str(s.layers), "--hidden-size", str(s.hidden), "--num-attention-heads", str(s.heads),
@@ -390,7 +390,7 @@ def run_ours(precision: str, warmup: int, steps: int, extra_flags: list[str]) ->
     data = itertools.cycle(batches)  # endless: --profile retries its step while other jobs hold the cores
 
     def step():
-        losses, _, _, _ = train_step(pretrain_gpt.forward_step, data, model, optimizer, scheduler)
+        losses, _, _, _ = train_step_report(pretrain_gpt.forward_step, data, model, optimizer, scheduler)
         return losses["lm loss"]
 
     if "--use-flash-attn" in extra_flags:

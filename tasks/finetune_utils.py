@@ -44,7 +44,7 @@ from megatron.training.training import (
     TrainingResult,
     _Loop,
     setup_model_and_optimizer,
-    train_step,
+    train_step_report,
 )
 from megatron.training.training_log import Progress, num_floating_point_operations
 from megatron.training.utils import print_rank_0
@@ -158,7 +158,7 @@ def load_pretrained_checkpoint(model: List[torch.nn.Module], optimizer: Any, arg
     saved = _torch_dist_names(args.pretrained_checkpoint)
     if saved is not None:  # torch_dist reads into the model's tensors: the key check is here
         _check_torch_dist_names(model, saved, args.pretrained_checkpoint)
-    load_checkpoint(model, None, None, pretrained, load_arg="pretrained_checkpoint", strict=False)
+    load_checkpoint(model, None, None, load_arg="pretrained_checkpoint", strict=False, args=pretrained)
     optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
 
 
@@ -229,8 +229,8 @@ def _train(loop: _Loop, forward_step: Callable, train: EpochBatches, valid: Iter
         print_rank_0(f"working on epoch {epoch + 1} ...")
         for batch in train.batches(args.seed + epoch, start=start_iteration):
             start_iteration = 0
-            losses, skipped, grad_norm, num_zeros = train_step(forward_step, batch, model, loop.optimizer,
-                                                               loop.opt_param_scheduler)
+            losses, skipped, grad_norm, num_zeros = train_step_report(forward_step, batch, model, loop.optimizer,
+                                                                      loop.opt_param_scheduler)
             iteration += 1
             loop.result.iteration = iteration
             batch_size = args.micro_batch_size * args.data_parallel_size

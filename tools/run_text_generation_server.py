@@ -76,7 +76,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
             raise CheckpointError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt)")
         args.no_load_optim, args.no_load_rng = True, True  # weights only: there is no optimizer
         args.auto_detect_ckpt_format = True  # serve a checkpoint of either format
-        load_checkpoint(model, None, None, args)
+        load_checkpoint(model, None, None, args=args)
     for chunk in model:
         chunk.eval()
     return model[0]

@@ -130,7 +130,7 @@ def run_one(argv: List[str], iterations: int) -> Dict[str, Any]:
         _reduce_losses,
         build_train_valid_test_data_iterators,
         setup_model_and_optimizer,
-        train_step,
+        train_step_report,
     )
 
     try:
@@ -153,7 +153,7 @@ def run_one(argv: List[str], iterations: int) -> Dict[str, Any]:
         optimizer.step()
         scheduler.step(increment=get_num_microbatches() * args.micro_batch_size * args.data_parallel_size)
         for iteration in range(2, iterations + 1):
-            reduced, _, _, _ = train_step(pretrain_gpt.forward_step, train_iter, model, optimizer, scheduler)
+            reduced, _, _, _ = train_step_report(pretrain_gpt.forward_step, train_iter, model, optimizer, scheduler)
             history[iteration] = reduced.get("lm loss")
         return {"weights": weights, "grads": grads, "losses": history, "true_vocab": get_tokenizer().vocab_size}
     finally:

@@ -128,11 +128,11 @@ def _train_step_peak(model: list, optimizer: Any, scheduler: Any, train_iter: An
     """One real train_step (the pipeline schedule of the flags, mock data) under _LiveSaved: the
     peak of the saved-tensor bytes this rank held at once (full recompute's rerun included)."""
     import pretrain_gpt
-    from megatron.training.training import train_step
+    from megatron.training.training import train_step_report
 
     tracker = _LiveSaved([p for chunk in model for p in chunk.parameters()])
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
-        _, skipped, _, _ = train_step(pretrain_gpt.forward_step, train_iter, model, optimizer, scheduler)
+        _, skipped, _, _ = train_step_report(pretrain_gpt.forward_step, train_iter, model, optimizer, scheduler)
     assert not skipped and tracker.current == 0, tracker.current
     return tracker.peak
 
@@ -188,11 +188,11 @@ def _iterations_peak(model: list, optimizer: Any, scheduler: Any, train_iter: An
     import pretrain_gpt
     from torch.profiler import ProfilerActivity, profile
 
-    from megatron.training.training import train_step
+    from megatron.training.training import train_step_report
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         for _ in range(iterations):
-            _, skipped, _, _ = train_step(pretrain_gpt.forward_step, train_iter, model, optimizer, scheduler)
+            _, skipped, _, _ = train_step_report(pretrain_gpt.forward_step, train_iter, model, optimizer, scheduler)
             assert not skipped
     return allocated_peak(_allocation_events(profiler))
 

@@ -56,7 +56,7 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "alibi", "mrope", "relat
 ExtraArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser | None]
 
 
-def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
+def _add_network_size_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="network size")
     group.add_argument("--num-layers", type=int, default=None, help="Number of transformer layers.")
     group.add_argument("--encoder-num-layers", type=int, default=None,
@@ -131,9 +131,10 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> None:
                             "the architecture flags describe.")
     group.add_argument("--transformer-impl", default="local", choices=["local", "transformer_engine"],
                        help="Layer implementation (only local is supported yet).")
+    return parser
 
 
-def _add_regularization_args(parser: argparse.ArgumentParser) -> None:
+def _add_regularization_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="regularization")
     group.add_argument("--attention-dropout", type=float, default=0.1, help="Post attention dropout probability.")
     group.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout probability for hidden state.")
@@ -149,9 +150,10 @@ def _add_regularization_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adam-beta2", type=float, default=0.999)
     group.add_argument("--adam-eps", type=float, default=1e-08)
     group.add_argument("--sgd-momentum", type=float, default=0.9)
+    return parser
 
 
-def _add_training_args(parser: argparse.ArgumentParser) -> None:
+def _add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="training")
     group.add_argument("--micro-batch-size", type=int, default=None, help="Batch size per model instance.")
     group.add_argument("--batch-size", type=int, default=None, help="Old batch size parameter, do not use. "
@@ -236,18 +238,20 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
                             "norm is NaN/Inf (the default).")
     group.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                        dest="check_for_nan_in_loss_and_grad", help="Train on through NaN/Inf losses.")
+    return parser
 
 
-def _add_initialization_args(parser: argparse.ArgumentParser) -> None:
+def _add_initialization_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="initialization")
     group.add_argument("--seed", type=int, default=1234, help="Random seed of python, numpy, torch and the device.")
     group.add_argument("--data-parallel-random-init", action="store_true",
                        help="Different initial weights on each data-parallel rank.")
     group.add_argument("--init-method-std", type=float, default=0.02,
                        help="Standard deviation of the zero-mean normal weight initialization.")
+    return parser
 
 
-def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
+def _add_learning_rate_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="learning rate")
     group.add_argument("--lr", type=float, default=None, help="Peak learning rate.")
     group.add_argument("--lr-decay-style", type=str, default="linear",
@@ -272,9 +276,10 @@ def _add_learning_rate_args(parser: argparse.ArgumentParser) -> None:
                        help="Use the scheduler values of the command line, not the checkpoint's.")
     group.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
                        help="Use the scheduler values of the checkpoint.")
+    return parser
 
 
-def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
+def _add_checkpointing_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="checkpointing")
     group.add_argument("--save", type=str, default=None, help="Output directory for checkpoints.")
     group.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None,
@@ -314,9 +319,10 @@ def _add_checkpointing_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--async-save", action="store_true", default=None,
                        help="--ckpt-format torch_dist: write checkpoints in a background thread while training "
                             "continues; a checkpoint becomes the latest once every rank finished writing it.")
+    return parser
 
 
-def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
+def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="mixed precision")
     group.add_argument("--fp16", action="store_true", help="Run the model in fp16.")
     group.add_argument("--bf16", action="store_true", help="Run the model in bfloat16.")
@@ -337,9 +343,10 @@ def _add_mixed_precision_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fp16-lm-cross-entropy", action="store_true",
                        help="Compute the unreduced cross entropy in fp16.")
     group.add_argument("--fp8-format", default=None, choices=["e4m3", "hybrid"], dest="fp8")
+    return parser
 
 
-def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
+def _add_distributed_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="distributed")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -390,16 +397,18 @@ def _add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-cpu-malloc-tuning", action="store_false", dest="cpu_malloc_tuning",
                        help="Leave glibc malloc's defaults: freed activations go back to the kernel and are "
                             "faulted in again every step (tuned by default on CPU: memory kept for reuse).")
+    return parser
 
 
-def _add_validation_args(parser: argparse.ArgumentParser) -> None:
+def _add_validation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="validation")
     group.add_argument("--eval-iters", type=int, default=100, help="Iterations of each evaluation.")
     group.add_argument("--eval-interval", type=int, default=1000, help="Iterations between evaluations.")
     group.add_argument("--skip-train", action="store_true", help="Only evaluate, do not train.")
+    return parser
 
 
-def _add_data_args(parser: argparse.ArgumentParser) -> None:
+def _add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="data and dataloader")
     group.add_argument("--data-path", nargs="*", default=None,
                        help="One prefix, 'w1 p1 w2 p2 ...' (a weighted blend) or 'p1 p2 ...'.")
@@ -424,9 +433,10 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                        dest="create_attention_mask_in_dataloader",
                        help="Do not build the [1, s, s] attention mask in the data loader.")
+    return parser
 
 
-def _add_logging_args(parser: argparse.ArgumentParser) -> None:
+def _add_logging_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="logging")
     group.add_argument("--log-params-norm", action="store_true", help="Log the norm of the parameters.")
     group.add_argument("--log-num-zeros-in-grad", action="store_true", help="Log the number of zero gradients.")
@@ -447,6 +457,7 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--wandb-exp-name", type=str, default="", help="The wandb experiment name.")
     group.add_argument("--wandb-save-dir", type=str, default="", help="Where wandb saves its files.")
     group.add_argument("--logging-level", type=int, default=None, help="Python logging level.")
+    return parser
 
 
 def moe_freq_type(text: str) -> int | list[int]:
@@ -476,7 +487,7 @@ def moe_freq_type(text: str) -> int | list[int]:
     return parsed
 
 
-def _add_moe_args(parser: argparse.ArgumentParser) -> None:
+def _add_moe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's mixture-of-experts flags (docs/moe.md); the ones with no effect or not supported are in
     arguments_megatron.py."""
     group = parser.add_argument_group(title="moe")
@@ -514,9 +525,10 @@ def _add_moe_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--moe-drop-warning-threshold", type=float, default=0.1,
                        help="Ours: warn when more than this fraction of an MoE layer's routed tokens is dropped "
                             "in a logging interval (an expert with no tokens is always warned about).")
+    return parser
 
 
-def _add_planner_args(parser: argparse.ArgumentParser) -> None:
+def _add_planner_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Ours: pretrain_gpt.py --dry-run prints the pre-flight plan (megatron/planner) and exits."""
     from megatron.planner.plan import add_device_args
 
@@ -524,6 +536,7 @@ def _add_planner_args(parser: argparse.ArgumentParser) -> None:
                         help="Validate the flags, print the plan per rank (memory, communication, step time, "
                              "MFU on the --device-* description) and exit 0 before building the model.")
     add_device_args(parser)
+    return parser
 
 
 def build_parser(extra_args_provider: ExtraArgsProvider | None = None) -> argparse.ArgumentParser:

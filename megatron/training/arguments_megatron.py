@@ -291,13 +291,14 @@ REFUSED = (
 )
 
 
-def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+def add_megatron_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the NO_EFFECT and REFUSED flags, with help saying which they are."""
     group = parser.add_argument_group(title="Megatron-LM flags without effect here, or not supported yet")
     for row in NO_EFFECT:
         group.add_argument(*row.names, **row.kwargs, help=f"No effect here: {row.why}.")
     for row in REFUSED:
         group.add_argument(*row.names, **row.kwargs, help=f"Not supported yet: {row.why}.")
+    return parser
 
 
 def refusal_rows() -> tuple:

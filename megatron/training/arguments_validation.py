@@ -23,7 +23,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 9b | _validate_optimizer | (Adam betas and eps, momentum, clipping: the ranges torch accepts) |
 | 9c | _validate_seed | (a positive seed that numpy accepts on every pipeline stage) |
 | 10 | _validate_checkpointing | |
-| 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' |
+| 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' (none required: pretrain() checks) |
 | 12 | _validate_intervals | |
 | 13 | _set_training_state | consumed/skipped sample counters, variable_seq_lengths |
 
@@ -598,7 +598,7 @@ def _validate_moe(args: Namespace) -> None:
 
 
 def _validate_data(args: Namespace) -> None:
-    """One data source (--data-path, --train/valid/test-data-path or --mock-data), split, seq length."""
+    """At most one data source (--data-path, --train/valid/test-data-path or --mock-data), split, seq length."""
     per_split = [d for d in ("train_data_path", "valid_data_path", "test_data_path") if getattr(args, d) is not None]
     for dest in ["data_path"] + per_split:
         if getattr(args, dest) is not None:
@@ -615,10 +615,6 @@ def _validate_data(args: Namespace) -> None:
                         "give one blend split by --split, or one path per split")
     if args.mock_data and given:
         raise ArgsError(f"--mock-data cannot be combined with {', '.join(given)}; drop one of them")
-    # tasks/main.py's tasks read their own files (--train-data / --valid-data)
-    if not given and not args.mock_data and getattr(args, "task", None) is None:
-        raise ArgsError("no training data: give --data-path (with --split), --train-data-path/"
-                        "--valid-data-path/--test-data-path, or --mock-data")
     if per_split and args.split is not None:
         raise ArgsError("--split cannot be used with --train-data-path/--valid-data-path/--test-data-path; "
                         "each split already has its own data")
@@ -636,6 +632,19 @@ def _validate_data(args: Namespace) -> None:
     _require_positive(args, ("num_workers",), allow_zero=True)
     if args.dataloader_type is None:
         args.dataloader_type = "single"
+
+
+def require_training_data(args: Namespace) -> None:
+    """pretrain()'s data comes from the flags: one of them must name it, said before the model is built.
+
+    Not part of validate_args: as in Megatron, a caller with its own data (Accelerate's data loader,
+    a custom dataset provider, tasks/main.py's --train-data) validates without any data flag.
+    """
+    given = any(getattr(args, dest, None) is not None
+                for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"))
+    if not given and not args.mock_data:
+        raise ArgsError("no training data: give --data-path (with --split), --train-data-path/"
+                        "--valid-data-path/--test-data-path, or --mock-data")
 
 
 def _check_dataset_files(shown: str, prefixes: list) -> None:

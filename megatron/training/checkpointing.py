@@ -215,14 +215,18 @@ def generate_state_dict(args: argparse.Namespace, model: Sequence[nn.Module], op
     return state_dict
 
 
-def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
-                    opt_param_scheduler: Any, args: argparse.Namespace,
-                    num_floating_point_operations_so_far: float = 0.0) -> None:
+def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any, opt_param_scheduler: Any,
+                    num_floating_point_operations_so_far: float = 0.0, *,
+                    args: Optional[argparse.Namespace] = None) -> None:
     """Save model, optimizer, scheduler and RNG state to args.save at `iteration`, then the
     checksum manifest, then point the tracker at it. Data-parallel rank 0 (expert-data-parallel
     rank 0 at EP > 1) writes this (tp, pp, ep) coordinate's file. A failed write raises
     CheckpointError on every rank, naming the file and the errno, with the tracker still naming
-    the previous checkpoint."""
+    the previous checkpoint.
+
+    Megatron's call form (Accelerate's): the run's args are get_args() unless given by keyword."""
+    args = _run_args(args, num_floating_point_operations_so_far, "save_checkpoint",
+                     "num_floating_point_operations_so_far")
     save_dir = getattr(args, "save", None)
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a checkpoint directory (--save)")
@@ -274,6 +278,20 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any,
                               f"{_intact_note(save_dir)}") from local_error(failures)
     _print_rank_0("  successfully saved checkpoint from iteration {:7d} to {}".format(
         iteration, save_dir))
+
+
+def _run_args(args: Optional[argparse.Namespace], positional: Any, function: str,
+              parameter: str) -> argparse.Namespace:
+    """The args a save or load runs with: those given, else get_args(). A Namespace in Megatron's
+    positional slot is the older call form of this project, refused with the fix."""
+    if isinstance(positional, argparse.Namespace):
+        raise TypeError(f"{function}: the run's args go by keyword (args=...); the positional parameter "
+                        f"there is Megatron's {parameter}")
+    if args is not None:
+        return args
+    from megatron.training.global_vars import get_args
+
+    return get_args()
 
 
 def _writes_model_file() -> bool:
@@ -515,10 +533,10 @@ def _read_iteration(state_dict: Dict[str, Any], checkpoint_name: str) -> int:
                           "'total_iters'")
 
 
-def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_scheduler: Any,
-                    args: argparse.Namespace, load_arg: str = "load",
-                    strict: bool = True) -> Tuple[int, float]:
-    """Load the checkpoint the tracker in getattr(args, load_arg) names.
+def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
+                    strict: bool = True, *, args: Optional[argparse.Namespace] = None) -> Tuple[int, float]:
+    """Load the checkpoint the tracker in getattr(args, load_arg) names (Megatron's call form; the
+    run's args are get_args() unless given by keyword).
 
     Returns (iteration, num_floating_point_operations_so_far); (0, 0) with a warning when there
     is no checkpoint. Release checkpoints and --finetune start at iteration 0 without optimizer,
@@ -526,6 +544,7 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
     from the checkpoint's args (except with --finetune); the caller updates the micro-batch
     calculator from them.
     """
+    args = _run_args(args, load_arg, "load_checkpoint", "load_arg")
     load_dir = getattr(args, load_arg, None)
     flag = "--" + load_arg.replace("_", "-")
     pretrained = getattr(args, "pretrained_checkpoint", None) if load_arg == "load" else None
@@ -683,11 +702,11 @@ def benchmark_save_load(model: Any, optimizer: Any, opt_param_scheduler: Any, ar
     if dist.is_initialized():
         dist.barrier()
     start = time.perf_counter()
-    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, run)
+    save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args=run)
     saved = time.perf_counter()
     dist_checkpointing.maybe_finalize_async_save(blocking=True)
     finalized = time.perf_counter()
-    load_checkpoint(model, optimizer, opt_param_scheduler, run)
+    load_checkpoint(model, optimizer, opt_param_scheduler, args=run)
     loaded = time.perf_counter()
     folder = dist_checkpointing.iteration_dir(directory, iteration)
     size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)

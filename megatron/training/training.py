@@ -18,7 +18,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -35,18 +35,21 @@ from megatron.training.global_vars import (
     get_wandb_writer,
     update_num_microbatches,
 )
+from megatron.training.arguments_validation import require_training_data
 from megatron.training.initialize import initialize_megatron
-from megatron.training.training_log import (
+from megatron.training.training_log import (  # noqa: F401  (training_log: Megatron's name, imported from here)
     IntervalStats,
     Progress,
     format_communication_stats,
     format_log_line,
     MoEInterval,
+    log_timers_and_memory,
     moe_layer_numbers,
     moe_log_lines,
     moe_loss_names,
     log_validation,
     num_floating_point_operations,
+    training_log,
     write_scalars,
 )
 from megatron.training.utils import print_datetime, print_line, print_rank_0, print_rank_last
@@ -97,6 +100,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     dry_run(extra_args_provider, args_defaults, argv)  # --dry-run: the plan, then exit 0 (returns otherwise)
     initialize_megatron(extra_args_provider, args_defaults, argv=argv)
     args = get_args()
+    require_training_data(args)  # the datasets below come from the flags
     print_rank_0("time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME))
     print_datetime("after megatron is initialized")
 
@@ -307,7 +311,7 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType) -
         timers = get_timers()
         timers("load-checkpoint").start()
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
-            model, optimizer, opt_param_scheduler, args)
+            model, optimizer, opt_param_scheduler, args=args)
         timers("load-checkpoint").stop()
         if args.finetune or args.no_load_optim or args.iteration == 0:
             optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
@@ -410,12 +414,26 @@ def _reduce_losses(losses: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
     return reduced
 
 
-def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: List[torch.nn.Module],
-               optimizer: Any, opt_param_scheduler: Any) -> Tuple[Dict[str, float], bool, Optional[float], Optional[int]]:
+class StepReport(NamedTuple):
+    """One global batch as this project's loops read it: the reduced losses as floats, the same on
+    every rank (the last pipeline stage shares them), whether the update was skipped (fp16 overflow),
+    the gradient norm and the number of zeros in the gradients (--log-num-zeros-in-grad)."""
+
+    losses: Dict[str, float]
+    skipped: bool
+    grad_norm: Optional[float]
+    num_zeros: Optional[int]
+
+
+def train_step_report(forward_step_func: Callable, data_iterator: Optional[Iterator], model: List[torch.nn.Module],
+                      optimizer: Any, opt_param_scheduler: Any, config: Any = None,
+                      forward_backward_func: Optional[Callable] = None) -> StepReport:
     """One global batch: forward/backward over its micro-batches, optimizer and scheduler step.
 
-    Returns (losses, skipped, grad norm, zeros in grad). An fp16 overflow skips the update and
-    the scheduler step, as in Megatron.
+    An fp16 overflow skips the update and the scheduler step, as in Megatron. forward_backward_func
+    defaults to get_forward_backward_func(); config (the model's, Megatron's get_model_config) may
+    carry grad_scale_func and finalize_model_grads_func (Accelerate sets them), else the optimizer's
+    loss scale and finalize_model_grads are used. train_step is Megatron's interface over this.
     """
     from megatron.core.distributed import finalize_model_grads
 
@@ -424,14 +442,16 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_backward = get_forward_backward_func()
+    forward_backward = forward_backward_func or get_forward_backward_func()
     timers("forward-backward", log_level=1).start()
     losses = forward_backward(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
         decoder_seq_length=getattr(args, "decoder_seq_length", None),
-        micro_batch_size=args.micro_batch_size, forward_only=False, grad_scale_func=optimizer.scale_loss,
-        calculate_per_token_loss=args.calculate_per_token_loss, finalize_model_grads_func=finalize_model_grads)
+        micro_batch_size=args.micro_batch_size, forward_only=False,
+        grad_scale_func=getattr(config, "grad_scale_func", None) or optimizer.scale_loss,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        finalize_model_grads_func=getattr(config, "finalize_model_grads_func", None) or finalize_model_grads)
     timers("forward-backward", log_level=1).stop()
     if args.empty_unused_memory_level >= 1:
         device.empty_cache()
@@ -445,7 +465,29 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     reduced = _reduce_losses(losses)
     if getattr(args, "num_experts", None):
         reduced.update(_collect_moe_stats(args))
-    return reduced, not update_successful, grad_norm, num_zeros
+    return StepReport(reduced, not update_successful, grad_norm, num_zeros)
+
+
+def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: List[torch.nn.Module],
+               optimizer: Any, opt_param_scheduler: Any, config: Any = None,
+               forward_backward_func: Optional[Callable] = None) -> Tuple[Dict[str, torch.Tensor], int, bool, bool, int,
+                                                                          Optional[float], Optional[int]]:
+    """Megatron's train_step (core_v0.14-0.15, the form Accelerate 1.16 calls and unpacks):
+
+        (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad)
+
+    loss_dict: {name: 0-d float tensor on the device}, the mean over the global batch, on the last
+    pipeline stage; {} on the other stages. skipped_iter: 1 when the update was skipped, else 0.
+    should_checkpoint / should_exit / exit_code come from Megatron's rerun state machine, which this
+    framework does not have (the loop handles signals and exits): always False, False, 0.
+    """
+    report = train_step_report(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
+                               forward_backward_func)
+    loss_dict = {}
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        loss_dict = {key: torch.tensor(value, dtype=torch.float32, device=device.get_device())
+                     for key, value in report.losses.items()}
+    return loss_dict, int(report.skipped), False, False, 0, report.grad_norm, report.num_zeros
 
 
 # The MoE layers' per-layer values since the last log line (training_log.MoEInterval).
@@ -545,7 +587,7 @@ class _Loop:
         timers("interval-time").start()
         while self.result.iteration < args.train_iters:
             update_num_microbatches(args.consumed_train_samples, consistency_check=True)
-            losses, skipped, grad_norm, num_zeros = train_step(
+            losses, skipped, grad_norm, num_zeros = train_step_report(
                 self.forward_step_func, train_iter, self.model, self.optimizer, self.opt_param_scheduler)
             self.result.iteration += 1
             iteration = self.result.iteration
@@ -593,7 +635,7 @@ class _Loop:
             skipped=self.stats.skipped, nan=self.stats.nan))
         progress.report(iteration)  # the same (last) rank, right after its log line
         self._log_moe(iteration)
-        self._log_timers_and_memory(iteration, max(self.stats.iterations, 1))
+        log_timers_and_memory(iteration, max(self.stats.iterations, 1))
         if args.log_communication_stats:
             counter = communication.get_global_counter()
             print_rank_last(format_communication_stats(counter.summary(), max(self.stats.iterations, 1)))
@@ -620,25 +662,6 @@ class _Loop:
             write_scalars(writer, wandb, {f"moe/{name}_layer_{layer}": float(values[layer - 1]) / n
                                           for name, values in interval.losses.items() for layer in layers},
                           iteration, args.consumed_train_samples)
-
-    def _log_timers_and_memory(self, iteration: int, iterations: int) -> None:
-        """--timing-log-level >= 1: Megatron's timers block; --log-timers/memory-to-tensorboard."""
-        args = get_args()
-        timers = get_timers()
-        names = ("forward-backward", "optimizer")
-        if args.timing_log_level >= 1:
-            seconds = {name: timers(name, log_level=1).elapsed(reset=True) / iterations for name in names}
-            print_rank_last("(min, max) time across ranks (ms):\n" + "\n".join(
-                f"    {name + ' ':.<40}: ({1000 * t:.2f}, {1000 * t:.2f})" for name, t in seconds.items()))
-            if args.log_timers_to_tensorboard:
-                write_scalars(get_tensorboard_writer(), get_wandb_writer(),
-                              {f"{name}-time": t for name, t in seconds.items()}, iteration,
-                              args.consumed_train_samples)
-        if args.log_memory_to_tensorboard:  # accelerator memory; a CPU has none to report
-            stats = device.memory_stats()
-            write_scalars(get_tensorboard_writer(), get_wandb_writer(),
-                          {f"mem-{key}": float(value) for key, value in stats.items()}, iteration,
-                          args.consumed_train_samples)
 
     def _params_norm(self) -> Optional[float]:
         """L2 norm of the whole model's parameters: each counted once over the TP/PP ranks."""
@@ -685,7 +708,7 @@ class _Loop:
 
         with _not_training_time():
             save_checkpoint(self.result.iteration, self.model, self.optimizer, self.opt_param_scheduler,
-                            get_args(), self.result.num_floating_point_operations_so_far)
+                            self.result.num_floating_point_operations_so_far, args=get_args())
         self.last_saved_iteration = self.result.iteration
 
     def _exit(self, reason: str, message: str) -> bool:
@@ -714,5 +737,6 @@ class _Loop:
         return False
 
 
-__all__ = ["pretrain", "train_step", "get_model", "setup_model_and_optimizer", "TrainingResult",
-           "NaNLossError", "IterationRecord", "build_train_valid_test_data_iterators", "get_optimizer_param_scheduler"]
+__all__ = ["pretrain", "train_step", "train_step_report", "StepReport", "training_log", "get_model",
+           "setup_model_and_optimizer", "TrainingResult", "NaNLossError", "IterationRecord",
+           "build_train_valid_test_data_iterators", "get_optimizer_param_scheduler", "num_floating_point_operations"]

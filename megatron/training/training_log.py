@@ -18,6 +18,9 @@ nan iterations.
 The progress line (iterations, rate, ETA) goes to stderr of the same rank, right after the log
 line, as one complete line written at once, so that merged output (`2>&1 | tee log`) keeps every
 line whole and parsers can skip lines starting with `progress:`.
+
+training_log() is Megatron's function of the same name for callers that run their own loop
+(Accelerate): it keeps the interval's sums in the caller's total_loss_dict and prints this log line.
 """
 
 from __future__ import annotations
@@ -29,7 +32,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from megatron.training.utils import print_rank_last, timestamp
+import torch
+
+from megatron.core import device
+from megatron.training.global_vars import (
+    get_args,
+    get_num_microbatches,
+    get_tensorboard_writer,
+    get_timers,
+    get_wandb_writer,
+)
+from megatron.training.utils import print_rank_last, report_memory, timestamp
 
 
 def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
@@ -214,6 +227,109 @@ def log_validation(prefix: str, losses: Dict[str, float], iteration: int, consum
         scalars[f"{key} validation"] = value
         scalars[f"{key} validation ppl"] = math.exp(min(20.0, value))
     write_scalars(writer, wandb, scalars, iteration, consumed_samples)
+
+
+def log_timers_and_memory(iteration: int, iterations: int) -> None:
+    """--timing-log-level >= 1: Megatron's timers block (the mean over `iterations`);
+    --log-timers-to-tensorboard and --log-memory-to-tensorboard."""
+    args = get_args()
+    timers = get_timers()
+    names = ("forward-backward", "optimizer")
+    if args.timing_log_level >= 1:
+        seconds = {name: timers(name, log_level=1).elapsed(reset=True) / iterations for name in names}
+        print_rank_last("(min, max) time across ranks (ms):\n" + "\n".join(
+            f"    {name + ' ':.<40}: ({1000 * t:.2f}, {1000 * t:.2f})" for name, t in seconds.items()))
+        if args.log_timers_to_tensorboard:
+            write_scalars(get_tensorboard_writer(), get_wandb_writer(),
+                          {f"{name}-time": t for name, t in seconds.items()}, iteration, args.consumed_train_samples)
+    if args.log_memory_to_tensorboard:  # accelerator memory; a CPU has none to report
+        stats = device.memory_stats()
+        write_scalars(get_tensorboard_writer(), get_wandb_writer(),
+                      {f"mem-{key}": float(value) for key, value in stats.items()}, iteration,
+                      args.consumed_train_samples)
+
+
+# ------------------------------------------------------------------------------ Megatron's training_log
+
+# The counters Megatron keeps in total_loss_dict beside the loss sums.
+ADVANCED_ITERS, SKIPPED_ITERS, NAN_ITERS = "advanced iterations", "skipped iterations", "nan iterations"
+
+
+def _accumulate(total_loss_dict: Dict[str, Any], loss_dict: Dict[str, Any], skipped: bool) -> None:
+    """Add one iteration to the interval's sums, as IntervalStats does: a skipped iteration or one
+    with an inf/nan loss is counted (skipped / nan) and its losses left out of the averages."""
+    values = {key: float(torch.as_tensor(value).float().sum()) for key, value in loss_dict.items()}
+    bad = any(_is_bad(v) for v in values.values())
+    for key in (ADVANCED_ITERS, SKIPPED_ITERS, NAN_ITERS):
+        total_loss_dict.setdefault(key, 0)
+    total_loss_dict[SKIPPED_ITERS] += int(bool(skipped))
+    total_loss_dict[NAN_ITERS] += int(bad)
+    if skipped or bad:
+        return
+    total_loss_dict[ADVANCED_ITERS] += 1
+    for key, value in values.items():
+        total_loss_dict[key] = total_loss_dict.get(key, 0.0) + value
+
+
+def training_log(loss_dict: Dict[str, Any], total_loss_dict: Dict[str, Any], learning_rate: Optional[float],
+                 iteration: int, loss_scale: float, report_memory_flag: bool, skipped_iter: int,
+                 grad_norm: Optional[float], params_norm: Optional[float], num_zeros_in_grad: Optional[int],
+                 max_attention_logit: Optional[float] = None, pg_collection: Any = None,
+                 is_first_iteration: bool = False) -> bool:
+    """Megatron's training_log (core_v0.16+ arguments, which Accelerate 1.16 passes positionally up to
+    num_zeros_in_grad); returns report_memory_flag, False once memory was reported.
+
+    Adds the iteration to total_loss_dict (Megatron's 'advanced / skipped / nan iterations' counters
+    and a sum per loss name), writes the TensorBoard / W&B scalars every --tensorboard-log-interval,
+    and every --log-interval (and on is_first_iteration, without resetting) prints this project's log
+    line with the interval's averages, then Megatron's memory report once while report_memory_flag
+    is set, and the timers block. The interval's time is the 'interval-time' timer's, which Megatron's
+    train() starts before its loop; a caller that did not start it has it started at its first call.
+    max_attention_logit is written to TensorBoard when given; pg_collection (Megatron's process groups
+    object) has no counterpart here: the groups are parallel_state's.
+    """
+    args = get_args()
+    timer = get_timers()("interval-time")
+    if not timer.running:
+        timer.start()
+    _accumulate(total_loss_dict, loss_dict, bool(skipped_iter))
+    batch_size = args.micro_batch_size * args.data_parallel_size * get_num_microbatches()
+    writer, wandb = get_tensorboard_writer(), get_wandb_writer()
+    if (writer is not None or wandb is not None) and iteration % args.tensorboard_log_interval == 0:
+        scalars = {"learning-rate": learning_rate, "batch-size": float(batch_size), "loss-scale": loss_scale}
+        scalars.update({key: float(torch.as_tensor(value).float().sum()) for key, value in loss_dict.items()})
+        optional = {"grad-norm": grad_norm, "num-zeros": num_zeros_in_grad, "params-norm": params_norm,
+                    "max_attention_logit": max_attention_logit}
+        scalars.update({name: float(value) for name, value in optional.items() if value is not None})
+        write_scalars(writer, wandb, {k: v for k, v in scalars.items() if v is not None and not _is_bad(v)},
+                      iteration, args.consumed_train_samples)
+    if iteration % args.log_interval != 0 and not is_first_iteration:
+        return report_memory_flag
+    reset = not is_first_iteration
+    iterations = max(total_loss_dict[ADVANCED_ITERS] + total_loss_dict[SKIPPED_ITERS], 1)
+    seconds = timer.elapsed(reset=reset) / iterations
+    flops = num_floating_point_operations(args, batch_size)
+    advanced = max(total_loss_dict[ADVANCED_ITERS], 1)
+    losses = {key: value / advanced for key, value in total_loss_dict.items()
+              if key not in (ADVANCED_ITERS, SKIPPED_ITERS, NAN_ITERS)}
+    print_rank_last(format_log_line(
+        iteration=iteration, train_iters=args.train_iters, consumed_samples=args.consumed_train_samples,
+        ms_per_iteration=seconds * 1000.0,
+        tflops_per_gpu=flops / (seconds * 1e12 * args.world_size) if seconds > 0 else 0.0,
+        learning_rate=learning_rate if learning_rate is not None else 0.0, global_batch_size=batch_size,
+        losses=losses, loss_scale=loss_scale, grad_norm=grad_norm, num_zeros_in_grad=num_zeros_in_grad,
+        params_norm=params_norm, skipped=total_loss_dict[SKIPPED_ITERS], nan=total_loss_dict[NAN_ITERS]))
+    if reset:  # the next interval starts empty (Megatron zeroes its sums and hides zero averages)
+        for key in list(total_loss_dict):
+            if key in (ADVANCED_ITERS, SKIPPED_ITERS, NAN_ITERS):
+                total_loss_dict[key] = 0
+            else:
+                del total_loss_dict[key]
+    if report_memory_flag:
+        report_memory(f"(after {iteration} iterations)")
+        report_memory_flag = False
+    log_timers_and_memory(iteration, iterations)
+    return report_memory_flag
 
 
 # ------------------------------------------------------------------------------ mixture of experts

@@ -66,7 +66,7 @@ def load_model(args, eval_metric: str) -> List[torch.nn.Module]:
     else:
         if not checkpoint_exists(args.load) and args.pretrained_checkpoint is None:
             raise CheckpointError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt)")
-        load_checkpoint(model, None, None, args)
+        load_checkpoint(model, None, None, args=args)
     return model
 
 

@@ -54,7 +54,7 @@ def test_prints_each_prompts_greedy_continuation_as_the_api_gives_it(checkpoint)
                                      "--mock-data", "--load", str(checkpoint)])
     try:
         model = get_model(pretrain_gpt.model_provider)
-        load_checkpoint(model, None, None, args)
+        load_checkpoint(model, None, None, args=args)
         with torch.no_grad():
             expected = generate(model[0].eval(), get_tokenizer(), ["1 2 3", "7 8"], 5, top_k=1)["text"]
     finally:

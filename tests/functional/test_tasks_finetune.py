@@ -50,7 +50,7 @@ def pretrained(tmp_path_factory, vocab):
                                      "--save-interval", "1"],
                                args_defaults={"tokenizer_type": "BertWordPieceLowerCase"})
     model, optimizer, scheduler = setup_model_and_optimizer(pretrain_bert.model_provider, ModelType.encoder_or_decoder)
-    save_checkpoint(1, model, optimizer, scheduler, args)
+    save_checkpoint(1, model, optimizer, scheduler, args=args)
     keys = set(model[0].module.state_dict())
     assert {"lm_head.dense.weight", "binary_head.weight", "pooler.dense.weight"} <= keys
     return path, model[0].module.state_dict()["encoder.layers.0.self_attention.linear_qkv.weight"].clone()

@@ -18,10 +18,10 @@ def _save_then_fail_on_rank_1(directory: str):
     args = make_args(directory, tensor_model_parallel_size=2)
     torch.manual_seed(torch.distributed.get_rank() % 2)  # each tensor rank its own shard
     model = TinyGPT(args)
-    save_checkpoint(10, [model], None, None, args)
+    save_checkpoint(10, [model], None, None, args=args)
     loaded = TinyGPT(args)
-    load_checkpoint([loaded], None, None, make_args(directory, tensor_model_parallel_size=2,
-                                                   no_load_optim=True))  # verified on every rank
+    load_checkpoint([loaded], None, None, args=make_args(directory, tensor_model_parallel_size=2,
+                                                        no_load_optim=True))  # verified on every rank
     same = all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
 
     real = os.fdopen
@@ -30,7 +30,7 @@ def _save_then_fail_on_rank_1(directory: str):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         atomic_io.os.fdopen = full_disk
     try:
-        save_checkpoint(20, [model], None, None, args)
+        save_checkpoint(20, [model], None, None, args=args)
         message = None
     except CheckpointError as error:
         message = str(error)

@@ -241,7 +241,7 @@ def test_the_bench_helper_saves_and_loads_either_format_in_one_process(tmp_path)
         assert set(times) == {"save", "finalize", "load", "bytes"} and times["bytes"] > 0
         assert times["finalize"] >= times["save"] > 0 and times["load"] > 0
         fresh, fresh_optimizer = model_and_adam(1)
-        load_checkpoint([fresh], fresh_optimizer, None, make_args(directory, ckpt_format=fmt))
+        load_checkpoint([fresh], fresh_optimizer, None, args=make_args(directory, ckpt_format=fmt))
         assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
         for new, old in zip(fresh.parameters(), model.parameters()):
             for key in ("exp_avg", "exp_avg_sq", "step"):

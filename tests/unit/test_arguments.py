@@ -37,6 +37,18 @@ def dataset_files(tmp_path, monkeypatch):
         (tmp_path / f"{prefix}.idx").write_bytes(b"")
 
 
+def test_no_data_flag_validates_but_pretrain_asks_for_one():
+    """As in Megatron, validate_args takes args without a data source (Accelerate brings its own data
+    loader); pretrain(), whose datasets come from the flags, asks for one before building anything."""
+    from megatron.training.arguments_validation import require_training_data
+
+    args = run(drop=["--mock-data"])
+    assert args.data_path is None and not args.mock_data
+    with pytest.raises(ArgsError, match="no training data: give --data-path"):
+        require_training_data(args)
+    require_training_data(run())  # --mock-data
+
+
 def test_missing_dataset_files_are_named_before_anything_is_built():
     with pytest.raises(ArgsError, match=r"--data-path nope: no such dataset, nope.idx and nope.bin not found"):
         run("--data-path nope", drop=["--mock-data"])
@@ -106,7 +118,6 @@ BAD = [
     ("data-path-and-train-path", "--data-path a --train-data-path b", ["--mock-data"], {},
      "--data-path cannot be combined with --train-data-path"),
     ("mock-and-data-path", "--data-path a", [], {}, "--mock-data cannot be combined with --data-path"),
-    ("no-data", "", ["--mock-data"], {}, "no training data: give --data-path"),
     ("split-with-per-split", "--train-data-path a --split 9,1,0", ["--mock-data"], {},
      "--split cannot be used with --train-data-path"),
     ("bad-split", "--data-path a --split 9,x", ["--mock-data"], {}, "--split '9,x'"),

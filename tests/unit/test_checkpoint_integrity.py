@@ -39,7 +39,7 @@ def ckpt(tmp_path: Path) -> Path:
 def saved(ckpt: Path, iteration: int = 10, seed: int = 0):
     args = make_args(ckpt)
     model, optimizer, scheduler = build(args, seed=seed)
-    save_checkpoint(iteration, [model], optimizer, scheduler, args)
+    save_checkpoint(iteration, [model], optimizer, scheduler, args=args)
     return args, model, optimizer, scheduler
 
 
@@ -69,12 +69,12 @@ def test_flipped_byte_in_the_model_file_is_named(ckpt):
     assert manifest["files"] == {"mp_rank_00/model_optim_rng.pt": {"bytes": path.stat().st_size,
                                                                    "sha256": sha256(path)}}
     fresh = TinyGPT(args)
-    load_checkpoint([fresh], None, None, make_args(ckpt, no_load_optim=True))  # intact: loads
+    load_checkpoint([fresh], None, None, args=make_args(ckpt, no_load_optim=True))  # intact: loads
     assert_same_weights(fresh, model)
 
     flip_byte(path, path.stat().st_size // 2)  # inside the tensor data: unpickling would not notice
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint([TinyGPT(args)], None, None, args)
+        load_checkpoint([TinyGPT(args)], None, None, args=args)
     assert str(info.value).startswith(
         f"checkpoint file {path} does not match its checksum in {ckpt / 'iter_0000010' / 'checksums.json'}")
     assert "damaged after it was saved" in str(info.value)
@@ -84,7 +84,7 @@ def test_checkpoint_without_manifest_loads_unverified(ckpt, capsys):
     args, model, _, _ = saved(ckpt)
     (ckpt / "iter_0000010" / "checksums.json").unlink()  # as Megatron-LM writes it
     fresh = TinyGPT(args)
-    assert load_checkpoint([fresh], None, None, make_args(ckpt, no_load_optim=True))[0] == 10
+    assert load_checkpoint([fresh], None, None, args=make_args(ckpt, no_load_optim=True))[0] == 10
     assert_same_weights(fresh, model)
     assert f"{model_file(ckpt, 10)} is not verified" in capsys.readouterr().out
 
@@ -137,7 +137,7 @@ def test_disk_full_names_the_file_the_errno_and_the_intact_checkpoint(ckpt, monk
     args, model, optimizer, scheduler = saved(ckpt)
     _failing_writes(monkeypatch, errno.ENOSPC)  # torch.save alone would report "unexpected pos"
     with pytest.raises(CheckpointError) as info:
-        save_checkpoint(20, [model], optimizer, scheduler, args)
+        save_checkpoint(20, [model], optimizer, scheduler, args=args)
     monkeypatch.undo()
     assert str(info.value) == (
         f"checkpoint of iteration 20 was not saved: cannot write {model_file(ckpt, 20)}: ENOSPC "
@@ -145,7 +145,7 @@ def test_disk_full_names_the_file_the_errno_and_the_intact_checkpoint(ckpt, monk
         "iteration 10")
     assert (ckpt / TRACKER).read_text() == "10"
     assert os.listdir(ckpt / "iter_0000020" / "mp_rank_00") == []  # no temporary left behind
-    assert load_checkpoint([TinyGPT(args)], None, None, args)[0] == 10
+    assert load_checkpoint([TinyGPT(args)], None, None, args=args)[0] == 10
 
 
 def test_read_only_tracker_and_a_first_save(ckpt, monkeypatch):
@@ -159,7 +159,7 @@ def test_read_only_tracker_and_a_first_save(ckpt, monkeypatch):
 
     monkeypatch.setattr("megatron.training.checkpointing.atomic_write", tracker_on_read_only_fs)
     with pytest.raises(CheckpointError) as info:
-        save_checkpoint(20, [model], optimizer, scheduler, args)
+        save_checkpoint(20, [model], optimizer, scheduler, args=args)
     assert str(info.value) == (
         f"checkpoint of iteration 20 was not saved: cannot write {ckpt / TRACKER}: EROFS (Read-only "
         f"file system); the previous checkpoint is intact: {ckpt / TRACKER} still names iteration 10")
@@ -169,7 +169,7 @@ def test_read_only_tracker_and_a_first_save(ckpt, monkeypatch):
     other = ckpt.parent / "other"
     with pytest.raises(CheckpointError, match=f"no earlier checkpoint was recorded in {other} "
                                               f"\\(there is no {TRACKER}\\)"):
-        save_checkpoint(5, [model], optimizer, scheduler, make_args(other))
+        save_checkpoint(5, [model], optimizer, scheduler, args=make_args(other))
 
 
 # ------------------------------------------------------------------------- --save / --load at start-up
@@ -208,7 +208,7 @@ def test_load_pointing_at_a_file_is_an_error(tmp_path):
     assert str(info.value) == expected
     args = make_args(a_file)
     with pytest.raises(CheckpointError, match="is a file, not a checkpoint directory"):
-        load_checkpoint([TinyGPT(args)], None, None, args)
+        load_checkpoint([TinyGPT(args)], None, None, args=args)
 
 
 # ------------------------------------------------------------------------- incomplete checkpoints
@@ -216,7 +216,7 @@ def test_empty_rank_folder_says_what_is_missing(ckpt):
     args, _, _, _ = saved(ckpt)
     model_file(ckpt, 10).unlink()
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint([TinyGPT(args)], None, None, args)
+        load_checkpoint([TinyGPT(args)], None, None, args=args)
     assert str(info.value) == (
         f"{model_file(ckpt, 10).parent} has no model_optim_rng.pt (it is empty): the save of iteration "
         f"10 did not finish writing it, or it was removed since; the tracker {ckpt / TRACKER} names "
@@ -229,7 +229,7 @@ def test_folder_in_place_of_the_model_file(ckpt):
     path.unlink()
     path.mkdir()
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint([TinyGPT(args)], None, None, args)
+        load_checkpoint([TinyGPT(args)], None, None, args=args)
     assert str(info.value) == (f"checkpoint file {path} is a directory, not a file written by "
                                f"torch.save (the tracker {ckpt / TRACKER} names iteration 10)")
 
@@ -240,7 +240,7 @@ def test_file_of_another_iteration_is_refused(ckpt):
     shutil.copy(model_file(ckpt, 10), model_file(ckpt, 20))
     (ckpt / TRACKER).write_text("20")
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint([TinyGPT(args)], None, None, args)
+        load_checkpoint([TinyGPT(args)], None, None, args=args)
     assert str(info.value) == (
         f"checkpoint file {model_file(ckpt, 20)} holds iteration 10, but its folder iter_0000020 and "
         f"the tracker {ckpt / TRACKER} say iteration 20: the file belongs to another checkpoint")
@@ -255,7 +255,7 @@ def test_next_save_removes_the_temporaries_of_a_killed_one(ckpt):
     for path in leftovers:
         path.write_bytes(b"partial")
     (rank_dir / "notes.txt").write_text("not ours")
-    save_checkpoint(20, [model], optimizer, scheduler, args)
+    save_checkpoint(20, [model], optimizer, scheduler, args=args)
     assert not [path for path in leftovers if path.exists()]
     assert sorted(os.listdir(rank_dir)) == ["model_optim_rng.pt", "notes.txt"]
     assert (ckpt / TRACKER).read_text() == "20"

@@ -152,7 +152,7 @@ def test_layout_file_names_and_tracker(ckpt, capsys):
     args = make_args(ckpt)
     model, optimizer, scheduler = build(args, seed=0)
     assert not checkpoint_exists(str(ckpt))
-    save_checkpoint(10, [model], optimizer, scheduler, args)
+    save_checkpoint(10, [model], optimizer, scheduler, args=args)
     assert sorted(os.listdir(ckpt)) == ["iter_0000010", TRACKER]
     assert sorted(os.listdir(ckpt / "iter_0000010")) == ["checksums.json", "mp_rank_00"]
     assert os.listdir(ckpt / "iter_0000010" / "mp_rank_00") == ["model_optim_rng.pt"]
@@ -189,13 +189,13 @@ def test_top_level_keys_version_and_unwrapped_model(ckpt):
     model, optimizer, scheduler = build(args, seed=0)
     tensor_parallel.model_parallel_cuda_manual_seed(7)
     tracker_states = tensor_parallel.get_cuda_rng_tracker().get_states()
-    save_checkpoint(10, [Wrapper(Wrapper(model))], optimizer, scheduler, args,
-                    num_floating_point_operations_so_far=1.5e9)
+    save_checkpoint(10, [Wrapper(Wrapper(model))], optimizer, scheduler,
+                    num_floating_point_operations_so_far=1.5e9, args=args)
     # the next draw of the dropout stream is restored on load
     with tensor_parallel.get_cuda_rng_tracker().fork():
         expected_draw = torch.rand(3)
     tensor_parallel.model_parallel_cuda_manual_seed(8)
-    load_checkpoint([model], None, None, make_args(ckpt, no_load_optim=True))
+    load_checkpoint([model], None, None, args=make_args(ckpt, no_load_optim=True))
     with tensor_parallel.get_cuda_rng_tracker().fork():
         assert torch.equal(torch.rand(3), expected_draw)
     state = load_file(str(model_file(ckpt, 10)))
@@ -226,11 +226,11 @@ def test_model_chunks_are_saved_as_model0_model1(ckpt):
     args = make_args(ckpt)
     first, optimizer, scheduler = build(args, seed=0)
     second, _, _ = build(args, seed=1)
-    save_checkpoint(4, [first, Wrapper(second)], optimizer, scheduler, args)
+    save_checkpoint(4, [first, Wrapper(second)], optimizer, scheduler, args=args)
     state = load_file(str(model_file(ckpt, 4)))
     assert "model" not in state and {"model0", "model1"} <= set(state)
     fresh = [build(args, seed=5)[0], build(args, seed=6)[0]]
-    load_checkpoint([fresh[0], Wrapper(fresh[1])], None, None, make_args(ckpt, no_load_rng=True))
+    load_checkpoint([fresh[0], Wrapper(fresh[1])], None, None, args=make_args(ckpt, no_load_rng=True))
     assert_same_weights(fresh[0], first)
     assert_same_weights(fresh[1], second)
 
@@ -242,8 +242,8 @@ def test_round_trip_restores_everything(ckpt, capsys):
     random.seed(11)
     np.random.seed(12)
     torch.manual_seed(13)
-    save_checkpoint(10, [model], optimizer, scheduler, args,
-                    num_floating_point_operations_so_far=123.0)
+    save_checkpoint(10, [model], optimizer, scheduler,
+                    num_floating_point_operations_so_far=123.0, args=args)
     expected = draws()
 
     new_args = make_args(ckpt)
@@ -251,7 +251,7 @@ def test_round_trip_restores_everything(ckpt, capsys):
     torch.manual_seed(99)  # move every generator away from the saved state
     random.seed(98)
     np.random.seed(97)
-    iteration, flops = load_checkpoint([new_model], new_optimizer, new_scheduler, new_args)
+    iteration, flops = load_checkpoint([new_model], new_optimizer, new_scheduler, args=new_args)
     assert (iteration, flops) == (10, 123.0)
     assert draws() == expected
     assert_same_weights(new_model, model)
@@ -281,12 +281,12 @@ def _partial_save(obj, f, *args, **kwargs):
 def test_crash_during_save_keeps_previous_checkpoint(ckpt, monkeypatch):
     args = make_args(ckpt)
     model, optimizer, scheduler = build(args, seed=0)
-    save_checkpoint(10, [model], optimizer, scheduler, args)
+    save_checkpoint(10, [model], optimizer, scheduler, args=args)
     later, later_optimizer, later_scheduler = build(args, seed=3)
 
     monkeypatch.setattr(checkpointing.torch, "save", _partial_save)
     with pytest.raises(CheckpointError, match="ENOSPC \\(No space left on device\\)"):
-        save_checkpoint(20, [later], later_optimizer, later_scheduler, args)
+        save_checkpoint(20, [later], later_optimizer, later_scheduler, args=args)
     monkeypatch.undo()
 
     assert (ckpt / TRACKER).read_bytes() == b"10"
@@ -294,7 +294,7 @@ def test_crash_during_save_keeps_previous_checkpoint(ckpt, monkeypatch):
     rank_dir = ckpt / "iter_0000020" / "mp_rank_00"
     assert not rank_dir.exists() or os.listdir(rank_dir) == []  # the temp file is gone too
     fresh, fresh_optimizer, fresh_scheduler = build(args, seed=7, train_steps=0)
-    iteration, _ = load_checkpoint([fresh], fresh_optimizer, fresh_scheduler, make_args(ckpt))
+    iteration, _ = load_checkpoint([fresh], fresh_optimizer, fresh_scheduler, args=make_args(ckpt))
     assert iteration == 10
     assert_same_weights(fresh, model)
 
@@ -302,7 +302,7 @@ def test_crash_during_save_keeps_previous_checkpoint(ckpt, monkeypatch):
 def test_crash_between_model_file_and_tracker(ckpt, monkeypatch):
     args = make_args(ckpt)
     model, optimizer, scheduler = build(args, seed=0)
-    save_checkpoint(10, [model], optimizer, scheduler, args)
+    save_checkpoint(10, [model], optimizer, scheduler, args=args)
     real_replace = os.replace
 
     def replace_failing_on_tracker(src, dst):
@@ -312,14 +312,14 @@ def test_crash_between_model_file_and_tracker(ckpt, monkeypatch):
 
     monkeypatch.setattr(checkpointing.os, "replace", replace_failing_on_tracker)
     with pytest.raises(CheckpointError, match="killed"):
-        save_checkpoint(20, [model], optimizer, scheduler, args)
+        save_checkpoint(20, [model], optimizer, scheduler, args=args)
     monkeypatch.undo()
 
     assert (ckpt / TRACKER).read_bytes() == b"10"
     assert sorted(os.listdir(ckpt)) == ["iter_0000010", "iter_0000020", TRACKER]  # no temp
     complete = load_file(str(model_file(ckpt, 20)))
     assert complete["iteration"] == 20
-    iteration, _ = load_checkpoint([build(args, seed=2)[0]], None, None, make_args(ckpt))
+    iteration, _ = load_checkpoint([build(args, seed=2)[0]], None, None, args=make_args(ckpt))
     assert iteration == 10
 
 
@@ -338,7 +338,7 @@ def test_release_checkpoint_loads_weights_only(ckpt):
     assert read_metadata(str(ckpt / TRACKER)) == (0, True)
 
     new_model, new_optimizer, new_scheduler = build(args, seed=1, train_steps=0)
-    iteration, _ = load_checkpoint([new_model], new_optimizer, new_scheduler, make_args(ckpt))
+    iteration, _ = load_checkpoint([new_model], new_optimizer, new_scheduler, args=make_args(ckpt))
     assert iteration == 0
     assert_same_weights(new_model, model)
     assert new_optimizer.state_dict()["state"] == {}
@@ -348,14 +348,14 @@ def test_release_checkpoint_loads_weights_only(ckpt):
 def test_finetune_resets_iteration_and_skips_optimizer_and_rng(ckpt):
     args = make_args(ckpt, consumed_train_samples=640)
     model, optimizer, scheduler = build(args, seed=0)
-    save_checkpoint(10, [model], optimizer, scheduler, args)
+    save_checkpoint(10, [model], optimizer, scheduler, args=args)
 
     new_args = make_args(ckpt, finetune=True)
     new_model, new_optimizer, new_scheduler = build(new_args, seed=1, train_steps=0)
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
-    iteration, _ = load_checkpoint([new_model], new_optimizer, new_scheduler, new_args)
+    iteration, _ = load_checkpoint([new_model], new_optimizer, new_scheduler, args=new_args)
     assert iteration == 0
     assert_same_weights(new_model, model)
     assert new_optimizer.state_dict()["state"] == {}
@@ -376,11 +376,11 @@ def test_finetune_resets_iteration_and_skips_optimizer_and_rng(ckpt):
 def test_shape_mismatch_names_the_flag(ckpt, field, value, words):
     args = make_args(ckpt)
     model, optimizer, scheduler = build(args, seed=0)
-    save_checkpoint(10, [model], optimizer, scheduler, args)
+    save_checkpoint(10, [model], optimizer, scheduler, args=args)
     other_args = make_args(ckpt, **{field: value})
     other = TinyGPT(other_args)
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint([other], None, None, other_args)
+        load_checkpoint([other], None, None, args=other_args)
     message = str(info.value)
     assert str(ckpt) in message and "--use-checkpoint-args" in message
     for word in words:
@@ -390,10 +390,10 @@ def test_shape_mismatch_names_the_flag(ckpt, field, value, words):
 def test_tensor_shape_mismatch_names_the_tensor(ckpt):
     args = make_args(ckpt)
     model, optimizer, scheduler = build(args, seed=0)
-    save_checkpoint(10, [model], optimizer, scheduler, args)
+    save_checkpoint(10, [model], optimizer, scheduler, args=args)
     bigger = TinyGPT(make_args(ckpt, padded_vocab_size=64))  # args still say 32
     with pytest.raises(CheckpointError, match=r"embedding\.word_embeddings\.weight is \[32, 16\]"):
-        load_checkpoint([bigger], None, None, make_args(ckpt))
+        load_checkpoint([bigger], None, None, args=make_args(ckpt))
 
 
 @pytest.mark.parametrize("content, words", [
@@ -406,7 +406,7 @@ def test_bad_tracker_is_a_clear_error(ckpt, content, words):
     (ckpt / TRACKER).write_text(content)
     args = make_args(ckpt)
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint([TinyGPT(args)], None, None, args)
+        load_checkpoint([TinyGPT(args)], None, None, args=args)
     assert str(ckpt / TRACKER) in str(info.value)
     for word in words:
         assert word in str(info.value)
@@ -418,38 +418,38 @@ def test_tracker_naming_a_missing_file(ckpt):
     args = make_args(ckpt)
     with pytest.raises(CheckpointError, match="iter_0000030/mp_rank_00/model_optim_rng.pt does "
                                               "not exist"):
-        load_checkpoint([TinyGPT(args)], None, None, args)
+        load_checkpoint([TinyGPT(args)], None, None, args=args)
 
 
 def test_truncated_checkpoint_file_is_a_clear_error(ckpt):
     args = make_args(ckpt)
     model, optimizer, scheduler = build(args, seed=0)
-    save_checkpoint(10, [model], optimizer, scheduler, args)
+    save_checkpoint(10, [model], optimizer, scheduler, args=args)
     path = model_file(ckpt, 10)
     path.write_bytes(path.read_bytes()[:200])
     (ckpt / "iter_0000010" / "checksums.json").unlink()  # as in a Megatron checkpoint: unverified
     with pytest.raises(CheckpointError, match="cannot read checkpoint file"):
-        load_checkpoint([TinyGPT(args)], None, None, args)
+        load_checkpoint([TinyGPT(args)], None, None, args=args)
 
 
 def test_missing_checkpoint_warns_and_starts_from_scratch(ckpt, capsys):
     args = make_args(ckpt)
     model = TinyGPT(args)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert load_checkpoint([model], None, None, args) == (0, 0)
+    assert load_checkpoint([model], None, None, args=args) == (0, 0)
     out = capsys.readouterr().out
     assert f"WARNING: could not find the metadata file {ckpt / TRACKER}" in out
     assert "will not load any checkpoints and will start from random" in out
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, before[key])
     with pytest.raises(CheckpointError, match="--exit-on-missing-checkpoint"):
-        load_checkpoint([model], None, None, make_args(ckpt, exit_on_missing_checkpoint=True))
+        load_checkpoint([model], None, None, args=make_args(ckpt, exit_on_missing_checkpoint=True))
 
 
 def test_no_save_optim_and_no_save_rng(ckpt):
     args = make_args(ckpt, no_save_optim=True, no_save_rng=True)
     model, optimizer, scheduler = build(args, seed=0)
-    save_checkpoint(10, [model], optimizer, scheduler, args)
+    save_checkpoint(10, [model], optimizer, scheduler, args=args)
     state = load_file(str(model_file(ckpt, 10)))
     assert not {"optimizer", "opt_param_scheduler", "rng_state"} & set(state)
     assert "model" in state
@@ -457,7 +457,7 @@ def test_no_save_optim_and_no_save_rng(ckpt):
     def load(**flags):
         new_args = make_args(ckpt, **flags)
         new_model, new_optimizer, new_scheduler = build(new_args, seed=1, train_steps=0)
-        return load_checkpoint([new_model], new_optimizer, new_scheduler, new_args)
+        return load_checkpoint([new_model], new_optimizer, new_scheduler, args=new_args)
 
     with pytest.raises(CheckpointError, match="no optimizer state.*--no-load-optim"):
         load()
@@ -469,7 +469,7 @@ def test_no_save_optim_and_no_save_rng(ckpt):
 def test_load_args_from_checkpoint_takes_the_shape(ckpt, capsys):
     args = make_args(ckpt, vocab_file="/saved/vocab.json", untie_embeddings_and_output_weights=True)
     model, optimizer, scheduler = build(args, seed=0)
-    save_checkpoint(10, [model], optimizer, scheduler, args)
+    save_checkpoint(10, [model], optimizer, scheduler, args=args)
 
     new_args = make_args(ckpt, hidden_size=32, num_layers=2, ffn_hidden_size=None,
                          kv_channels=None, use_checkpoint_args=True)
@@ -480,7 +480,7 @@ def test_load_args_from_checkpoint_takes_the_shape(ckpt, capsys):
     assert new_args.vocab_file == "/saved/vocab.json"  # this run gave none
     assert "overriding hidden_size = 32 with 16" in capsys.readouterr().out
     new_model = TinyGPT(new_args)
-    assert load_checkpoint([new_model], None, None, new_args)[0] == 10
+    assert load_checkpoint([new_model], None, None, args=new_args)[0] == 10
     assert_same_weights(new_model, model)
 
     mine = make_args(ckpt, vocab_file="/here/vocab.json")
@@ -514,7 +514,7 @@ def test_old_key_names_load(ckpt):
     new_model = TinyGPT(new_args)
     scheduler = TinyScheduler()
     torch.manual_seed(50)
-    iteration, flops = load_checkpoint([new_model], None, scheduler, new_args)
+    iteration, flops = load_checkpoint([new_model], None, scheduler, args=new_args)
     assert (iteration, flops) == (7, 0)
     assert scheduler.state_dict() == {"max_lr": 0.5, "num_steps": 28}
     assert draws() == expected
@@ -531,13 +531,13 @@ def test_pre_v2_qkv_layout_is_refused(ckpt):
     torch.save(state, model_file(ckpt, 5))
     (ckpt / TRACKER).write_text("5")
     with pytest.raises(CheckpointError, match="checkpoint_version 1.0"):
-        load_checkpoint([TinyGPT(args)], None, None, args)
+        load_checkpoint([TinyGPT(args)], None, None, args=args)
 
 
 def test_save_needs_a_directory_and_a_positive_iteration(ckpt):
     model, optimizer, scheduler = build(make_args(ckpt), seed=0)
     with pytest.raises(CheckpointError, match="--save"):
-        save_checkpoint(10, [model], optimizer, scheduler, make_args(ckpt, save=None))
+        save_checkpoint(10, [model], optimizer, scheduler, args=make_args(ckpt, save=None))
     with pytest.raises(CheckpointError, match="iteration 0"):
-        save_checkpoint(0, [model], optimizer, scheduler, make_args(ckpt))
+        save_checkpoint(0, [model], optimizer, scheduler, args=make_args(ckpt))
     assert not ckpt.exists()

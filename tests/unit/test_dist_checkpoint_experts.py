@@ -141,7 +141,7 @@ def test_the_classic_format_refuses_experts_split_over_another_etp(monkeypatch, 
     monkeypatch.setattr(parallel_state, "get_expert_tensor_parallel_world_size", lambda: 2)
     args = argparse.Namespace(save=str(tmp_path), ckpt_format="torch", num_experts=4)
     with pytest.raises(CheckpointError) as refused:
-        checkpointing.save_checkpoint(1, [nn.Linear(2, 2)], None, None, args)
+        checkpointing.save_checkpoint(1, [nn.Linear(2, 2)], None, None, args=args)
     assert str(refused.value) == ("--ckpt-format torch keeps one file per tensor/pipeline/expert rank and cannot hold "
                                   "experts split over --expert-tensor-parallel-size 2 while "
                                   "--tensor-model-parallel-size is 1: save with --ckpt-format torch_dist")

@@ -299,14 +299,14 @@ def test_cuda_states_from_a_gpu_checkpoint_do_not_break_a_cpu_resume(tmp_path, c
     args = make_args(ckpt)
     model, optimizer, scheduler = build(args, seed=0)
     tensor_parallel.model_parallel_cuda_manual_seed(5)
-    save_checkpoint(10, [model], optimizer, scheduler, args)
+    save_checkpoint(10, [model], optimizer, scheduler, args=args)
     path = ckpt / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
     state = load_file(str(path))
     state["rng_state"][0].pop("cpu_rng_tracker_states", None)  # as written on a GPU
     state["rng_state"][0]["rng_tracker_states"] = {"model-parallel-rng": torch.zeros(16, dtype=torch.uint8)}
     torch.save(state, path)
     (ckpt / "iter_0000010" / "checksums.json").unlink()
-    assert load_checkpoint([TinyGPT(args)], optimizer, scheduler, args)[0] == 10
+    assert load_checkpoint([TinyGPT(args)], optimizer, scheduler, args=args)[0] == 10
     if not device.accelerator_available():
         assert "were saved on another kind of device than this run's (CPU)" in capsys.readouterr().out
         with tensor_parallel.get_cuda_rng_tracker().fork():  # still a working CPU stream

@@ -97,11 +97,14 @@ def _reduce_sum(value: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         communication.all_reduce(value, group=group)
 
 
-def params_norm(model_chunks) -> float:
+def params_norm(model_chunks, use_main_params: bool = False) -> float:
     """L2 norm of the whole model's parameters (collective): dense squares summed over the
     model-parallel group, expert ones over the expert tensor-model-pipeline group; tied copies,
     tensor-parallel replicas and replicated K/V rows (tensor_parallel_duplicate_rows) counted
-    once. The weights of --overlap-param-gather are waited for first."""
+    once. The weights of --overlap-param-gather are waited for first.
+
+    use_main_params: take each parameter's fp32 main copy (`main_param`, which the fp16/bf16
+    optimizer keeps) instead of its own low-precision value, where it has one."""
     dense = torch.zeros((), dtype=torch.float64, device=device.get_device())
     expert = torch.zeros((), dtype=torch.float64, device=device.get_device())
     has_experts = False
@@ -112,8 +115,10 @@ def params_norm(model_chunks) -> float:
         for p in chunk.parameters():
             has_experts = has_experts or param_is_expert(p)
             if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                main = getattr(p, "main_param", None) if use_main_params else None
+                value = (main if main is not None else p).detach()
                 (expert if param_is_expert(p) else dense).add_(
-                    without_duplicate_rows(p, p.detach()).double().pow(2).sum())
+                    without_duplicate_rows(p, value).double().pow(2).sum())
     _reduce_sum(dense, parallel_state.get_model_parallel_group())
     if expert_params_on_any_stage(has_experts):
         _reduce_sum(expert, parallel_state.get_expert_tensor_model_pipeline_parallel_group())

@@ -19,7 +19,11 @@ empty list elsewhere).
 
 The loss function returned by a forward step may give
     (loss, {name: reported})                   -> loss is the micro-batch's mean; the schedule
-                                                 divides it by num_microbatches;
+                                                 divides it by num_microbatches. It counts no
+                                                 tokens, so with calculate_per_token_loss (accepted,
+                                                 as megatron-core accepts it) nothing divides the
+                                                 gradients afterwards, and DDP sums (not averages)
+                                                 them over the data-parallel replicas, as there;
     (loss_sum, num_tokens, {name: [sum, n]})   -> Megatron-Core's form. By default the schedule
                                                  divides loss_sum by num_tokens and by
                                                  num_microbatches (each micro-batch weighs the
@@ -64,12 +68,9 @@ def _run_loss_func(loss_func: Callable, output_tensor: torch.Tensor, num_microba
         if not calculate_per_token_loss:
             loss = loss / num_tokens.clamp(min=1) / num_microbatches
         return loss, num_tokens, reported
-    if len(outputs) == 2:
-        if calculate_per_token_loss:
-            raise ValueError("--calculate-per-token-loss needs a loss function returning "
-                             "(loss_sum, num_tokens, {name: [sum, num_tokens]})")
+    if len(outputs) == 2:  # Megatron's legacy form: a mean, averaged over the micro-batches, no token count
         loss, reported = outputs
-        return loss / num_microbatches, torch.tensor(1), reported
+        return loss / num_microbatches, torch.tensor(0), reported
     raise ValueError(f"a loss function must return 2 or 3 values, got {len(outputs)}")
 
 

@@ -3,9 +3,9 @@
 Each mapping is a pair of conjugate operations: what the forward does to activations, the
 backward does the transpose of to gradients (a copy's transpose is a sum, a split's is a
 gather). t is the tensor-parallel size; with t = 1 every mapping is the identity and issues
-no collective. All collectives run over the tensor-parallel group through
-megatron.core.communication, and only along dim 0: a last-dim gather gathers a copy with the
-last dim moved to the front.
+no collective. All collectives run over the tensor-parallel group (or the `group=` a caller
+gives, Megatron-core's optional argument) through megatron.core.communication, and only along
+dim 0: a last-dim gather gathers a copy with the last dim moved to the front.
 
     mapping                                forward                  backward
     copy_to_tensor_model_parallel_region   identity                 all-reduce
@@ -19,180 +19,216 @@ last dim moved to the front.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from megatron.core import communication, parallel_state
 from megatron.core.tensor_parallel.utils import divide, split_tensor_along_last_dim
 from megatron.core.utils import apply_function
 
 
-def _tp_size() -> int:
-    return parallel_state.get_tensor_model_parallel_world_size()
+class _Group(NamedTuple):
+    """The group a mapping runs over: its size, this rank's place in it, the process group."""
+
+    size: int
+    rank: int
+    handle: Optional[ProcessGroup]
 
 
-def _reduce(input_: torch.Tensor) -> torch.Tensor:
-    """Sum over the TP ranks, into a new tensor: the input may be shared with other autograd
+def _resolve(group: Optional[ProcessGroup]) -> _Group:
+    """`group` (Megatron's optional argument), or parallel_state's tensor-parallel group when None.
+
+    The TP group is only looked up when it has more than one rank: a TP size of 1 needs no
+    collective and may have no process group at all (a single process without torch.distributed).
+    """
+    if group is not None:
+        return _Group(dist.get_world_size(group), dist.get_rank(group), group)
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return _Group(1, 0, None)
+    return _Group(size, parallel_state.get_tensor_model_parallel_rank(),
+                  parallel_state.get_tensor_model_parallel_group())
+
+
+def _reduce(input_: torch.Tensor, group: Optional[_Group] = None) -> torch.Tensor:
+    """Sum over the group's ranks, into a new tensor: the input may be shared with other autograd
     branches (a gradient fanned out by an add), so it is never reduced in place."""
-    if _tp_size() == 1:
+    group = group if group is not None else _resolve(None)
+    if group.size == 1:
         return input_
     output = input_.clone(memory_format=torch.contiguous_format)
-    return communication.all_reduce(output, group=parallel_state.get_tensor_model_parallel_group())
+    return communication.all_reduce(output, group=group.handle)
 
 
-def _split_along_last_dim(input_: torch.Tensor) -> torch.Tensor:
-    world_size = _tp_size()
-    if world_size == 1:
+def _split_along_last_dim(input_: torch.Tensor, group: Optional[_Group] = None) -> torch.Tensor:
+    group = group if group is not None else _resolve(None)
+    if group.size == 1:
         return input_
-    chunks = split_tensor_along_last_dim(input_, world_size)  # t x [..., n/t]
-    return chunks[parallel_state.get_tensor_model_parallel_rank()].contiguous()
+    chunks = split_tensor_along_last_dim(input_, group.size)  # t x [..., n/t]
+    return chunks[group.rank].contiguous()
 
 
-def _split_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
-    world_size = _tp_size()
-    if world_size == 1:
+def _split_along_first_dim(input_: torch.Tensor, group: Optional[_Group] = None) -> torch.Tensor:
+    group = group if group is not None else _resolve(None)
+    if group.size == 1:
         return input_
-    local = divide(input_.size(0), world_size)
-    start = parallel_state.get_tensor_model_parallel_rank() * local
+    local = divide(input_.size(0), group.size)
+    start = group.rank * local
     return input_[start : start + local].contiguous()  # [s/t, ...]
 
 
-def _gather_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
-    world_size = _tp_size()
-    if world_size == 1:
+def _gather_along_first_dim(input_: torch.Tensor, group: Optional[_Group] = None) -> torch.Tensor:
+    group = group if group is not None else _resolve(None)
+    if group.size == 1:
         return input_
     input_ = input_.contiguous()
-    output = input_.new_empty((world_size * input_.size(0),) + tuple(input_.shape[1:]))  # [s, ...]
-    communication.all_gather_into_tensor(output, input_, group=parallel_state.get_tensor_model_parallel_group())
+    output = input_.new_empty((group.size * input_.size(0),) + tuple(input_.shape[1:]))  # [s, ...]
+    communication.all_gather_into_tensor(output, input_, group=group.handle)
     return output
 
 
-def _gather_along_last_dim(input_: torch.Tensor) -> torch.Tensor:
-    if _tp_size() == 1:
+def _gather_along_last_dim(input_: torch.Tensor, group: Optional[_Group] = None) -> torch.Tensor:
+    group = group if group is not None else _resolve(None)
+    if group.size == 1:
         return input_
     moved = input_.movedim(-1, 0)  # [..., n/t] -> [n/t, ...]
-    gathered = _gather_along_first_dim(moved)  # [n, ...], rank r's columns at rows [r n/t, (r+1) n/t)
+    gathered = _gather_along_first_dim(moved, group)  # [n, ...], rank r's columns at rows [r n/t, (r+1) n/t)
     return gathered.movedim(0, -1).contiguous()  # [n, ...] -> [..., n]
 
 
-def _reduce_scatter_along_first_dim(input_: torch.Tensor) -> torch.Tensor:
-    world_size = _tp_size()
-    if world_size == 1:
+def _reduce_scatter_along_first_dim(input_: torch.Tensor, group: Optional[_Group] = None) -> torch.Tensor:
+    group = group if group is not None else _resolve(None)
+    if group.size == 1:
         return input_
     input_ = input_.contiguous()
-    local = divide(input_.size(0), world_size)
+    local = divide(input_.size(0), group.size)
     output = input_.new_empty((local,) + tuple(input_.shape[1:]))  # [s/t, ...]
-    communication.reduce_scatter_tensor(output, input_, group=parallel_state.get_tensor_model_parallel_group())
+    communication.reduce_scatter_tensor(output, input_, group=group.handle)
     return output
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
+    def forward(ctx, input_, group):
+        ctx.group = group
         return input_
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _reduce(grad_output)
+        return _reduce(grad_output, ctx.group), None
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
-        return _reduce(input_)
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _reduce(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return grad_output
+        return grad_output, None
 
 
 class _ScatterToModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
-        return _split_along_last_dim(input_)
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_along_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_last_dim(grad_output)
+        return _gather_along_last_dim(grad_output, ctx.group), None
 
 
 class _GatherFromModelParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
-        return _gather_along_last_dim(input_)
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather_along_last_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _split_along_last_dim(grad_output)
+        return _split_along_last_dim(grad_output, ctx.group), None
 
 
 class _ScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
-        return _split_along_first_dim(input_)
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _split_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output)
+        return _gather_along_first_dim(grad_output, ctx.group), None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_, tensor_parallel_output_grad):
+    def forward(ctx, input_, tensor_parallel_output_grad, group):
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return _gather_along_first_dim(input_)
+        ctx.group = group
+        return _gather_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
         # Feeding a TP region, each rank's gradient is a partial sum: reduce, then keep this
         # rank's rows. Feeding replicated computation, every rank already has the whole sum.
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter_along_first_dim(grad_output), None
-        return _split_along_first_dim(grad_output), None
+            return _reduce_scatter_along_first_dim(grad_output, ctx.group), None, None
+        return _split_along_first_dim(grad_output, ctx.group), None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_):
-        return _reduce_scatter_along_first_dim(input_)
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _reduce_scatter_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output)
+        return _gather_along_first_dim(grad_output, ctx.group), None
 
 
-def copy_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Entering a TP region with a replicated input: forward identity, backward all-reduce."""
-    return apply_function(_CopyToModelParallelRegion, input_)
+    return apply_function(_CopyToModelParallelRegion, input_, _resolve(group))
 
 
-def reduce_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor,
+                                             group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Leaving a TP region with partial sums: forward all-reduce, backward identity."""
-    return apply_function(_ReduceFromModelParallelRegion, input_)
+    return apply_function(_ReduceFromModelParallelRegion, input_, _resolve(group))
 
 
-def scatter_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """[..., n] -> this rank's [..., n/t]; backward all-gathers the last dim."""
-    return apply_function(_ScatterToModelParallelRegion, input_)
+    return apply_function(_ScatterToModelParallelRegion, input_, _resolve(group))
 
 
-def gather_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+def gather_from_tensor_model_parallel_region(input_: torch.Tensor,
+                                             group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """[..., n/t] -> [..., n] in rank order; backward keeps this rank's slice."""
-    return apply_function(_GatherFromModelParallelRegion, input_)
+    return apply_function(_GatherFromModelParallelRegion, input_, _resolve(group))
 
 
-def scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """[s, b, h] -> this rank's [s/t, b, h]; backward all-gathers dim 0."""
-    return apply_function(_ScatterToSequenceParallelRegion, input_)
+    return apply_function(_ScatterToSequenceParallelRegion, input_, _resolve(group))
 
 
 def gather_from_sequence_parallel_region(
-    input_: torch.Tensor, tensor_parallel_output_grad: bool = True
+    input_: torch.Tensor, tensor_parallel_output_grad: bool = True, group: Optional[ProcessGroup] = None
 ) -> torch.Tensor:
     """[s/t, b, h] -> [s, b, h]; backward reduce-scatters dim 0, or only splits it when the
     gathered tensor feeds computation replicated on every TP rank (tensor_parallel_output_grad=False)."""
-    return apply_function(_GatherFromSequenceParallelRegion, input_, tensor_parallel_output_grad)
+    return apply_function(_GatherFromSequenceParallelRegion, input_, tensor_parallel_output_grad,
+                          _resolve(group))
 
 
-def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor,
+                                               group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Partial sums [s, b, h] -> this rank's rows of the sum [s/t, b, h]; backward all-gathers dim 0."""
-    return apply_function(_ReduceScatterToSequenceParallelRegion, input_)
+    return apply_function(_ReduceScatterToSequenceParallelRegion, input_, _resolve(group))

@@ -27,21 +27,26 @@ class TokenizerConfigError(ValueError):
     """A tokenizer flag is missing or has a bad value."""
 
 
-def vocab_size_with_padding(orig_vocab_size: int, args: Namespace) -> int:
+def vocab_size_with_padding(orig_vocab_size: int, args: Namespace, logging_enabled: bool = True) -> int:
     """Round the vocab size up to a multiple of make_vocab_size_divisible_by * TP size.
 
     Every tensor-parallel rank then holds an equal, GEMM-friendly slice of the embedding
-    (GPT-2's 50257 -> 50304 at TP=1, 50432 at TP=2). Prints Megatron's line on rank 0.
+    (GPT-2's 50257 -> 50304 at TP=1, 50432 at TP=2). Prints Megatron's line on rank 0 unless
+    logging_enabled is False. Megatron's name is _vocab_size_with_padding (below).
     """
     multiple = (getattr(args, "make_vocab_size_divisible_by", 128)
                 * getattr(args, "tensor_model_parallel_size", 1))
     if multiple < 1:
         raise TokenizerConfigError(f"--make-vocab-size-divisible-by must be >= 1, got {multiple}")
     after = -(-orig_vocab_size // multiple) * multiple
-    if getattr(args, "rank", 0) == 0:
+    if getattr(args, "rank", 0) == 0 and logging_enabled:
         print_line(" > padded vocab (size: {}) with {} dummy tokens (new size: {})".format(
             orig_vocab_size, after - orig_vocab_size, after))
     return after
+
+
+# Megatron-LM's name (megatron/training/tokenizer/tokenizer.py), which Accelerate imports.
+_vocab_size_with_padding = vocab_size_with_padding
 
 
 def _file_flag(args: Namespace, attr: str, allow_dir: bool = False) -> str:
