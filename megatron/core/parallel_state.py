@@ -460,6 +460,11 @@ def get_model_parallel_group() -> Optional[dist.ProcessGroup]:
     return _group("mp")
 
 
+def get_model_parallel_src_rank() -> int:
+    """The global rank of the first rank of this rank's model-parallel (TP x PP) group."""
+    return _membership("mp").ranks[0]
+
+
 def get_tensor_and_data_parallel_group() -> Optional[dist.ProcessGroup]:
     return _group("tp-dp")
 

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron.core import device as device_helper
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import p2p_communication
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -65,12 +66,12 @@ def stage_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch
     [s, b, h] and sends its own on; the last stage returns the logits [b, s, v] (fp32, true
     vocabulary), the others None. Each stage's layers keep their K/V in the same context."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return vocab_logits(model, model(tokens, positions, inference_context=context))
+        return vocab_logits(model, model(tokens, positions, None, inference_context=context))
     config = _unwrapped(model).config
     shape = (tokens.shape[1], tokens.shape[0], config.hidden_size)  # [s, b, h]
     if not parallel_state.is_pipeline_first_stage():
         model.set_input_tensor(p2p_communication.recv_forward(shape, config.params_dtype))
-    output = model(tokens, positions, inference_context=context)
+    output = model(tokens, positions, None, inference_context=context)  # mask None: causal (legacy models need it)
     if not parallel_state.is_pipeline_last_stage():
         p2p_communication.send_forward(output, shape, config.params_dtype)  # [s, b, h]
         return None
@@ -105,7 +106,7 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
                     double_newline_token: int | None = None,
                     return_output_log_probs: bool = False, use_cache: bool = True,
                     on_step: Callable[[int, torch.Tensor], None] | None = None,
-                    top_logprobs: int = 0) -> GenerationOutput:
+                    top_logprobs: int = 0, stop_early: bool = True) -> GenerationOutput:
     """Extend each row's prompt (tokens [b, >= max(lengths)] int64, right-padded; lengths [b]) to
     max(lengths) + tokens_to_generate tokens; stop early once every row has produced its
     termination token (stop_token, else eod; None: never). prevent_newline_after_colon forbids
@@ -114,15 +115,18 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
     row; either replaces the termination token. use_cache=False reruns the whole prefix each step.
     top_k == 1 is greedy; random_seed seeds the draws (the same on every rank). top_logprobs = k keeps
     each step's k most likely tokens (top_log_probs). on_step(step, new [b])
-    is called after each step's tokens are written to column `step` (rows still in their prompt keep theirs)."""
+    is called after each step's tokens are written to column `step` (rows still in their prompt keep theirs).
+    stop_early=False runs all tokens_to_generate steps but still ends each row's length at its first
+    termination (Megatron's use_eod_token_for_early_termination=False). Every tensor is made on
+    tokens' device (the model's)."""
     if tokens_to_generate < 0:
         raise ValueError(f"tokens_to_generate must be >= 0, got {tokens_to_generate}")
     if prevent_newline_after_colon and (colon_token is None or newline_token is None):
         raise ValueError("prevent_newline_after_colon needs colon_token and newline_token")
     if (stop_on_eol or stop_on_double_eol) and newline_token is None:
         raise ValueError("stop_on_eol and stop_on_double_eol need newline_token")
-    b = tokens.shape[0]
-    lengths = lengths.to(torch.int64)
+    b, device = tokens.shape[0], tokens.device
+    lengths = lengths.to(device=device, dtype=torch.int64)
     min_len, total = int(lengths.min()), int(lengths.max()) + tokens_to_generate
     if min_len < 1:
         raise ValueError("every prompt needs at least one token")
@@ -130,28 +134,28 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
     if getattr(gpt, "position_embedding_type", None) == "learned_absolute" and total > gpt.max_sequence_length:
         raise ValueError(f"the longest prompt + tokens_to_generate is {total} tokens, more than the model's "
                          f"{gpt.max_sequence_length} learned positions (--max-position-embeddings)")
-    padded = torch.zeros(b, total, dtype=torch.int64)  # [b, L]
+    padded = torch.zeros(b, total, dtype=torch.int64, device=device)  # [b, L]
     width = min(tokens.shape[1], total)
     padded[:, :width] = tokens[:, :width]
     tokens = padded
-    positions = torch.arange(total).expand(b, total)  # [b, L]
+    positions = torch.arange(total, device=device).expand(b, total)  # [b, L]
     termination = stop_token if stop_token is not None else eod
-    generator = torch.Generator().manual_seed(random_seed) if random_seed is not None else None
+    generator = torch.Generator(device=device).manual_seed(random_seed) if random_seed is not None else None
     # Without log-probs only each forward's last position is sampled: the model computes no other logits.
     context = InferenceContext(b, total, materialize_only_last_token_logits=not return_output_log_probs) \
         if use_cache else None
-    output_log_probs = torch.zeros(b, total - 1) if return_output_log_probs else None
+    output_log_probs = torch.zeros(b, total - 1, device=device) if return_output_log_probs else None
     if top_logprobs < 0:
         raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
-    top_values = torch.full((b, total - 1, top_logprobs), float("-inf")) if top_logprobs else None
-    top_ids = torch.full((b, total - 1, top_logprobs), -1, dtype=torch.int64) if top_logprobs else None
-    out_lengths = torch.full((b,), total, dtype=torch.int64)
-    finished = torch.zeros(b, dtype=torch.bool)
+    top_values = torch.full((b, total - 1, top_logprobs), float("-inf"), device=device) if top_logprobs else None
+    top_ids = torch.full((b, total - 1, top_logprobs), -1, dtype=torch.int64, device=device) if top_logprobs else None
+    out_lengths = torch.full((b,), total, dtype=torch.int64, device=device)
+    finished = torch.zeros(b, dtype=torch.bool, device=device)
     prev, end = 0, total  # positions [0, prev) have had their logits used; tokens [0, end) are returned
     for step in range(min_len, total):
         start = prev if use_cache else 0
         logits = stage_forward(model, tokens[:, start:step], positions[:, start:step], context)  # [b, s, v] or None
-        new = torch.zeros(b, dtype=torch.int64)
+        new = torch.zeros(b, dtype=torch.int64, device=device)
         if logits is not None:  # the last pipeline stage chooses
             last = logits[:, -1, :].clone()  # [b, v]
             if prevent_newline_after_colon:
@@ -179,7 +183,7 @@ def generate_tokens(model: torch.nn.Module, tokens: torch.Tensor, lengths: torch
                                         newline_token, double_newline_token)
             out_lengths[done & ~finished] = step + 1
             finished |= done
-            if bool(finished.all()):
+            if stop_early and bool(finished.all()):
                 end = step + 1
                 break
     tokens = tokens[:, :end]
@@ -211,11 +215,14 @@ def cached_next_logits(model: torch.nn.Module, max_sequence_length: int):
     otherwise (the first call, another length) the whole prefix is prefilled. max_sequence_length:
     the longest sequence it will see (prompt + tokens_to_generate). Any TP x PP layout: the logits
     are gathered over TP and broadcast from the last pipeline stage, so every rank chooses the same beams.
+    The model runs on its own device (model_device); the logits come back on the device of tokens.
     """
     state: dict = {"context": None, "tokens": None}
+    device = model_device(model)
 
     @torch.no_grad()
     def next_logits(tokens: torch.Tensor) -> torch.Tensor:
+        caller_device, tokens = tokens.device, tokens.to(device)
         beams, n = tokens.shape
         context, previous = state["context"], state["tokens"]
         parents = _parent_rows(previous, tokens) if context is not None else None
@@ -225,15 +232,21 @@ def cached_next_logits(model: torch.nn.Module, max_sequence_length: int):
         else:
             context.swap_key_value_dict(parents)
             start = n - 1
-        positions = torch.arange(start, n).expand(beams, n - start)
+        positions = torch.arange(start, n, device=device).expand(beams, n - start)
         logits = stage_forward(model, tokens[:, start:], positions, context)  # [beams, n - start, v] or None
         context.increment(n - start)
         state["context"], state["tokens"] = context, tokens.clone()
         if logits is None:  # not the last pipeline stage: it receives the last stage's logits
-            return from_last_stage(torch.zeros(beams, _unwrapped(model).num_tokens))
-        return from_last_stage(logits[:, -1, :].contiguous())  # [beams, v], the same on every stage
+            logits = torch.zeros(beams, 1, _unwrapped(model).num_tokens, device=device)
+        return from_last_stage(logits[:, -1, :].contiguous()).to(caller_device)  # [beams, v], the same on every stage
 
     return next_logits
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's parameters (the project's device when it has none)."""
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else device_helper.get_device()
 
 
 def _parent_rows(previous: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:

@@ -222,6 +222,9 @@ def test_stops_when_every_row_produced_the_stop_token(hf):
     assert out.lengths.tolist() == ends
     assert out.tokens.shape[1] == max(ends)
     assert torch.equal(out.tokens, free.tokens[:, :max(ends)])
+    # stop_early=False (Megatron's use_eod_token_for_early_termination=False): every step runs, same lengths
+    late = generate_tokens(ours, tokens, lengths, NEW, top_k=1, stop_token=stop, stop_early=False)
+    assert late.lengths.tolist() == ends and torch.equal(late.tokens, free.tokens)
     # Megatron's stop_on_eol: the newline token ends a row instead of the termination token.
     eol = generate_tokens(ours, tokens, lengths, NEW, top_k=1, stop_on_eol=True, newline_token=stop, eod=-1)
     assert eol.lengths.tolist() == ends
