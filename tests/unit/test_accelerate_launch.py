@@ -92,12 +92,14 @@ def test_the_script_sees_megatron_lm_on_cpu_and_its_own_argv(tmp_path):
         import sys
         import torch
         import accelerate.utils.megatron_lm as mlm
-        from accelerate.state import AcceleratorState, PartialState
-        from accelerate.utils import DistributedType, MegatronLMPlugin, is_megatron_lm_available
+        from accelerate import Accelerator
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType, is_megatron_lm_available
 
         assert is_megatron_lm_available()
-        state = AcceleratorState(megatron_lm_plugin=MegatronLMPlugin(), _from_accelerator=True)
-        assert state.distributed_type == DistributedType.MEGATRON_LM, state.distributed_type
+        accelerator = Accelerator()
+        assert accelerator.distributed_type == DistributedType.MEGATRON_LM, accelerator.distributed_type
+        assert accelerator.state.megatron_lm_plugin is not None
         assert PartialState().is_main_process == PartialState().is_last_process
         assert mlm.torch.cuda.current_device() == torch.device("cpu")
         assert mlm.torch.cuda.FloatTensor([1.0]).device.type == "cpu"

@@ -24,16 +24,6 @@ import torch
 from megatron.core import device
 from megatron.training.utils import get_ltor_masks_and_position_ids
 
-# megatron.legacy (BertModel, T5Model, Classification, the legacy dataset builder) is being added in
-# another branch. Until it lands these modules may be missing; once they import, they are checked like
-# the rest. Delete this constant (and its use below) when megatron/legacy is merged.
-LEGACY_MODULES_EXPECTED_MISSING = frozenset({
-    "megatron.legacy.data.dataset_utils",
-    "megatron.legacy.model",
-    "megatron.legacy.model.classification",
-})
-
-
 # ----------------------------------------------------------------------------- (a) the import block
 
 def _accelerate_megatron_imports() -> list[tuple[str, str]]:
@@ -68,8 +58,7 @@ def test_every_name_accelerate_imports_from_megatron_imports():
         try:
             _resolve(module, name)
         except ImportError as error:
-            if module not in LEGACY_MODULES_EXPECTED_MISSING:
-                failures[f"{module}.{name}"] = str(error)
+            failures[f"{module}.{name}"] = str(error)
     assert failures == {}
 
 
