@@ -32,7 +32,6 @@ import shutil
 import stat
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
@@ -301,26 +300,11 @@ def process_partition(
     except BaseException:
         for builder in builders.values():
             builder.abort()
-        if pool is not None:
-            _stop_pool(pool)
-            pool = None
         raise
     finally:
         if pool is not None:
             pool.terminate()
             pool.join()
-
-
-def _stop_pool(pool, wait: float = 5.0) -> None:
-    """Stop the workers at once on an error or Ctrl-C, and never hang doing it: Pool.terminate()
-    joins the thread that feeds the workers, which can stay blocked writing into the task pipe of
-    workers that are gone (seen under load with a pipe as the input). The workers are killed
-    first; the pool's own clean-up gets a few seconds in a daemon thread and is then abandoned."""
-    for child in multiprocessing.active_children():
-        child.kill()
-    closer = threading.Thread(target=pool.terminate, daemon=True)
-    closer.start()
-    closer.join(timeout=wait)
 
 
 def _write_encoded(args, encoded, builders, display_name: str) -> PartitionResult:
