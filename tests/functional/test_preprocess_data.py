@@ -305,8 +305,12 @@ def test_interrupted_run_leaves_no_output_under_the_final_names(tmp_path, sig):
     feeder = threading.Thread(target=_feed_forever, args=(fifo, stop), daemon=True)
     feeder.start()
     out = tmp_path / "out"
+    # Ctrl-C as a terminal delivers it: a shell without job control starts background jobs with
+    # SIGINT ignored, and a test run started that way (`make test &`) hands that on to the tool.
+    default_sigint = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                      "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"),
+        [sys.executable, "-c", default_sigint, str(ROOT / "tools" / "preprocess_data.py"),
          *null_args(fifo, out / "x", "--log-interval", "2000", workers=2)],
         stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     for line in proc.stderr:  # interrupt once it is visibly midway
