@@ -3,27 +3,32 @@
     torchrun --nproc-per-node 4 -m megatron.training.accelerate_launch \\
         --config_file megatron_lm_config.yaml  megatron_lm_gpt_pretraining.py --model_name_or_path ...
 
-On a GPU machine Accelerate drives this package as it drives Megatron-LM (`accelerate launch
---config_file ... script.py`); on a CPU it cannot, for reasons that are Accelerate's, not the
-script's:
+Accelerate 1.16 cannot drive this package by itself, for reasons that are Accelerate's, not the
+script's. On any machine:
   * `accelerate.utils.is_megatron_lm_available()` asks for the `megatron-core` distribution's
     version; this project is installed as `megatron-compat` and does not claim that name;
-  * `AcceleratorState` picks `DistributedType.MEGATRON_LM` only for GPUs, so on CPU the plugin is
-    never used;
-  * `accelerate/utils/megatron_lm.py` asserts `torch.cuda.is_available()` and moves batches and loss
-    accumulators with `torch.cuda.current_device()` / `torch.cuda.FloatTensor`.
-
-This launcher makes those three answer for a CPU, and changes nothing else: the first two are
-replaced right after Accelerate defines them (an import hook, before any of Accelerate's modules
-reads them), and `accelerate.utils.megatron_lm` sees a `torch` whose `cuda` namespace places on
-the CPU; torch itself is untouched. Everything else the script does is Accelerate's own code
-calling this package's Megatron-LM interface. It only knows the Accelerate releases it is
-tested with (TESTED_ACCELERATE_VERSIONS) and refuses any other in one line.
+  * its GPTTrainStep reads `args.eos_token_id`, which only its glm4_moe config parser sets (a GPT-2,
+    Llama, BERT or T5 model stops with an AttributeError, on Megatron-LM too): every parser here
+    also passes the HF config's eos_token_id;
+  * it dropped `MegatronEngine.megatron_generate` (its guide still shows it): supplied from
+    megatron.inference.text_generation.accelerate_generate.
+On a machine without a GPU, also:
+  * `AcceleratorState` picks `DistributedType.MEGATRON_LM` only for GPUs: here it does so on the
+    CPU, over the gloo group Accelerate forms with ACCELERATE_USE_CPU (what `accelerate launch
+    --cpu` sets);
+  * `accelerate/utils/megatron_lm.py` asserts `torch.cuda.is_available()` and places batches and
+    loss accumulators with `torch.cuda.current_device()` / `torch.cuda.FloatTensor`: that module
+    sees a `torch` whose `cuda` namespace places on the CPU; torch itself is untouched.
+Each fix is applied right after Accelerate's module defines what it fixes (an import hook, before
+any other module reads it); everything else is Accelerate's own code calling this package's
+Megatron-LM interface. The launcher knows only the Accelerate releases it is tested with
+(TESTED_ACCELERATE_VERSIONS) and refuses any other in one line.
 
 `--config_file` reads the YAML `accelerate config` writes and sets the environment variables
 `accelerate launch` would (ACCELERATE_USE_MEGATRON_LM, MEGATRON_LM_TP_DEGREE, ...,
-ACCELERATE_MIXED_PRECISION); without it, set them yourself. From Python (a notebook, one process)
-call `enable()` before the first `import accelerate`.
+ACCELERATE_MIXED_PRECISION); without it, set them yourself. MEGATRON_LM_CONTEXT_PARALLEL_SIZE
+defaults to 1 (accelerate 1.16's plugin would take 2 when it is unset). From Python (a notebook,
+one process) call `enable()` before the first `import accelerate`.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ import torch
 
 TESTED_ACCELERATE_VERSIONS = ("1.16.0",)
 
-_PATCHED_MODULES = ("accelerate.utils.imports", "accelerate.state", "accelerate.utils.megatron_lm")
+_PATCHED_MODULES = ("accelerate.utils.imports", "accelerate.utils.dataclasses", "accelerate.state",
+                    "accelerate.utils.megatron_lm")
 
 
 class AccelerateLaunchError(Exception):
@@ -131,12 +137,47 @@ def _patch_state(module: types.ModuleType) -> None:
     cls.__init__ = __init__
 
 
+def _engine_megatron_generate(self, inputs, attention_mask=None, max_length=None, max_new_tokens=None,
+                              num_beams=None, temperature=None, top_k=None, top_p=None, length_penalty=None, **kwargs):
+    """MegatronEngine.megatron_generate, as accelerate <= 1.12 had it (1.16 dropped it; its guide
+    still shows it): megatron.inference.text_generation.accelerate_generate.megatron_generate."""
+    from megatron.inference.text_generation.accelerate_generate import megatron_generate
+
+    return megatron_generate(self, inputs, attention_mask=attention_mask, max_length=max_length,
+                             max_new_tokens=max_new_tokens, num_beams=num_beams, temperature=temperature,
+                             top_k=top_k, top_p=top_p, length_penalty=length_penalty, **kwargs)
+
+
+def _patch_megatron_lm_generate(module: types.ModuleType) -> None:
+    if not hasattr(module.MegatronEngine, "megatron_generate"):
+        module.MegatronEngine.megatron_generate = _engine_megatron_generate
+
+
 def _patch_megatron_lm(module: types.ModuleType) -> None:
+    _patch_megatron_lm_generate(module)
     module.torch = _TorchOnCPU()
+
+
+def _patch_dataclasses(module: types.ModuleType) -> None:
+    """accelerate 1.16's GPTTrainStep reads `args.eos_token_id` (its eod and pad id), which only its
+    glm4_moe config parser sets: every other model type stops with an AttributeError (on
+    Megatron-LM as well). Each parser also passes the HF config's eos_token_id."""
+    parsers = module.MODEL_CONFIGS_TO_MEGATRON_PARSERS
+    for model_type, parser in list(parsers.items()):
+        if getattr(parser, "_megatron_eos", False):
+            continue
+
+        def with_eos(plugin, model, batch_data, _parser=parser):
+            _parser(plugin, model, batch_data)
+            plugin.megatron_lm_default_args.setdefault("eos_token_id", getattr(model.config, "eos_token_id", None))
+
+        with_eos._megatron_eos = True
+        parsers[model_type] = with_eos
 
 
 _PATCHES: Dict[str, Callable[[types.ModuleType], None]] = {
     "accelerate.utils.imports": _patch_imports,
+    "accelerate.utils.dataclasses": _patch_dataclasses,
     "accelerate.state": _patch_state,
     "accelerate.utils.megatron_lm": _patch_megatron_lm,
 }
@@ -154,22 +195,32 @@ class _PatchAfterExec(importlib.abc.Loader):
         self._patch(module)
 
 
+_ALWAYS = ("accelerate.utils.imports", "accelerate.utils.dataclasses")  # on GPUs as well
+
+
 class _AccelerateHook(importlib.abc.MetaPathFinder):
-    """Applies a patch to each of _PATCHED_MODULES right after it executes."""
+    """Applies a patch to each of its modules right after the module executes."""
+
+    def __init__(self, patches: Dict[str, Callable[[types.ModuleType], None]]):
+        self._patches = patches
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _PATCHES:
+        if fullname not in self._patches:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _PatchAfterExec(spec.loader, _PATCHES[fullname])
+        spec.loader = _PatchAfterExec(spec.loader, self._patches[fullname])
         return spec
 
 
-def enable() -> None:
-    """Let Accelerate's Megatron-LM integration run this package on CPU. Call it before accelerate
-    is first imported; idempotent."""
+def enable(cpu: Optional[bool] = None) -> None:
+    """Let Accelerate's Megatron-LM integration run this package. Call it before accelerate is first
+    imported; idempotent. cpu (default: no GPU here) adds the CPU answers (the MEGATRON_LM state, the
+    CPU `torch.cuda` of megatron_lm.py, ACCELERATE_USE_CPU so that Accelerate joins the gloo group);
+    without it only Accelerate's own GPU path runs, with the availability and eos_token_id fixes."""
+    from megatron.core import device
+
     check_accelerate_version()
     if any(isinstance(finder, _AccelerateHook) for finder in sys.meta_path):
         return
@@ -177,7 +228,13 @@ def enable() -> None:
     if imported:
         raise AccelerateLaunchError(
             "accelerate was imported before megatron.training.accelerate_launch.enable(): call it first")
-    sys.meta_path.insert(0, _AccelerateHook())
+    cpu = not device.accelerator_available() if cpu is None else cpu
+    patches = dict(_PATCHES) if cpu else {**{name: _PATCHES[name] for name in _ALWAYS},
+                                          "accelerate.utils.megatron_lm": _patch_megatron_lm_generate}
+    if cpu:
+        # What `accelerate launch --cpu` sets: Accelerate then forms its MULTI_CPU (gloo) state.
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    sys.meta_path.insert(0, _AccelerateHook(patches))
 
 
 # ----------------------------------------------------------------------------- accelerate config
@@ -232,6 +289,9 @@ def prepare(argv: List[str]) -> List[str]:
     if args.config_file is not None:
         os.environ.update(env_from_accelerate_config(args.config_file))
     os.environ.setdefault("ACCELERATE_USE_MEGATRON_LM", "true")
+    # accelerate 1.16's MegatronLMPlugin takes context_parallel_size 2 when nothing sets it (even on
+    # one process); `accelerate launch` sets it only when the config has it. Unset means 1 here.
+    os.environ.setdefault("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", "1")
     enable()
     return [args.script, *args.script_args]
 

@@ -104,8 +104,48 @@ def test_the_script_sees_megatron_lm_on_cpu_and_its_own_argv(tmp_path):
         assert mlm.torch.cuda.current_device() == torch.device("cpu")
         assert mlm.torch.cuda.FloatTensor([1.0]).device.type == "cpu"
         assert mlm.torch.nn is torch.nn and torch.cuda.is_available() is False
+        assert hasattr(mlm.MegatronEngine, "megatron_generate")
+        from accelerate.utils.dataclasses import MODEL_CONFIGS_TO_MEGATRON_PARSERS
+        assert all(getattr(p, "_megatron_eos", False) for p in MODEL_CONFIGS_TO_MEGATRON_PARSERS.values())
         print("ARGV", sys.argv[1:])
         """))
     proc = _run([str(script), "--lr", "1e-3"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ARGV ['--lr', '1e-3']" in proc.stdout
+
+
+def test_without_the_cpu_answers_only_accelerates_gpu_path_is_fixed(tmp_path):
+    """enable(cpu=False), what a GPU machine gets: Megatron-LM is available, the parsers pass
+    eos_token_id and MegatronEngine has megatron_generate, but the state and torch.cuda are
+    Accelerate's own (so on this CPU Accelerate does not pick MEGATRON_LM)."""
+    script = tmp_path / "gpu_path.py"
+    script.write_text(textwrap.dedent("""\
+        import os
+        os.environ["ACCELERATE_USE_MEGATRON_LM"] = "true"
+        import torch
+        from megatron.training import accelerate_launch
+        accelerate_launch.enable(cpu=False)
+        import accelerate.utils.megatron_lm as mlm
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedType, is_megatron_lm_available
+        from accelerate.utils.dataclasses import MODEL_CONFIGS_TO_MEGATRON_PARSERS
+
+        assert is_megatron_lm_available()
+        assert hasattr(mlm.MegatronEngine, "megatron_generate")
+        assert all(getattr(p, "_megatron_eos", False) for p in MODEL_CONFIGS_TO_MEGATRON_PARSERS.values())
+        assert mlm.torch is torch
+        assert Accelerator().distributed_type != DistributedType.MEGATRON_LM
+        print("OK")
+        """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_enable_after_accelerate_was_imported_is_one_line(tmp_path):
+    script = tmp_path / "late.py"
+    script.write_text("import accelerate.utils\nfrom megatron.training import accelerate_launch\n"
+                      "try:\n    accelerate_launch.enable()\nexcept accelerate_launch.AccelerateLaunchError as e:\n"
+                      "    print('REFUSED', e)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert "REFUSED accelerate was imported before megatron.training.accelerate_launch.enable(): call it first" \
+        in proc.stdout, proc.stderr[-2000:]
