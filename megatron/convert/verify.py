@@ -66,7 +66,7 @@ def build_serial_model(args: argparse.Namespace, tensors: Iterable[Tuple[str, to
     serial.fp16 = serial.bf16 = False
     serial.params_dtype = torch.float32
     serial.perform_initialization = False
-    serial.recompute_granularity = None
+    serial.recompute_granularity = serial.recompute_method = serial.recompute_num_layers = None
     config = core_transformer_config_from_args(serial)
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     if is_t5(args):

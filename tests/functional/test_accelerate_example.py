@@ -114,3 +114,18 @@ def test_save_state_writes_a_megatron_checkpoint_and_the_random_states(runs, nam
     assert (iteration / "metadata.json").is_file() and (iteration / "common.pt").is_file()
     assert sorted(p.name for p in out.glob("random_states_*.pkl")) == [f"random_states_{r}.pkl" for r in range(ranks)]
     assert json.loads((out / "all_results.json").read_text())["perplexity"] > 1
+
+
+def test_a_save_state_checkpoint_converts_to_huggingface_with_its_logits(runs, tmp_path, gpt2_vocab_dir):
+    """tools/checkpoint/convert.py --loader megatron --saver hf on what save_state wrote at TP 2 x
+    PP 2 (recompute flags included): the converter's own check compares the HF model's logits."""
+    _, out = runs["tp2pp2"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py"), "--model-type", "GPT",
+         "--loader", "megatron", "--saver", "hf", "--load-dir", str(out), "--save-dir", str(tmp_path / "hf"),
+         "--tokenizer-dir", str(gpt2_vocab_dir), "--true-vocab-size", "50257"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"verification: .* logits over 50257 ids: max \|difference\| \S+, .* -> OK", proc.stdout + proc.stderr)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 4 and config["hidden_size"] == 64 and config["vocab_size"] >= 50257
