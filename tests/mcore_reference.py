@@ -205,7 +205,7 @@ def start_server() -> None:
         _server = _Server()
 
 
-def run_mcore(code: str, timeout: float = 300.0, cwd: Optional[Path] = None,
+def run_mcore(code: str, timeout: float = 900.0, cwd: Optional[Path] = None,
               env: Optional[Dict[str, str]] = None) -> Any:
     """Run `code` (dedented) under megatron-core; return what it passed to emit() (None if nothing).
 

@@ -67,7 +67,9 @@ def set_args(args: argparse.Namespace) -> None:
 
 
 def set_global_variables(args: argparse.Namespace, build_tokenizer: bool = True) -> None:
-    """Set args, the micro-batch calculator, tokenizer, timers and the writers from args."""
+    """Set args, the micro-batch calculator, tokenizer, timers and the writers from args. Without
+    build_tokenizer (Accelerate's initialize) there is no tokenizer afterwards: one built for earlier
+    args (a previous run in the same process) would not describe these."""
     global _TOKENIZER, _TIMERS
     set_args(args)
     init_num_microbatches_calculator(
@@ -77,6 +79,8 @@ def set_global_variables(args: argparse.Namespace, build_tokenizer: bool = True)
         from megatron.training.tokenizer import build_tokenizer as _build
 
         _TOKENIZER = _build(args)
+    else:
+        _TOKENIZER = None
     _TIMERS = Timers(getattr(args, "timing_log_level", 0))
     _set_tensorboard_writer(args)
     _set_wandb_writer(args)

@@ -466,3 +466,20 @@ def test_average_losses_on_one_rank_is_the_losses_detached():
     loss = torch.tensor(2.5, requires_grad=True) * 2
     averaged = average_losses_across_data_parallel_group([loss, torch.tensor(1.0)])
     assert averaged.tolist() == [5.0, 1.0] and not averaged.requires_grad
+
+
+def test_set_global_variables_without_a_tokenizer_forgets_an_earlier_one():
+    """Accelerate's initialize() sets the args with build_tokenizer=False; a tokenizer built for
+    earlier args in the same process (a notebook's previous run) must not stand in for these."""
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.global_vars import get_tokenizer, set_global_variables, unset_global_variables
+
+    args = parse_and_validate_args(argv=TINY)
+    try:
+        set_global_variables(args)
+        assert get_tokenizer().vocab_size == 100
+        set_global_variables(parse_and_validate_args(argv=TINY), build_tokenizer=False)
+        with pytest.raises(RuntimeError):
+            get_tokenizer()
+    finally:
+        unset_global_variables()
