@@ -100,15 +100,18 @@ def _run(model, num_microbatches: int, func, finalize):
     return [{k: v.item() for k, v in entry.items()} for entry in losses]
 
 
-def _pipeline_compare(tp: int, pp: int, post_ln: bool = False, layers: int = 4, m: int = 4):
+def compare_stages_with_serial(build, tp: int, pp: int, m: int) -> dict:
+    """build(tp, pp) on one rank, then split over TP x PP under the pipeline schedule: the serial and
+    parallel losses, each parameter's gradient error against the serial one, and whether the initial
+    weights are the same (the padded vocabulary rows aside)."""
     init_parallel(tp=1)
-    serial = _build(1, False, False, layers, post_ln=post_ln)
+    serial = build(1, 1)
     serial_losses = _run(serial, m, schedules.forward_backward_no_pipelining, finalize=None)
     serial_params = dict(serial.named_parameters())
     parallel_state.destroy_model_parallel()
 
     init_parallel(tp=tp, pp=pp)
-    model = _build(tp, False, False, layers, pp, post_ln=post_ln)
+    model = build(tp, pp)
     losses = _run(model, m, schedules.get_forward_backward_func(), finalize=finalize_model_grads)
     offset = get_layer_offset(model.config)
     errors, weights_equal = {}, True
@@ -119,11 +122,16 @@ def _pipeline_compare(tp: int, pp: int, post_ln: bool = False, layers: int = 4, 
         serial_name = "embedding.word_embeddings.weight" if name == "output_layer.weight" else ".".join(parts)
         expected = serial_params[serial_name]
         grad, weight = _gather(param, param.grad), _gather(param, param.detach())
-        rows = slice(0, VOCAB) if name in VOCAB_PARAMS else slice(None)
+        rows = slice(0, VOCAB) if name in VOCAB_PARAMS else slice(None)  # the padded vocabularies differ
         weights_equal &= torch.equal(weight[rows], expected.detach()[rows])
         errors[name] = _relative_error(grad[rows], expected.grad[rows])
     return {"serial_losses": serial_losses, "losses": losses, "errors": errors, "weights_equal": weights_equal,
             "last_stage": parallel_state.is_pipeline_last_stage()}
+
+
+def _pipeline_compare(tp: int, pp: int, post_ln: bool = False, layers: int = 4, m: int = 4):
+    return compare_stages_with_serial(
+        lambda t, p: _build(t, False, False, layers, p, post_ln=post_ln), tp, pp, m)
 
 
 @pytest.mark.parametrize("tp, pp, post_ln", [(1, 2, False), (2, 2, False), (2, 2, True)],

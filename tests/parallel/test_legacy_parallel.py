@@ -10,15 +10,11 @@ import pytest
 import torch
 
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import finalize_model_grads
-from megatron.core.pipeline_parallel import schedules
 from megatron.legacy.model import BertModel
 from megatron.model import TransformerConfig
-from megatron.model.transformer_layer import get_layer_offset
 from megatron.training.global_vars import set_args
-from tests.parallel.harness import init_parallel
-from tests.parallel.test_bert_parallel import HIDDEN, SEED, SEQ, VOCAB, VOCAB_PARAMS, _run
-from tests.parallel.test_tensor_parallel_gpt import _gather, _padded, _relative_error
+from tests.parallel.test_bert_parallel import HIDDEN, SEED, SEQ, VOCAB, compare_stages_with_serial
+from tests.parallel.test_tensor_parallel_gpt import _padded
 
 LAYERS, MICROBATCHES = 4, 4
 
@@ -40,29 +36,7 @@ def _legacy_bert(tp: int, pp: int) -> BertModel:
 
 
 def _compare_with_serial(tp: int, pp: int):
-    init_parallel(tp=1)
-    serial = _legacy_bert(1, 1)
-    serial_losses = _run(serial, MICROBATCHES, schedules.forward_backward_no_pipelining, finalize=None)
-    serial_params = dict(serial.named_parameters())
-    parallel_state.destroy_model_parallel()
-
-    init_parallel(tp=tp, pp=pp)
-    model = _legacy_bert(tp, pp)
-    losses = _run(model, MICROBATCHES, schedules.get_forward_backward_func(), finalize=finalize_model_grads)
-    offset = get_layer_offset(model.config)
-    errors, weights_equal = {}, True
-    for name, param in model.named_parameters():
-        parts = name.split(".")
-        if parts[:2] == ["encoder", "layers"]:
-            parts[2] = str(int(parts[2]) + offset)
-        serial_name = "embedding.word_embeddings.weight" if name == "output_layer.weight" else ".".join(parts)
-        expected = serial_params[serial_name]
-        grad, weight = _gather(param, param.grad), _gather(param, param.detach())
-        rows = slice(0, VOCAB) if name in VOCAB_PARAMS else slice(None)  # the padded vocabularies differ
-        weights_equal &= torch.equal(weight[rows], expected.detach()[rows])
-        errors[name] = _relative_error(grad[rows], expected.grad[rows])
-    return {"serial_losses": serial_losses, "losses": losses, "errors": errors, "weights_equal": weights_equal,
-            "last_stage": parallel_state.is_pipeline_last_stage()}
+    return compare_stages_with_serial(_legacy_bert, tp, pp, MICROBATCHES)
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
