@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron.core import device, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
-from megatron.training.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
+from megatron.training.global_vars import get_args, get_timers, get_tokenizer, get_tokenizer_or_build  # noqa: E402
 from megatron.model import BertModel  # noqa: E402
 from megatron.model.bert_model import bert_loss  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
@@ -99,7 +99,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
     from megatron.training.dataset_configs import bert_dataset_config_from_args
 
     args = get_args()
-    config = bert_dataset_config_from_args(args, get_tokenizer())
+    config = bert_dataset_config_from_args(args, get_tokenizer_or_build())
     print_rank_0("> building train, validation, and test datasets for BERT ...")
     datasets = BlendedMegatronDatasetBuilder(BERTMaskedWordPieceDataset, train_val_test_num_samples,
                                              is_dataset_built_on_rank, config).build()

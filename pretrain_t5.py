@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron.core import device, parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
-from megatron.training.global_vars import get_args, get_timers, get_tokenizer  # noqa: E402
+from megatron.training.global_vars import get_args, get_timers, get_tokenizer, get_tokenizer_or_build  # noqa: E402
 from megatron.model import T5Model  # noqa: E402
 from megatron.model.t5_model import t5_attention_masks  # noqa: E402
 from megatron.training.training import pretrain  # noqa: E402
@@ -107,7 +107,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
     from megatron.training.dataset_configs import t5_dataset_config_from_args
 
     args = get_args()
-    config = t5_dataset_config_from_args(args, get_tokenizer())
+    config = t5_dataset_config_from_args(args, get_tokenizer_or_build())
     print_rank_0("> building train, validation, and test datasets for T5 ...")
     datasets = BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, train_val_test_num_samples,
                                              is_dataset_built_on_rank, config).build()

@@ -87,6 +87,9 @@ class GPTModel(LanguageModule):
                              f"(one of {', '.join(POSITION_EMBEDDING_TYPES)})")
         self._set_vocab_sizes(vocab_size, num_tokens)
         self.parallel_output = parallel_output
+        # With labels, forward also returns the logits gathered over TP (Accelerate's return_logits;
+        # gpt_builder sets it from args.return_logits).
+        self.return_logits = False
         self.max_sequence_length = max_sequence_length
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
@@ -177,7 +180,10 @@ class GPTModel(LanguageModule):
             if not self.parallel_output:
                 logits = gather_from_tensor_model_parallel_region(logits)  # [s, b, vocab]
             return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
-        return self.compute_language_model_loss(labels, logits)
+        loss = self.compute_language_model_loss(labels, logits)
+        if self.return_logits:  # Accelerate's return_logits: (loss [b, s], logits [b, s, vocab])
+            return loss, gather_from_tensor_model_parallel_region(logits).transpose(0, 1).contiguous()
+        return loss
 
     def _sequence_length(self, decoder_input: torch.Tensor | None) -> int:
         """s of this forward: from the embedding's output, or on later pipeline stages from the

@@ -11,7 +11,14 @@ script's. On any machine:
     Llama, BERT or T5 model stops with an AttributeError, on Megatron-LM too): every parser here
     also passes the HF config's eos_token_id;
   * it dropped `MegatronEngine.megatron_generate` (its guide still shows it): supplied from
-    megatron.inference.text_generation.accelerate_generate.
+    megatron.inference.text_generation.accelerate_generate;
+  * its train steps take `(accelerator, args)` while its engine builds a custom one with `(args)`
+    alone, as the guide's GPTTrainStepWithCustomLoss expects: both forms are taken;
+  * GPTTrainStep asks for the tokenizer when `vocab_file` is set, though Megatron is initialized
+    without one: it is built from the args;
+  * the plugin passes recompute_granularity "full" with recompute off, and its default
+    use_rotary_position_embeddings=True overrides an explicit position_embedding_type (and asks a T5
+    for rope): recompute only when asked for, the explicit type wins, T5 keeps its positions.
 On a machine without a GPU, also:
   * `AcceleratorState` picks `DistributedType.MEGATRON_LM` only for GPUs: here it does so on the
     CPU, over the gloo group Accelerate forms with ACCELERATE_USE_CPU (what `accelerate launch
@@ -148,13 +155,89 @@ def _engine_megatron_generate(self, inputs, attention_mask=None, max_length=None
                              top_k=top_k, top_p=top_p, length_penalty=length_penalty, **kwargs)
 
 
-def _patch_megatron_lm_generate(module: types.ModuleType) -> None:
+# The Accelerator whose MegatronEngine is being built: a train step written as the guide shows it
+# (`__init__(self, megatron_args, **kwargs)`) is given only the args.
+_ENGINE_ACCELERATOR: List[Any] = []
+
+
+def _fit_arguments(method: Callable) -> Callable:
+    """method called with Accelerate 1.16's arguments (accelerator first); an override written as the
+    guide shows it (without the accelerator) gets the rest of them."""
+    import inspect
+
+    def call(*args):
+        try:
+            inspect.signature(method).bind(*args)
+        except TypeError:
+            return method(*args[1:])
+        return method(*args)
+
+    return call
+
+
+def _train_step_init(original: Callable) -> Callable:
+    """GPT/Bert/T5TrainStep.__init__ accepting the guide's form `(megatron_args)` as well as Accelerate
+    1.16's `(accelerator, args)`, and overrides of get_batch_func / get_loss_func with or without the
+    accelerator argument (the guide's GPTTrainStepWithCustomLoss defines `get_loss_func(self)`)."""
+
+    def __init__(self, *args, **kwargs):
+        if len(args) + len(kwargs) == 1:  # the guide's super().__init__(megatron_args)
+            if not _ENGINE_ACCELERATOR:
+                raise TypeError(f"{type(self).__name__}(megatron_args) outside accelerator.prepare: "
+                                f"pass (accelerator, megatron_args)")
+            args = (_ENGINE_ACCELERATOR[-1], *args, *kwargs.values())
+            kwargs = {}
+        hooks = ("get_batch_func", "get_loss_func")
+        for name in hooks:
+            setattr(self, name, _fit_arguments(getattr(self, name)))
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            for name in hooks:
+                self.__dict__.pop(name, None)
+
+    __init__._megatron_guide = True
+    return __init__
+
+
+def _engine_init(original: Callable) -> Callable:
+    def __init__(self, accelerator, *args, **kwargs):
+        _ENGINE_ACCELERATOR.append(accelerator)
+        try:
+            original(self, accelerator, *args, **kwargs)
+        finally:
+            _ENGINE_ACCELERATOR.pop()
+
+    __init__._megatron_guide = True
+    return __init__
+
+
+def _tokenizer_of_the_args() -> Any:
+    """get_tokenizer() for Accelerate's GPTTrainStep, which asks for one whenever args.vocab_file is
+    set (the guide sets it for megatron_generate) although Accelerate 1.16 initializes Megatron with
+    build_tokenizer=False (Megatron-LM's get_tokenizer then fails its assertion): the tokenizer the
+    args describe, built once."""
+    from megatron.training.global_vars import get_tokenizer_or_build
+
+    return get_tokenizer_or_build()
+
+
+def _patch_megatron_lm_common(module: types.ModuleType) -> None:
+    """On any machine: megatron_generate, the guide's custom train step form, a tokenizer for
+    GPTTrainStep when the args name a vocabulary."""
+    module.get_tokenizer = _tokenizer_of_the_args
     if not hasattr(module.MegatronEngine, "megatron_generate"):
         module.MegatronEngine.megatron_generate = _engine_megatron_generate
+    if not getattr(module.MegatronEngine.__init__, "_megatron_guide", False):
+        module.MegatronEngine.__init__ = _engine_init(module.MegatronEngine.__init__)
+    for name in ("GPTTrainStep", "BertTrainStep", "T5TrainStep"):
+        cls = getattr(module, name)
+        if not getattr(cls.__init__, "_megatron_guide", False):
+            cls.__init__ = _train_step_init(cls.__init__)
 
 
 def _patch_megatron_lm(module: types.ModuleType) -> None:
-    _patch_megatron_lm_generate(module)
+    _patch_megatron_lm_common(module)
     module.torch = _TorchOnCPU()
 
 
@@ -169,7 +252,21 @@ def _patch_dataclasses(module: types.ModuleType) -> None:
 
         def with_eos(plugin, model, batch_data, _parser=parser):
             _parser(plugin, model, batch_data)
-            plugin.megatron_lm_default_args.setdefault("eos_token_id", getattr(model.config, "eos_token_id", None))
+            defaults = plugin.megatron_lm_default_args
+            defaults.setdefault("eos_token_id", getattr(model.config, "eos_token_id", None))
+            if (not plugin.recompute_activations and plugin.recompute_granularity == "full"
+                    and "MEGATRON_LM_RECOMPUTE_GRANULARITY" not in os.environ):
+                # Accelerate 1.16 passes its default recompute_granularity "full" even when recompute
+                # activations is off (the default, and `accelerate config`'s "no"): no recompute then.
+                defaults.update(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+            other = plugin.other_megatron_args or {}
+            if "position_embedding_type" in other or (
+                    defaults.get("model_type_name") == "t5" and "use_rotary_position_embeddings" not in other
+                    and "MEGATRON_LM_USE_ROTARY_POSITION_EMBEDDINGS" not in os.environ):
+                # The guide's other_megatron_args={"position_embedding_type": "alibi"}: Accelerate 1.16's
+                # own default use_rotary_position_embeddings=True would turn it into rope. T5 keeps its
+                # learned positions (our T5Model has no rope) unless rope is asked for.
+                defaults["use_rotary_position_embeddings"] = False
 
         with_eos._megatron_eos = True
         parsers[model_type] = with_eos
@@ -228,9 +325,12 @@ def enable(cpu: Optional[bool] = None) -> None:
     if imported:
         raise AccelerateLaunchError(
             "accelerate was imported before megatron.training.accelerate_launch.enable(): call it first")
+    # accelerate 1.16's MegatronLMPlugin takes context_parallel_size 2 when nothing sets it (even on
+    # one process); `accelerate launch` sets it only when the config has it. Unset means 1 here.
+    os.environ.setdefault("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", "1")
     cpu = not device.accelerator_available() if cpu is None else cpu
     patches = dict(_PATCHES) if cpu else {**{name: _PATCHES[name] for name in _ALWAYS},
-                                          "accelerate.utils.megatron_lm": _patch_megatron_lm_generate}
+                                          "accelerate.utils.megatron_lm": _patch_megatron_lm_common}
     if cpu:
         # What `accelerate launch --cpu` sets: Accelerate then forms its MULTI_CPU (gloo) state.
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
@@ -289,9 +389,6 @@ def prepare(argv: List[str]) -> List[str]:
     if args.config_file is not None:
         os.environ.update(env_from_accelerate_config(args.config_file))
     os.environ.setdefault("ACCELERATE_USE_MEGATRON_LM", "true")
-    # accelerate 1.16's MegatronLMPlugin takes context_parallel_size 2 when nothing sets it (even on
-    # one process); `accelerate launch` sets it only when the config has it. Unset means 1 here.
-    os.environ.setdefault("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", "1")
     enable()
     return [args.script, *args.script_args]
 

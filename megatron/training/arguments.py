@@ -73,6 +73,9 @@ def _add_network_size_args(parser: argparse.ArgumentParser) -> argparse.Argument
     group.add_argument("--num-query-groups", type=int, default=1,
                        help="Key/value heads with --group-query-attention (1: multi-query); ignored "
                             "without it (one per attention head), as in Megatron.")
+    group.add_argument("--attention-head-type", type=str, default=None, choices=("multihead", "multiquery"),
+                       help="The older spelling Accelerate's guide uses: multiquery = --group-query-attention "
+                            "--num-query-groups 1; multihead = one key/value head per attention head.")
     group.add_argument("--max-position-embeddings", type=int, default=None,
                        help="Maximum number of position embeddings (size of the learned position table).")
     group.add_argument("--position-embedding-type", type=str, default="learned_absolute",

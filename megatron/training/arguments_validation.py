@@ -129,6 +129,33 @@ def _apply_defaults(args: Namespace, defaults: dict[str, Any] | None) -> None:
                                 f"with {key}:{current}")
 
 
+# Accelerate's Megatron-LM guide (its other_megatron_args) spells two model choices as Megatron-LM's
+# older releases did: position_embedding_type "rotary" / "absolute", and attention_head_type.
+POSITION_EMBEDDING_SPELLINGS = {"rotary": "rope", "absolute": "learned_absolute"}
+ATTENTION_HEAD_TYPES = ("multihead", "multiquery")
+
+
+def _apply_older_spellings(args: Namespace) -> None:
+    """position_embedding_type rotary / absolute -> rope / learned_absolute; attention_head_type
+    multiquery -> --group-query-attention with one query group (multihead: one group per head)."""
+    kind = getattr(args, "position_embedding_type", None)
+    if kind in POSITION_EMBEDDING_SPELLINGS:
+        args.position_embedding_type = POSITION_EMBEDDING_SPELLINGS[kind]
+    head_type = getattr(args, "attention_head_type", None)
+    if head_type is None:
+        return
+    if head_type not in ATTENTION_HEAD_TYPES:
+        raise ArgsError(f"--attention-head-type {head_type}: use multihead or multiquery")
+    if head_type == "multiquery":
+        if args.group_query_attention and args.num_query_groups != 1:
+            raise ArgsError(f"--attention-head-type multiquery is one query group; --num-query-groups "
+                            f"{args.num_query_groups} asks for more")
+        args.group_query_attention, args.num_query_groups = True, 1
+    elif args.group_query_attention:
+        raise ArgsError("--attention-head-type multihead is one key/value head per attention head; "
+                        "it contradicts --group-query-attention")
+
+
 def _apply_flag_aliases(args: Namespace) -> None:
     """Dead flags exit or raise with Megatron's message; shorthand flags set their target."""
     for dest, (action, payload) in FLAG_ALIASES.items():
@@ -680,6 +707,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     Prints Megatron's argument block on rank 0 at the end.
     """
     _apply_defaults(args, defaults)
+    _apply_older_spellings(args)
     _apply_flag_aliases(args)
     validate_megatron_flags(args)
     _validate_parallel(args)

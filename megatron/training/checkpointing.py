@@ -148,9 +148,11 @@ def read_metadata(tracker_filename: str) -> Tuple[int, bool]:
                 f"invalid checkpoint tracker file {tracker_filename}: expected an iteration "
                 f"number or 'release', found {text[:40]!r}") from None
         iteration = 0
-    if iteration <= 0 and not release:
+    if iteration < 0:
         raise CheckpointError(f"invalid checkpoint tracker file {tracker_filename}: iteration "
-                              f"{iteration} must be > 0 (or the file must say 'release')")
+                              f"{iteration} must be >= 0 (or the file must say 'release')")
+    # 0 (iter_0000000): a starting checkpoint, as Accelerate's guide makes one from a converted
+    # `release` (Megatron-LM asserts > 0); it loads like any other, from iteration 0.
     if dist.is_initialized():
         on = torch.device("cpu") if dist.get_backend() == "gloo" else device.get_device()
         iters = torch.tensor([iteration], dtype=torch.long, device=on)
@@ -594,7 +596,11 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
         if reload is not None:
             reload()
     if not release and not finetune and not _flag(args, "no_load_rng"):
-        set_rng_state(state_dict, checkpoint_name, log=_print_rank_0)
+        if iteration == 0 and "rng_state" not in state_dict:
+            _print_rank_0(f"  {checkpoint_name} (iteration 0, a starting checkpoint) has no RNG state: "
+                          "the generators keep this run's seed")
+        else:
+            set_rng_state(state_dict, checkpoint_name, log=_print_rank_0)
 
     _barrier()
     _print_rank_0(f"  successfully loaded checkpoint from {load_dir} "

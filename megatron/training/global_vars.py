@@ -43,6 +43,29 @@ def get_tokenizer() -> Any:
     return _ensure(_TOKENIZER, "tokenizer")
 
 
+_TOKENIZERS_OF_ARGS: dict = {}
+
+
+def get_tokenizer_or_build() -> Any:
+    """The global tokenizer; when none was built (Accelerate 1.16 initializes Megatron with
+    build_tokenizer=False, yet its GPTTrainStep, megatron_generate and indexed datasets need one),
+    the one the global args describe, built once, on a copy of the args (building one sets
+    padded_vocab_size, which Accelerate computes itself). Raises ArgsError (a one-line message)
+    when the args name no vocabulary."""
+    if _TOKENIZER is not None:
+        return _TOKENIZER
+    args = get_args()
+    key = tuple(str(getattr(args, name, None)) for name in
+                ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size"))
+    if key not in _TOKENIZERS_OF_ARGS:
+        import copy
+
+        from megatron.training.tokenizer import build_tokenizer
+
+        _TOKENIZERS_OF_ARGS[key] = build_tokenizer(copy.copy(args))
+    return _TOKENIZERS_OF_ARGS[key]
+
+
 def get_timers() -> Timers:
     return _ensure(_TIMERS, "timers")
 
@@ -131,3 +154,4 @@ def unset_global_variables() -> None:
         _SIGNAL_HANDLER.__exit__(None, None, None)
     unset_num_microbatches_calculator()
     _ARGS = _TOKENIZER = _TIMERS = _TENSORBOARD_WRITER = _WANDB_WRITER = _SIGNAL_HANDLER = None
+    _TOKENIZERS_OF_ARGS.clear()

@@ -37,10 +37,12 @@ def gpt_builder(args: argparse.Namespace, pre_process: bool, post_process: bool,
                  f" > loss over the tokenizer's {num_tokens} ids, the {padded - num_tokens} padding ids excluded "
                  f"(--include-padded-vocab-in-loss for Megatron's loss over all {padded})")
     with _virtual_stage(vp_stage):
-        return GPTModel(config, vocab_size=padded, num_tokens=num_tokens,
-                        max_sequence_length=args.max_position_embeddings,
-                        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                        pre_process=pre_process, post_process=post_process, **gpt_model_kwargs(args))
+        model = GPTModel(config, vocab_size=padded, num_tokens=num_tokens,
+                         max_sequence_length=args.max_position_embeddings,
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                         pre_process=pre_process, post_process=post_process, **gpt_model_kwargs(args))
+    model.return_logits = bool(getattr(args, "return_logits", False))  # set by Accelerate's MegatronLMPlugin
+    return model
 
 
 def _real_vocab_size(args: argparse.Namespace) -> Optional[int]:

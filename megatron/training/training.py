@@ -425,6 +425,15 @@ class StepReport(NamedTuple):
     num_zeros: Optional[int]
 
 
+def _split_outputs(losses: List[Dict[str, Any]]) -> Tuple[List[Dict[str, Any]], Dict[str, torch.Tensor]]:
+    """The loss functions' values that are not losses: tensors of more than two elements (a loss is
+    a scalar or a [sum, count] pair), such as the logits Accelerate's GPT loss function returns with
+    return_logits; each is concatenated over the micro-batches, as Accelerate's eval step does."""
+    keys = [key for key in (losses[0] if losses else {}) if torch.as_tensor(losses[0][key]).numel() > 2]
+    outputs = {key: torch.cat([x[key].detach() for x in losses]) for key in keys}
+    return [{k: v for k, v in x.items() if k not in outputs} for x in losses], outputs
+
+
 def train_step_report(forward_step_func: Callable, data_iterator: Optional[Iterator], model: List[torch.nn.Module],
                       optimizer: Any, opt_param_scheduler: Any, config: Any = None,
                       forward_backward_func: Optional[Callable] = None) -> StepReport:
@@ -462,10 +471,18 @@ def train_step_report(forward_step_func: Callable, data_iterator: Optional[Itera
         device.empty_cache()
     if update_successful:
         opt_param_scheduler.step(increment=get_num_microbatches() * args.micro_batch_size * args.data_parallel_size)
+    losses, outputs = _split_outputs(losses)
     reduced = _reduce_losses(losses)
     if getattr(args, "num_experts", None):
         reduced.update(_collect_moe_stats(args))
+    _LAST_STEP_OUTPUTS.clear()
+    _LAST_STEP_OUTPUTS.update(outputs)
     return StepReport(reduced, not update_successful, grad_norm, num_zeros)
+
+
+# What the last train_step_report's loss functions returned besides losses (_split_outputs): train_step
+# hands them back in its loss_dict.
+_LAST_STEP_OUTPUTS: Dict[str, torch.Tensor] = {}
 
 
 def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], model: List[torch.nn.Module],
@@ -477,7 +494,8 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
         (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad)
 
     loss_dict: {name: 0-d float tensor on the device}, the mean over the global batch, on the last
-    pipeline stage; {} on the other stages. skipped_iter: 1 when the update was skipped, else 0.
+    pipeline stage; {} on the other stages. Values of the loss function that are not losses (the
+    logits of Accelerate's return_logits) come back concatenated over the micro-batches. skipped_iter: 1 when the update was skipped, else 0.
     should_checkpoint / should_exit / exit_code come from Megatron's rerun state machine, which this
     framework does not have (the loop handles signals and exits): always False, False, 0.
     """
@@ -487,6 +505,8 @@ def train_step(forward_step_func: Callable, data_iterator: Optional[Iterator], m
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         loss_dict = {key: torch.tensor(value, dtype=torch.float32, device=device.get_device())
                      for key, value in report.losses.items()}
+        loss_dict.update(_LAST_STEP_OUTPUTS)
+    _LAST_STEP_OUTPUTS.clear()
     return loss_dict, int(report.skipped), False, False, 0, report.grad_norm, report.num_zeros
 
 

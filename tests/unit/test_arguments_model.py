@@ -260,3 +260,41 @@ def test_bert_errors_before_any_data_is_read(flags, data, message, monkeypatch, 
     with pytest.raises(ArgsError, match=message):
         run_bert(flags, data)
     run_bert("--mask-prob 0.2 --short-seq-prob 0")  # in range: accepted
+
+
+# ---------------------------------------------------------------- the older spellings of Accelerate's guide
+
+def _validated(**attrs):
+    """args as Accelerate sets them: parsed, then attributes set (other_megatron_args), then validated."""
+    from megatron.training.arguments import validate_args
+
+    args = parse_args(argv=BASE)
+    for key, value in attrs.items():
+        setattr(args, key, value)
+    return validate_args(args)
+
+
+@pytest.mark.parametrize("given, kind", [("rotary", "rope"), ("absolute", "learned_absolute"), ("alibi", "alibi")])
+def test_the_guides_position_embedding_spellings(given, kind):
+    assert _validated(position_embedding_type=given).position_embedding_type == kind
+    assert gpt_model_kwargs(_validated(position_embedding_type=given))["position_embedding_type"] == kind
+
+
+def test_attention_head_type_multiquery_is_one_query_group():
+    args = _validated(attention_head_type="multiquery")
+    assert args.group_query_attention and args.num_query_groups == 1
+    assert core_transformer_config_from_args(args).num_query_groups == 1
+    multihead = _validated(attention_head_type="multihead")
+    assert not multihead.group_query_attention and core_transformer_config_from_args(multihead).num_query_groups == 4
+    assert run("--attention-head-type multiquery").num_query_groups == 1  # also a flag
+
+
+@pytest.mark.parametrize("attrs, message", [
+    (dict(attention_head_type="grouped"), "--attention-head-type grouped: use multihead or multiquery"),
+    (dict(attention_head_type="multiquery", group_query_attention=True, num_query_groups=2),
+     "--attention-head-type multiquery is one query group; --num-query-groups 2 asks for more"),
+    (dict(attention_head_type="multihead", group_query_attention=True), "contradicts --group-query-attention"),
+])
+def test_attention_head_type_errors(attrs, message):
+    with pytest.raises(ArgsError, match=re.escape(message)):
+        _validated(**attrs)

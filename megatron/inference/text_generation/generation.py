@@ -28,7 +28,6 @@ as Accelerate does with torch.random.manual_seed). Beam search is megatron.infer
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -66,26 +65,13 @@ def _global_args() -> Any | None:
         return None
 
 
-_BUILT_TOKENIZERS: dict[tuple, Any] = {}
-
-
 def global_tokenizer() -> Any:
     """The global tokenizer; when none was built (Accelerate >= 1.13 sets the args with
     build_tokenizer=False), the one the global args describe, built once."""
-    try:
-        return global_vars.get_tokenizer()
-    except RuntimeError:
-        args = _global_args()
-        if args is None:
-            raise RuntimeError("text generation needs Megatron's global args and tokenizer: call "
-                               "megatron.training.initialize.initialize_megatron() first") from None
-    key = tuple(str(getattr(args, name, None)) for name in
-                ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size"))
-    if key not in _BUILT_TOKENIZERS:
-        from megatron.training.tokenizer import build_tokenizer
-
-        _BUILT_TOKENIZERS[key] = build_tokenizer(copy.copy(args))  # a copy: it sets padded_vocab_size
-    return _BUILT_TOKENIZERS[key]
+    if _global_args() is None:
+        raise RuntimeError("text generation needs Megatron's global args and tokenizer: call "
+                           "megatron.training.initialize.initialize_megatron() first")
+    return global_vars.get_tokenizer_or_build()
 
 
 def single_token(tokenizer: Any, text: str) -> int | None:
