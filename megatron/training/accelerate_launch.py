@@ -241,6 +241,18 @@ def _patch_megatron_lm(module: types.ModuleType) -> None:
     module.torch = _TorchOnCPU()
 
 
+def _llama_args(hf_config: Any, keep: set) -> Dict[str, Any]:
+    """Accelerate's llama parser passes the shape only (a GPT-2-like model of Llama's size): our args
+    of the model the HF config describes (SwiGLU, RMSNorm, query groups, rope base and scaling, untied
+    output, no biases), as --load-hf takes them; keys in `keep` (the user's other_megatron_args) and
+    the plugin's dropout stay as given."""
+    from megatron.convert.hf_files import hf_arg_values
+
+    values = hf_arg_values(hf_config)
+    return {key: value for key, value in values.items()
+            if key not in keep and key not in ("hidden_dropout", "attention_dropout")}
+
+
 def _patch_dataclasses(module: types.ModuleType) -> None:
     """accelerate 1.16's GPTTrainStep reads `args.eos_token_id` (its eod and pad id), which only its
     glm4_moe config parser sets: every other model type stops with an AttributeError (on
@@ -250,7 +262,7 @@ def _patch_dataclasses(module: types.ModuleType) -> None:
         if getattr(parser, "_megatron_eos", False):
             continue
 
-        def with_eos(plugin, model, batch_data, _parser=parser):
+        def with_eos(plugin, model, batch_data, _parser=parser, _model_type=model_type):
             _parser(plugin, model, batch_data)
             defaults = plugin.megatron_lm_default_args
             defaults.setdefault("eos_token_id", getattr(model.config, "eos_token_id", None))
@@ -260,6 +272,8 @@ def _patch_dataclasses(module: types.ModuleType) -> None:
                 # activations is off (the default, and `accelerate config`'s "no"): no recompute then.
                 defaults.update(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
             other = plugin.other_megatron_args or {}
+            if _model_type == "llama":  # the Llama-family GPTModel of the HF config (a plus over Megatron-LM)
+                defaults.update(_llama_args(model.config, keep=set(other)))
             if "position_embedding_type" in other or (
                     defaults.get("model_type_name") == "t5" and "use_rotary_position_embeddings" not in other
                     and "MEGATRON_LM_USE_ROTARY_POSITION_EMBEDDINGS" not in os.environ):

@@ -36,7 +36,7 @@ SCRIPT = ROOT / "tests" / "data" / "accelerate" / "guide_features.py"
 STEPS = 4
 
 
-def _launch(root, name, nproc, config, tp=1, pp=1, distributed_optimizer=False, launcher=True):
+def _launch(root, name, nproc, config, tp=1, pp=1, distributed_optimizer=False, launcher=True, env=None):
     """torchrun [-m megatron.training.accelerate_launch] guide_features.py CONFIG; launcher=False runs
     the script as `accelerate launch` does on GPUs (torchrun with ACCELERATE_USE_MEGATRON_LM and the
     MEGATRON_LM_* variables): only the installed start-up hook (megatron/startup) is there."""
@@ -45,7 +45,8 @@ def _launch(root, name, nproc, config, tp=1, pp=1, distributed_optimizer=False, 
     (root / f"{name}.config.json").write_text(json.dumps(config))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(root / "hf_home"),
            "MEGATRON_LM_TP_DEGREE": str(tp), "MEGATRON_LM_PP_DEGREE": str(pp),
-           "MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER": str(distributed_optimizer).lower(), "OMP_NUM_THREADS": "1"}
+           "MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER": str(distributed_optimizer).lower(), "OMP_NUM_THREADS": "1",
+           **(env or {})}
     if not launcher:
         env["ACCELERATE_USE_MEGATRON_LM"] = "true"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
@@ -97,6 +98,7 @@ def test_the_guides_custom_loss_is_the_key_token_weighted_loss_of_the_models_log
 def test_the_custom_loss_trains_the_same_at_tp2_pp2(gpt_runs):
     serial, parallel = gpt_runs["rotary_multiquery", "serial"], gpt_runs["rotary_multiquery", "tp2pp2"]
     assert parallel["args"]["tensor_model_parallel_size"] == 2 and parallel["args"]["pipeline_model_parallel_size"] == 2
+    assert (parallel["main_process_index"], parallel["num_processes"]) == (3, 4)  # the main process is the last rank
     assert parallel["eval_loss"] == pytest.approx(serial["eval_loss"], rel=1e-5)
     assert parallel["train_losses"] == pytest.approx(serial["train_losses"], rel=1e-5)
     assert len(serial["train_losses"]) == STEPS and serial["train_losses"][-1] < serial["train_losses"][0]
@@ -196,7 +198,8 @@ def resume_runs(root):
     config = {"feature": "resume", "micro_batch_size": 2, "ckpt": str(root / "resume_ckpt")}
     runs = {}
     for phase in ("full", "first", "second"):
-        runs[phase] = _launch(root, f"resume_{phase}", 2, {**config, "phase": phase}, distributed_optimizer=True)
+        runs[phase] = _launch(root, f"resume_{phase}", 2, {**config, "phase": phase}, distributed_optimizer=True,
+                              env={"MEGATRON_LM_GRADIENT_CLIPPING": "0.5"})  # `accelerate config`'s clipping
     return runs, root
 
 
@@ -208,6 +211,7 @@ def test_load_state_resumes_bit_exact(resume_runs):
     runs, root = resume_runs
     args = runs["full"]["args"]
     assert args["use_distributed_optimizer"] and args["data_parallel_size"] == 2 and args["hidden_dropout"] == 0.1
+    assert args["clip_grad"] == 0.5 and args["global_batch_size"] == 4  # DP 2 x micro-batch 2 x 1 micro-batch
     assert (root / "resume_ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == str(STEPS // 2)
     assert runs["first"]["train_losses"] == runs["full"]["train_losses"][:STEPS // 2]
     assert runs["second"]["train_losses"] == runs["full"]["train_losses"][STEPS // 2:]  # bit-exact
@@ -250,35 +254,60 @@ def test_bert_and_t5_train_through_prepare_the_same_at_tp2(encoder_runs, kind, m
 
 # ---------------------------------------------------------------- the guide's HF -> Megatron recipe
 
-@pytest.fixture(scope="module")
-def hf_checkpoint_run(root, gpt2_vocab_dir):
+def _convert_to_iter_0(root, name, hf_model, vocab_dir=None):
+    """The guide's recipe: HF -> Megatron with tools/checkpoint/convert.py, `release` -> `iter_0000000`,
+    the tracker says 0."""
     import shutil
 
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    hf_dir, megatron_dir = root / "hf-gpt2", root / "megatron-gpt2"
-    torch.manual_seed(0)
-    # initializer_range 0.2: logits far from uniform, so that a model that did not load gives another loss
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=50257, initializer_range=0.2)
-    GPT2LMHeadModel(config).save_pretrained(hf_dir)
-    for name in ("vocab.json", "merges.txt"):
-        shutil.copy(gpt2_vocab_dir / name, hf_dir / name)
+    hf_dir, megatron_dir = root / f"hf-{name}", root / f"megatron-{name}"
+    hf_model.save_pretrained(hf_dir)
+    for file in ("vocab.json", "merges.txt") if vocab_dir else ():
+        shutil.copy(vocab_dir / file, hf_dir / file)
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py"), "--model-type", "GPT",
                            "--loader", "hf", "--saver", "megatron", "--load-dir", str(hf_dir),
                            "--save-dir", str(megatron_dir)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # the guide: `release` -> `iter_0000000`, the tracker says 0
     assert (megatron_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     (megatron_dir / "release").rename(megatron_dir / "iter_0000000")
     (megatron_dir / "latest_checkpointed_iteration.txt").write_text("0")
-    return _launch(root, "hf_checkpoint", 1, {"feature": "hf_checkpoint", "micro_batch_size": 2,
-                                               "hf_dir": str(hf_dir), "megatron_dir": str(megatron_dir)})
+    return hf_dir, megatron_dir
 
 
-def test_the_guides_hf_to_megatron_recipe_loads_the_hf_weights(hf_checkpoint_run):
-    run = hf_checkpoint_run
-    assert run["args"]["position_embedding_type"] == "learned_absolute"
+@pytest.fixture(scope="module")
+def hf_checkpoint_runs(root, gpt2_vocab_dir):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # initializer_range 0.2: logits far from uniform, so that a model that did not load gives another loss
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=50257,
+                                      initializer_range=0.2))
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                         tie_word_embeddings=False, rms_norm_eps=1e-5, initializer_range=0.2,
+                                         eos_token_id=2, bos_token_id=1))
+    runs = {}
+    for name, model, vocab_dir, checkpoint_args in (("gpt2", gpt2, gpt2_vocab_dir, True), ("llama", llama, None, False)):
+        hf_dir, megatron_dir = _convert_to_iter_0(root, name, model, vocab_dir)
+        runs[name] = _launch(root, f"hf_checkpoint_{name}", 1, {
+            "feature": "hf_checkpoint", "micro_batch_size": 2, "hf_dir": str(hf_dir), "megatron_dir": str(megatron_dir),
+            "use_checkpoint_args": checkpoint_args})
+    return runs
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_guides_hf_to_megatron_recipe_loads_the_hf_weights(hf_checkpoint_runs, name):
+    """GPT-2 with the checkpoint's model flags (use_checkpoint_args); a Llama with the flags Accelerate's
+    parser gives through the launcher's Llama mapping alone (SwiGLU, RMSNorm, 2 query groups, untied,
+    no biases): the converted weights load, and the model gives the HF model's loss."""
+    run = hf_checkpoint_runs[name]
     assert run["loss"] == pytest.approx(run["hf_loss"], rel=1e-5)
-    # a model that did not load (initialized as Megatron does, std 0.02) is near ln(50257) = 10.82
-    assert abs(run["loss"] - math.log(50257)) > 0.5
-    assert run["train_loss"] == pytest.approx(run["loss"], rel=1e-5) and run["iteration"] == 1  # it trains on from 0
+    # a model that did not load (initialized as Megatron does, std 0.02) is near ln(vocab)
+    assert abs(run["loss"] - math.log(50257 if name == "gpt2" else 1000)) > 0.5
+    assert run["train_loss"] == pytest.approx(run["loss"], rel=1e-5) and run["iteration"] == 1  # trains on from 0
+    args = run["args"]
+    if name == "gpt2":
+        assert args["position_embedding_type"] == "learned_absolute"
+    else:
+        assert (args["swiglu"], args["normalization"], args["num_query_groups"], args["add_bias_linear"],
+                args["untie_embeddings_and_output_weights"], args["ffn_hidden_size"],
+                args["position_embedding_type"]) == (True, "RMSNorm", 2, False, True, 160, "rope")

@@ -100,6 +100,7 @@ def corpus_blocks(tokenizer, block_size, count):
 
 def write(accelerator, result):
     if accelerator.is_main_process:  # the last rank: the last pipeline stage
+        result.update(main_process_index=accelerator.process_index, num_processes=accelerator.num_processes)
         with open(CONFIG["out"], "w") as f:
             json.dump(result, f)
 
@@ -111,7 +112,8 @@ def megatron_args_summary():
     return {key: getattr(args, key, None) for key in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "position_embedding_type",
         "group_query_attention", "num_query_groups", "micro_batch_size", "global_batch_size", "use_distributed_optimizer",
-        "model_type_name", "hidden_dropout", "attention_dropout")}
+        "model_type_name", "hidden_dropout", "attention_dropout", "swiglu", "normalization",
+        "untie_embeddings_and_output_weights", "add_bias_linear", "ffn_hidden_size", "clip_grad")}
 
 
 def direct_gpt_losses(model, batch, eod, vocab_size):
@@ -377,21 +379,27 @@ def bert_or_t5(kind):
 
 def hf_checkpoint():
     """The guide's recipe for starting from an HF checkpoint: converted to Megatron, `release`
-    renamed to `iter_0000000` (tracker 0), loaded with load_state and no optimizer state."""
+    renamed to `iter_0000000` (tracker 0), loaded with load_state and no optimizer state. With
+    use_checkpoint_args the model flags come from the checkpoint; without it (a Llama) from the HF
+    config through Accelerate's parser alone."""
     hf_dir, megatron_dir = CONFIG["hf_dir"], CONFIG["megatron_dir"]
-    other_megatron_args = {"use_checkpoint_args": True, "load": megatron_dir,  # the model flags of the checkpoint
-                           "use_rotary_position_embeddings": False,  # GPT-2's learned positions
-                           "auto_detect_ckpt_format": True}  # our converter writes the torch format
+    other_megatron_args = {"auto_detect_ckpt_format": True}  # our converter writes the torch format
+    if CONFIG["use_checkpoint_args"]:  # the model flags of the checkpoint
+        other_megatron_args.update(use_checkpoint_args=True, load=megatron_dir,
+                                   use_rotary_position_embeddings=False)  # GPT-2's learned positions
     megatron_lm_plugin = MegatronLMPlugin(no_load_optim=True, other_megatron_args=other_megatron_args)
     accelerator = Accelerator(megatron_lm_plugin=megatron_lm_plugin)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir)
-    blocks = corpus_blocks(tokenizer, 32, 4)
-    eval_dataloader = DataLoader(blocks, batch_size=CONFIG["micro_batch_size"], collate_fn=default_data_collator)
+    eod = hf_model.config.eos_token_id
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, hf_model.config.vocab_size, (8, 32), generator=generator)
+    ids[ids == eod] = (eod + 1) % hf_model.config.vocab_size  # no end-of-text inside
+    rows = [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
+    eval_dataloader = DataLoader(rows, batch_size=CONFIG["micro_batch_size"], collate_fn=default_data_collator)
     batch = next(iter(eval_dataloader))
     with torch.no_grad():  # the loss GPTTrainStep computes (the next id, eod after the last), from HF's logits
         tokens = batch["input_ids"]
-        labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], tokenizer.eos_token_id)], dim=1)
+        labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], eod)], dim=1)
         logits = hf_model(input_ids=tokens).logits
         hf_loss = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)))
     optimizer = torch.optim.AdamW(hf_model.parameters(), lr=1e-3)
