@@ -105,6 +105,19 @@ def write(accelerator, result):
             json.dump(result, f)
 
 
+def prepare_with_rows(accelerator, model, rows):
+    """The guide's prepare call: an AdamW, the dummy scheduler over CONFIG's steps, a training
+    dataloader of rows[4:] and an evaluation one of rows[:4]."""
+    micro = CONFIG["micro_batch_size"]
+    train_dataloader = DataLoader(rows[4:], batch_size=micro, collate_fn=default_data_collator)
+    eval_dataloader = DataLoader(rows[:4], batch_size=micro, collate_fn=default_data_collator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    lr_scheduler = MegatronLMDummyScheduler(optimizer=optimizer, total_num_steps=CONFIG["steps"], warmup_num_steps=0)
+    model, optimizer, _, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, lr_scheduler, train_dataloader, eval_dataloader)
+    return model, optimizer, train_dataloader, eval_dataloader
+
+
 def megatron_args_summary():
     from megatron.training import get_args
 
@@ -156,13 +169,7 @@ def gpt_custom_loss_and_generate():
 
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(CONFIG["model_dir"]))
     blocks = corpus_blocks(tokenizer, 32, 4 * (CONFIG["steps"] + 1))
-    micro = CONFIG["micro_batch_size"]
-    train_dataloader = DataLoader(blocks[4:], batch_size=micro, collate_fn=default_data_collator)
-    eval_dataloader = DataLoader(blocks[:4], batch_size=micro, collate_fn=default_data_collator)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    lr_scheduler = MegatronLMDummyScheduler(optimizer=optimizer, total_num_steps=CONFIG["steps"], warmup_num_steps=0)
-    model, optimizer, lr_scheduler, train_dataloader, eval_dataloader = accelerator.prepare(
-        model, optimizer, lr_scheduler, train_dataloader, eval_dataloader)
+    model, optimizer, train_dataloader, eval_dataloader = prepare_with_rows(accelerator, model, blocks)
     result = {"args": megatron_args_summary(), "keytoken_ids": keytoken_ids,
               "handler": type(model.train_step_handler).__name__}
 
@@ -348,13 +355,7 @@ def bert_or_t5(kind):
         else:  # span corruption, in miniature: the encoder sees the ids, the decoder writes them reversed
             rows.append({"input_ids": ids, "attention_mask": torch.ones(24, dtype=torch.long),
                          "labels": ids[:12].flip(0)})
-    micro = CONFIG["micro_batch_size"]
-    train_dataloader = DataLoader(rows[4:], batch_size=micro, collate_fn=default_data_collator)
-    eval_dataloader = DataLoader(rows[:4], batch_size=micro, collate_fn=default_data_collator)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    lr_scheduler = MegatronLMDummyScheduler(optimizer=optimizer, total_num_steps=CONFIG["steps"], warmup_num_steps=0)
-    model, optimizer, lr_scheduler, train_dataloader, eval_dataloader = accelerator.prepare(
-        model, optimizer, lr_scheduler, train_dataloader, eval_dataloader)
+    model, optimizer, train_dataloader, eval_dataloader = prepare_with_rows(accelerator, model, rows)
     from megatron.training import get_args
 
     from megatron.core.utils import unwrap_model
