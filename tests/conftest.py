@@ -12,6 +12,12 @@ if str(ROOT) not in sys.path:
 
 # Real public data (corpus, GPT-2/BERT/SentencePiece vocabularies, NLTK punkt) sits
 # beside the project in ../shared/data; users do not have it, so tests that need it skip.
+# torch.compile (our fused kernels, megatron-core's jit_fuser) compiles in the calling process:
+# Inductor's default pool of compile workers (one spawned interpreter of ~2 GB per core) buys
+# nothing on the 2 cores tests run on, and on a busy machine a megatron-core snippet forked from the
+# reference server sat for over ten minutes waiting on that pool. Subprocesses inherit this.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 SHARED_DATA = Path(os.environ.get("MEGATRON_TEST_DATA", ROOT.parent / "shared" / "data"))
 
 

@@ -139,7 +139,9 @@ class _Server:
         self.folder = Path(tempfile.mkdtemp(prefix="mcore-server-"))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE",
                                                                  "LOCAL_RANK", "MASTER_PORT")}
-        env.update({"PYTHONPATH": str(MCORE_PATH), "OMP_NUM_THREADS": "1"})
+        # one thread, and torch.compile without Inductor's worker pool (see tests/conftest.py): a pool
+        # started in one forked snippet does not belong in the next
+        env.update({"PYTHONPATH": str(MCORE_PATH), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"})
         patches = (ROOT / "bench" / "mcore_cpu_patches.py").read_text()
         script = (_PRELUDE.format(root=os.path.realpath(ROOT), mcore=os.path.realpath(MCORE_PATH)) + patches
                   + _SERVER)
