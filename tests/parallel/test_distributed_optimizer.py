@@ -353,3 +353,39 @@ def test_overlap_param_gather_leaves_gathers_to_the_next_forward(dist_pool):
         # by layer 0 the embedding's bucket (and layer 0's own) had been waited for, later layers' not yet
         assert 0 < result["pending_at_layer_0"] < result["buckets"]
         assert result["pending_after_forward"] == 0
+
+
+
+def _threads() -> int:
+    import gc
+
+    gc.collect()
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def _train_and_drop_a_wrapper() -> bool:
+    """Train a step in a data-parallel group of our own, drop everything: is the wrapper gone?"""
+    import gc
+    import weakref
+
+    init_parallel()
+    created = []
+    ddp = _wrap(_model(), _dp_group(2, created), distributed=True, overlap=True)
+    optimizer = _optimizer(ddp)
+    _train(ddp, optimizer, 1)
+    wrapper = weakref.ref(ddp)
+    del ddp, optimizer
+    _destroy(created)
+    gc.collect()
+    return wrapper() is None
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_a_dropped_wrapper_frees_its_buffers_and_its_groups_threads(dist_pool):
+    # a parameter's gradient hook holding the wrapper kept every DDP ever built alive (the hooks are
+    # beyond the garbage collector), and with it its group's gloo threads: 150 per worker by the
+    # end of a test session
+    before = dist_pool.run(_threads)
+    assert dist_pool.run(_train_and_drop_a_wrapper) == [True] * WORLD
+    assert dist_pool.run(_train_and_drop_a_wrapper) == [True] * WORLD
+    assert dist_pool.run(_threads) == before

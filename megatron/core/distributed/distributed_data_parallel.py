@@ -34,6 +34,7 @@ Normalisation over the data-parallel ranks follows config.calculate_per_token_lo
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Protocol
 
 import torch
@@ -84,7 +85,11 @@ class DistributedDataParallel(nn.Module):
         for buffer in self.all_buffers():
             self.param_to_bucket.update(buffer.param_to_bucket)
         self.is_last_microbatch = True
-        self._hooks = [param.register_post_accumulate_grad_hook(self._grad_hook) for param in self.param_to_bucket]
+        # The parameters hold their hooks; a hook that held this wrapper would keep it (its buffers,
+        # groups and the gloo threads behind them) alive for ever: a parameter's hooks sit beyond
+        # the garbage collector's reach. The hook looks the wrapper up through a weak reference.
+        grad_hook = _weak_method(self._grad_hook)
+        self._hooks = [param.register_post_accumulate_grad_hook(grad_hook) for param in self.param_to_bucket]
         if ddp_config.overlap_param_gather:
             if not ddp_config.use_distributed_optimizer:
                 raise ValueError("overlap_param_gather needs use_distributed_optimizer (--use-distributed-optimizer)")
@@ -245,3 +250,13 @@ def split_position_embedding(model: nn.Module) -> Optional[nn.Parameter]:
     table = getattr(getattr(model, "embedding", None), "position_embeddings", None)
     return table.weight if table is not None else None
 
+
+def _weak_method(method):
+    """A function calling `method` while its object lives (then nothing), without keeping it alive."""
+    reference = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = reference()
+        return None if bound is None else bound(*args)
+
+    return call
