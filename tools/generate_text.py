@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.cli import run_cli  # noqa: E402
-from tools.run_text_generation_server import ServerFlagError, _DATA_FLAGS, build_model  # noqa: E402
+from megatron.inference.checkpoint_model import DATA_FLAGS as _DATA_FLAGS, ServerFlagError, build_model  # noqa: E402
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.cli import run_cli  # noqa: E402
+from megatron.inference.checkpoint_model import DATA_FLAGS as _DATA_FLAGS, ServerFlagError, build_model  # noqa: E402,F401
 from megatron.inference.server import GenerationBackend  # noqa: E402
 
 _STOP, _GENERATE = 0, 1
-_DATA_FLAGS = ("--mock-data", "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,10 +42,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-class ServerFlagError(ValueError):
-    """A bad server flag: one line, exit status 1."""
-
-
 def _check_server_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ServerFlagError(f"--port must be between 0 and 65535, got {args.port}")
@@ -54,32 +50,6 @@ def _check_server_flags(args: argparse.Namespace) -> None:
             raise ServerFlagError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.load is None and args.load_hf is None:
         raise ServerFlagError("a checkpoint is required: --load CKPT or --load-hf HF_DIR")
-
-
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """The model of this rank, loaded, in eval mode (one chunk: no virtual pipeline stages)."""
-    from megatron.training.global_vars import get_tokenizer
-    from megatron.training.load_hf import load_hf_instead, load_hf_weights
-    from megatron.training.training import get_model
-    from pretrain_gpt import model_provider
-
-    if args.virtual_pipeline_model_parallel_size is not None:
-        raise ServerFlagError("the server runs without virtual pipeline stages: drop "
-                              "--num-layers-per-virtual-pipeline-stage")
-    model = get_model(model_provider)
-    if load_hf_instead(args):
-        load_hf_weights(model, args, get_tokenizer().vocab_size)
-    else:
-        from megatron.training.checkpointing import CheckpointError, checkpoint_exists, load_checkpoint
-
-        if not checkpoint_exists(args.load):
-            raise CheckpointError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt)")
-        args.no_load_optim, args.no_load_rng = True, True  # weights only: there is no optimizer
-        args.auto_detect_ckpt_format = True  # serve a checkpoint of either format
-        load_checkpoint(model, None, None, args=args)
-    for chunk in model:
-        chunk.eval()
-    return model[0]
 
 
 class BroadcastBackend(GenerationBackend):

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron.convert import huggingface as hf_map
+from megatron.convert import hf_rules as hf_map
 
 ARCHITECTURE = "MegatronBertForPreTraining"
 POST_LN_ARCHITECTURE = "BertForPreTraining"  # HF model_type "bert"

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from megatron.convert import huggingface as hf_map
+from megatron.convert import hf_rules as hf_map
 
 ARCHITECTURE = "MixtralForCausalLM"
 _LEGACY = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(gate\.weight|experts\.(\d+)\.(w1|w2|w3)\.weight)$")

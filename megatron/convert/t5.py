@@ -68,6 +68,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron.convert import hf_rules as hf_map
 from megatron.training.checkpoint_safety import CheckpointError
 
 ARCHITECTURE = "T5ForConditionalGeneration"
@@ -282,8 +283,3 @@ def hf_t5_config_from_args(args: Any, vocab_size: int) -> dict:
                 dropout_rate=float(args.hidden_dropout), layer_norm_epsilon=float(args.norm_epsilon),
                 feed_forward_proj=feed_forward, tie_word_embeddings=scaled, is_encoder_decoder=True,
                 pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-
-
-# Last: huggingface.py registers this module's functions when it is imported, so importing this
-# module first must have defined them before huggingface.py runs.
-from megatron.convert import huggingface as hf_map  # noqa: E402

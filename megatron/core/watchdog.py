@@ -118,12 +118,8 @@ def start(seconds: Optional[float], first_iteration: Optional[Callable[[], int]]
         _seconds = None
         return
     _seconds, _first_iteration = float(seconds), first_iteration
-    # The pipeline exchange has a deadline of its own (raising PipelineTimeoutError); let ours speak first.
-    from megatron.core.pipeline_parallel import p2p_communication
-
-    p2p_timeout = p2p_communication.get_p2p_timeout()
-    if p2p_timeout is not None and p2p_timeout < _seconds + _grace():
-        p2p_communication.set_p2p_timeout(_seconds + _grace())
+    # The pipeline exchange has a deadline of its own (raising PipelineTimeoutError); it waits at
+    # least until ours has spoken (p2p_communication reads deadline() and grace_seconds()).
     if _thread is None:
         _thread = threading.Thread(target=_monitor, name="megatron-watchdog", daemon=True)
         _thread.start()
@@ -139,8 +135,10 @@ def deadline() -> Optional[float]:
     return _seconds
 
 
-def _grace() -> float:
+def grace_seconds() -> float:
+    """How long after the deadline the watchdog may take to report (and end) a stuck rank."""
     return max(2.0, 0.5 * (_seconds or 0.0))
+
 
 
 def _poll_interval() -> float:

@@ -112,7 +112,7 @@ class MegatronCompatLM(TemplateLM):
 
 def _build(load_hf: Optional[str], load: Optional[str], megatron_args: str, batch_size: Any,
            max_length: Optional[int], max_gen_toks: int) -> Any:
-    from tools.lm_eval_harness import build_harness_lm, initialize
+    from megatron.evaluation.harness_setup import build_harness_lm, initialize
 
     if str(batch_size).startswith("auto"):
         raise ModelArgsError("megatron_compat takes a fixed --batch_size N (no 'auto')")

@@ -37,7 +37,9 @@ from megatron.core import device, parallel_state
 from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from megatron.model.positions import RotaryEmbedding
 from megatron.model.transformer_config import TransformerConfig
-from megatron.model.transformer_layer import TransformerBlock, TransformerLayer
+from megatron.model.layer_specs import layer_spec_from_config
+from megatron.model.transformer_block import TransformerBlock
+from megatron.model.transformer_layer import TransformerLayer
 from megatron.model.utils import get_causal_attention_mask
 
 RECOMPUTE_MODES = (None, "selective", "full")
@@ -128,7 +130,8 @@ def measure_layer_activation_bytes(seq_length: int, micro_batch_size: int, hidde
     try:
         # A one-layer block (no final norm) runs the layer through the block's recompute path.
         full = recompute == "full"
-        module = TransformerBlock(config, post_process=False) if full else TransformerLayer(config, layer_number=1)
+        module = TransformerBlock(config, post_process=False) if full \
+            else TransformerLayer(config, layer_spec_from_config(config).submodules, layer_number=1)
         module.train()
         hidden_states = torch.randn(local_seq, micro_batch_size, hidden_size, dtype=dtype,
                                     requires_grad=True)  # [s, b, h] ([s/t, b, h] with SP)

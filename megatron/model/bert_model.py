@@ -48,7 +48,7 @@ from megatron.model.layers import LayerNorm
 from megatron.model.module import MegatronModule
 from megatron.model.spec import ModuleSpec
 from megatron.model.transformer_config import TransformerConfig
-from megatron.model.transformer_layer import TransformerBlock
+from megatron.model.transformer_block import TransformerBlock
 from megatron.model.utils import init_rng, openai_gelu
 
 

@@ -31,7 +31,7 @@ from megatron.model.language_module import LanguageModule
 from megatron.model.positions import ALiBi, RotaryEmbedding
 from megatron.model.spec import ModuleSpec
 from megatron.model.transformer_config import TransformerConfig
-from megatron.model.transformer_layer import TransformerBlock
+from megatron.model.transformer_block import TransformerBlock
 from megatron.model.utils import init_rng
 
 

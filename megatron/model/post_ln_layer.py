@@ -47,17 +47,13 @@ class PostLNTransformerLayer(TransformerLayer):
     cross-attention. Its bias_dropout_add is TransformerLayer's.
     """
 
-    def __init__(self, config: TransformerConfig, submodules: PostLNTransformerLayerSubmodules | None = None,
+    def __init__(self, config: TransformerConfig, submodules: PostLNTransformerLayerSubmodules,
                  layer_number: int = 1) -> None:
         # Not TransformerLayer.__init__: that builds the pre-LN slots; this layer has its own.
         MegatronModule.__init__(self, config)
         if config.apply_residual_connection_post_layernorm:
             raise ValueError("apply_residual_connection_post_layernorm has no meaning in a post-LN layer "
                              "(its residual is already the layer norm's output)")
-        if submodules is None:
-            from megatron.model.layer_specs import get_bert_post_ln_layer_spec
-
-            submodules = get_bert_post_ln_layer_spec(config).submodules
         self.layer_number = layer_number
         h = config.hidden_size
         self.self_attention = build_module(submodules.self_attention, config, layer_number=layer_number)

@@ -66,7 +66,7 @@ from megatron.model.module import MegatronModule
 from megatron.model.positions import RelativePositionBias
 from megatron.model.spec import ModuleSpec
 from megatron.model.transformer_config import TransformerConfig
-from megatron.model.transformer_layer import TransformerBlock
+from megatron.model.transformer_block import TransformerBlock
 from megatron.model.utils import get_causal_attention_mask, init_rng
 
 

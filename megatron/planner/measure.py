@@ -127,7 +127,7 @@ class _LiveSaved:
 def _train_step_peak(model: list, optimizer: Any, scheduler: Any, train_iter: Any) -> int:
     """One real train_step (the pipeline schedule of the flags, mock data) under _LiveSaved: the
     peak of the saved-tensor bytes this rank held at once (full recompute's rerun included)."""
-    import pretrain_gpt
+    from megatron.training.recipes import gpt as pretrain_gpt
     from megatron.training.training import train_step_report
 
     tracker = _LiveSaved([p for chunk in model for p in chunk.parameters()])
@@ -185,7 +185,7 @@ def _iterations_peak(model: list, optimizer: Any, scheduler: Any, train_iter: An
     top of what was live before them (parameters, gradients, optimizer state): torch's profiler
     with profile_memory reports every allocation and free of the CPU allocator on this thread,
     autograd's backward included (it runs on the calling thread for CPU tensors)."""
-    import pretrain_gpt
+    from megatron.training.recipes import gpt as pretrain_gpt
     from torch.profiler import ProfilerActivity, profile
 
     from megatron.training.training import train_step_report
@@ -200,7 +200,7 @@ def _iterations_peak(model: list, optimizer: Any, scheduler: Any, train_iter: An
 def measure_rank(argv: list[str]) -> dict:
     """This rank's measured bytes and the plan's prediction for the same flags (see the module
     docstring); collective over the job."""
-    import pretrain_gpt
+    from megatron.training.recipes import gpt as pretrain_gpt
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
     from megatron.core.optimizer.memory import optimizer_memory_per_parameter

@@ -19,7 +19,7 @@ from megatron.core.num_microbatches_calculator import (  # noqa: F401  (the calc
     update_num_microbatches,
 )
 from megatron.core.timers import Timers
-from megatron.training.utils import print_line
+from megatron.core.utils import print_line
 
 _ARGS: Optional[argparse.Namespace] = None
 _TOKENIZER: Any = None

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import communication, parallel_state, tensor_parallel
 from megatron.core.distributed import finalize_model_grads
 from megatron.model import GPTModel, TransformerConfig
+from megatron.model.layer_specs import layer_spec_from_config
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.model.utils import get_causal_attention_mask, get_num_parameters, get_num_parameters_across_model_parallel
 from tests.parallel.harness import init_parallel
@@ -149,7 +150,8 @@ def _layer_communication(sp: bool):
     init_parallel(tp=2)
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    layer = TransformerLayer(_config(2, sp), layer_number=1)
+    config = _config(2, sp)
+    layer = TransformerLayer(config, layer_spec_from_config(config).submodules, layer_number=1)
     rows = SEQ // 2 if sp else SEQ
     x = torch.randn(rows, BATCH, HIDDEN, requires_grad=True)  # [s(/t), b, h]
     mask = get_causal_attention_mask(SEQ)

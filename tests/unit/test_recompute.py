@@ -18,7 +18,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.model import Float16Module, GPTModel, TransformerConfig
-from megatron.model.transformer_layer import TransformerBlock
+from megatron.model.transformer_block import TransformerBlock
 
 VOCAB, SEQ, BATCH, HIDDEN, HEADS, LAYERS, SEED = 96, 16, 2, 32, 4, 4, 1234
 

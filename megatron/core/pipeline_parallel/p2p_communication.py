@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import device, parallel_state, watchdog
+from megatron.core import communication, device, parallel_state, watchdog
 
 # Tags: activations going to the next stage, gradients going to the previous one.
 _FORWARD_TAG = 1
@@ -55,7 +55,14 @@ def set_p2p_timeout(seconds: Optional[float]) -> None:
 
 
 def get_p2p_timeout() -> Optional[float]:
-    return _timeout_seconds
+    """The deadline of a send/receive: set_p2p_timeout's, or past the watchdog's if that is later,
+    so that a running watchdog names the stuck collective before the pipeline gives up."""
+    if _timeout_seconds is None:
+        return None
+    watchdog_deadline = watchdog.deadline()
+    if watchdog_deadline is None:
+        return _timeout_seconds
+    return max(_timeout_seconds, watchdog_deadline + watchdog.grace_seconds())
 
 
 @dataclass
@@ -100,11 +107,12 @@ def _wait(requests: Sequence[dist.Work], description: str, where: Optional[Where
     gloo requests complete only inside wait(), which takes a timeout; NCCL requests report
     completion through is_completed(), polled here against the deadline.
     """
-    if _timeout_seconds is None:
+    timeout_seconds = get_p2p_timeout()
+    if timeout_seconds is None:
         for request in requests:
             request.wait()
         return
-    deadline = time.monotonic() + _timeout_seconds
+    deadline = time.monotonic() + timeout_seconds
     if gloo:
         for request in requests:
             remaining = max(deadline - time.monotonic(), 1e-3)
@@ -132,7 +140,7 @@ def _timeout_error(description: str, where: Optional[Where]) -> PipelineTimeoutE
     context = where.describe() if where is not None else ""
     return PipelineTimeoutError(
         f"pipeline timeout: global rank {dist.get_rank()} (pipeline stage {stage} of {stages}"
-        + (f", {context}" if context else "") + f") waited more than {_timeout_seconds:g} s on "
+        + (f", {context}" if context else "") + f") waited more than {get_p2p_timeout():g} s on "
         f"{description}; the neighbouring stage is stalled, crashed or running a different schedule "
         "(see --distributed-timeout-minutes)")
 
@@ -187,8 +195,6 @@ def _communicate(*, tensor_send_next, tensor_send_prev, recv_prev: bool, recv_ne
     if recv_next:
         waits_on.append(f"receive gradients{count} from {_stage_label(next_rank)}")
     if ops:
-        from megatron.core import communication
-
         for op in ops:
             communication.record("p2p_" + ("send" if op.op is dist.isend else "recv"), group, op.tensor)
         with watchdog.watch(op_name, group, peer="; ".join(waits_on),

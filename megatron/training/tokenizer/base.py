@@ -14,6 +14,10 @@ class UnsupportedSpecialToken(AttributeError, NotImplementedError):
     """Raised when a tokenizer is asked for a special token its vocabulary does not have."""
 
 
+class TokenizerConfigError(ValueError):
+    """A tokenizer flag is missing or has a bad value."""
+
+
 class MegatronTokenizer(ABC):
     """Abstract tokenizer: text <-> token ids, plus the special ids the models need."""
 

@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 import regex
 
 from megatron.training.tokenizer.base import MegatronTokenizer
-from megatron.training.tokenizer.tokenizer import TokenizerConfigError
+from megatron.training.tokenizer.base import TokenizerConfigError
 
 # GPT-2's pre-tokenization pattern: contractions, letter runs, number runs, other symbol
 # runs (each with an optional leading space), then whitespace not followed by a word.

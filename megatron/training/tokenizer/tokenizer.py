@@ -19,12 +19,8 @@ from argparse import Namespace
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from megatron.training.tokenizer.base import MegatronTokenizer
-from megatron.training.utils import print_line
-
-
-class TokenizerConfigError(ValueError):
-    """A tokenizer flag is missing or has a bad value."""
+from megatron.training.tokenizer.base import MegatronTokenizer, TokenizerConfigError  # noqa: F401 (re-exported)
+from megatron.core.utils import print_line
 
 
 def vocab_size_with_padding(orig_vocab_size: int, args: Namespace, logging_enabled: bool = True) -> int:
