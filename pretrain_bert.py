@@ -1,16 +1,7 @@
-"""Pretrain a BERT model (masked LM + the binary sentence-order head).
+"""Pretrain a BERT model: Megatron-LM's entry point, `python pretrain_bert.py [flags]` or under torchrun.
 
-    python tools/preprocess_data.py --input corpus.jsonl --output-prefix bert --vocab-file vocab.txt         --tokenizer-type BertWordPieceLowerCase --split-sentences
-    python pretrain_bert.py --num-layers 2 --hidden-size 64 ... --data-path bert_text_sentence         --vocab-file vocab.txt [--bert-no-binary-head] [--mask-prob 0.15] [--short-seq-prob 0.1]
-
-The same machinery as pretrain_gpt.py (TP, SP, PP, DP, the distributed optimizer); the recipe:
-
-    model_provider: BertModel (bidirectional attention under the padding mask, tokentype
-        embeddings, the LM head tied to the word embeddings, the pooler and binary head unless
-        --bert-no-binary-head)
-    train_valid_test_datasets_provider: BERTMaskedWordPieceDataset over `_text_sentence` data
-    forward_step: the masked-LM loss averaged over the masked tokens, plus the sentence-order loss,
-        logged as `lm loss` and `sop loss` (Megatron's names)
+The recipe (model_provider, forward_step, train_valid_test_datasets_provider, main) and its
+documentation are in megatron/training/recipes/bert.py; this script imports them.
 """
 
 import os
@@ -18,7 +9,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# the recipe lives in the package (megatron/training/recipes/bert.py); this script is its entry point
 from megatron.training.recipes.bert import (  # noqa: E402,F401
     BATCH_KEYS,
     model_provider,

@@ -1,14 +1,7 @@
-"""Pretrain a GPT model.
+"""Pretrain a GPT model: Megatron-LM's entry point, `python pretrain_gpt.py [flags]` or under torchrun.
 
-    python pretrain_gpt.py --num-layers 2 --hidden-size 64 ... --data-path PREFIX_text_document
-    torchrun --nproc-per-node 1 pretrain_gpt.py ...
-
-The three functions handed to pretrain() are the whole recipe; write your own in the same
-shape for a custom loss or batch layout (docs/training.md shows an example):
-
-    model_provider(pre_process, post_process) -> the model
-    train_valid_test_datasets_provider([n_train, n_valid, n_test]) -> (train, valid, test) datasets
-    forward_step(data_iterator, model) -> (output tensor, loss function of that tensor)
+The recipe (model_provider, forward_step, train_valid_test_datasets_provider, main) and its
+documentation are in megatron/training/recipes/gpt.py; this script imports them.
 """
 
 import os
@@ -16,7 +9,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# the recipe lives in the package (megatron/training/recipes/gpt.py); this script is its entry point
 from megatron.training.recipes.gpt import (  # noqa: E402,F401
     model_provider,
     get_batch,
