@@ -16,6 +16,11 @@ script's. On any machine:
     alone, as the guide's GPTTrainStepWithCustomLoss expects: both forms are taken;
   * GPTTrainStep asks for the tokenizer when `vocab_file` is set, though Megatron is initialized
     without one: it is built from the args;
+  * its engine's train and eval steps return the losses on the last pipeline stage only (the other
+    stages' `model(**batch).loss` is 0, so the guide's example, where every rank writes
+    all_results.json, leaves a perplexity of 1.0 or the real one, whichever rank writes last): the
+    scalar losses are broadcast from the last stage over the pipeline group, so every rank returns
+    the same numbers (logits stay on the last stage);
   * the plugin passes recompute_granularity "full" with recompute off, and its default
     use_rotary_position_embeddings=True overrides an explicit position_embedding_type (and asks a T5
     for rope): recompute only when asked for, the explicit type wins, T5 keeps its positions.
@@ -212,6 +217,47 @@ def _engine_init(original: Callable) -> Callable:
     return __init__
 
 
+def share_last_stage_losses(loss_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """The scalar entries of the last pipeline stage's loss_dict on every rank of its pipeline group
+    (other entries, such as logits, are kept where they are). Three broadcasts from the last stage:
+    the names' length, the names (UTF-8, newline-separated), the values."""
+    from megatron.core import communication, parallel_state as mpu
+    from megatron.core.device import get_device
+
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return loss_dict
+    group, src = mpu.get_pipeline_model_parallel_group(), mpu.get_pipeline_model_parallel_last_rank()
+    last = mpu.is_pipeline_last_stage(ignore_virtual=True)
+    scalars = {k: v for k, v in loss_dict.items() if torch.is_tensor(v) and v.dim() == 0} if last else {}
+    device = get_device()
+    names = torch.tensor(list("\n".join(scalars).encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([names.numel()], dtype=torch.int64, device=device)
+    communication.broadcast(length, src, group)
+    if not last:
+        names = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    if names.numel() == 0:
+        return loss_dict
+    communication.broadcast(names, src, group)
+    keys = bytes(names.tolist()).decode().split("\n")
+    values = (torch.stack([scalars[k].detach().float().to(device) for k in keys]) if last
+              else torch.empty(len(keys), dtype=torch.float32, device=device))
+    communication.broadcast(values, src, group)
+    if last:
+        return loss_dict
+    return {**loss_dict, **{k: values[i] for i, k in enumerate(keys)}}
+
+
+def _shared_losses(step: Callable, train: bool) -> Callable:
+    def call(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        if train:  # (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)
+            return (share_last_stage_losses(out[0]), *out[1:])
+        return share_last_stage_losses(out)
+
+    call._megatron_shared = True
+    return call
+
+
 def _tokenizer_of_the_args() -> Any:
     """get_tokenizer() for Accelerate's GPTTrainStep, which asks for one whenever args.vocab_file is
     set (the guide sets it for megatron_generate) although Accelerate 1.16 initializes Megatron with
@@ -224,12 +270,16 @@ def _tokenizer_of_the_args() -> Any:
 
 def _patch_megatron_lm_common(module: types.ModuleType) -> None:
     """On any machine: megatron_generate, the guide's custom train step form, a tokenizer for
-    GPTTrainStep when the args name a vocabulary."""
+    GPTTrainStep when the args name a vocabulary, the losses on every pipeline stage."""
     module.get_tokenizer = _tokenizer_of_the_args
     if not hasattr(module.MegatronEngine, "megatron_generate"):
         module.MegatronEngine.megatron_generate = _engine_megatron_generate
     if not getattr(module.MegatronEngine.__init__, "_megatron_guide", False):
         module.MegatronEngine.__init__ = _engine_init(module.MegatronEngine.__init__)
+    for name, train in (("train_step", True), ("eval_step", False)):
+        step = getattr(module.MegatronEngine, name)
+        if not getattr(step, "_megatron_shared", False):
+            setattr(module.MegatronEngine, name, _shared_losses(step, train))
     for name in ("GPTTrainStep", "BertTrainStep", "T5TrainStep"):
         cls = getattr(module, name)
         if not getattr(cls.__init__, "_megatron_guide", False):

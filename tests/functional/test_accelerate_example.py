@@ -113,7 +113,9 @@ def test_save_state_writes_a_megatron_checkpoint_and_the_random_states(runs, nam
     iteration = out / f"iter_{STEPS:07d}"
     assert (iteration / "metadata.json").is_file() and (iteration / "common.pt").is_file()
     assert sorted(p.name for p in out.glob("random_states_*.pkl")) == [f"random_states_{r}.pkl" for r in range(ranks)]
-    assert json.loads((out / "all_results.json").read_text())["perplexity"] > 1
+    # every rank writes all_results.json: each must hold the perplexity the last stage logged
+    (logged_perplexity, _), = EVAL_LINE.findall(runs[name][0])
+    assert json.loads((out / "all_results.json").read_text())["perplexity"] == float(logged_perplexity) > 1
 
 
 def test_a_save_state_checkpoint_converts_to_huggingface_with_its_logits(runs, tmp_path, gpt2_vocab_dir):

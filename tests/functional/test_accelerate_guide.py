@@ -104,6 +104,17 @@ def test_the_custom_loss_trains_the_same_at_tp2_pp2(gpt_runs):
     assert len(serial["train_losses"]) == STEPS and serial["train_losses"][-1] < serial["train_losses"][0]
 
 
+def test_every_pipeline_stage_returns_the_last_stages_losses(gpt_runs):
+    """model(**batch).loss on every rank of TP 2 x PP 2 is the last stage's loss (Accelerate's engine
+    alone gives 0 on the first stage, so a script where every rank writes a result, as the example's
+    all_results.json, writes either number)."""
+    run = gpt_runs["rotary_multiquery", "tp2pp2"]
+    every_rank = run["every_rank_losses"]
+    assert len(every_rank) == 4 and len(every_rank[0]) == 1 + STEPS
+    assert all(losses == every_rank[-1] for losses in every_rank), every_rank
+    assert every_rank[-1] == [run["eval_loss"], *run["train_losses"]] and 0.0 not in every_rank[-1]
+
+
 @pytest.mark.parametrize("other, kind, groups", [("rotary_multiquery", "rope", 1), ("alibi", "alibi", None)])
 def test_other_megatron_args_position_embedding_and_multiquery_reach_the_model(gpt_runs, other, kind, groups):
     """The guide's spellings: position_embedding_type rotary / alibi (Accelerate's own default

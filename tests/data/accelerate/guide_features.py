@@ -191,6 +191,10 @@ def gpt_custom_loss_and_generate():
         if step == CONFIG["steps"]:
             break
         result["train_losses"].append(float(model(**batch).loss))
+    # what `model(**batch).loss` gave on each rank (every pipeline stage, not only the last)
+    every_rank = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(every_rank, [result["eval_loss"], *result["train_losses"]])
+    result["every_rank_losses"] = every_rank
 
     # megatron_generate, in the guide's modes (shorter)
     tokenizer.pad_token = tokenizer.eos_token
