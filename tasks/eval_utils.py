@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 
 from megatron.training.arguments_validation import ArgsError
-from megatron.core import device, parallel_state
+from megatron.core import communication, device, parallel_state
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.training.global_vars import get_args
 from megatron.training.utils import is_last_rank, print_rank_last
@@ -121,7 +121,7 @@ def calculate_correct_answers(name: str, model, loader: EpochBatches, epoch: int
     counts = torch.tensor([correct, total], dtype=torch.long, device=device.get_device())
     group = parallel_state.get_data_parallel_group()
     if group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-        torch.distributed.all_reduce(counts, group=group)
+        communication.all_reduce(counts, group=group)
     correct, total = int(counts[0]), int(counts[1])
     percent = float(correct) * 100.0 / max(float(total), 1.0)
     print_rank_last(f" > |epoch: {epoch}| metrics for {name}: correct / total = {correct} / {total} = "

@@ -36,7 +36,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
 from megatron.training.arguments_validation import ArgsError
-from megatron.core import device, parallel_state
+from megatron.core import communication, device, parallel_state
 from megatron.core.enums import ModelType
 from megatron.training.global_vars import get_args, get_num_microbatches, get_timers
 from megatron.training.training import (
@@ -249,7 +249,7 @@ def _train(loop: _Loop, forward_step: Callable, train: EpochBatches, valid: Iter
                 if args.save and loop.last_saved_iteration != iteration:
                     loop.save()
                 if torch.distributed.is_initialized():
-                    torch.distributed.barrier()
+                    communication.barrier()
                 print_rank_0(f"exiting program at iteration {iteration}")
                 loop.result.exit_reason = "interval"
                 return

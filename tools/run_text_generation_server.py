@@ -75,30 +75,30 @@ class BroadcastBackend(GenerationBackend):
 
 
 def _broadcast_message(kind: int, text: str = "") -> None:
-    from megatron.core import device
+    from megatron.core import communication, device
 
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return
     payload = torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
     header = torch.tensor([kind, payload.numel()], dtype=torch.int64, device=device.get_device())
-    torch.distributed.broadcast(header, 0)  # [kind, n bytes]
+    communication.broadcast(header, 0)  # [kind, n bytes]
     if payload.numel():
-        torch.distributed.broadcast(payload.to(device.get_device()), 0)  # [n bytes] of JSON
+        communication.broadcast(payload.to(device.get_device()), 0)  # [n bytes] of JSON
 
 
 def follow_rank_0(backend: Any) -> None:
     """Ranks above 0: run each request rank 0 broadcasts, until it says stop."""
-    from megatron.core import device
+    from megatron.core import communication, device
     from megatron.inference.server_requests import GenerationRequest
 
     while True:
         header = torch.zeros(2, dtype=torch.int64, device=device.get_device())
-        torch.distributed.broadcast(header, 0)
+        communication.broadcast(header, 0)
         kind, size = int(header[0]), int(header[1])
         if kind == _STOP:
             return
         payload = torch.zeros(size, dtype=torch.uint8, device=device.get_device())
-        torch.distributed.broadcast(payload, 0)
+        communication.broadcast(payload, 0)
         request = GenerationRequest.from_json(bytes(payload.cpu().tolist()).decode("utf-8"))
         try:
             backend.generate(request)

@@ -170,3 +170,98 @@ def all_to_all_single(output: torch.Tensor, input_: torch.Tensor, output_split_s
     with watchdog.watch("all_to_all", group):
         dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group)
     return output
+
+
+def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor,
+               group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """outputs[j] = rank j's `tensor` (list form: the pieces may differ in shape); returns outputs."""
+    if _ACTIVE:
+        numel = sum(piece.numel() for piece in outputs)
+        _record_event("all_gather", group, numel, numel * tensor.element_size())
+    with watchdog.watch("all_gather", group):
+        dist.all_gather(outputs, tensor, group=group)
+    return outputs
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int,
+           group: dist.ProcessGroup | None = None) -> None:
+    """Global rank `dst` receives every rank's `tensor` into gather_list (None on the other ranks)."""
+    record("gather", group, tensor)
+    with watchdog.watch("gather", group):
+        dist.gather(tensor, gather_list, dst=dst, group=group)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int,
+            group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Rank j of `group` receives scatter_list[j] of global rank `src` into `tensor`; returns it."""
+    record("scatter", group, tensor)
+    with watchdog.watch("scatter", group):
+        dist.scatter(tensor, scatter_list, src=src, group=group)
+    return tensor
+
+
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Blocking send of `tensor` to global rank `dst`."""
+    record("p2p_send", group, tensor)
+    with watchdog.watch("p2p", group, peer=f"rank {dst} to receive"):
+        dist.send(tensor, dst, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Blocking receive into `tensor` from global rank `src`; returns it."""
+    record("p2p_recv", group, tensor)
+    with watchdog.watch("p2p", group, peer=f"rank {src} to send"):
+        dist.recv(tensor, src, group=group)
+    return tensor
+
+
+def batch_isend_irecv(ops: list[dist.P2POp]) -> list[Any]:
+    """Issue point-to-point operations together (counted one by one); returns their requests.
+
+    The wait is the caller's (p2p_communication waits under its own deadline and the watchdog)."""
+    for op in ops:
+        record("p2p_" + ("send" if op.op is dist.isend else "recv"), op.group, op.tensor)
+    return dist.batch_isend_irecv(ops)
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank of `group` is here (counted as a call that moves no bytes)."""
+    _record_event("barrier", group, 0, 0)
+    with watchdog.watch("barrier", group):
+        dist.barrier(group=group)
+
+
+# Object collectives pickle Python values: they are counted as calls, without a size (the pickles'
+# sizes are only known inside torch.distributed).
+
+def all_gather_object(outputs: list[Any], obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """outputs[j] = rank j's `obj`; returns outputs."""
+    _record_event("all_gather_object", group, 0, 0)
+    with watchdog.watch("all_gather_object", group):
+        dist.all_gather_object(outputs, obj, group=group)
+    return outputs
+
+
+def broadcast_object_list(objects: list[Any], src: int, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `objects` become global rank `src`'s (same length everywhere); returns them."""
+    _record_event("broadcast_object", group, 0, 0)
+    with watchdog.watch("broadcast_object", group):
+        dist.broadcast_object_list(objects, src=src, group=group)
+    return objects
+
+
+def scatter_object_list(output: list[Any], inputs: list[Any] | None, src: int,
+                        group: dist.ProcessGroup | None = None) -> Any:
+    """output[0] = inputs[j] of global rank `src` on rank j of `group`; returns output[0]."""
+    _record_event("scatter_object", group, 0, 0)
+    with watchdog.watch("scatter_object", group):
+        dist.scatter_object_list(output, inputs, src=src, group=group)
+    return output[0]
+
+
+def _record_event(op: str, group: dist.ProcessGroup | None, numel: int, nbytes: int) -> None:
+    if not _ACTIVE:
+        return
+    event = CommEvent(op, parallel_state.group_name(group), numel, nbytes)
+    for counter in _ACTIVE:
+        counter.record(event)

@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core import communication
+
 # The kinds reported, in Megatron's order, with the names used in the printed lines.
 _KINDS = (("tp", "tensor-parallel"), ("cp", "context-parallel"), ("ep", "expert-parallel"),
           ("etp", "expert tensor-parallel"), ("dp", "data-parallel"), ("pp", "pipeline-parallel"))
@@ -40,7 +42,7 @@ def gather_node_indices(device: torch.device) -> list[int]:
     """Every rank's node, by global rank (one all-gather over the world; call on every rank)."""
     mine = torch.tensor([local_node_index(dist.get_rank())], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)  # [world] x [1]
+    communication.all_gather(every, mine)  # [world] x [1]
     return [int(t.item()) for t in every]
 
 

@@ -21,6 +21,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 import torch
 
+from megatron.core import communication
 from megatron.data.blended_dataset import BlendedDataset
 from megatron.data.dataset_config import GPTDatasetConfig
 from megatron.data.gpt_dataset import GPTDataset, MockGPTDataset
@@ -172,7 +173,7 @@ class BlendedMegatronDatasetBuilder:
                 dataset = cls(*args)
             except Exception as caught:  # reach the barrier anyway, so the other ranks do not hang
                 error = caught
-        torch.distributed.barrier()
+        communication.barrier()
         if error is not None:
             raise error
         if rank != 0 and built_here:

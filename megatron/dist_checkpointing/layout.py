@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron.core import parallel_state
+from megatron.core import communication, parallel_state
 from megatron.core.tensor_parallel.layout import is_tensor_parallel, partition_indices
 from megatron.dist_checkpointing.common import Offsets
 
@@ -240,7 +240,7 @@ def model_layouts(model: Any) -> List[Tuple[TensorLayout, torch.Tensor]]:
                 entries.append((TensorLayout(name, local_shape, local_shape, 0, runs, save), value))
     if rows_sizes:
         sizes = torch.tensor([size for _, size in rows_sizes], dtype=torch.long)
-        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+        communication.all_reduce(sizes, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
         for (index, _), size in zip(rows_sizes, sizes.tolist()):
             layout = entries[index][0]
             layout.global_shape = (int(size),) + layout.global_shape[1:]

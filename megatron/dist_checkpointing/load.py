@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from megatron.core import communication
 from megatron.training.checkpoint_manifest import manifest_path, read_manifest, verify_file
 from megatron.training.checkpoint_safety import CheckpointError, load_file
 from megatron.dist_checkpointing.common import (
@@ -31,7 +32,7 @@ def _gather_errors(error: Optional[str]) -> Optional[str]:
     if not dist.is_initialized():
         return error
     errors: List[Any] = [None] * _world()
-    dist.all_gather_object(errors, error)
+    communication.all_gather_object(errors, error)
     found = [e for e in errors if e is not None]
     return found[0] if found else None
 
@@ -218,7 +219,7 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
         for name in ("consumed_train_samples", "consumed_valid_samples", "skipped_train_samples"):
             setattr(args, name, getattr(saved_args, name, 0))
     if dist.is_initialized():
-        dist.barrier()
+        communication.barrier()
     _print_rank_0(f"  successfully loaded checkpoint from {load_dir} [torch_dist, saved at "
                   f"{_describe_sizes(saved, sizes)}, read at {_describe_sizes(sizes, saved, values_only=True)}] "
                   f"at iteration {iteration}")

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from megatron.training.checkpoint_manifest import write_manifest
 from megatron.training.checkpoint_safety import CheckpointError
-from megatron.core import parallel_state
+from megatron.core import communication, parallel_state
 from megatron.core.atomic_io import Checksum, atomic_write, file_checksum
 from megatron.dist_checkpointing.common import (
     CHECKPOINT_VERSION, COMMON_FILE, DCP_METADATA, FORMAT, HOLD_ENV, LAYOUT_VERSION, METADATA_JSON,
@@ -76,7 +76,7 @@ def _state_to_save(model: Any, optimizer: Any, args: argparse.Namespace, rng_sta
                     state[fqn] = GlobalTensor(layout.global_shape, boxes)
         step = torch.tensor([_optimizer_step(optimizer)], dtype=torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(step, op=dist.ReduceOp.MAX)
+            communication.all_reduce(step, op=dist.ReduceOp.MAX)
         scaler = getattr(optimizer, "grad_scaler", None)
         groups = [{k: v for k, v in group.items() if k != "params"} for group in inner.param_groups]
         optimizer_common = {"kind": kind, "state_keys": list(keys), "step": float(step.item()),
@@ -200,7 +200,7 @@ def _broadcast(value: Any) -> Any:
     if not dist.is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    communication.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -257,7 +257,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
         local_error = f"rank {_rank()}: cannot prepare its pieces: {type(exc).__name__}: {exc}"
     plans: List[Any] = [None] * _world()
     if dist.is_initialized():
-        dist.all_gather_object(plans, (local_error, local_plan))  # every rank sees every failure
+        communication.all_gather_object(plans, (local_error, local_plan))  # every rank sees every failure
     else:
         plans = [(local_error, local_plan)]
     failed = [error for error, _ in plans if error is not None]
@@ -278,8 +278,8 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
             plan_error = f"the ranks' pieces do not make whole tensors ({exc})"
     scattered = [None]
     if dist.is_initialized():
-        dist.scatter_object_list(scattered, [(plan_error, p) for p in central] if central else
-                                 [(plan_error, None)] * _world(), src=0)
+        communication.scatter_object_list(scattered, [(plan_error, p) for p in central] if central else
+                                          [(plan_error, None)] * _world(), src=0)
     else:
         scattered = [(plan_error, central[0] if central else None)]
     plan_error, plan = scattered[0]
@@ -304,7 +304,7 @@ def _finalize(pending: _PendingSave) -> None:
     results: List[Any] = [None] * _world()
     mine = (pending.results, pending.files, pending.error)
     if dist.is_initialized():
-        dist.all_gather_object(results, mine)
+        communication.all_gather_object(results, mine)
     else:
         results = [mine]
     errors = [error for _, _, error in results if error is not None]
@@ -370,7 +370,7 @@ def maybe_finalize_async_save(blocking: bool = False) -> None:
             pending.thread.join()
         done = torch.tensor([1 if pending.done() else 0], dtype=torch.int32)
         if dist.is_initialized():
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+            communication.all_reduce(done, op=dist.ReduceOp.MIN)
         if not done.item():
             return
         _PENDING.pop(0)

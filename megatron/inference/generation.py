@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device as device_helper
-from megatron.core import parallel_state
+from megatron.core import communication, parallel_state
 from megatron.core.pipeline_parallel import p2p_communication
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.inference.context import InferenceContext
@@ -81,8 +81,8 @@ def stage_forward(model: torch.nn.Module, tokens: torch.Tensor, positions: torch
 def from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
     """The last pipeline stage's tensor on every stage (a broadcast over the pipeline group)."""
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(tensor, parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
+        communication.broadcast(tensor, parallel_state.get_pipeline_model_parallel_last_rank(),
+                                group=parallel_state.get_pipeline_model_parallel_group())
     return tensor
 
 
@@ -91,8 +91,8 @@ def _choose(logits: torch.Tensor, top_k: int, top_p: float, temperature: float,
     """The next token of each row of logits [b, v]; the same on every tensor-parallel rank."""
     tokens = sample(logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:  # unseeded draws may differ by rank
-        dist.broadcast(tokens, parallel_state.get_tensor_model_parallel_src_rank(),
-                       group=parallel_state.get_tensor_model_parallel_group())
+        communication.broadcast(tokens, parallel_state.get_tensor_model_parallel_src_rank(),
+                                group=parallel_state.get_tensor_model_parallel_group())
     return tokens
 
 

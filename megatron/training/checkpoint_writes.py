@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from megatron.core import communication
 from megatron.core.atomic_io import Checksum
 
 # A failed write: (one-line message, the exception on the rank that raised it, else None).
@@ -50,7 +51,7 @@ def gather_results(files: Dict[str, Checksum], failure: Optional[Failure]
     if not dist.is_initialized():
         return dict(files), [failure] if failure else []
     results: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(results, (files, failure[0] if failure else None))
+    communication.all_gather_object(results, (files, failure[0] if failure else None))
     merged: Dict[str, Checksum] = {}
     failures: List[Failure] = []
     for rank, (rank_files, message) in enumerate(results):
@@ -66,7 +67,7 @@ def broadcast_from_rank_0(failure: Optional[Failure]) -> List[Failure]:
     if not dist.is_initialized():
         return [failure] if failure else []
     message = [failure[0] if failure else None]
-    dist.broadcast_object_list(message, src=0)
+    communication.broadcast_object_list(message, src=0)
     if message[0] is None:
         return []
     return [(message[0], failure[1] if failure else None)]

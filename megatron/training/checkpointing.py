@@ -77,7 +77,7 @@ def _print_rank_0(message: str) -> None:
 
 def _barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        communication.barrier()
 
 
 def _flag(args: argparse.Namespace, name: str) -> bool:
@@ -706,7 +706,7 @@ def benchmark_save_load(model: Any, optimizer: Any, opt_param_scheduler: Any, ar
     for name in ("no_save_optim", "no_load_optim", "no_save_rng", "no_load_rng", "finetune"):
         setattr(run, name, getattr(run, name, False) or False)
     if dist.is_initialized():
-        dist.barrier()
+        communication.barrier()
     start = time.perf_counter()
     save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args=run)
     saved = time.perf_counter()

@@ -408,8 +408,8 @@ def _reduce_losses(losses: List[Dict[str, torch.Tensor]]) -> Dict[str, float]:
         reduced = {key: (total[0] / total[1].clamp(min=1)).item() for key, total in zip(keys, totals)}
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         shared = [reduced]
-        torch.distributed.broadcast_object_list(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                                group=parallel_state.get_pipeline_model_parallel_group())
+        communication.broadcast_object_list(shared, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                            group=parallel_state.get_pipeline_model_parallel_group())
         reduced = shared[0]
     return reduced
 
@@ -547,7 +547,7 @@ def check_weights_equal_across_data_parallel_replicas(model: List[torch.nn.Modul
                     digest.update(name.encode())
                     digest.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         hashes = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(hashes, digest.hexdigest(), group=group)
+        communication.all_gather_object(hashes, digest.hexdigest(), group=group)
         if len(set(hashes)) > 1:
             ranks = torch.distributed.get_process_group_ranks(group)
             raise RuntimeError(f"iteration {iteration}: the weights differ across {kind} replicas "

@@ -25,7 +25,7 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-from megatron.core import device, parallel_state
+from megatron.core import communication, device, parallel_state
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 from megatron.training.global_vars import get_tokenizer
@@ -125,10 +125,10 @@ def evaluate(dataset, model: List[torch.nn.Module], eval_metric: str, args) -> f
     if parallel_state.is_pipeline_last_stage():
         group = parallel_state.get_data_parallel_group()
         if group is not None and torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(total, group=group)  # the replicas' disjoint samples
+            communication.all_reduce(total, group=group)  # the replicas' disjoint samples
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # every rank returns the result
-        torch.distributed.broadcast(total, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                    group=parallel_state.get_pipeline_model_parallel_group())
+        communication.broadcast(total, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                group=parallel_state.get_pipeline_model_parallel_group())
     return float(total.item())
 
 

@@ -406,7 +406,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             return local
         pieces = [torch.empty_like(local) for _ in range(size)] if rank == 0 else None
         root = dist.get_global_rank(group, 0)
-        dist.gather(local, pieces, dst=root, group=group)  # [k, s] x d -> rank 0
+        communication.gather(local, pieces, dst=root, group=group)  # [k, s] x d -> rank 0
         return torch.cat(pieces, dim=1) if rank == 0 else None
 
     @staticmethod
@@ -419,7 +419,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         local = torch.empty(keys, size, dtype=torch.float32, device=device)
         pieces = [full[:, r * size:(r + 1) * size].contiguous().to(device) for r in range(world)] if rank == 0 else None
         root = dist.get_global_rank(group, 0)
-        dist.scatter(local, pieces, src=root, group=group)  # rank r gets slice r
+        communication.scatter(local, pieces, src=root, group=group)  # rank r gets slice r
         return local
 
     def _root_buffers(self) -> list[int]:
@@ -529,7 +529,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         distinct = list({id(group): group for group in groups if _rank_and_size(group)[1] > 1}.values())
         for group in distinct:  # each group's rank 0 tells its group
             message = [error if dist.get_rank(group) == 0 else None]
-            dist.broadcast_object_list(message, src=dist.get_global_rank(group, 0), group=group)
+            communication.broadcast_object_list(message, src=dist.get_global_rank(group, 0), group=group)
             error = error or message[0]
         if not self.expert_buffer_indices:
             return error  # the data-parallel rank 0 was the only reader

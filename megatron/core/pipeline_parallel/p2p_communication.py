@@ -195,12 +195,10 @@ def _communicate(*, tensor_send_next, tensor_send_prev, recv_prev: bool, recv_ne
     if recv_next:
         waits_on.append(f"receive gradients{count} from {_stage_label(next_rank)}")
     if ops:
-        for op in ops:
-            communication.record("p2p_" + ("send" if op.op is dist.isend else "recv"), group, op.tensor)
         with watchdog.watch(op_name, group, peer="; ".join(waits_on),
                             microbatch=where.microbatch if where is not None else None,
                             virtual_stage=where.virtual_stage if where is not None else None):
-            requests = dist.batch_isend_irecv(ops)
+            requests = communication.batch_isend_irecv(ops)
             _wait(requests, f"{op_name} ({'; '.join(waits_on)})", where, dist.get_backend(group) == "gloo")
 
     def result(received: List[torch.Tensor]):

@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from megatron.core import device, parallel_state, watchdog
+from megatron.core import communication, device, parallel_state, watchdog
 from megatron.core.aux_losses import AuxLossAutoScaler
 from megatron.core.distributed.finalize_model_grads import scale_gradients
 from megatron.core.pipeline_parallel import p2p_communication, tracer
@@ -168,9 +168,7 @@ class _Run:
             if parallel_state.get_pipeline_model_parallel_world_size() > 1:
                 # Only the last stage counted tokens; every stage divides by the same number.
                 group = parallel_state.get_pipeline_model_parallel_group()
-                with watchdog.watch("broadcast", group):
-                    torch.distributed.broadcast(tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                                group=group)
+                communication.broadcast(tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
         if finalize_model_grads_func is not None:
             finalize_model_grads_func(model, tokens)
         elif tokens is not None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron.core import parallel_state
+from megatron.core import communication, parallel_state
 from megatron.core.tensor_parallel.utils import divide
 
 
@@ -95,12 +95,12 @@ def gather_tensor_parallel(param: Any, local_tensor: torch.Tensor,
         return local_tensor
     local = local_tensor.contiguous()
     pieces = [torch.empty_like(local) for _ in range(tp)]
-    dist.all_gather(pieces, local, group=group)  # tp x the local slice
+    communication.all_gather(pieces, local, group=group)  # tp x the local slice
     attrs = [param] * tp
     if _attribute(param, "partition_rows") is not None:
         own = torch.tensor(list(_attribute(param, "partition_rows")), dtype=torch.long)
         rows = [torch.empty_like(own) for _ in range(tp)]
-        dist.all_gather(rows, own, group=group)  # every rank's rows, [n] x tp
+        communication.all_gather(rows, own, group=group)  # every rank's rows, [n] x tp
         attrs = [{"tensor_model_parallel": True, "partition_dim": 0, "partition_rows": r.tolist()} for r in rows]
     return merge_shards(pieces, attrs)
 

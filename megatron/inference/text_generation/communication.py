@@ -86,11 +86,9 @@ def _last_to_first(tensor: torch.Tensor) -> None:
     """Send tensor from the last stage to the first (p2p), or receive it there in place."""
     group = parallel_state.get_pipeline_model_parallel_group()
     if parallel_state.is_pipeline_last_stage():
-        communication.record("p2p_send", group, tensor)
-        dist.send(tensor, parallel_state.get_pipeline_model_parallel_first_rank(), group=group)
+        communication.send(tensor, parallel_state.get_pipeline_model_parallel_first_rank(), group=group)
     else:
-        communication.record("p2p_recv", group, tensor)
-        dist.recv(tensor, parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
+        communication.recv(tensor, parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
 
 
 def broadcast_from_last_to_first_pipeline_stage(size: Size, dtype: torch.dtype,
@@ -126,8 +124,7 @@ def send_to_next_pipeline_rank(tensor: torch.Tensor | None = None) -> None:
         return
     tensor = _sendable(tensor, "send_to_next_pipeline_rank")
     group = parallel_state.get_pipeline_model_parallel_group()
-    communication.record("p2p_send", group, tensor)
-    dist.send(tensor, parallel_state.get_pipeline_model_parallel_next_rank(), group=group)
+    communication.send(tensor, parallel_state.get_pipeline_model_parallel_next_rank(), group=group)
 
 
 def recv_from_prev_pipeline_rank_(recv_buffer: torch.Tensor | None = None) -> None:
@@ -137,5 +134,4 @@ def recv_from_prev_pipeline_rank_(recv_buffer: torch.Tensor | None = None) -> No
     if recv_buffer is None:
         raise ValueError("recv_from_prev_pipeline_rank_: give the buffer to receive into")
     group = parallel_state.get_pipeline_model_parallel_group()
-    communication.record("p2p_recv", group, recv_buffer)
-    dist.recv(recv_buffer, parallel_state.get_pipeline_model_parallel_prev_rank(), group=group)
+    communication.recv(recv_buffer, parallel_state.get_pipeline_model_parallel_prev_rank(), group=group)
