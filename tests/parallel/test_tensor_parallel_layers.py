@@ -17,6 +17,7 @@ from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    all_to_all,
     broadcast_data,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -127,13 +128,42 @@ def _mapping_task(tp):
     xs, grads = per_rank((S, B, H), 15), per_rank((S // tp, B, H), 16)
     check("reduce_scatter_to_sp", reduce_scatter_to_sequence_parallel_region, xs[rank], grads[rank],
           sum(xs)[seq], torch.cat(grads, 0))
+
+    # Unequal row counts (the MoE dispatchers' case), rank 0 with none, over an explicit group.
+    group = parallel_state.get_tensor_model_parallel_group()
+    sizes = [(r * 3) % 4 for r in range(tp)]  # tp 2: [0, 3]; tp 4: [0, 3, 2, 1]
+    own = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    xs = [_randn((n, B, H), 17, dp, r) for r, n in enumerate(sizes)]
+    grads = per_rank((sum(sizes), B, H), 18)
+    check("gather_from_sp with split sizes",
+          lambda x: gather_from_sequence_parallel_region(x, group=group, output_split_sizes=sizes),
+          xs[rank], grads[rank], torch.cat(xs, 0), sum(grads)[own])
+    xs = per_rank((sum(sizes), B, H), 19)
+    grads = [_randn((n, B, H), 20, dp, r) for r, n in enumerate(sizes)]
+    check("reduce_scatter_to_sp with split sizes",
+          lambda x: reduce_scatter_to_sequence_parallel_region(x, group=group, input_split_sizes=sizes),
+          xs[rank], grads[rank], sum(xs)[own], torch.cat(grads, 0))
+    # all_to_all: rank i sends routes[i][j] rows to rank j (zero on some routes)
+    routes = [[(i + 2 * j) % 3 for j in range(tp)] for i in range(tp)]
+    xs = [_randn((sum(routes[i]), B, H), 21, dp, i) for i in range(tp)]
+    grads = [_randn((sum(routes[i][j] for i in range(tp)), B, H), 22, dp, j) for j in range(tp)]
+    sent = [torch.split(xs[i], routes[i]) for i in range(tp)]  # sent[i][j]: rank i's rows for rank j
+    returned = [torch.split(grads[j], [routes[i][j] for i in range(tp)]) for j in range(tp)]
+    check("all_to_all with split sizes",
+          lambda x: all_to_all(group, x, [routes[i][rank] for i in range(tp)], routes[rank]),
+          xs[rank], grads[rank], torch.cat([sent[i][rank] for i in range(tp)]),
+          torch.cat([returned[j][rank] for j in range(tp)]))
+    x, grad = per_rank((tp * 2, B, H), 23), per_rank((tp * 2, B, H), 24)
+    check("all_to_all in equal pieces", lambda x: all_to_all(group, x), x[rank], grad[rank],
+          torch.cat([x[i][2 * rank:2 * rank + 2] for i in range(tp)]),
+          torch.cat([grad[j][2 * rank:2 * rank + 2] for j in range(tp)]))
     return pairs
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 def test_mappings_forward_and_backward(dist_pool, tp):
     per_rank = dist_pool.run(_mapping_task, tp)
-    assert len(per_rank[0]) == 16
+    assert len(per_rank[0]) == 24
     _assert_pairs(per_rank)
 
 

@@ -19,6 +19,7 @@ from megatron.core.tensor_parallel.layout import (
     without_duplicate_rows,
 )
 from megatron.core.tensor_parallel.mappings import (
+    all_to_all,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -49,6 +50,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "VocabUtility",
+    "all_to_all",
     "broadcast_data",
     "checkpoint",
     "copy_tensor_model_parallel_attributes",

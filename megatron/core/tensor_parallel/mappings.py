@@ -15,6 +15,12 @@ dim 0: a last-dim gather gathers a copy with the last dim moved to the front.
     scatter_to_sequence_parallel_region    split dim 0              all-gather dim 0
     gather_from_sequence_parallel_region   all-gather dim 0         reduce-scatter dim 0 (or split)
     reduce_scatter_to_sequence_parallel_region reduce-scatter dim 0 all-gather dim 0
+    all_to_all                             all-to-all dim 0         all-to-all back
+
+The dim-0 gather and reduce-scatter also take unequal row counts (Megatron-core's
+`output_split_sizes` / `input_split_sizes`: rank r holds sizes[r] rows), padded to the longest
+so that every backend (gloo included) moves equal pieces. The MoE token dispatchers run on these
+mappings over the expert groups.
 """
 
 from __future__ import annotations
@@ -71,20 +77,31 @@ def _split_along_last_dim(input_: torch.Tensor, group: Optional[_Group] = None) 
     return chunks[group.rank].contiguous()
 
 
-def _split_along_first_dim(input_: torch.Tensor, group: Optional[_Group] = None) -> torch.Tensor:
+def _split_along_first_dim(input_: torch.Tensor, group: Optional[_Group] = None,
+                           split_sizes: Optional[list[int]] = None) -> torch.Tensor:
     group = group if group is not None else _resolve(None)
     if group.size == 1:
         return input_
+    if split_sizes is not None:
+        start = sum(split_sizes[:group.rank])
+        return input_[start : start + split_sizes[group.rank]].contiguous()
     local = divide(input_.size(0), group.size)
     start = group.rank * local
     return input_[start : start + local].contiguous()  # [s/t, ...]
 
 
-def _gather_along_first_dim(input_: torch.Tensor, group: Optional[_Group] = None) -> torch.Tensor:
+def _gather_along_first_dim(input_: torch.Tensor, group: Optional[_Group] = None,
+                            output_split_sizes: Optional[list[int]] = None) -> torch.Tensor:
     group = group if group is not None else _resolve(None)
     if group.size == 1:
         return input_
     input_ = input_.contiguous()
+    if output_split_sizes is not None:  # rank r's sizes[r] rows, each padded to the longest
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest,) + tuple(input_.shape[1:]))
+        padded[:input_.size(0)] = input_
+        gathered = _gather_along_first_dim(padded, group)
+        return torch.cat([gathered[r * longest : r * longest + n] for r, n in enumerate(output_split_sizes)])
     output = input_.new_empty((group.size * input_.size(0),) + tuple(input_.shape[1:]))  # [s, ...]
     communication.all_gather_into_tensor(output, input_, group=group.handle)
     return output
@@ -99,11 +116,18 @@ def _gather_along_last_dim(input_: torch.Tensor, group: Optional[_Group] = None)
     return gathered.movedim(0, -1).contiguous()  # [n, ...] -> [..., n]
 
 
-def _reduce_scatter_along_first_dim(input_: torch.Tensor, group: Optional[_Group] = None) -> torch.Tensor:
+def _reduce_scatter_along_first_dim(input_: torch.Tensor, group: Optional[_Group] = None,
+                                    input_split_sizes: Optional[list[int]] = None) -> torch.Tensor:
     group = group if group is not None else _resolve(None)
     if group.size == 1:
         return input_
     input_ = input_.contiguous()
+    if input_split_sizes is not None:  # sizes[r] rows for each rank r in turn, each padded to the longest
+        longest = max(input_split_sizes)
+        padded = input_.new_zeros((group.size * longest,) + tuple(input_.shape[1:]))
+        for r, piece in enumerate(torch.split(input_, input_split_sizes)):
+            padded[r * longest : r * longest + piece.size(0)] = piece
+        return _reduce_scatter_along_first_dim(padded, group)[:input_split_sizes[group.rank]]
     local = divide(input_.size(0), group.size)
     output = input_.new_empty((local,) + tuple(input_.shape[1:]))  # [s/t, ...]
     communication.reduce_scatter_tensor(output, input_, group=group.handle)
@@ -167,29 +191,54 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_, tensor_parallel_output_grad, group):
+    def forward(ctx, input_, tensor_parallel_output_grad, group, output_split_sizes):
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        ctx.group = group
-        return _gather_along_first_dim(input_, group)
+        ctx.group, ctx.split_sizes = group, output_split_sizes
+        return _gather_along_first_dim(input_, group, output_split_sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
         # Feeding a TP region, each rank's gradient is a partial sum: reduce, then keep this
         # rank's rows. Feeding replicated computation, every rank already has the whole sum.
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter_along_first_dim(grad_output, ctx.group), None, None
-        return _split_along_first_dim(grad_output, ctx.group), None, None
+            return _reduce_scatter_along_first_dim(grad_output, ctx.group, ctx.split_sizes), None, None, None
+        return _split_along_first_dim(grad_output, ctx.group, ctx.split_sizes), None, None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input_, group):
-        ctx.group = group
-        return _reduce_scatter_along_first_dim(input_, group)
+    def forward(ctx, input_, group, input_split_sizes):
+        ctx.group, ctx.split_sizes = group, input_split_sizes
+        return _reduce_scatter_along_first_dim(input_, group, input_split_sizes)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output, ctx.group), None
+        return _gather_along_first_dim(grad_output, ctx.group, ctx.split_sizes), None, None
+
+
+def _all_to_all(input_: torch.Tensor, group: _Group, output_split_sizes: Optional[list[int]],
+                input_split_sizes: Optional[list[int]]) -> torch.Tensor:
+    input_ = input_.contiguous()
+    if output_split_sizes is None:  # equal pieces
+        output_split_sizes = input_split_sizes = [divide(input_.size(0), group.size)] * group.size
+    output = input_.new_empty((sum(output_split_sizes),) + tuple(input_.shape[1:]))
+    return communication.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group.handle)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.splits = group, (output_split_sizes, input_split_sizes)
+        if group.size == 1:
+            return input_
+        return _all_to_all(input_, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.group.size == 1:
+            return None, grad_output, None, None
+        output_split_sizes, input_split_sizes = ctx.splits  # the gradients go back along the same routes
+        return None, _all_to_all(grad_output, ctx.group, input_split_sizes, output_split_sizes), None, None
 
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None) -> torch.Tensor:
@@ -220,15 +269,26 @@ def scatter_to_sequence_parallel_region(input_: torch.Tensor, group: Optional[Pr
 
 
 def gather_from_sequence_parallel_region(
-    input_: torch.Tensor, tensor_parallel_output_grad: bool = True, group: Optional[ProcessGroup] = None
+    input_: torch.Tensor, tensor_parallel_output_grad: bool = True, group: Optional[ProcessGroup] = None,
+    output_split_sizes: Optional[list[int]] = None,
 ) -> torch.Tensor:
     """[s/t, b, h] -> [s, b, h]; backward reduce-scatters dim 0, or only splits it when the
-    gathered tensor feeds computation replicated on every TP rank (tensor_parallel_output_grad=False)."""
+    gathered tensor feeds computation replicated on every TP rank (tensor_parallel_output_grad=False).
+    With output_split_sizes, rank r contributes output_split_sizes[r] rows (any number, zero too)."""
     return apply_function(_GatherFromSequenceParallelRegion, input_, tensor_parallel_output_grad,
-                          _resolve(group))
+                          _resolve(group), output_split_sizes)
 
 
-def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor,
-                                               group: Optional[ProcessGroup] = None) -> torch.Tensor:
-    """Partial sums [s, b, h] -> this rank's rows of the sum [s/t, b, h]; backward all-gathers dim 0."""
-    return apply_function(_ReduceScatterToSequenceParallelRegion, input_, _resolve(group))
+def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group: Optional[ProcessGroup] = None,
+                                               input_split_sizes: Optional[list[int]] = None) -> torch.Tensor:
+    """Partial sums [s, b, h] -> this rank's rows of the sum [s/t, b, h]; backward all-gathers dim 0.
+    With input_split_sizes, input_ holds input_split_sizes[r] rows for each rank r in turn."""
+    return apply_function(_ReduceScatterToSequenceParallelRegion, input_, _resolve(group), input_split_sizes)
+
+
+def all_to_all(group: Optional[ProcessGroup], input_: torch.Tensor, output_split_sizes_: Optional[list[int]] = None,
+               input_split_sizes: Optional[list[int]] = None) -> torch.Tensor:
+    """Rows input_split_sizes[r] go to rank r and output_split_sizes_[r] rows come from it (equal
+    pieces when both are None); backward sends the gradients back along the same routes
+    (Megatron-core's signature, group first)."""
+    return apply_function(_AllToAll, _resolve(group), input_, output_split_sizes_, input_split_sizes)

@@ -21,7 +21,9 @@ and differ in what they move:
                at their tokens (MoEAlltoAllTokenDispatcher). Only the pairs routed off-rank leave the
                rank (communication.all_to_all_single counts exactly those rows).
 
-Every collective is differentiable (its backward is the transposed collective), and every rank
+Every move is one of megatron.core.tensor_parallel's mappings (all_to_all and the dim-0 gather and
+reduce-scatter, with unequal row counts where the experts' loads differ) over an expert group: each
+is differentiable (its backward is the transposed collective), and every rank
 takes part in every collective whatever its tokens: an expert that receives no token on some
 rank (a starved expert) runs on zero rows, so the collectives stay in step and its parameters get
 a zero gradient.
@@ -32,110 +34,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.core import communication, parallel_state
-
-
-def _size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group) if group is not None else 1
-
-
-def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-    return communication.all_gather_into_tensor(out, x.contiguous(), group=group)
-
-
-def _reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] // _size(group),) + tuple(x.shape[1:]))
-    return communication.reduce_scatter_tensor(out, x.contiguous(), group=group)
-
-
-class _Gather(torch.autograd.Function):
-    """All-gather along dim 0 (equal sizes); backward reduce-scatters the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_rows(grad, ctx.group), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """Reduce-scatter along dim 0; backward all-gathers the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_rows(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows(grad, ctx.group), None
-
-
-def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-    return communication.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-
-
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with split sizes; backward sends the gradients back along the same routes."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        return _all_to_all(x, output_splits, input_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
-
-
-def _gather_v(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather of unequal row counts (sizes[r] rows from rank r), padded to the largest."""
-    longest = max(sizes)
-    padded = x.new_zeros((longest,) + tuple(x.shape[1:]))
-    padded[:x.shape[0]] = x
-    gathered = _gather_rows(padded, group)
-    return torch.cat([gathered[r * longest:r * longest + n] for r, n in enumerate(sizes)])
-
-
-class _GatherV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _gather_v(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_v(grad, ctx.sizes, ctx.group), None, None
-
-
-def _reduce_scatter_v(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """x holds sizes[r] rows for each rank r in turn; rank r gets the sum over ranks of its rows."""
-    longest = max(sizes)
-    padded = x.new_zeros((len(sizes) * longest,) + tuple(x.shape[1:]))
-    start = 0
-    for r, n in enumerate(sizes):
-        padded[r * longest:r * longest + n] = x[start:start + n]
-        start += n
-    own = dist.get_rank(group)
-    return _reduce_scatter_rows(padded, group)[:sizes[own]]
-
-
-class _ReduceScatterV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
-        return _reduce_scatter_v(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_v(grad, ctx.sizes, ctx.group), None, None
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    all_to_all,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 
 
 def _expert_groups() -> dict[str, tuple[dist.ProcessGroup | None, int, int]]:
@@ -168,9 +72,9 @@ class AllGatherDispatcher:
         group, size, _ = groups["etp-ep"]
         _, _, ep_rank = groups["ep"]
         if size > 1:
-            x = _Gather.apply(x, group)  # [g T, h]
-            probs = _Gather.apply(probs, group)  # [g T, E]
-            routing_map = _gather_rows(routing_map.to(torch.uint8), group).bool()
+            x = gather_from_sequence_parallel_region(x, group=group)  # [g T, h]; backward reduce-scatters
+            probs = gather_from_sequence_parallel_region(probs, group=group)  # [g T, E]
+            routing_map = gather_from_sequence_parallel_region(routing_map.to(torch.uint8), group=group).bool()
         first = ep_rank * self.num_local_experts
         local_map = routing_map[:, first:first + self.num_local_experts]
         expert_index, tokens = _pairs(local_map)
@@ -178,7 +82,7 @@ class AllGatherDispatcher:
         out = experts(x[tokens], counts)  # [N, h], ETP partial sums
         weights = probs[tokens, first + expert_index].to(out.dtype).unsqueeze(-1)
         combined = out.new_zeros(x.shape).index_add(0, tokens, out * weights)  # [g T, h]
-        return _ReduceScatter.apply(combined, group) if size > 1 else combined
+        return reduce_scatter_to_sequence_parallel_region(combined, group=group) if size > 1 else combined
 
 
 class AlltoAllDispatcher:
@@ -195,20 +99,19 @@ class AlltoAllDispatcher:
         expert_index, tokens = _pairs(routing_map)
         permuted = x[tokens]  # [N, h], grouped by global expert
         counts = routing_map.sum(0).to(torch.int64).reshape(ep, local)  # [ep, E/EP] sent to each rank
-        if ep > 1:
-            received = torch.empty_like(counts)
-            communication.all_to_all_single(received, counts, [1] * ep, [1] * ep, group=ep_group)
-        else:
-            received = counts
+        received = all_to_all(ep_group, counts) if ep > 1 else counts  # [ep, E/EP] from each rank
         send_splits, recv_splits = counts.sum(1).tolist(), received.sum(1).tolist()
         if ep > 1:
-            dispatched = _AllToAll.apply(permuted, recv_splits, send_splits, ep_group)  # [source][local expert]
+            dispatched = all_to_all(ep_group, permuted, recv_splits, send_splits)  # [source][local expert]
         else:
             dispatched = permuted
         if etp > 1:  # the ETP ranks hold slices of the same experts: each needs all their tokens
-            all_received = _gather_rows(received.reshape(1, ep, local), etp_group)  # [etp, ep, E/EP]
+            all_received = gather_from_sequence_parallel_region(
+                received.reshape(1, ep, local), group=etp_group)  # [etp, ep, E/EP]
             etp_sizes = all_received.sum((1, 2)).tolist()
-            dispatched = _GatherV.apply(dispatched, etp_sizes, etp_group) if max(etp_sizes) else dispatched
+            if max(etp_sizes):
+                dispatched = gather_from_sequence_parallel_region(dispatched, group=etp_group,
+                                                                  output_split_sizes=etp_sizes)
         else:
             all_received = received.reshape(1, ep, local)
         # Chunks arrive as [etp rank][source ep rank][local expert]; the experts want them by expert.
@@ -222,10 +125,10 @@ class AlltoAllDispatcher:
         for position, c in enumerate(by_expert):
             back[c] = out_chunks[position]
         out = torch.cat(back) if back else out
-        if etp > 1 and max(etp_sizes):
-            out = _ReduceScatterV.apply(out, etp_sizes, etp_group)  # this rank's received rows, summed
+        if etp > 1 and max(etp_sizes):  # this rank's received rows, summed over ETP
+            out = reduce_scatter_to_sequence_parallel_region(out, group=etp_group, input_split_sizes=etp_sizes)
         if ep > 1:
-            out = _AllToAll.apply(out, send_splits, recv_splits, ep_group)  # [N, h] in `permuted`'s order
+            out = all_to_all(ep_group, out, send_splits, recv_splits)  # [N, h] in `permuted`'s order
         weights = probs[tokens, expert_index].to(out.dtype).unsqueeze(-1)
         return out.new_zeros(x.shape).index_add(0, tokens, out * weights)
 
