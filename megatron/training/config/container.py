@@ -1,0 +1,165 @@
+"""MegatronConfig: every setting of a run, grouped, from Python, a command line, YAML or JSON.
+
+    config = MegatronConfig()                       # the command line's defaults
+    config.model.num_layers = 4                     # typed groups, named as the flags' dests
+    config = MegatronConfig.from_namespace(args)    # a parsed command line
+    args = args_from_config(config)                 # what parse_args would return for it
+                                                    # (megatron.training.arguments)
+    MegatronConfig.from_yaml(config.to_yaml())      # == config (also JSON and plain dicts)
+
+`extra` holds the settings of no group: Megatron's flags that have no effect here (their table in
+arguments_megatron.py), the planner's device flags and a script's own flags (extra_args_provider);
+args_from_config fills everything not given with the parser's default, as a command line would.
+Reading refuses, in one line, a key that is no setting, so a typo does not pass silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron.training.config.groups import (
+    CheckpointConfig,
+    DataConfig,
+    DistributedConfig,
+    InitializationConfig,
+    LearningRateConfig,
+    LoggingConfig,
+    MixedPrecisionConfig,
+    ModelConfig,
+    MoEConfig,
+    RegularizationConfig,
+    TokenizerConfig,
+    TrainingConfig,
+    ValidationConfig,
+)
+
+
+class ConfigError(ValueError):
+    """A setting that does not exist or a file that is not a config: one line naming it."""
+
+
+@dataclass
+class MegatronConfig:
+    """The groups of settings, each a dataclass whose fields generate the flags of one --help group."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    regularization: RegularizationConfig = field(default_factory=RegularizationConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    initialization: InitializationConfig = field(default_factory=InitializationConfig)
+    learning_rate: LearningRateConfig = field(default_factory=LearningRateConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    mixed_precision: MixedPrecisionConfig = field(default_factory=MixedPrecisionConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Settings of no group (see the module docstring), by dest."""
+
+    @classmethod
+    def groups(cls) -> dict[str, type]:
+        """{attribute: group class}, in --help order."""
+        return {f.name: f.default_factory for f in dataclasses.fields(cls) if f.name != "extra"}
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> "MegatronConfig":
+        """The config of a parsed command line: each dest into its group, the rest into `extra`."""
+        values = dict(vars(args))
+        groups = {}
+        for name, group in cls.groups().items():
+            names = [f.name for f in dataclasses.fields(group)]
+            groups[name] = group(**{n: values.pop(n) for n in names if n in values})
+        return cls(**groups, extra=values)
+
+    def apply_to(self, args: argparse.Namespace) -> argparse.Namespace:
+        """args (a Namespace of the parser's defaults) with every group's values, then `extra`, set."""
+        for name in self.groups():
+            for key, value in dataclasses.asdict(getattr(self, name)).items():
+                setattr(args, key, value)
+        for key, value in self.extra.items():
+            setattr(args, key, value)
+        return args
+
+    def to_dict(self) -> dict[str, Any]:
+        """{group: {setting: value}} (and "extra" when not empty), JSON- and YAML-ready."""
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in self.groups()}
+        if self.extra:
+            out["extra"] = dict(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "config") -> "MegatronConfig":
+        """The config a to_dict() (or a file of the same layout, any group or setting left out) describes."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a mapping of groups ({', '.join(cls.groups())}), "
+                              f"got {type(data).__name__}")
+        groups = cls.groups()
+        unknown = [key for key in data if key not in groups and key != "extra"]
+        if unknown:
+            raise ConfigError(f"{where}: unknown group {unknown[0]!r} (groups: {', '.join(groups)}, extra)")
+        made = {}
+        for name, values in data.items():
+            if name == "extra":
+                if not isinstance(values, dict):
+                    raise ConfigError(f"{where}: 'extra' must be a mapping of settings")
+                made[name] = dict(values)
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(f"{where}: group {name!r} must be a mapping of settings")
+            fields = {f.name for f in dataclasses.fields(groups[name])}
+            wrong = [key for key in values if key not in fields]
+            if wrong:
+                raise ConfigError(f"{where}: {name}.{wrong[0]} is not a setting of {groups[name].__name__} "
+                                  f"(its flag would be --{wrong[0].replace('_', '-')})")
+            made[name] = groups[name](**values)
+        return cls(**made)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "config") -> "MegatronConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where}: not JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_dict(data, where)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str, where: str = "config") -> "MegatronConfig":
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)  # plain values only: no tags, nothing that runs code
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{where}: not YAML{line} ({getattr(e, 'problem', None) or e})") from None
+        return cls.from_dict(data or {}, where)
+
+    def save(self, path: str) -> None:
+        """Write YAML (.yaml / .yml) or JSON (anything else), atomically."""
+        from megatron.core.atomic_io import atomic_write
+
+        text = self.to_yaml() if str(path).endswith((".yaml", ".yml")) else self.to_json()
+        atomic_write(str(path), lambda f: f.write(text.encode("utf-8")))
+
+    @classmethod
+    def load(cls, path: str) -> "MegatronConfig":
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+        return (cls.from_yaml if str(path).endswith((".yaml", ".yml")) else cls.from_json)(text, str(path))
