@@ -8,6 +8,7 @@ arguments_megatron.py; the planner's device flags are megatron/planner's.
 |---|---|
 | parse_args(extra_args_provider, ignore_unknown_args, argv) | the Namespace; RANK / WORLD_SIZE from the environment |
 | args_from_config(config, extra_args_provider) | the Namespace of a MegatronConfig (megatron/training/config) |
+| argv_from_config(config, extra_args_provider) | the command line of a MegatronConfig (what megatron.training.api runs) |
 | validate_args(args, defaults) | checks and derived values (megatron/training/arguments_validation.py) |
 | parse_and_validate_args(...) | both |
 | print_args(args) | Megatron's "---- arguments ----" block on rank 0 |
@@ -36,6 +37,7 @@ from megatron.training.arguments_validation import (
     print_args,
     validate_args,
 )
+from megatron.training.argument_utils import flag
 from megatron.training.arguments_megatron import add_megatron_flags
 from megatron.training.config import (
     GROUPS,
@@ -58,6 +60,7 @@ from megatron.training.config import (
 __all__ = [
     "ArgsError",
     "args_from_config",
+    "argv_from_config",
     "core_transformer_config_from_args",
     "gpt_model_kwargs",
     "gpt_dataset_config_from_args",
@@ -139,6 +142,47 @@ def args_from_config(config: MegatronConfig, extra_args_provider: ExtraArgsProvi
     args = config.apply_to(build_parser(extra_args_provider).parse_args([]))
     args.rank, args.world_size = env_rank_and_world_size()
     return args
+
+
+def argv_from_config(config: MegatronConfig, extra_args_provider: ExtraArgsProvider | None = None) -> list[str]:
+    """The command line that parses to `config`: a flag for every value that differs from the parser's
+    default (`extra` included; keys that are no flag's dest, such as rank, are skipped), checked by
+    parsing it back. A value no flag can give (None where the default is not) is a one-line ArgsError."""
+    parser = build_parser(extra_args_provider)
+    values = {**{k: v for group in config.groups() for k, v in vars(getattr(config, group)).items()},
+              **config.extra}
+    by_dest: dict[str, list[argparse.Action]] = {}
+    for action in parser._actions:
+        if action.dest != "help":
+            by_dest.setdefault(action.dest, []).append(action)
+    argv: list[str] = []
+    for dest, actions in by_dest.items():
+        if dest not in values or values[dest] == actions[0].default:
+            continue
+        value = values[dest]
+        argv += _flag_for(dest, value, actions)
+    parsed = vars(parser.parse_args(argv))
+    wrong = [dest for dest in by_dest if dest in values and parsed[dest] != values[dest]]
+    if wrong:
+        raise ArgsError(f"{flag(wrong[0])}: the value {values[wrong[0]]!r} does not survive the command line "
+                        f"(it parses back as {parsed[wrong[0]]!r})")
+    return argv
+
+
+def _flag_for(dest: str, value: Any, actions: list[argparse.Action]) -> list[str]:
+    for action in actions:
+        kind = type(action).__name__
+        if kind in ("_StoreTrueAction", "_StoreFalseAction"):
+            if value is action.const:
+                return [action.option_strings[0]]
+            continue
+        if value is None:
+            continue
+        if action.nargs in ("*", "+") or isinstance(action.nargs, int):
+            return [action.option_strings[0], *(str(v) for v in value)]
+        return [action.option_strings[0], str(value) if not isinstance(value, list) else repr(value)]
+    raise ArgsError(f"{flag(dest)}: {value!r} cannot be given on the command line "
+                    f"(its default is {actions[0].default!r})")
 
 
 def parse_and_validate_args(extra_args_provider: ExtraArgsProvider | None = None,

@@ -1,0 +1,87 @@
+"""The Python API: train from a typed config, in a notebook or under torchrun, with no command line.
+
+    from megatron.training.api import pretrain
+    from megatron.training.config import MegatronConfig
+
+    config = MegatronConfig.load("run.yaml")          # or MegatronConfig(), then set fields
+    config.model.num_layers = 4
+    result = pretrain(config)                          # the built-in GPT recipe
+    result = pretrain(config, recipe="bert")           # BERT / T5: their recipes' defaults too
+    result = pretrain(config, train_valid_test_dataset_provider=..., model_provider=...,
+                      model_type=ModelType.encoder_or_decoder, forward_step_func=...)  # your own
+
+pretrain(config) runs exactly what `pretrain_gpt.py` runs for the command line that gives the config
+(megatron.training.arguments.argv_from_config): the same validation, messages, log lines and
+numbers. It may be called again in the same process (each call starts from fresh globals and
+parallel groups; the torch.distributed process group of a torchrun job is kept).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+from megatron.core.enums import ModelType
+from megatron.training.config import MegatronConfig
+
+RECIPES = ("gpt", "bert", "t5")
+
+
+def _recipe(name: str) -> Dict[str, Any]:
+    """pretrain()'s arguments of a built-in recipe (megatron/training/recipes)."""
+    if name == "gpt":
+        from megatron.training.recipes import gpt as module
+
+        return dict(train_valid_test_dataset_provider=module.train_valid_test_datasets_provider,
+                    model_provider=module.model_provider, model_type=ModelType.encoder_or_decoder,
+                    forward_step_func=module.forward_step, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    if name == "bert":
+        from megatron.training.recipes import bert as module
+
+        return dict(train_valid_test_dataset_provider=module.train_valid_test_datasets_provider,
+                    model_provider=module.model_provider, model_type=ModelType.encoder_or_decoder,
+                    forward_step_func=module.forward_step,
+                    args_defaults={"tokenizer_type": "BertWordPieceLowerCase", "model_family": "BERT"})
+    if name == "t5":
+        from megatron.training.recipes import t5 as module
+
+        return dict(train_valid_test_dataset_provider=module.train_valid_test_datasets_provider,
+                    model_provider=module.model_provider, model_type=ModelType.encoder_and_decoder,
+                    forward_step_func=module.forward_step, extra_args_provider=module.add_t5_args,
+                    args_defaults=dict(module.T5_ARGS_DEFAULTS))
+    raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {name!r}")
+
+
+def pretrain(config: MegatronConfig, train_valid_test_dataset_provider: Optional[Callable] = None,
+             model_provider: Optional[Callable] = None, model_type: Optional[ModelType] = None,
+             forward_step_func: Optional[Callable] = None, *, recipe: Optional[str] = None,
+             extra_args_provider: Optional[Callable] = None, args_defaults: Optional[Dict] = None,
+             record_history: bool = False) -> Any:
+    """Train as megatron.training.training.pretrain does, with `config`'s settings instead of argv.
+
+    Give the four providers (Megatron's pretrain() arguments) or a recipe ("gpt" when neither);
+    returns the TrainingResult (its history holds every iteration with record_history=True).
+    """
+    from megatron.training.arguments import argv_from_config
+    from megatron.training.training import pretrain as pretrain_with_argv
+
+    if not isinstance(config, MegatronConfig):
+        raise TypeError(f"pretrain(config): a megatron.training.config.MegatronConfig, got {type(config).__name__}")
+    providers = (train_valid_test_dataset_provider, model_provider, model_type, forward_step_func)
+    if any(p is not None for p in providers):
+        if recipe is not None:
+            raise ValueError("pretrain(): give the providers or a recipe, not both")
+        if any(p is None for p in providers):
+            raise ValueError("pretrain(): give all four of train_valid_test_dataset_provider, model_provider, "
+                             "model_type and forward_step_func (or none, for a built-in recipe)")
+        run = dict(train_valid_test_dataset_provider=train_valid_test_dataset_provider,
+                   model_provider=model_provider, model_type=model_type, forward_step_func=forward_step_func)
+    else:
+        run = _recipe(recipe or "gpt")
+    if extra_args_provider is not None:
+        run["extra_args_provider"] = extra_args_provider
+    if args_defaults is not None:
+        run["args_defaults"] = {**run.get("args_defaults", {}), **args_defaults}
+    argv = argv_from_config(config, run.get("extra_args_provider"))
+    return pretrain_with_argv(run["train_valid_test_dataset_provider"], run["model_provider"], run["model_type"],
+                              run["forward_step_func"], extra_args_provider=run.get("extra_args_provider"),
+                              args_defaults=run.get("args_defaults"), argv=argv, record_history=record_history)
