@@ -14,6 +14,14 @@ pretrain(config) runs exactly what `pretrain_gpt.py` runs for the command line t
 (megatron.training.arguments.argv_from_config): the same validation, messages, log lines and
 numbers. It may be called again in the same process (each call starts from fresh globals and
 parallel groups; the torch.distributed process group of a torchrun job is kept).
+
+    model = load("checkpoints/gpt")                    # a checkpoint folder (its stored args), or
+    model = load("hf/Llama-3.2-1B")                    # a HuggingFace folder (config.json + safetensors)
+    model.generate(["The cat"], max_new_tokens=16)     # ["The cat sat ..."]: prompt and continuation
+    model.score(["The cat sat"])                       # [[log p(token 1 | 0), log p(token 2 | 0, 1), ...]]
+
+load() builds the model as tools/generate_text.py and the server do (megatron.inference), at the
+layout of `config` (serial by default; under torchrun every rank calls generate / score together).
 """
 
 from __future__ import annotations
@@ -85,3 +93,60 @@ def pretrain(config: MegatronConfig, train_valid_test_dataset_provider: Optional
     return pretrain_with_argv(run["train_valid_test_dataset_provider"], run["model_provider"], run["model_type"],
                               run["forward_step_func"], extra_args_provider=run.get("extra_args_provider"),
                               args_defaults=run.get("args_defaults"), argv=argv, record_history=record_history)
+
+
+class LoadedModel:
+    """A loaded GPT-family model with its tokenizer: generate() and score() (megatron.inference.api)."""
+
+    def __init__(self, model: Any, tokenizer: Any, args: Any) -> None:
+        self.model, self.tokenizer, self.args = model, tokenizer, args
+
+    def generate(self, prompts: Any, max_new_tokens: int = 32, *, top_k: int = 1, top_p: float = 0.0,
+                 temperature: float = 1.0, random_seed: Optional[int] = None, **kwargs: Any) -> Any:
+        """Each prompt followed by its continuation (greedy by default; top_k > 1, or top_p with
+        top_k=0, samples). A single string gives a string; a list, a list."""
+        from megatron.inference.api import generate
+
+        single = isinstance(prompts, str)
+        if max_new_tokens < 1:
+            raise ValueError(f"generate(max_new_tokens={max_new_tokens}): at least 1 (score() scores a text)")
+        out = generate(self.model, self.tokenizer, [prompts] if single else list(prompts), max_new_tokens,
+                       top_k=top_k, top_p=top_p, temperature=temperature, random_seed=random_seed, **kwargs)
+        return out["text"][0] if single else out["text"]
+
+    def score(self, texts: Any) -> Any:
+        """Per text, the log-probability of each token given the ones before it (one fewer than its
+        tokens). A single string gives one list; a list, a list of lists."""
+        from megatron.inference.api import score
+
+        single = isinstance(texts, str)
+        out = score(self.model, self.tokenizer, [texts] if single else list(texts))
+        return out["logprobs"][0] if single else out["logprobs"]
+
+
+def load(path: str, config: Optional[MegatronConfig] = None) -> LoadedModel:
+    """The model of a checkpoint folder (--load with --use-checkpoint-args: its own shape and
+    tokenizer) or of a HuggingFace folder (--load-hf), ready for generate() and score().
+
+    `config` adds settings (a layout, a tokenizer the checkpoint does not name, ...)."""
+    import os
+
+    from megatron.inference.checkpoint_model import build_model
+    from megatron.training.arguments import argv_from_config
+    from megatron.training.checkpointing import CheckpointError
+    from megatron.training.global_vars import get_tokenizer
+    from megatron.training.initialize import initialize_megatron
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        source = ["--load-hf", path]
+    elif os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt")):
+        source = ["--load", path, "--use-checkpoint-args", "--auto-detect-ckpt-format"]
+    else:
+        raise CheckpointError(f"load({path!r}): neither a checkpoint folder (latest_checkpointed_iteration.txt) "
+                              f"nor a HuggingFace folder (config.json)")
+    argv = [*argv_from_config(config or MegatronConfig()), *source]
+    if "--mock-data" not in argv and "--data-path" not in argv:
+        argv.append("--mock-data")  # validation asks for a data source; nothing is read
+    args = initialize_megatron(argv=argv, args_defaults={"micro_batch_size": 1, "train_iters": 1, "lr": 0.0,
+                                                         "tokenizer_type": "GPT2BPETokenizer"})
+    return LoadedModel(build_model(args), get_tokenizer(), args)
