@@ -49,6 +49,7 @@ and the softmax runs over the whole padded vocabulary, as in Megatron (docs/trai
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -63,9 +64,25 @@ FUSED_KERNELS_CPU_IMPLS = ("native", "reference", "compiled")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
+class ConfigRuleError(ValueError):
+    """A rule of the config is broken. The message names fields as <<field>>: str() writes them as
+    the fields' names (moe_router_topk), render(name_of) as anything else, e.g. the command line's
+    flags (--moe-router-topk), so each rule is written once, here, for Python and the CLI alike."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        super().__init__(self.render(lambda field: field))
+
+    def fields(self) -> list[str]:
+        return re.findall(r"<<(\w+)>>", self.template)
+
+    def render(self, name_of: Callable[[str], str]) -> str:
+        return re.sub(r"<<(\w+)>>", lambda m: name_of(m.group(1)), self.template)
+
+
 def _require_positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ConfigRuleError(f"<<{name}>> must be a positive integer, got {value!r}")
 
 
 def _require_probability(name: str, value: float) -> None:
@@ -226,7 +243,8 @@ class TransformerConfig:
         return bool(freq[layer_number - 1])
 
     def _check_moe(self) -> None:
-        """Megatron-Core's rules for the MoE fields, each refused in one line naming the field."""
+        """Megatron-Core's rules for the MoE fields, each refused in one line naming the fields
+        (ConfigRuleError: the command line names its flags instead; validate_args builds this config)."""
         for name in ("num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                      "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_router_topk"):
             _require_positive(name, getattr(self, name))
@@ -234,7 +252,7 @@ class TransformerConfig:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         if self.num_moe_experts is None:
             if self.expert_model_parallel_size > 1:
-                raise ValueError("expert_model_parallel_size > 1 needs num_moe_experts (--num-experts)")
+                raise ConfigRuleError("<<expert_model_parallel_size>> > 1 needs <<num_moe_experts>>")
             return
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
@@ -245,38 +263,39 @@ class TransformerConfig:
                    "moe_router_dtype": (None, "fp32", "fp64")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise ConfigRuleError(f"<<{name}>> must be one of {allowed}, got {getattr(self, name)!r}")
         if self.moe_router_topk > self.num_moe_experts:
-            raise ValueError(f"moe_router_topk ({self.moe_router_topk}) cannot exceed num_moe_experts "
-                             f"({self.num_moe_experts})")
+            raise ConfigRuleError(f"<<moe_router_topk>> ({self.moe_router_topk}) cannot exceed <<num_moe_experts>> "
+                                  f"({self.num_moe_experts})")
         if self.num_moe_experts % self.expert_model_parallel_size:
-            raise ValueError(f"num_moe_experts ({self.num_moe_experts}) must be divisible by "
-                             f"expert_model_parallel_size ({self.expert_model_parallel_size})")
+            raise ConfigRuleError(f"<<num_moe_experts>> ({self.num_moe_experts}) must be divisible by "
+                                  f"<<expert_model_parallel_size>> ({self.expert_model_parallel_size})")
         if self.moe_ffn_hidden_size % self.expert_tensor_parallel_size:
-            raise ValueError(f"moe_ffn_hidden_size ({self.moe_ffn_hidden_size}) must be divisible by "
-                             f"expert_tensor_parallel_size ({self.expert_tensor_parallel_size})")
+            raise ConfigRuleError(f"<<moe_ffn_hidden_size>> ({self.moe_ffn_hidden_size}) must be divisible by "
+                                  f"<<expert_tensor_parallel_size>> ({self.expert_tensor_parallel_size})")
         if self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff:
-            raise ValueError("sinkhorn routing (moe_router_load_balancing_type) takes no aux loss: "
-                             "set moe_aux_loss_coeff to 0")
+            raise ConfigRuleError("<<moe_router_load_balancing_type>> sinkhorn takes no aux loss: set "
+                                  "<<moe_aux_loss_coeff>> to 0")
         if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0):
-            raise ValueError("moe_aux_loss_coeff and moe_z_loss_coeff must be >= 0")
+            raise ConfigRuleError("<<moe_aux_loss_coeff>> and <<moe_z_loss_coeff>> must be >= 0")
         if self.moe_expert_capacity_factor is not None:
             if self.moe_expert_capacity_factor <= 0:
-                raise ValueError(f"moe_expert_capacity_factor must be > 0, got {self.moe_expert_capacity_factor!r}")
+                raise ConfigRuleError(f"<<moe_expert_capacity_factor>> must be > 0, "
+                                      f"got {self.moe_expert_capacity_factor!r}")
             if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
-                raise ValueError("moe_expert_capacity_factor (token dropping) needs aux_loss, seq_aux_loss or none "
-                                 "load balancing")
+                raise ConfigRuleError("<<moe_expert_capacity_factor>> (token dropping) needs aux_loss, seq_aux_loss "
+                                      "or none as <<moe_router_load_balancing_type>>")
         elif self.moe_pad_expert_input_to_capacity:
-            raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor")
+            raise ConfigRuleError("<<moe_pad_expert_input_to_capacity>> needs <<moe_expert_capacity_factor>>")
         freq = self.moe_layer_freq
         if isinstance(freq, int):
             _require_positive("moe_layer_freq", freq)
         elif len(freq) != self.num_layers or any(v not in (0, 1) for v in freq):
-            raise ValueError(f"moe_layer_freq as a list must hold num_layers ({self.num_layers}) values of 0 or 1, "
-                             f"got {freq!r}")
+            raise ConfigRuleError(f"<<moe_layer_freq>> as a list must hold <<num_layers>> ({self.num_layers}) "
+                                  f"values of 0 or 1, got {freq!r}")
         if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
-            raise ValueError("MoE with tensor parallelism needs sequence parallelism (--sequence-parallel), "
-                             "as in Megatron")
+            raise ConfigRuleError("<<num_moe_experts>> with <<tensor_model_parallel_size>> > 1 needs "
+                                  "<<sequence_parallel>>, as in Megatron")
 
     def _check_recompute(self) -> None:
         """Megatron-Core's rules for the recompute fields (the per-stage layer count is checked by

@@ -47,6 +47,7 @@ import torch
 from megatron.training.argument_utils import ArgsError, flag
 from megatron.training.arguments_megatron import refusal_rows, validate_megatron_flags
 from megatron.training.arguments_model import default_ffn_hidden_size, validate_model_architecture
+from megatron.training.config_builders import config_flag, core_transformer_config_from_args
 from megatron.core import device
 from megatron.data.utils import parse_and_normalize_split, parse_data_path
 from megatron.training.utils import print_line
@@ -587,41 +588,34 @@ def _check_save_directory(path: str) -> None:
 
 
 def _validate_moe(args: Namespace) -> None:
-    """The mixture-of-experts flags against each other and the layout (Megatron's rules), each refused
-    in one line naming its flag; the rest of the model's own rules are TransformerConfig's."""
-    if args.num_experts is None:
-        if args.expert_model_parallel_size > 1:
-            raise ArgsError("--expert-model-parallel-size > 1 needs --num-experts")
+    """The mixture-of-experts flags: what is about the layout or not supported here is checked here;
+    the MoE rules themselves are TransformerConfig's (_check_moe), written once there and reported
+    here in one line naming the flags."""
+    if args.num_experts is None and args.expert_model_parallel_size == 1:
         return
-    if args.moe_token_dispatcher_type == "flex":
+    if args.num_experts is not None and args.moe_token_dispatcher_type == "flex":
         raise ArgsError("--moe-token-dispatcher-type flex: the DeepEP dispatcher is not supported yet; "
                         "use allgather or alltoall")
-    _require_positive(args, ("num_experts", "moe_router_topk", "expert_model_parallel_size"))
+    _require_positive(args, ("expert_model_parallel_size",))
     if args.expert_tensor_parallel_size is not None:
         _require_positive(args, ("expert_tensor_parallel_size",))
+    _check_config_rules(args)
     etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
     if args.world_size % (etp * ep * pp):
         raise ArgsError(f"world size ({args.world_size}) is not divisible by --expert-tensor-parallel-size ({etp}) x "
                         f"--expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp})")
-    if args.num_experts % ep:
-        raise ArgsError(f"--num-experts ({args.num_experts}) must be divisible by --expert-model-parallel-size ({ep})")
-    if args.moe_router_topk > args.num_experts:
-        raise ArgsError(f"--moe-router-topk ({args.moe_router_topk}) cannot exceed --num-experts ({args.num_experts})")
-    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
-        raise ArgsError("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel, as in Megatron")
-    if args.moe_router_load_balancing_type == "sinkhorn" and args.moe_aux_loss_coeff:
-        raise ArgsError("--moe-router-load-balancing-type sinkhorn takes no aux loss: drop --moe-aux-loss-coeff")
-    if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
-        raise ArgsError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-    if args.moe_expert_capacity_factor is not None and args.moe_expert_capacity_factor <= 0:
-        raise ArgsError(f"--moe-expert-capacity-factor must be > 0, got {args.moe_expert_capacity_factor}")
-    freq = args.moe_layer_freq
-    if isinstance(freq, list) and (len(freq) != args.num_layers or any(v not in (0, 1) for v in freq)):
-        raise ArgsError(f"--moe-layer-freq: a list must hold --num-layers ({args.num_layers}) values of 0 or 1, "
-                        f"got {freq}")
-    if isinstance(freq, int) and freq < 1:
-        raise ArgsError(f"--moe-layer-freq must be a positive integer, got {freq}")
+
+
+def _check_config_rules(args: Namespace) -> None:
+    """Build the model's TransformerConfig from args: a rule it refuses becomes an ArgsError whose
+    message names the flags (megatron.model.transformer_config.ConfigRuleError)."""
+    from megatron.model.transformer_config import ConfigRuleError
+
+    try:
+        core_transformer_config_from_args(args)
+    except ConfigRuleError as error:
+        raise ArgsError(error.render(config_flag)) from None
 
 
 def _validate_data(args: Namespace) -> None:

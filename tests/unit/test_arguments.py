@@ -200,7 +200,7 @@ BAD = [
      "--moe-router-load-balancing-type sinkhorn takes no aux loss"),
     ("moe-pad", "--num-experts 4 --moe-pad-expert-input-to-capacity", [], {},
      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
-    ("moe-freq", "--num-experts 4 --moe-layer-freq [1,0,1]", [], {}, "--moe-layer-freq: a list must hold --num-layers"),
+    ("moe-freq", "--num-experts 4 --moe-layer-freq [1,0,1]", [], {}, "--moe-layer-freq as a list must hold --num-layers"),
     ("moe-flex", "--num-experts 4 --moe-token-dispatcher-type flex", [], {},
      "--moe-token-dispatcher-type flex: the DeepEP dispatcher is not supported yet"),
     ("overlap-param-gather", "--overlap-param-gather --overlap-grad-reduce", [], {},

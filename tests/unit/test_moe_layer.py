@@ -316,11 +316,12 @@ def test_moe_layer_freq_puts_moe_mlps_where_megatron_does():
 @pytest.mark.parametrize("overrides, message", [
     (dict(moe_router_topk=5), "moe_router_topk (5) cannot exceed num_moe_experts (4)"),
     (dict(expert_model_parallel_size=3), "num_moe_experts (4) must be divisible by expert_model_parallel_size (3)"),
-    (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.1), "sinkhorn routing"),
+    (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.1),
+     "moe_router_load_balancing_type sinkhorn takes no aux loss"),
     (dict(moe_pad_expert_input_to_capacity=True), "moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor"),
     (dict(moe_layer_freq=[1, 0, 1]), "moe_layer_freq as a list must hold num_layers (2) values"),
     (dict(moe_token_dispatcher_type="flex"), "moe_token_dispatcher_type must be one of"),
-    (dict(tensor_model_parallel_size=2), "MoE with tensor parallelism needs sequence parallelism"),
+    (dict(tensor_model_parallel_size=2), "num_moe_experts with tensor_model_parallel_size > 1 needs sequence_parallel"),
 ])
 def test_bad_moe_settings_are_refused_in_one_line(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

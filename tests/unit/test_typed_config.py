@@ -121,3 +121,40 @@ def test_a_bad_file_is_one_line_naming_what_is_wrong(tmp_path, text, message):
 def test_the_parser_is_generated_from_the_groups():
     titles = [g.title for g in build_parser()._action_groups]
     assert titles[2:2 + len(GROUPS)] == [group.title for group in GROUPS]
+
+
+# Each MoE rule is written once, in TransformerConfig._check_moe: the command line reports the same
+# rule with flags where the config names fields.
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "1", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "64", "--train-iters", "1", "--disable-bias-linear"]
+
+
+@pytest.mark.parametrize("argv, kwargs, fields", [
+    (["--num-experts", "4", "--moe-router-topk", "5"], dict(moe_router_topk=5), ["moe_router_topk", "num_moe_experts"]),
+    (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], dict(moe_layer_freq=[1, 0, 1]),
+     ["moe_layer_freq", "num_layers"]),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], dict(moe_pad_expert_input_to_capacity=True),
+     ["moe_pad_expert_input_to_capacity", "moe_expert_capacity_factor"]),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1", "--moe-router-load-balancing-type", "sinkhorn",
+      "--moe-aux-loss-coeff", "0"],
+     dict(moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0),
+     ["moe_expert_capacity_factor", "moe_router_load_balancing_type"]),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "30", "--expert-tensor-parallel-size", "4",
+      "--tensor-model-parallel-size", "4", "--sequence-parallel"],
+     dict(moe_ffn_hidden_size=30, expert_tensor_parallel_size=4, tensor_model_parallel_size=4, sequence_parallel=True),
+     ["moe_ffn_hidden_size", "expert_tensor_parallel_size"]),
+])
+def test_a_moe_rule_is_the_configs_on_the_command_line_too(monkeypatch, argv, kwargs, fields):
+    from megatron.model.transformer_config import ConfigRuleError, TransformerConfig
+    from megatron.training.arguments import ArgsError, validate_args
+    from megatron.training.config_builders import config_flag
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ArgsError) as cli:
+        validate_args(parse_args(argv=[*BASE, *argv]))
+    with pytest.raises(ConfigRuleError) as config:
+        TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=4, **kwargs)
+    assert config.value.fields() == fields
+    assert str(cli.value) == config.value.render(config_flag)
+    assert all(config_flag(f) in str(cli.value) for f in fields) and all(f in str(config.value) for f in fields)
