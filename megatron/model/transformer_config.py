@@ -298,24 +298,40 @@ class TransformerConfig:
                                   "<<sequence_parallel>>, as in Megatron")
 
     def _check_recompute(self) -> None:
-        """Megatron-Core's rules for the recompute fields (the per-stage layer count is checked by
-        TransformerBlock, which knows its stage)."""
-        granularity, method = self.recompute_granularity, self.recompute_method
+        """Megatron's rules for the recompute fields (ConfigRuleError: the command line names the
+        flags). The layer count is checked against num_layers / (pipeline x virtual stages); the
+        TransformerBlock of an uneven stage checks its own count again."""
+        granularity, method, size = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
         if granularity not in (None, "full", "selective"):
-            raise ValueError(f'recompute_granularity must be "full" or "selective", got {granularity!r}')
+            raise ConfigRuleError(f'<<recompute_granularity>> must be "full" or "selective", got {granularity!r}')
         if method not in (None, "uniform", "block"):
-            raise ValueError(f'recompute_method must be "uniform" or "block", got {method!r}')
-        if granularity == "full" and method is None:
-            raise ValueError('Using recompute_granularity: full so recompute_method must be "block" or "uniform"')
-        if granularity == "full" and self.recompute_num_layers is None:
-            raise ValueError("When using recompute_granularity: full recompute_num_layers must be between 1 "
-                             "and the number of layers per pipeline stage")
-        _require_positive("recompute_num_layers", self.recompute_num_layers)
-        if granularity != "full" and (method is not None or self.recompute_num_layers is not None):
-            raise ValueError("recompute_method and recompute_num_layers need recompute_granularity full "
-                             f"(got recompute_granularity {granularity!r})")
-        if self.distribute_saved_activations and granularity != "full":
-            raise ValueError("distribute_saved_activations needs recompute_granularity full")
-        if self.distribute_saved_activations and self.sequence_parallel:
-            raise ValueError("distribute_saved_activations must be false when sequence parallel is enabled: "
-                             "the saved layer input is already split over the tensor-parallel ranks")
+            raise ConfigRuleError(f'<<recompute_method>> must be "uniform" or "block", got {method!r}')
+        _require_positive("recompute_num_layers", size)
+        if granularity == "selective" and method is not None:
+            raise ConfigRuleError("<<recompute_method>>: recompute method is not yet supported for selective "
+                                  "recomputing granularity (<<recompute_granularity>> selective)")
+        if granularity != "full":
+            for name in ("recompute_method", "recompute_num_layers"):
+                if getattr(self, name) is not None:
+                    raise ConfigRuleError(f"<<{name}>> needs <<recompute_granularity>> full")
+        else:
+            if method is None:
+                raise ConfigRuleError('<<recompute_granularity>> full needs <<recompute_method>> "uniform" or "block"')
+            chunks = self.pipeline_model_parallel_size * (self.virtual_pipeline_model_parallel_size or 1)
+            per_stage = self.num_layers // chunks
+            if size is None or not 1 <= size <= per_stage:
+                raise ConfigRuleError(f"<<recompute_granularity>> full needs <<recompute_num_layers>> between 1 and "
+                                      f"the {per_stage} layers of each pipeline stage (model chunk), got {size}")
+            if method == "uniform" and per_stage % size:
+                raise ConfigRuleError(f"<<recompute_num_layers>> ({size}) must divide the {per_stage} layers of each "
+                                      "pipeline stage (model chunk) with <<recompute_method>> uniform")
+        if self.distribute_saved_activations:
+            if self.tensor_model_parallel_size == 1:
+                raise ConfigRuleError("<<distribute_saved_activations>>: can distribute recomputed activations only "
+                                      "across tensor model parallel groups (needs <<tensor_model_parallel_size>> > 1)")
+            if granularity != "full":
+                raise ConfigRuleError("<<distribute_saved_activations>>: distributed recompute activations is only "
+                                      "applicable to full recompute granularity (<<recompute_granularity>> full)")
+            if self.sequence_parallel:
+                raise ConfigRuleError("<<distribute_saved_activations>> cannot be combined with <<sequence_parallel>>: "
+                                      "the saved layer inputs are already split over the tensor-parallel ranks")

@@ -421,39 +421,13 @@ def _validate_pipeline_schedule(args: Namespace) -> None:
             raise ArgsError(str(error)) from error
 
 
-def _validate_recompute(args: Namespace) -> None:
-    """Activation recompute (Megatron's rules): full needs a method and a layer count that fits
-    each pipeline stage (model chunk); selective takes neither; distributed saved inputs need
-    full recompute over TP > 1 without sequence parallelism."""
-    granularity, method, size = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    if granularity == "selective" and method is not None:
-        raise ArgsError("--recompute-method: recompute method is not yet supported for selective recomputing "
-                        "granularity (--recompute-granularity selective, or --recompute-activations)")
-    if granularity != "full":
-        for dest in ("recompute_method", "recompute_num_layers"):
-            if getattr(args, dest) is not None:
-                raise ArgsError(f"{flag(dest)} needs --recompute-granularity full")
-    else:
-        if method is None:
-            raise ArgsError('--recompute-granularity full needs --recompute-method "uniform" or "block"')
-        chunks = args.pipeline_model_parallel_size * (args.virtual_pipeline_model_parallel_size or 1)
-        per_stage = args.num_layers // chunks
-        if size is None or not 1 <= size <= per_stage:
-            raise ArgsError(f"--recompute-granularity full needs --recompute-num-layers between 1 and the "
-                            f"{per_stage} layers of each pipeline stage (model chunk), got {size}")
-        if method == "uniform" and per_stage % size:
-            raise ArgsError(f"--recompute-num-layers ({size}) must divide the {per_stage} layers of each pipeline "
-                            "stage (model chunk) with --recompute-method uniform")
-    if args.distribute_saved_activations:
-        if args.tensor_model_parallel_size == 1:
-            raise ArgsError("--distribute-saved-activations: can distribute recomputed activations only across "
-                            "tensor model parallel groups (needs --tensor-model-parallel-size > 1)")
-        if granularity != "full":
-            raise ArgsError("--distribute-saved-activations: distributed recompute activations is only applicable "
-                            "to full recompute granularity (--recompute-granularity full)")
-        if args.sequence_parallel:
-            raise ArgsError("--distribute-saved-activations cannot be combined with --sequence-parallel: the saved "
-                            "layer inputs are already split over the tensor-parallel ranks")
+def _validate_model_config(args: Namespace) -> None:
+    """The rules of the model's config (recompute, MoE, ...): written once, in TransformerConfig,
+    and reported here naming the flags."""
+    if args.num_experts is not None and args.moe_token_dispatcher_type == "flex":  # a Megatron choice we lack
+        raise ArgsError("--moe-token-dispatcher-type flex: the DeepEP dispatcher is not supported yet; "
+                        "use allgather or alltoall")
+    _check_config_rules(args)
 
 
 def _validate_train_length(args: Namespace) -> None:
@@ -588,18 +562,13 @@ def _check_save_directory(path: str) -> None:
 
 
 def _validate_moe(args: Namespace) -> None:
-    """The mixture-of-experts flags: what is about the layout or not supported here is checked here;
-    the MoE rules themselves are TransformerConfig's (_check_moe), written once there and reported
-    here in one line naming the flags."""
+    """The mixture-of-experts flags against the layout; the MoE rules themselves are TransformerConfig's
+    (_check_moe), written once there and reported by _validate_model_config naming the flags."""
     if args.num_experts is None and args.expert_model_parallel_size == 1:
         return
-    if args.num_experts is not None and args.moe_token_dispatcher_type == "flex":
-        raise ArgsError("--moe-token-dispatcher-type flex: the DeepEP dispatcher is not supported yet; "
-                        "use allgather or alltoall")
     _require_positive(args, ("expert_model_parallel_size",))
     if args.expert_tensor_parallel_size is not None:
         _require_positive(args, ("expert_tensor_parallel_size",))
-    _check_config_rules(args)
     etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
     if args.world_size % (etp * ep * pp):
@@ -714,7 +683,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_pipeline_parallel(args)
     _validate_data_parallel(args)
     _validate_pipeline_schedule(args)
-    _validate_recompute(args)
+    _validate_model_config(args)
     _validate_moe(args)
     _validate_train_length(args)
     _validate_lr(args)

@@ -9,6 +9,7 @@ with the RNG restore disabled, the recomputed dropout masks differ and so do the
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -176,16 +177,21 @@ def test_checkpoint_refuses_autograd_grad():
 
 
 BAD_CONFIGS = [
-    (dict(recompute_granularity="full", recompute_num_layers=1), 'recompute_method must be "block" or "uniform"'),
-    (dict(recompute_granularity="full", recompute_method="uniform"), "recompute_num_layers must be between 1"),
+    (dict(recompute_granularity="full", recompute_num_layers=1),
+     'recompute_granularity full needs recompute_method "uniform" or "block"'),
+    (dict(recompute_granularity="full", recompute_method="uniform"),
+     "recompute_granularity full needs recompute_num_layers between 1 and the"),
     (dict(recompute_granularity="partial"), 'recompute_granularity must be "full" or "selective"'),
-    (dict(recompute_granularity="selective", recompute_method="block"), "need recompute_granularity full"),
+    (dict(recompute_granularity="selective", recompute_method="block"),
+     "recompute_method: recompute method is not yet supported for selective recomputing granularity"),
+    (dict(recompute_num_layers=1), "recompute_num_layers needs recompute_granularity full"),
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0),
      "recompute_num_layers must be a positive integer"),
-    (dict(recompute_granularity="selective", distribute_saved_activations=True),
-     "distribute_saved_activations needs recompute_granularity full"),
+    (dict(recompute_granularity="selective", distribute_saved_activations=True, tensor_model_parallel_size=2),
+     "distribute_saved_activations: distributed recompute activations is only applicable to full"),
     (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1, sequence_parallel=True,
-          distribute_saved_activations=True), "must be false when sequence parallel is enabled"),
+          distribute_saved_activations=True, tensor_model_parallel_size=2),
+     "distribute_saved_activations cannot be combined with sequence_parallel"),
 ]
 
 
@@ -195,13 +201,15 @@ def test_config_rejects_inconsistent_recompute_fields(overrides, message):
         _config(**overrides)
 
 
-@pytest.mark.parametrize("method, size, message", [("uniform", 3, "must divide the 4 layers"),
-                                                   ("block", 5, "must be at most the 4 layers")])
-def test_block_checks_recompute_num_layers_against_its_stage(method, size, message):
-    config = _config(recompute_granularity="full", recompute_method=method, recompute_num_layers=size)
-    with pytest.raises(ValueError, match=message):
-        TransformerBlock(config)
-    TransformerBlock(dataclasses.replace(config, num_layers=2 * size if method == "block" else 3))
+@pytest.mark.parametrize("method, size, message", [
+    ("uniform", 3, "must divide the 4 layers of each pipeline stage"),
+    ("block", 5, "between 1 and the 4 layers of each pipeline stage (model chunk), got 5")])
+def test_the_config_checks_recompute_num_layers_against_each_stage(method, size, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _config(recompute_granularity="full", recompute_method=method, recompute_num_layers=size)
+    config = _config(recompute_granularity="full", recompute_method=method, recompute_num_layers=size,
+                     num_layers=2 * size if method == "block" else 3)
+    TransformerBlock(config)
 
 
 def test_pretrain_gpt_trains_to_the_same_losses_with_the_recompute_flags(capsys):
