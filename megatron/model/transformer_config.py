@@ -64,6 +64,14 @@ FUSED_KERNELS_CPU_IMPLS = ("native", "reference", "compiled")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
 
+def moe_layer_numbers(moe_layer_freq: int | list[int], num_layers: int) -> list[int]:
+    """The 1-based numbers of the MoE layers: every moe_layer_freq-th from the first (1, 1 + N, ...),
+    or where a 0/1 list has a 1 (Megatron's --moe-layer-freq); the one place this is computed."""
+    if isinstance(moe_layer_freq, int):
+        return [n for n in range(1, num_layers + 1) if (n - 1) % moe_layer_freq == 0]
+    return [n + 1 for n, v in enumerate(moe_layer_freq) if v]
+
+
 class ConfigRuleError(ValueError):
     """A rule of the config is broken. The message names fields as <<field>>: str() writes them as
     the fields' names (moe_router_topk), render(name_of) as anything else, e.g. the command line's
@@ -235,12 +243,8 @@ class TransformerConfig:
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether the 1-based layer `layer_number` has an MoE MLP (moe_layer_freq; Megatron's pattern)."""
-        if self.num_moe_experts is None:
-            return False
-        freq = self.moe_layer_freq
-        if isinstance(freq, int):
-            return (layer_number - 1) % freq == 0
-        return bool(freq[layer_number - 1])
+        return self.num_moe_experts is not None and layer_number in moe_layer_numbers(self.moe_layer_freq,
+                                                                                      self.num_layers)
 
     def _check_moe(self) -> None:
         """Megatron-Core's rules for the MoE fields, each refused in one line naming the fields

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from megatron.core import device
+from megatron.model.transformer_config import moe_layer_numbers as _moe_layer_numbers
 from megatron.training.global_vars import (
     get_args,
     get_num_microbatches,
@@ -347,11 +348,8 @@ def moe_loss_names(args: argparse.Namespace) -> List[str]:
 
 
 def moe_layer_numbers(args: argparse.Namespace) -> List[int]:
-    """The 1-based numbers of the MoE layers (--moe-layer-freq)."""
-    freq = args.moe_layer_freq
-    if isinstance(freq, int):
-        return [n for n in range(1, args.num_layers + 1) if (n - 1) % freq == 0]
-    return [n + 1 for n, v in enumerate(freq) if v]
+    """The 1-based numbers of the MoE layers (--moe-layer-freq), as the model places them."""
+    return _moe_layer_numbers(args.moe_layer_freq, args.num_layers)
 
 
 @dataclass
