@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron import fused_kernels as fk
-from tests.unit.test_fused_kernels import assert_rel_close, assert_same_results, bias_swiglu_case, leaf, rope_case, \
+from tests.helpers.fused_kernels import assert_rel_close, assert_same_results, bias_swiglu_case, leaf, rope_case, \
     rope_freqs, run
 
 

@@ -14,7 +14,7 @@ import torch
 from megatron.inference.context import InferenceContext
 from megatron.inference.generation import generate_tokens
 
-from tests.unit.test_hf_equivalence import FUSED, UNFUSED, VOCAB, gpt2, llama_family, make_hf, make_ours
+from tests.helpers.hf_models import FUSED, UNFUSED, VOCAB, gpt2, llama_family, make_hf, make_ours
 
 transformers = pytest.importorskip("transformers")
 

@@ -206,7 +206,7 @@ def test_block_checks_recompute_num_layers_against_its_stage(method, size, messa
 
 def test_pretrain_gpt_trains_to_the_same_losses_with_the_recompute_flags(capsys):
     import pretrain_gpt
-    from tests.functional.test_pretrain_gpt import MOCK, TINY
+    from tests.helpers.training import MOCK, TINY
 
     argv = [*TINY, *MOCK, "--eval-iters", "0", "--train-iters", "3"]  # dropout 0.1 (the default)
     runs = {}
