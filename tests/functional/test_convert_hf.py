@@ -20,7 +20,7 @@ from megatron.training.checkpoint_safety import CheckpointError, load_file
 from megatron.training.checkpointing import get_checkpoint_name
 from megatron.convert import megatron_format
 from tests.helpers.convert import llama31_rope, run_convert, save_hf
-from tests.functional.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
+from tests.helpers.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
 from tests.parallel.harness import DistributedPool, init_parallel
 from tools.checkpoint import convert, loader_hf, saver_hf
 

@@ -29,7 +29,7 @@ from megatron.convert.layout_rules import renumber, tensor_layout
 from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.model import GPTModel
 from tests.helpers.convert import FLAGS, VOCAB, assert_same_tensors, legacy_args
-from tests.mcore_reference import run_mcore
+from tests.helpers.mcore_reference import run_mcore
 from tools.checkpoint import convert, saver_core, saver_megatron
 
 TP, PP = 2, 2

@@ -37,7 +37,7 @@ from megatron.convert.layout_rules import tensor_layout
 from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.model import GPTModel
 from tests.helpers.convert import assert_same_tensors
-from tests.mcore_reference import run_mcore
+from tests.helpers.mcore_reference import run_mcore
 from tools.checkpoint import convert, saver_core, saver_megatron
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

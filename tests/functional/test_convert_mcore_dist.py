@@ -15,7 +15,7 @@ import torch
 from megatron.training.checkpoint_safety import CheckpointError
 from megatron.convert import verify
 from tests.helpers.convert import legacy_args
-from tests.mcore_reference import run_mcore
+from tests.helpers.mcore_reference import run_mcore
 from tools.checkpoint import convert, saver_megatron
 
 TOKENS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]

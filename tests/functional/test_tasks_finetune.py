@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from tests.functional.finetune_launcher import run_task
+from tests.helpers.finetune_launcher import run_task
 from tools.make_task_fixtures import make_fixtures
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -29,9 +29,9 @@ from megatron.core.optimizer import (
 )
 from megatron.core.pipeline_parallel import schedules
 from megatron.model import Float16Module, GPTModel, TransformerConfig
-from tests.parallel.harness import init_parallel
 from tests.helpers import dp_gpt
 from tests.helpers.groups import WORLD, destroy_groups, dp_group
+from tests.parallel.harness import init_parallel
 
 VOCAB, SEQ, MBS, HIDDEN, SEED, GLOBAL = 256, 8, 2, 32, 1234, 4
 # 2 layers: 33,920 parameters, a multiple of 4, so one bucket needs no padding at d = 1, 2, 4

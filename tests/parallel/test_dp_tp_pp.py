@@ -16,9 +16,9 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import schedules
-from tests.parallel.harness import DistributedPool, init_parallel
 from tests.helpers import pp_gpt, tp_gpt
 from tests.helpers.pp_gpt import MBS, SEQ, VOCAB
+from tests.parallel.harness import DistributedPool, init_parallel
 
 GLOBAL, STEPS = 8, 3
 

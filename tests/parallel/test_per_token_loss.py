@@ -19,10 +19,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.model import GPTModel, TransformerConfig
-from tests.parallel.harness import init_parallel
 from tests.helpers import dp_gpt
 from tests.helpers.dp_gpt import MBS, SEQ, VOCAB
 from tests.helpers.groups import destroy_groups, dp_group
+from tests.parallel.harness import init_parallel
 
 SEED, HIDDEN, LAYERS, GLOBAL, LR = 1234, 32, 2, 4, 0.1
 # Loss tokens kept at the start of each sample, [micro-batch][sample]: uneven within and across ranks

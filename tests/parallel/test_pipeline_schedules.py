@@ -16,9 +16,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import p2p_communication, schedules, tracer
 from megatron.core.pipeline_parallel.p2p_communication import PipelineTimeoutError
-from tests.parallel.harness import DistributedPool, init_parallel
 from tests.helpers import pp_gpt
 from tests.helpers.pp_gpt import VOCAB
+from tests.parallel.harness import DistributedPool, init_parallel
 
 PP, M = 4, 8
 

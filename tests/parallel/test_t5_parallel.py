@@ -14,8 +14,8 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import finalize_model_grads
 from megatron.model import TransformerConfig
 from megatron.model.t5_model import T5Model, t5_attention_masks
-from tests.parallel.harness import init_parallel
 from tests.helpers import tp_gpt, tp_pp_bert
+from tests.parallel.harness import init_parallel
 
 VOCAB, S_ENC, S_DEC, BATCH, HIDDEN, SEED = 300, 10, 8, 2, 32, 4321
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "lm_head.output_layer.bias")

@@ -11,8 +11,8 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.model import TransformerConfig
 from megatron.model.classification import Classification
 from megatron.model.multiple_choice import MultipleChoice
-from tests.parallel.harness import init_parallel
 from tests.helpers import tp_gpt
+from tests.parallel.harness import init_parallel
 
 VOCAB, SEQ, BATCH, CHOICES, SEED = 300, 8, 2, 4, 4321
 
