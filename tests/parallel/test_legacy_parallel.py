@@ -2,7 +2,8 @@
 Accelerate's initialize() leaves them), split over TP = 2 and over PP = 2 stages under the pipeline
 schedule (set_input_tensor between the stages), against the same legacy model on one rank: the same
 initial weights, the same losses (lm + sop, with padding) and the same gradients. The batches and the
-forward step are tests/parallel/test_bert_parallel.py's (Accelerate's BertTrainStep call)."""
+forward step are tests/parallel/test_bert_parallel.py's (tests/helpers/tp_pp_bert.py; Accelerate's
+BertTrainStep call)."""
 
 from argparse import Namespace
 

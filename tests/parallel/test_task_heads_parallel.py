@@ -1,6 +1,6 @@
 """The fine-tuning heads (Classification, MultipleChoice) split over tensor-parallel ranks (with and
 without sequence parallelism) and pipeline stages give the serial model's logits, loss and head
-gradients: the trunk is BertModel's (tests/parallel/test_bert_parallel.py), the pooler and heads
+gradients: the trunk is BertModel's (tests/helpers/tp_pp_bert.py), the pooler and heads
 are replicated and read the whole sequence."""
 import pytest
 import torch
