@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 
 # The test extra, and megatron-core from PyPI beside the venv (the numerical reference some
 # tests compare with; its `megatron` package has our package's name, so it lives in its own
-# folder and tests run it in subprocesses with PYTHONPATH pointing there: tests/mcore_reference.py).
+# folder and tests run it in subprocesses with PYTHONPATH pointing there: tests/helpers/mcore_reference.py).
 $(VENV)/.installed-test: $(VENV)/.installed $(VENV)/peers/megatron_core/.installed
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@

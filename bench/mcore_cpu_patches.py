@@ -1,7 +1,7 @@
 """The CUDA-only helpers megatron-core's GPT (dense and MoE), BERT and T5 paths call, redone on CPU (MCORE_CPU_PATCHES).
 
 Imported only inside processes that run megatron-core (its package is also called `megatron`):
-bench/compare_peers.py's worker and the reference snippets of tests/mcore_reference.py, which
+bench/compare_peers.py's worker and the reference snippets of tests/helpers/mcore_reference.py, which
 paste this file's text into the snippet. It imports nothing of this project.
 """
 

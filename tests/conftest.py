@@ -1,4 +1,4 @@
-"""Shared fixtures: where the real test data lives, and small helpers."""
+"""Shared fixtures: where the real test data lives. Shared helpers (no fixtures) are in tests/helpers/."""
 import os
 import sys
 from pathlib import Path
@@ -6,7 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+# What the test modules share lives in tests/helpers/: pytest rewrites the asserts there as in a test module.
+pytest.register_assert_rewrite("tests.helpers")
+
+from tests.helpers.paths import ROOT  # noqa: E402 (after the registration)
+
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

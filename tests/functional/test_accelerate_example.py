@@ -23,8 +23,9 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.functional.test_tensor_parallel_training import _free_port
+from tests.helpers.data import accelerate_fixture
+from tests.helpers.launch import free_port
+from tests.helpers.paths import ROOT
 
 pytest.importorskip("accelerate")
 pytest.importorskip("datasets")
@@ -36,23 +37,6 @@ EVAL_LINE = re.compile(r"epoch 0: perplexity: (\S+) eval_loss: (\S+)")
 STEPS = 5
 
 
-def _fixture(root, corpus_path, gpt2_vocab_dir):
-    model = root / "tiny-gpt2"
-    model.mkdir()
-    for name in ("vocab.json", "merges.txt"):
-        (model / name).write_bytes((gpt2_vocab_dir / name).read_bytes())
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 4, "n_embd": 64, "n_head": 4,
-        "n_positions": 128, "n_ctx": 128, "vocab_size": 50257, "bos_token_id": 50256, "eos_token_id": 50256}))
-    (model / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer",
-                                                             "model_max_length": 128}))
-    with open(corpus_path, encoding="utf-8") as f:
-        docs = [json.loads(line)["text"].replace("\n", " ") for _, line in zip(range(31), f)]
-    (root / "train.txt").write_text("\n".join(docs[:20]) + "\n")
-    (root / "validation.txt").write_text(docs[30][:1500] + "\n")
-    return model
-
-
 def _launch(root, model, name, nproc, tp, pp):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HOME": str(root / "hf_home"), "HF_DATASETS_CACHE": str(root / f"datasets_{name}"),
@@ -60,7 +44,7 @@ def _launch(root, model, name, nproc, tp, pp):
            "MEGATRON_LM_SEQUENCE_PARALLELISM": str(tp > 1).lower(), "MEGATRON_LM_RECOMPUTE_ACTIVATIONS": "true",
            "MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER": "true", "OMP_NUM_THREADS": "1"}
     out = root / f"out_{name}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
            "-m", "megatron.training.accelerate_launch", str(SHIM), str(EXAMPLE),
            "--config_name", str(model), "--tokenizer_name", str(model),
            "--train_file", str(root / "train.txt"), "--validation_file", str(root / "validation.txt"),
@@ -74,7 +58,7 @@ def _launch(root, model, name, nproc, tp, pp):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus_path, gpt2_vocab_dir):
     root = tmp_path_factory.mktemp("accelerate_example")
-    model = _fixture(root, corpus_path, gpt2_vocab_dir)
+    model = accelerate_fixture(root, corpus_path, gpt2_vocab_dir)
     results = {}
     for name, nproc, tp, pp in (("tp2pp2", 4, 2, 2), ("tp1pp1", 1, 1, 1)):
         proc, out = _launch(root, model, name, nproc, tp, pp)

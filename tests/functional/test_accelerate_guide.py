@@ -25,9 +25,9 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
-from tests.functional.test_accelerate_example import _fixture
-from tests.functional.test_tensor_parallel_training import _free_port
+from tests.helpers.data import accelerate_fixture
+from tests.helpers.launch import free_port
+from tests.helpers.paths import ROOT
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -50,7 +50,7 @@ def _launch(root, name, nproc, config, tp=1, pp=1, distributed_optimizer=False, 
     if not launcher:
         env["ACCELERATE_USE_MEGATRON_LM"] = "true"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), *(["-m", "megatron.training.accelerate_launch"] if launcher else []),
+           str(free_port()), *(["-m", "megatron.training.accelerate_launch"] if launcher else []),
            str(SCRIPT), str(root / f"{name}.config.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env, timeout=900)
     assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -60,7 +60,7 @@ def _launch(root, name, nproc, config, tp=1, pp=1, distributed_optimizer=False, 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, corpus_path, gpt2_vocab_dir):
     root = tmp_path_factory.mktemp("accelerate_guide")
-    _fixture(root, corpus_path, gpt2_vocab_dir)
+    accelerate_fixture(root, corpus_path, gpt2_vocab_dir)
     return root
 
 

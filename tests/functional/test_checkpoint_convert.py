@@ -27,7 +27,8 @@ from megatron.core import parallel_state
 from megatron.core.atomic_io import atomic_write
 from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.model import GPTModel
-from tests.functional.test_tensor_parallel_training import _losses, _torchrun
+from tests.helpers.launch import torchrun
+from tests.helpers.training import logged_losses
 from tools.checkpoint import convert, saver_megatron
 
 COMMON = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -276,10 +277,10 @@ def test_tp4_pp2_to_tp2_pp1_to_tp1_pp4_interleaved_continues_the_unconverted_run
     flags = [*MODELS["llama-gqa2"][0], "--num-layers", "8", "--micro-batch-size", "1", "--global-batch-size", "8",
              "--optimizer", "sgd", "--sgd-momentum", "0", "--lr-decay-style", "constant", "--log-interval", "1"]
     unconverted = tmp_path / "tp4_pp2"
-    run = _torchrun(8, [*flags, "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
-                        "--train-iters", "3", "--save", str(unconverted), "--save-interval", "1"])
+    run = torchrun(8, [*flags, "--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",
+                       "--train-iters", "3", "--save", str(unconverted), "--save-interval", "1"])
     assert run.returncode == 0, run.stderr[-3000:]
-    logged = _losses(run.stdout)[3]
+    logged = logged_losses(run.stdout)[3]
     at2 = tmp_path / "tp4_pp2_at2"
     shutil.copytree(unconverted, at2)
     atomic_write(get_checkpoint_tracker_filename(str(at2)), lambda f: f.write(b"2"))
@@ -290,12 +291,12 @@ def test_tp4_pp2_to_tp2_pp1_to_tp1_pp4_interleaved_continues_the_unconverted_run
     _, expected = _read_whole(unconverted)  # its iteration-3 weights, merged to TP=1
     for name, virtual in (("tp1_pp4_vp2", ["--num-layers-per-virtual-pipeline-stage", "1"]),):
         out = tmp_path / f"{name}_trained"
-        run = _torchrun(4, [*flags, "--pipeline-model-parallel-size", "4", *virtual, "--train-iters", "3",
-                            "--load", str(tmp_path / name), "--no-load-optim", "--no-load-rng",
-                            "--save", str(out), "--save-interval", "3"])
+        run = torchrun(4, [*flags, "--pipeline-model-parallel-size", "4", *virtual, "--train-iters", "3",
+                           "--load", str(tmp_path / name), "--no-load-optim", "--no-load-rng",
+                           "--save", str(out), "--save-interval", "3"])
         assert run.returncode == 0, (name, run.stderr[-3000:])
-        assert list(_losses(run.stdout)) == [3], name
-        assert _losses(run.stdout)[3] == pytest.approx(logged, rel=2e-6), name  # logged to 7 digits
+        assert list(logged_losses(run.stdout)) == [3], name
+        assert logged_losses(run.stdout)[3] == pytest.approx(logged, rel=2e-6), name  # logged to 7 digits
         args, trained = _read_whole(out)
         assert trained.keys() == expected.keys(), name
         assert (args.padded_vocab_size, expected[megatron_format.EMBEDDING].shape[0]) == (256, 512)  # TP=1 / TP=4

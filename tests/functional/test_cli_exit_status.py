@@ -5,8 +5,8 @@ every entry point: tests/unit/test_cli_errors.py.)"""
 import os
 import socket
 
-from tests.functional.test_pretrain_gpt import MOCK, TINY
-from tests.functional.test_training_features import run_cli
+from tests.helpers.launch import run_cli
+from tests.helpers.training import MOCK, TINY
 
 BAD = [*TINY, *MOCK, "--train-iters", "1", "--adam-beta1", "1.5"]
 MESSAGE = "pretrain_gpt.py: error: --adam-beta1 must be in [0, 1), got 1.5"

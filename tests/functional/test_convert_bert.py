@@ -21,7 +21,7 @@ import torch
 from megatron.training.checkpointing import get_checkpoint_name
 from megatron.training.checkpoint_safety import load_file
 from megatron.convert import verify
-from tests.functional.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
+from tests.helpers.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
 from tests.parallel.harness import DistributedPool, init_parallel
 from tools.checkpoint import convert, loader_megatron, saver_hf
 

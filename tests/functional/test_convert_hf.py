@@ -19,7 +19,8 @@ import torch
 from megatron.training.checkpoint_safety import CheckpointError, load_file
 from megatron.training.checkpointing import get_checkpoint_name
 from megatron.convert import megatron_format
-from tests.functional.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
+from tests.helpers.convert import llama31_rope, run_convert, save_hf
+from tests.helpers.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
 from tests.parallel.harness import DistributedPool, init_parallel
 from tools.checkpoint import convert, loader_hf, saver_hf
 
@@ -38,12 +39,6 @@ def _llama_family(kind, **overrides):
                   num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS,
                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
     return config_class(**{**kwargs, **overrides})
-
-
-def _llama31_rope(factor=8.0):
-    """Llama 3.1's config.json RoPE (3.2: factor 32): the constants Megatron-Core's --use-rope-scaling fixes."""
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
 
 
 def _gpt2(**overrides):
@@ -66,49 +61,27 @@ MODELS = {  # noqa: E731
     "gpt2-untied-erf-gelu": lambda: _gpt2(n_layer=2, tie_word_embeddings=False, activation_function="gelu"),
     "llama-gqa": lambda: _llama_family("llama"),
     "llama-tied": lambda: _llama_family("llama", tie_word_embeddings=True, num_key_value_heads=4),
-    "llama3.1-rope-scaling": lambda: _llama_family("llama", num_hidden_layers=2, rope_parameters=_llama31_rope()),
+    "llama3.1-rope-scaling": lambda: _llama_family("llama", num_hidden_layers=2, rope_parameters=llama31_rope()),
     "llama3.2-tied-mqa-rope-scaling": lambda: _llama_family(
         "llama", num_hidden_layers=2, tie_word_embeddings=True, num_key_value_heads=1,
-        rope_parameters=_llama31_rope(factor=32.0)),
+        rope_parameters=llama31_rope(factor=32.0)),
     "llama-biases-head-dim": lambda: _llama_family("llama", num_hidden_layers=2, num_key_value_heads=4,
                                                    attention_bias=True, mlp_bias=True, head_dim=16),
     "mistral": lambda: _llama_family("mistral", sliding_window=32),
     "mistral-tied-rope-scaling": lambda: _llama_family("mistral", num_hidden_layers=2, sliding_window=32,
-                                                       tie_word_embeddings=True, rope_parameters=_llama31_rope()),
+                                                       tie_word_embeddings=True, rope_parameters=llama31_rope()),
     "qwen2": lambda: _llama_family("qwen2", num_key_value_heads=1),
     "qwen2-tied-rope-scaling": lambda: _llama_family("qwen2", num_hidden_layers=2, tie_word_embeddings=True,
-                                                     rope_parameters=_llama31_rope()),
+                                                     rope_parameters=llama31_rope()),
     "gpt-neox-partial-rotary": lambda: _gpt_neox(rotary_pct=0.5),
     "gpt-neox-tied-tanh-rope-scaling": lambda: _gpt_neox(
         num_hidden_layers=2, tie_word_embeddings=True, hidden_act="gelu_new",
-        rope_parameters=dict(_llama31_rope(), partial_rotary_factor=1.0)),
+        rope_parameters=dict(llama31_rope(), partial_rotary_factor=1.0)),
 }
 # Models with Llama 3.1's RoPE -> how much sharper their attention is made (_save_hf), enough that HF's
 # logits without the scaling differ from HF's by over 50 times the 1e-5 of the logits checks.
 ROPE_SCALED = {name: 60.0 if name.startswith("gpt-neox") else 20.0 for name in MODELS
                if name.endswith("rope-scaling")}
-
-
-def _save_hf(config, path, seed=0, query_key_scale=1.0):
-    """query_key_scale: sharper attention, so that slow RoPE frequencies (those Llama 3.1's scaling
-    changes, wavelengths over 2048 positions) move the logits of a dozen tokens visibly."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # norms and biases away from 1 and 0, so that a mix-up shows
-        for name, param in model.named_parameters():
-            if name.endswith(".bias") or "norm" in name or ".ln_" in name:
-                param.add_(0.1 * torch.randn_like(param))
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                param.mul_(query_key_scale)
-            elif name.endswith("attention.query_key_value.weight"):  # GPT-NeoX: rows [np, 3, hn]
-                param.view(config.num_attention_heads, 3, -1, param.shape[1])[:, :2].mul_(query_key_scale)
-    model.save_pretrained(path)
-    return model
-
-
-def _convert(load_dir, save_dir, loader, saver, *extra):
-    convert.main(["--model-type", "GPT", "--loader", loader, "--saver", saver, "--load-dir", str(load_dir),
-                  "--save-dir", str(save_dir), *extra])
 
 
 def _hf_logits(path):
@@ -124,10 +97,10 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     out = {}
     for name, config in MODELS.items():
-        _save_hf(config(), root / name, query_key_scale=ROPE_SCALED.get(name, 1.0))
-        _convert(root / name, root / f"{name}-tp2pp2", "hf", "megatron",
-                 "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
-        _convert(root / f"{name}-tp2pp2", root / f"{name}-back", "megatron", "hf")
+        save_hf(config(), root / name, query_key_scale=ROPE_SCALED.get(name, 1.0))
+        run_convert(root / name, root / f"{name}-tp2pp2", "hf", "megatron",
+                    "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+        run_convert(root / f"{name}-tp2pp2", root / f"{name}-back", "megatron", "hf")
         out[name] = (root / name, root / f"{name}-tp2pp2", root / f"{name}-back")
     return out
 
@@ -227,7 +200,7 @@ def test_our_tp2pp2_model_gives_hfs_logits(converted, pool):
 def test_a_small_max_shard_size_writes_an_index_that_reloads(converted, tmp_path):
     source, ours, _ = converted["llama-gqa"]
     out = tmp_path / "sharded"
-    _convert(ours, out, "megatron", "hf", "--max-shard-size", "10KB")
+    run_convert(ours, out, "megatron", "hf", "--max-shard-size", "10KB")
     index = _json(out / "model.safetensors.index.json")
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -238,17 +211,17 @@ def test_a_small_max_shard_size_writes_an_index_that_reloads(converted, tmp_path
                                                   safetensors_torch.load_file(str(source / "model.safetensors")).values())
     assert torch.equal(_hf_logits(out), _hf_logits(source))
     again = tmp_path / "again"  # sharded input, converted back to one file
-    _convert(out, again, "hf", "hf")
+    run_convert(out, again, "hf", "hf")
     assert torch.equal(_hf_logits(again), _hf_logits(source))
 
 
 def test_pytorch_model_bin_input(tmp_path):
     source = tmp_path / "bin"
-    model = _save_hf(MODELS["gpt2"](), tmp_path / "safetensors")
+    model = save_hf(MODELS["gpt2"](), tmp_path / "safetensors")
     model.config.save_pretrained(source)
     torch.save(model.state_dict(), source / "pytorch_model.bin")  # with the tied lm_head copy and attn buffers
-    _convert(source, tmp_path / "ours", "hf", "megatron", "--target-tensor-parallel-size", "2")
-    _convert(tmp_path / "ours", tmp_path / "back", "megatron", "hf")
+    run_convert(source, tmp_path / "ours", "hf", "megatron", "--target-tensor-parallel-size", "2")
+    run_convert(tmp_path / "ours", tmp_path / "back", "megatron", "hf")
     assert torch.equal(_hf_logits(tmp_path / "back"), _hf_logits(tmp_path / "safetensors"))
 
 
@@ -268,7 +241,7 @@ def _one_line_error(argv, capsys):
 
 def test_bad_input_is_one_line(tmp_path, capsys):
     hf = tmp_path / "hf"
-    _save_hf(MODELS["llama-gqa"](), hf)
+    save_hf(MODELS["llama-gqa"](), hf)
     argv = ["--model-type", "GPT", "--loader", "hf", "--saver", "megatron", "--save-dir", str(tmp_path / "out")]
     assert "config.json is missing" in _one_line_error([*argv, "--load-dir", str(tmp_path)], capsys)
     bert = tmp_path / "bert"
@@ -309,7 +282,7 @@ def test_a_swapped_query_and_key_in_the_saver_is_refused(converted, tmp_path, mo
     break_hf_saver_rule(monkeypatch, saver_hf, "decoder.layers.1.self_attention.linear_qkv.weight",
                         first_query_and_key_heads_swapped(HIDDEN // HEADS))  # group 0's key head
     with pytest.raises(convert.ConversionError, match="logits differ"):
-        _convert(source, tmp_path / "swapped", "hf", "hf")
+        run_convert(source, tmp_path / "swapped", "hf", "hf")
     assert "MISMATCH" in capsys.readouterr().out
     assert not (tmp_path / "swapped").exists()
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".swapped")]
@@ -330,20 +303,20 @@ LLAMA_FLAGS = ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN), "--num
 def test_load_hf_at_tp2_trains_from_the_converted_models_loss_and_saves(converted, tmp_path):
     """--load-hf at TP = 2 (2 gloo processes) logs the first loss of the converted checkpoint run at
     TP = 1 with --load --finetune; with --lr 0 the checkpoint it saves holds the HF weights."""
-    from tests.functional.test_tensor_parallel_training import _losses, _torchrun
-    from tests.functional.test_training_features import run_cli
+    from tests.helpers.launch import run_cli, torchrun
+    from tests.helpers.training import logged_losses
 
     source = converted["llama-gqa"][0]
     saved = tmp_path / "saved"
-    direct = _torchrun(2, ["--load-hf", str(source), "--tensor-model-parallel-size", "2", *TRAIN,
-                           "--save", str(saved), "--save-interval", "1", "--ckpt-format", "torch"])
+    direct = torchrun(2, ["--load-hf", str(source), "--tensor-model-parallel-size", "2", *TRAIN,
+                          "--save", str(saved), "--save-interval", "1", "--ckpt-format", "torch"])
     assert direct.returncode == 0, direct.stderr[-3000:]
     tp1 = tmp_path / "tp1"
-    _convert(source, tp1, "hf", "megatron", "--no-verify")
+    run_convert(source, tp1, "hf", "megatron", "--no-verify")
     first = run_cli(["pretrain_gpt.py", *LLAMA_FLAGS, *TRAIN, "--load", str(tp1), "--finetune",
                      "--ckpt-format", "torch"])  # the converter writes the torch format
     assert first.returncode == 0, first.stderr[-3000:]
-    loss, expected = _losses(direct.stdout)[1], _losses(first.stdout)[1]
+    loss, expected = logged_losses(direct.stdout)[1], logged_losses(first.stdout)[1]
     assert abs(loss - expected) <= 1e-5 * abs(expected), (loss, expected)
     # What --save wrote reads back (checksums checked) as the HF model's weights, vocabulary padded for TP = 2.
     written = megatron_format.open_source(str(saved))

@@ -21,27 +21,18 @@ import os
 import pytest
 import torch
 
-from megatron.training.arguments import core_transformer_config_from_args, gpt_model_kwargs, parse_and_validate_args
+from megatron.training.arguments import core_transformer_config_from_args, gpt_model_kwargs
 from megatron.training.checkpoint_safety import load_file
 from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.convert import verify
 from megatron.convert.layout_rules import renumber, tensor_layout
 from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.model import GPTModel
-from tests.mcore_reference import run_mcore
+from tests.helpers.convert import FLAGS, VOCAB, assert_same_tensors, legacy_args
+from tests.helpers.mcore_reference import run_mcore
 from tools.checkpoint import convert, saver_core, saver_megatron
 
-COMMON = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-          "--max-position-embeddings", "16", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
-          "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
-          "--hidden-dropout", "0", "--attention-dropout", "0"]
-FLAGS = {
-    "gpt2": COMMON,  # LayerNorm, biases, learned positions, tied output, GeLU
-    "llama": [*COMMON, "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-              "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
-              "--disable-bias-linear", "--ffn-hidden-size", "48"],
-}
-TP, PP, VOCAB = 2, 2, 256
+TP, PP = 2, 2
 
 # ours -> Megatron-LM's classic names, per generation: (block, attention, norms: input, post, final)
 CLASSIC = {
@@ -51,12 +42,6 @@ CLASSIC = {
 }
 TE_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-
-
-def _args(name: str) -> argparse.Namespace:
-    args = parse_and_validate_args(argv=FLAGS[name])
-    args.padded_vocab_size = VOCAB
-    return args
 
 
 def _model(args: argparse.Namespace) -> GPTModel:
@@ -71,7 +56,7 @@ def models():
     """name -> (our args, the whole state dict, the model) of seeded random models."""
     out = {}
     for seed, name in enumerate(FLAGS):
-        args = _args(name)
+        args = legacy_args(name)
         torch.manual_seed(100 + seed)
         model = _model(args)
         with torch.no_grad():  # norms away from 1 / 0, so a norm mapped to the wrong place shows
@@ -248,12 +233,6 @@ def _assert_logits_of_original(model, read_back, save_dir):
     return result
 
 
-def _assert_same_tensors(whole, save_dir):
-    _, tensors = saver_megatron.read_back(str(save_dir))
-    tensors = dict(tensors)
-    assert tensors.keys() == whole.keys() and all(torch.equal(tensors[k], whole[k]) for k in whole)
-
-
 CASES = {  # id: (model, naming, checkpoint_version, virtual stages)
     "gpt2-classic-v3-vp2": ("gpt2", "core_v0.5", 3.0, 2),
     "llama-gqa-classic-v3": ("llama", "core_v0.5", 3.0, 1),
@@ -271,7 +250,7 @@ def test_legacy_checkpoint_converts_to_the_original_logits(case, models, tmp_pat
     _convert("legacy", "megatron", tmp_path / "megatron_lm", tmp_path / "ours")
     assert "-> OK" in capsys.readouterr().out
     _assert_logits_of_original(model, saver_megatron.read_back, tmp_path / "ours")
-    _assert_same_tensors(whole, tmp_path / "ours")
+    assert_same_tensors(whole, tmp_path / "ours")
 
 
 def test_mislabelled_version_passes_verification_but_not_the_original_logits(models, tmp_path, capsys):
@@ -294,7 +273,7 @@ def test_mcore_checkpoint_converts_to_the_original_logits(name, naming, models, 
     _convert("mcore", "megatron", tmp_path / "mcore", tmp_path / "ours", 2, 1)
     assert "-> OK" in capsys.readouterr().out
     _assert_logits_of_original(model, saver_megatron.read_back, tmp_path / "ours")
-    _assert_same_tensors(whole, tmp_path / "ours")
+    assert_same_tensors(whole, tmp_path / "ours")
 
 
 def test_fp8_extra_state_is_one_line_and_nothing_written(models, tmp_path, capsys):

@@ -6,7 +6,7 @@ its own table of classic names (language_model.{embedding, encoder, pooler}, lm_
 bias}, binary_head, word_embeddings_for_head on the last stage), each TP shard cut with the layout
 rules, args a Megatron-LM Namespace: converted to ours, it is the same tensors and the same logits.
 
-megatron-core: a BertModel built and run by megatron-core 0.16.1 itself (tests/mcore_reference.py,
+megatron-core: a BertModel built and run by megatron-core 0.16.1 itself (tests/helpers/mcore_reference.py,
 local spec, CPU), its state dict saved by the snippet in Megatron-LM's file layout (as
 pretrain_bert.py --use-mcore-models writes it; also renamed to the Transformer Engine spec's fused
 norm names with TE's empty `_extra_state`): converted to HF (--saver hf) MegatronBertForPreTraining
@@ -30,7 +30,7 @@ from megatron.convert import verify
 from megatron.convert.layout_rules import renumber, tensor_layout
 from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.model import BertModel
-from tests.mcore_reference import require_mcore, run_mcore
+from tests.helpers.mcore_reference import require_mcore, run_mcore
 from tools.checkpoint import convert, saver_megatron
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 4, 32, 4, 16, 256

@@ -36,8 +36,8 @@ from megatron.convert import verify
 from megatron.convert.layout_rules import tensor_layout
 from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.model import GPTModel
-from tests.functional.test_convert_legacy import _assert_same_tensors
-from tests.mcore_reference import run_mcore
+from tests.helpers.convert import assert_same_tensors
+from tests.helpers.mcore_reference import run_mcore
 from tools.checkpoint import convert, saver_core, saver_megatron
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -265,7 +265,7 @@ def test_megatron_lm_moe_checkpoint_converts_to_the_original_logits(case, reques
     assert "-> OK" in capsys.readouterr().out
     target = _assert_logits_of_original(model, saver_megatron.read_back, tmp_path / "ours")
     assert target.num_experts == EXPERTS and target.moe_layer_freq == [0, 1]
-    _assert_same_tensors(whole, tmp_path / "ours")
+    assert_same_tensors(whole, tmp_path / "ours")
 
 
 def test_mcore_saver_te_grouped_names_per_ep_rank(moe, tmp_path, capsys):
@@ -480,7 +480,7 @@ def test_legacy_switch_mlp_checkpoint_converts_to_the_original_logits(switch, tm
     assert "-> OK" in capsys.readouterr().out
     target = _assert_logits_of_original(model, saver_megatron.read_back, tmp_path / "ours")
     assert (target.moe_router_topk, target.moe_router_load_balancing_type) == (1, "sinkhorn")
-    _assert_same_tensors(whole, tmp_path / "ours")
+    assert_same_tensors(whole, tmp_path / "ours")
     biased = argparse.Namespace(**{**vars(args), "add_bias_linear": True})
     write_switch_mlp(tmp_path / "biased", biased, whole)
     line = _one_line_error(["--model-type", "GPT", "--loader", "legacy", "--load-dir", str(tmp_path / "biased"),

@@ -1,6 +1,6 @@
 """Megatron-LM's megatron-core T5 checkpoints through `convert.py --model-type T5 --loader mcore`.
 
-A T5Model built and run by megatron-core 0.16.1 itself (tests/mcore_reference.py; local block specs
+A T5Model built and run by megatron-core 0.16.1 itself (tests/helpers/mcore_reference.py; local block specs
 with the final norms the CPU patches give them, learned positions, tied embeddings), saved by the
 snippet in Megatron-LM's file layout with pretrain_t5.py-style args (encoder/decoder_num_layers,
 bias_gelu_fusion False), also renamed to the Transformer Engine spec's fused norm names: converted
@@ -24,7 +24,7 @@ import torch
 from megatron.training.checkpointing import get_checkpoint_name, get_checkpoint_tracker_filename
 from megatron.convert import verify
 from megatron.model.t5_model import t5_attention_masks
-from tests.mcore_reference import require_mcore, run_mcore
+from tests.helpers.mcore_reference import require_mcore, run_mcore
 from tools.checkpoint import convert, saver_megatron
 
 LAYERS, HIDDEN, HEADS, SEQ, DEC_SEQ, VOCAB, NULL_VOCAB, ITERATION = 2, 32, 4, 16, 12, 256, 255, 3

@@ -14,8 +14,8 @@ import torch
 
 from megatron.training.checkpoint_safety import CheckpointError
 from megatron.convert import verify
-from tests.functional.test_convert_legacy import _args
-from tests.mcore_reference import run_mcore
+from tests.helpers.convert import legacy_args
+from tests.helpers.mcore_reference import run_mcore
 from tools.checkpoint import convert, saver_megatron
 
 TOKENS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
@@ -122,7 +122,7 @@ emit(logits)
 @pytest.fixture(scope="module")
 def llama_tp2_pp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("mcore_dist") / "llama"
-    args = _args("llama")
+    args = legacy_args("llama")
     raw = {k: v for k, v in vars(args).items() if isinstance(v, (type(None), bool, int, float, str))}
     raw.update(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world_size=4,
                transformer_impl="local", use_legacy_models=False, ckpt_format="torch_dist")

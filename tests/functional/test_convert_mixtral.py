@@ -16,7 +16,7 @@ import torch
 from megatron.training.checkpoint_safety import load_file
 from megatron.training.checkpointing import get_checkpoint_name
 from megatron.convert import huggingface, megatron_format, verify
-from tests.functional.test_convert_hf import _convert
+from tests.helpers.convert import run_convert
 from tests.parallel.harness import DistributedPool, init_parallel
 from tools.checkpoint import convert, loader_hf, loader_megatron, saver_hf
 
@@ -66,15 +66,15 @@ def converted(hf_model, tmp_path_factory):
     _, hf, fused = hf_model
     root = tmp_path_factory.mktemp("converted")
     out = {name: root / name for name in ("tp1", "tp2pp2ep2", "back", "ep2", "ep4", "ep2-etp1")}
-    _convert(hf, out["tp1"], "hf", "megatron")
-    _convert(fused, out["tp2pp2ep2"], "hf", "megatron", "--target-tensor-parallel-size", "2",
-             "--target-pipeline-parallel-size", "2", "--target-expert-parallel-size", "2")
-    _convert(out["tp2pp2ep2"], out["back"], "megatron", "hf")
-    _convert(out["tp1"], out["ep2"], "megatron", "megatron", "--target-tensor-parallel-size", "2",
-             "--target-expert-parallel-size", "2")
-    _convert(out["ep2"], out["ep4"], "megatron", "megatron", "--target-tensor-parallel-size", "1",
-             "--target-expert-parallel-size", "4")
-    _convert(out["ep2"], out["ep2-etp1"], "megatron", "megatron", "--target-expert-tensor-parallel-size", "1")
+    run_convert(hf, out["tp1"], "hf", "megatron")
+    run_convert(fused, out["tp2pp2ep2"], "hf", "megatron", "--target-tensor-parallel-size", "2",
+                "--target-pipeline-parallel-size", "2", "--target-expert-parallel-size", "2")
+    run_convert(out["tp2pp2ep2"], out["back"], "megatron", "hf")
+    run_convert(out["tp1"], out["ep2"], "megatron", "megatron", "--target-tensor-parallel-size", "2",
+                "--target-expert-parallel-size", "2")
+    run_convert(out["ep2"], out["ep4"], "megatron", "megatron", "--target-tensor-parallel-size", "1",
+                "--target-expert-parallel-size", "4")
+    run_convert(out["ep2"], out["ep2-etp1"], "megatron", "megatron", "--target-expert-tensor-parallel-size", "1")
     return out
 
 
@@ -239,13 +239,13 @@ def test_each_rank_at_tp2_ep2_etp2_or_1_and_at_ep4_loads_its_file_and_gives_hfs_
 def test_llama31_rope_scaling_converts_both_ways(tmp_path):
     """A Mixtral with Llama 3.1's RoPE (the converter once refused it): HF -> ours -> HF is bit-identical,
     ours computes HF's logits, and a config built from our args keeps the scaling."""
-    from tests.functional.test_convert_hf import _llama31_rope, _save_hf
+    from tests.helpers.convert import llama31_rope, save_hf
 
     config = _config()
-    config.rope_parameters = _llama31_rope()
-    _save_hf(config, tmp_path / "hf", query_key_scale=20.0)  # sharp attention: the scaling shows in the logits
-    _convert(tmp_path / "hf", tmp_path / "ours", "hf", "megatron")
-    _convert(tmp_path / "ours", tmp_path / "back", "megatron", "hf")
+    config.rope_parameters = llama31_rope()
+    save_hf(config, tmp_path / "hf", query_key_scale=20.0)  # sharp attention: the scaling shows in the logits
+    run_convert(tmp_path / "hf", tmp_path / "ours", "hf", "megatron")
+    run_convert(tmp_path / "ours", tmp_path / "back", "megatron", "hf")
     theirs = _hf_logits(tmp_path / "hf")
     meta, tensors = loader_megatron.load_checkpoint(argparse.Namespace(load_dir=str(tmp_path / "ours")))
     assert (meta.args.use_rope_scaling, meta.args.rope_scaling_factor) == (True, 8.0)

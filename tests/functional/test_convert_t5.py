@@ -27,7 +27,7 @@ import torch
 from megatron.training.checkpoint_safety import CheckpointError, load_file
 from megatron.training.checkpointing import get_checkpoint_name
 from megatron.convert import huggingface, megatron_format, t5, verify
-from tests.functional.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
+from tests.helpers.saver_faults import break_hf_saver_rule, first_query_and_key_heads_swapped
 from tests.parallel.harness import DistributedPool, init_parallel
 from tools.checkpoint import convert, loader_megatron, saver_hf
 

@@ -25,11 +25,8 @@ import re
 import pytest
 
 from megatron.training.checkpoint_safety import load_file
-from tests.functional.test_default_data import default_pipeline  # noqa: F401 (fixture)
-from tests.functional.test_pretrain_gpt import log_lines
-from tests.functional.test_tensor_parallel_training import (COMMON, COUNT, TOTAL, VALIDATION, _grad_norms, _losses,
-                                                             _torchrun)
-from tests.functional.test_training_features import run_cli
+from tests.helpers.launch import run_cli, torchrun
+from tests.helpers.training import COMMON, COUNT, TOTAL, VALIDATION, log_lines, logged_grad_norms, logged_losses
 
 BATCH = ["--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", "10"]
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "2000", "--check-weight-hash-across-dp-replicas-interval",
@@ -41,7 +38,7 @@ DP_SIZE = {"serial": 1, "dp2": 2, "dp4": 4, "dp2_resumed": 2, "serial_resumed": 
 
 
 @pytest.fixture(scope="module")
-def runs(default_pipeline, tmp_path_factory):  # noqa: F811
+def runs(default_pipeline, tmp_path_factory):
     root, _, _, tokenizer_flags = default_pipeline
     data = ["--data-path", str(root / "python_text_document"), "--data-cache-path", str(root / "cache"),
             *tokenizer_flags]
@@ -50,16 +47,16 @@ def runs(default_pipeline, tmp_path_factory):  # noqa: F811
     flags = [*COMMON, *BATCH, *data]
     procs = {
         "serial": run_cli(["pretrain_gpt.py", *flags]),
-        "dp2": _torchrun(2, [*flags, *OVERLAP]),
-        "dp4": _torchrun(4, [*flags, "--ddp-average-in-collective", "--exit-interval", "5", "--save", str(ckpt),
-                             "--save-interval", "1000"]),
-        "dp2_resumed": _torchrun(2, [*flags, "--load", str(ckpt)]),
+        "dp2": torchrun(2, [*flags, *OVERLAP]),
+        "dp4": torchrun(4, [*flags, "--ddp-average-in-collective", "--exit-interval", "5", "--save", str(ckpt),
+                            "--save-interval", "1000"]),
+        "dp2_resumed": torchrun(2, [*flags, "--load", str(ckpt)]),
         "serial_resumed": run_cli(["pretrain_gpt.py", *flags, "--load", str(ckpt)]),
-        "dp4_distopt": _torchrun(4, [*flags, "--use-distributed-optimizer", "--overlap-grad-reduce",
-                                     "--overlap-param-gather",
-                                     "--exit-interval", "5", "--save", str(ckpt_distopt), "--save-interval", "1000"]),
-        "dp2_distopt_resumed": _torchrun(2, [*flags, "--use-distributed-optimizer", "--load", str(ckpt_distopt),
-                                             "--calculate-per-token-loss"]),
+        "dp4_distopt": torchrun(4, [*flags, "--use-distributed-optimizer", "--overlap-grad-reduce",
+                                    "--overlap-param-gather",
+                                    "--exit-interval", "5", "--save", str(ckpt_distopt), "--save-interval", "1000"]),
+        "dp2_distopt_resumed": torchrun(2, [*flags, "--use-distributed-optimizer", "--load", str(ckpt_distopt),
+                                            "--calculate-per-token-loss"]),
     }
     for name, proc in procs.items():
         worker_lines = [line for line in proc.stderr.splitlines()  # without progress and torchrun's log lines
@@ -70,11 +67,11 @@ def runs(default_pipeline, tmp_path_factory):  # noqa: F811
 
 def _assert_close_to_serial(runs, names, iterations):
     """The runs' logged losses and grad norms (merged, in order) equal the serial run's at `iterations`."""
-    serial, serial_norms = _losses(runs["serial"].stdout), _grad_norms(runs["serial"].stdout)
+    serial, serial_norms = logged_losses(runs["serial"].stdout), logged_grad_norms(runs["serial"].stdout)
     losses, norms = {}, {}
     for name in names:
-        losses.update(_losses(runs[name].stdout))
-        norms.update(_grad_norms(runs[name].stdout))
+        losses.update(logged_losses(runs[name].stdout))
+        norms.update(logged_grad_norms(runs[name].stdout))
     assert list(losses) == list(iterations)
     for iteration in iterations:
         assert losses[iteration] == pytest.approx(serial[iteration], rel=1e-4), iteration
@@ -86,9 +83,9 @@ def _validation(runs, *names):
 
 
 def test_dp2_and_dp4_log_the_serial_losses_grad_norms_and_validation(runs):
-    serial = _losses(runs["serial"].stdout)
+    serial = logged_losses(runs["serial"].stdout)
     assert list(serial) == list(range(1, 11)) and serial[10] < serial[1]
-    assert sum(norm > 1.0 for norm in _grad_norms(runs["serial"].stdout).values()) >= 1  # clipping acted
+    assert sum(norm > 1.0 for norm in logged_grad_norms(runs["serial"].stdout).values()) >= 1  # clipping acted
     _assert_close_to_serial(runs, ["dp2"], range(1, 11))
     _assert_close_to_serial(runs, ["dp4"], range(1, 6))
     expected = _validation(runs, "serial")

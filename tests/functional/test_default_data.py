@@ -4,22 +4,7 @@ import json
 import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError
-from tools import inspect_dataset, make_default_corpus, preprocess_data, train_tokenizer
-
-
-@pytest.fixture(scope="module")
-def default_pipeline(tmp_path_factory):
-    pytest.importorskip("tokenizers", reason="tools/train_tokenizer.py needs the tokenizers extra")
-    root = tmp_path_factory.mktemp("default")
-    corpus = root / "corpus.jsonl"
-    count = make_default_corpus.build_corpus(str(corpus), max_documents=60)
-    train_tokenizer.main(["--input", str(corpus), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-size", "600",
-                          "--output-dir", str(root / "tokenizer")])
-    tokenizer_flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(root / "tokenizer" / "vocab.json"),
-                       "--merge-file", str(root / "tokenizer" / "merges.txt")]
-    preprocess_data.main(["--input", str(corpus), "--output-prefix", str(root / "python"), "--append-eod",
-                          "--workers", "2", *tokenizer_flags])
-    return root, corpus, count, tokenizer_flags
+from tools import inspect_dataset, make_default_corpus, preprocess_data
 
 
 def test_default_corpus_is_deterministic_documentation_and_sources(tmp_path):

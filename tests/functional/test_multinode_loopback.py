@@ -17,10 +17,9 @@ import sys
 import pytest
 
 import pretrain_gpt
-from tests.functional.test_default_data import default_pipeline  # noqa: F401 (fixture)
-from tests.functional.test_pretrain_gpt import TINY
-from tests.functional.test_tensor_parallel_training import _free_port, _grad_norms, _losses
-from tests.functional.test_training_features import ROOT
+from tests.helpers.launch import free_port
+from tests.helpers.paths import ROOT
+from tests.helpers.training import TINY, logged_grad_norms, logged_losses
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,7 +39,7 @@ def _torchrun(launch, flags):
 
 def _nodes(nproc_per_node, flags, nnodes=2):
     """Start one torchrun per "node" at once on the loopback rendezvous; (stdout of all, [returncode, stderr])."""
-    port = _free_port()
+    port = free_port()
     procs = [_torchrun(["--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc_per_node),
                         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"loop{port}"],
                        flags) for node in range(nnodes)]
@@ -49,13 +48,13 @@ def _nodes(nproc_per_node, flags, nnodes=2):
 
 
 def _one_node(nproc, flags):
-    proc = _torchrun(["--nproc-per-node", str(nproc), "--master-port", str(_free_port())], flags)
+    proc = _torchrun(["--nproc-per-node", str(nproc), "--master-port", str(free_port())], flags)
     out, err = proc.communicate(timeout=240)
     return out, [(proc.returncode, err)]
 
 
 @pytest.fixture(scope="module")
-def runs(default_pipeline, tmp_path_factory):  # noqa: F811
+def runs(default_pipeline, tmp_path_factory):
     root, _, _, tokenizer_flags = default_pipeline
     flags = [*COMMON, "--data-path", str(root / "python_text_document"), "--data-cache-path", str(root / "cache"),
              *tokenizer_flags]
@@ -75,12 +74,12 @@ def runs(default_pipeline, tmp_path_factory):  # noqa: F811
 
 
 def test_two_nodes_with_tp_inside_and_dp_across_log_the_serial_losses(runs):
-    serial, two_nodes = _losses(runs["serial"]), _losses(runs["two nodes"])
+    serial, two_nodes = logged_losses(runs["serial"]), logged_losses(runs["two nodes"])
     assert list(serial) == list(range(1, 7)) and list(two_nodes) == [1, 2, 3]
     for iteration, loss in two_nodes.items():
         assert loss == pytest.approx(serial[iteration], rel=1e-5), iteration
-    for iteration, norm in _grad_norms(runs["two nodes"]).items():
-        assert norm == pytest.approx(_grad_norms(runs["serial"])[iteration], rel=1e-5), iteration
+    for iteration, norm in logged_grad_norms(runs["two nodes"]).items():
+        assert norm == pytest.approx(logged_grad_norms(runs["serial"])[iteration], rel=1e-5), iteration
     out = runs["two nodes"]
     assert "> node topology: 2 nodes x 2 ranks (node 0: ranks 0-1, node 1: ranks 2-3)" in out
     assert ("> groups on nodes: tensor-parallel 2 x 2 ranks, each inside a node | "
@@ -90,13 +89,13 @@ def test_two_nodes_with_tp_inside_and_dp_across_log_the_serial_losses(runs):
 
 
 def test_resumes_from_the_two_node_checkpoint_on_one_node(runs):
-    serial, one_node = _losses(runs["serial"]), _losses(runs["one node"])
+    serial, one_node = logged_losses(runs["serial"]), logged_losses(runs["one node"])
     assert "successfully loaded checkpoint from" in runs["one node"]
     assert list(one_node) == [4, 5, 6]  # picked up after iteration 3, at DP = 1
     for iteration, loss in one_node.items():
         assert loss == pytest.approx(serial[iteration], rel=1e-5), iteration
-    for iteration, norm in _grad_norms(runs["one node"]).items():
-        assert norm == pytest.approx(_grad_norms(runs["serial"])[iteration], rel=1e-5), iteration
+    for iteration, norm in logged_grad_norms(runs["one node"]).items():
+        assert norm == pytest.approx(logged_grad_norms(runs["serial"])[iteration], rel=1e-5), iteration
     assert "> node topology: 1 node x 2 ranks (node 0: ranks 0-1)" in runs["one node"]
     assert SPANS not in runs["one node"]
 
@@ -106,7 +105,7 @@ def test_a_tensor_parallel_group_across_nodes_trains_and_warns(runs):
     assert "> node topology: 2 nodes x 1 rank (node 0: ranks 0, node 1: ranks 1)" in out
     assert "> groups on nodes: tensor-parallel 1 x 2 ranks, across 2 nodes" in out
     assert "WARNING: 1 of 1 tensor-parallel groups span nodes: ranks [0, 1] on nodes [0, 1]." in out
-    serial, across = _losses(runs["serial"]), _losses(out)
+    serial, across = logged_losses(runs["serial"]), logged_losses(out)
     assert list(across) == [1, 2]  # slow on real links, but the same numbers
     for iteration, loss in across.items():
         assert loss == pytest.approx(serial[iteration], rel=1e-5), iteration
@@ -115,7 +114,7 @@ def test_a_tensor_parallel_group_across_nodes_trains_and_warns(runs):
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("MEGATRON_TEST_MULTINODE_PP") != "1",
                     reason="4 more processes (about 15 s); set MEGATRON_TEST_MULTINODE_PP=1 to run it")
-def test_two_nodes_with_tp_inside_and_pp_across_log_the_serial_losses(runs, default_pipeline):  # noqa: F811
+def test_two_nodes_with_tp_inside_and_pp_across_log_the_serial_losses(runs, default_pipeline):
     root, _, _, tokenizer_flags = default_pipeline
     out, results = _nodes(2, [*COMMON, "--data-path", str(root / "python_text_document"), "--data-cache-path",
                               str(root / "cache"), *tokenizer_flags, "--tensor-model-parallel-size", "2",
@@ -123,7 +122,7 @@ def test_two_nodes_with_tp_inside_and_pp_across_log_the_serial_losses(runs, defa
     assert all(returncode == 0 for returncode, _ in results), results[0][1][-4000:] + results[1][1][-4000:]
     assert ("> groups on nodes: tensor-parallel 2 x 2 ranks, each inside a node | "
             "pipeline-parallel 2 x 2 ranks, across 2 nodes") in out
-    serial, two_nodes = _losses(runs["serial"]), _losses(out)
+    serial, two_nodes = logged_losses(runs["serial"]), logged_losses(out)
     assert list(two_nodes) == [1, 2, 3]
     for iteration, loss in two_nodes.items():
         assert loss == pytest.approx(serial[iteration], rel=1e-5), iteration

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from megatron.training.checkpoint_safety import load_file
-from tests.functional.test_default_data import default_pipeline  # noqa: F401 (fixture)
-from tests.functional.test_tensor_parallel_training import COMMON, VALIDATION, _grad_norms, _losses, _torchrun
-from tests.functional.test_training_features import run_cli
+from tests.helpers.launch import run_cli, torchrun
+from tests.helpers.training import COMMON, VALIDATION, logged_grad_norms, logged_losses
 
 LAYERS = ["--num-layers", "4", "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", "10"]
 PP2_TP2 = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
@@ -42,7 +41,7 @@ def _snapshot(directory):
 
 
 @pytest.fixture(scope="module")
-def runs(default_pipeline, tmp_path_factory):  # noqa: F811
+def runs(default_pipeline, tmp_path_factory):
     root, _, _, tokenizer_flags = default_pipeline
     data = ["--data-path", str(root / "python_text_document"), "--data-cache-path", str(root / "cache"),
             *tokenizer_flags]
@@ -52,12 +51,12 @@ def runs(default_pipeline, tmp_path_factory):  # noqa: F811
     first_half = ["--exit-interval", "5", "--save-interval", "1000", "--save"]
     procs = {
         "serial": run_cli(["pretrain_gpt.py", *flags, "--save", str(serial_ckpt), "--save-interval", "5"]),
-        "pp_first": _torchrun(4, [*flags, *PP2_TP2, *first_half, str(pp_ckpt)]),
-        "pp_resumed": _torchrun(4, [*flags, *PP2_TP2, "--load", str(pp_ckpt)]),
-        "vp_first": _torchrun(2, [*flags, *INTERLEAVED, *first_half, str(vp_ckpt)]),
+        "pp_first": torchrun(4, [*flags, *PP2_TP2, *first_half, str(pp_ckpt)]),
+        "pp_resumed": torchrun(4, [*flags, *PP2_TP2, "--load", str(pp_ckpt)]),
+        "vp_first": torchrun(2, [*flags, *INTERLEAVED, *first_half, str(vp_ckpt)]),
         # the same layout given by the other flag: 2 chunks per rank
-        "vp_resumed": _torchrun(2, [*flags, "--pipeline-model-parallel-size", "2",
-                                    "--num-virtual-stages-per-pipeline-rank", "2", "--load", str(vp_ckpt)]),
+        "vp_resumed": torchrun(2, [*flags, "--pipeline-model-parallel-size", "2",
+                                   "--num-virtual-stages-per-pipeline-rank", "2", "--load", str(vp_ckpt)]),
     }
     for name, proc in procs.items():
         worker_lines = [line for line in proc.stderr.splitlines()  # without progress and torchrun's log lines
@@ -66,21 +65,21 @@ def runs(default_pipeline, tmp_path_factory):  # noqa: F811
     before = _snapshot(vp_ckpt)
     overwrite = ["--load", str(vp_ckpt), "--save", str(vp_ckpt), "--save-interval", "1"]
     procs["wrong_pp"] = run_cli(["pretrain_gpt.py", *flags, *overwrite])
-    procs["wrong_vp"] = _torchrun(2, [*flags, "--pipeline-model-parallel-size", "2", *overwrite])
+    procs["wrong_vp"] = torchrun(2, [*flags, "--pipeline-model-parallel-size", "2", *overwrite])
     return {**procs, "serial_ckpt": serial_ckpt, "pp_ckpt": pp_ckpt, "vp_ckpt": vp_ckpt,
             "vp_before": before, "vp_after": _snapshot(vp_ckpt)}
 
 
 def _assert_matches_serial(runs, first, resumed):
-    serial = _losses(runs["serial"].stdout)
+    serial = logged_losses(runs["serial"].stdout)
     assert list(serial) == list(range(1, 11)) and serial[10] < serial[1]
-    assert list(_losses(runs[first].stdout)) == list(range(1, 6))
-    assert list(_losses(runs[resumed].stdout)) == list(range(6, 11))  # picked up at iteration 5
-    losses = {**_losses(runs[first].stdout), **_losses(runs[resumed].stdout)}
-    norms = {**_grad_norms(runs[first].stdout), **_grad_norms(runs[resumed].stdout)}
+    assert list(logged_losses(runs[first].stdout)) == list(range(1, 6))
+    assert list(logged_losses(runs[resumed].stdout)) == list(range(6, 11))  # picked up at iteration 5
+    losses = {**logged_losses(runs[first].stdout), **logged_losses(runs[resumed].stdout)}
+    norms = {**logged_grad_norms(runs[first].stdout), **logged_grad_norms(runs[resumed].stdout)}
     for iteration, loss in serial.items():
         assert losses[iteration] == pytest.approx(loss, rel=1e-4), iteration
-    for iteration, norm in _grad_norms(runs["serial"].stdout).items():
+    for iteration, norm in logged_grad_norms(runs["serial"].stdout).items():
         assert norms[iteration] == pytest.approx(norm, rel=1e-4), iteration
     serial_validation = VALIDATION.findall(runs["serial"].stdout)
     validation = VALIDATION.findall(runs[first].stdout + runs[resumed].stdout)
@@ -201,5 +200,5 @@ def test_loading_at_another_pipeline_layout_is_refused_before_training(runs, run
     errors = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
     assert errors and all(expected in line for line in errors), proc.stderr[-3000:]
     assert "resharding is the checkpoint converter's job" in errors[0]
-    assert _losses(proc.stdout) == {}  # refused before the first iteration
+    assert logged_losses(proc.stdout) == {}  # refused before the first iteration
     assert runs["vp_after"] == runs["vp_before"]  # --save to the same directory wrote nothing

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.functional.test_preprocess_data import files_bytes, null_args, read_documents, write_jsonl
+from tests.helpers.data import files_bytes, null_args, read_documents, write_jsonl
 from tools import preprocess_data
 from tools.preprocess_data import PreprocessError
 

@@ -4,46 +4,21 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatron.data.indexed_dataset import IndexedDataset, IndexedDatasetError
-from tests.conftest import ROOT
+from tests.helpers.data import files_bytes, null_args, read_documents, write_jsonl
+from tests.helpers.paths import ROOT
 from tools import merge_datasets, preprocess_data
 from tools.preprocess_data import PreprocessError
-
-
-def null_args(input_path, prefix, *extra, workers=1):
-    return ["--input", str(input_path), "--output-prefix", str(prefix), "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "1000", "--workers", str(workers), *extra]
 
 
 def gpt2_args(input_path, prefix, vocab_dir, *extra, workers=1):
     return ["--input", str(input_path), "--output-prefix", str(prefix), "--tokenizer-type", "GPT2BPETokenizer",
             "--vocab-file", str(vocab_dir / "vocab.json"), "--merge-file", str(vocab_dir / "merges.txt"),
             "--workers", str(workers), *extra]
-
-
-def write_jsonl(path, texts, key="text"):
-    with open(path, "w", encoding="utf-8") as f:
-        for text in texts:
-            f.write(json.dumps({key: text}) + "\n")
-    return path
-
-
-def read_documents(prefix):
-    ds = IndexedDataset(str(prefix))
-    docs = []
-    for d in range(ds.num_documents):
-        first, last = ds.document_indices[d], ds.document_indices[d + 1]
-        docs.append([ds[i].tolist() for i in range(first, last)])
-    return docs
-
-
-def files_bytes(prefix):
-    return {ext: Path(str(prefix) + ext).read_bytes() for ext in (".bin", ".idx")}
 
 
 @pytest.fixture(scope="module")

@@ -10,41 +10,8 @@ import pretrain_gpt
 from megatron.training.checkpointing import get_checkpoint_tracker_filename
 from megatron.core.enums import ModelType
 from megatron.training.training import NaNLossError, pretrain
+from tests.helpers.training import MOCK, TINY, log_lines, losses
 from tools import preprocess_data
-
-TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-        "--lr", "3e-3", "--num-workers", "0", "--log-interval", "1", "--eval-interval", "1000",
-        "--eval-iters", "1", "--seed", "1234"]
-MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255"]
-
-LOG_LINE = re.compile(
-    r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] "  # Megatron's local-time prefix
-    r"iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): [\d.]+ \| "
-    r"throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| learning rate: (\S+) \| global batch size: +(\d+) \| "
-    r"(?:lm loss: (\S+) \| )?(?:(?:seq_)?load_balancing_loss: \S+ \| )?(?:z_loss: \S+ \| )?"  # MoE's
-    r"loss scale: ([\d.]+) \| (?:grad norm: ([\d.]+|nan|inf) \| )?"
-    r"number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|$")
-
-
-def log_lines(out):
-    """Parsed training log lines: dicts of iteration, consumed, lr, gbs, loss, scale, grad_norm, skipped, nan.
-
-    As in Megatron, an interval whose every iteration was skipped has no loss and no grad norm.
-    """
-    rows = []
-    for line in out.splitlines():
-        if "| consumed samples:" in line:  # a log line must match whole: a garbled one fails here
-            m = LOG_LINE.match(line)
-            assert m, f"log line not in Megatron's format: {line!r}"
-            rows.append({"iteration": int(m[1]), "train_iters": int(m[2]), "consumed": int(m[3]),
-                         "lr": float(m[4]), "gbs": int(m[5]), "loss": m[6] and float(m[6]), "scale": float(m[7]),
-                         "grad_norm": m[8] and float(m[8]), "skipped": int(m[9]), "nan": int(m[10])})
-    return rows
-
-
-def losses(result):
-    return [(r.iteration, r.losses["lm loss"]) for r in result.history]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.functional.test_pretrain_gpt import log_lines
+from tests.helpers.training import log_lines
 from tools import make_default_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

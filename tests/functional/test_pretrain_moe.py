@@ -109,7 +109,7 @@ def test_expert_parallel_with_capacity_dropping_trains_like_ep1(pool4):
 def test_one_process_logs_balancing_losses_per_layer_tokens_and_warnings():
     import re
 
-    from tests.functional.test_training_features import run_cli
+    from tests.helpers.launch import run_cli
 
     flags = [*MODEL, "--num-experts", "16", "--moe-router-topk", "1", "--global-batch-size", "1",
              "--moe-per-layer-logging", "--moe-layer-freq", "([0]+[1])", "--moe-expert-capacity-factor", "0.25",

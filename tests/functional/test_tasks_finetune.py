@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from tests.functional.finetune_launcher import run_task
+from tests.helpers.finetune_launcher import run_task
 from tools.make_task_fixtures import make_fixtures
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -172,7 +172,7 @@ def test_the_example_script_fine_tunes_the_pretrained_bert(data, vocab, pretrain
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.helpers.paths import ROOT
 
     if not os.path.isfile(os.path.join(ROOT, "tasks", "main.py")):
         pytest.skip("tasks/main.py (helper evalzs's) is not in this checkout yet")

@@ -5,55 +5,25 @@ The TP=2 run must log the single-process run's losses (the vocabulary of 600 ids
 from them exactly, and refuse to load them at another TP size with a message saying why.
 """
 
-import re
-import socket
-
 import pytest
 
-from tests.functional.test_default_data import default_pipeline  # noqa: F401 (fixture)
-from tests.functional.test_pretrain_gpt import TINY, log_lines
-from tests.functional.test_training_features import run_cli
-
-COMMON = [*TINY, "--ckpt-format", "torch",  # the files per TP rank are checked
-          "--hidden-dropout", "0", "--attention-dropout", "0", "--split", "90,10,0", "--eval-interval", "5",
-          "--eval-iters", "1", "--lr-warmup-iters", "2"]
-COUNT = re.compile(r"number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), (\d+)\): (\d+)")
-TOTAL = re.compile(r"number of parameters in the model \(every rank, replicated ones once\): (\d+)")
-VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _torchrun(nproc, flags):
-    return run_cli(["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                    str(_free_port()), "pretrain_gpt.py", *flags])
-
-
-def _losses(stdout):
-    return {row["iteration"]: row["loss"] for row in log_lines(stdout)}
-
-
-def _grad_norms(stdout):
-    return {row["iteration"]: row["grad_norm"] for row in log_lines(stdout)}
+from tests.helpers.launch import run_cli, torchrun
+from tests.helpers.training import COMMON, COUNT, TINY, TOTAL, VALIDATION, logged_grad_norms, logged_losses
 
 
 @pytest.fixture(scope="module")
-def runs(default_pipeline, tmp_path_factory):  # noqa: F811
+def runs(default_pipeline, tmp_path_factory):
     root, _, _, tokenizer_flags = default_pipeline
     data = ["--data-path", str(root / "python_text_document"), "--data-cache-path", str(root / "cache"),
             *tokenizer_flags]
     ckpt = tmp_path_factory.mktemp("tp2") / "ckpt"
     serial = run_cli(["pretrain_gpt.py", *COMMON, *data, "--train-iters", "10"])
-    first = _torchrun(2, [*COMMON, *data, "--tensor-model-parallel-size", "2", "--train-iters", "10",
-                          "--exit-interval", "5", "--save", str(ckpt), "--save-interval", "1000"])
-    resumed = _torchrun(2, [*COMMON, *data, "--tensor-model-parallel-size", "2", "--train-iters", "10",
-                            "--load", str(ckpt)])
-    sequence_parallel = _torchrun(2, [*COMMON, *data, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                      "--train-iters", "10", "--log-communication-stats"])
+    first = torchrun(2, [*COMMON, *data, "--tensor-model-parallel-size", "2", "--train-iters", "10",
+                         "--exit-interval", "5", "--save", str(ckpt), "--save-interval", "1000"])
+    resumed = torchrun(2, [*COMMON, *data, "--tensor-model-parallel-size", "2", "--train-iters", "10",
+                           "--load", str(ckpt)])
+    sequence_parallel = torchrun(2, [*COMMON, *data, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                     "--train-iters", "10", "--log-communication-stats"])
     wrong_tp = run_cli(["pretrain_gpt.py", *COMMON, *data, "--train-iters", "10", "--load", str(ckpt)])
     for name, proc in (("serial", serial), ("tp2", first), ("tp2 resumed", resumed), ("tp2+sp", sequence_parallel)):
         assert proc.returncode == 0, f"{name} run failed:\n{proc.stderr[-4000:]}"
@@ -62,8 +32,8 @@ def runs(default_pipeline, tmp_path_factory):  # noqa: F811
 
 
 def test_tp2_logs_the_serial_losses_and_resumes_exactly(runs):
-    serial = _losses(runs["serial"].stdout)
-    first, resumed = _losses(runs["first"].stdout), _losses(runs["resumed"].stdout)
+    serial = logged_losses(runs["serial"].stdout)
+    first, resumed = logged_losses(runs["first"].stdout), logged_losses(runs["resumed"].stdout)
     assert list(serial) == list(range(1, 11)) and list(first) == list(range(1, 6))
     assert list(resumed) == list(range(6, 11))  # picked up at iteration 5
     tp2 = {**first, **resumed}
@@ -71,8 +41,8 @@ def test_tp2_logs_the_serial_losses_and_resumes_exactly(runs):
         assert tp2[iteration] == pytest.approx(loss, rel=1e-4), iteration
     assert serial[10] < serial[1]
     # the clipped global norm counts every parameter once: shards summed over TP, replicas once
-    serial_norms = _grad_norms(runs["serial"].stdout)
-    tp2_norms = {**_grad_norms(runs["first"].stdout), **_grad_norms(runs["resumed"].stdout)}
+    serial_norms = logged_grad_norms(runs["serial"].stdout)
+    tp2_norms = {**logged_grad_norms(runs["first"].stdout), **logged_grad_norms(runs["resumed"].stdout)}
     assert sum(norm > 1.0 for norm in serial_norms.values()) >= 3  # above --clip-grad 1.0: clipping acted
     for iteration, norm in serial_norms.items():
         assert tp2_norms[iteration] == pytest.approx(norm, rel=1e-4), iteration
@@ -101,11 +71,11 @@ def test_loading_at_another_tensor_parallel_size_is_refused(runs):
 
 
 def test_sequence_parallel_logs_the_serial_losses_and_counts_communication(runs):
-    serial, sequence_parallel = _losses(runs["serial"].stdout), _losses(runs["sp"].stdout)
+    serial, sequence_parallel = logged_losses(runs["serial"].stdout), logged_losses(runs["sp"].stdout)
     for iteration, loss in serial.items():
         assert sequence_parallel[iteration] == pytest.approx(loss, rel=1e-4), iteration
-    for iteration, norm in _grad_norms(runs["serial"].stdout).items():
-        assert _grad_norms(runs["sp"].stdout)[iteration] == pytest.approx(norm, rel=1e-4), iteration
+    for iteration, norm in logged_grad_norms(runs["serial"].stdout).items():
+        assert logged_grad_norms(runs["sp"].stdout)[iteration] == pytest.approx(norm, rel=1e-4), iteration
     stats = [line for line in runs["sp"].stdout.splitlines() if line.startswith(" communication per iteration:")]
     assert len(stats) == 10
     # 2 layers x 2 micro-batches: forward and backward of each layer gather and scatter the sequence

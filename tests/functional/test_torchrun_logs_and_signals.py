@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.functional.test_pretrain_gpt import LOG_LINE, MOCK, TINY, log_lines
-from tests.functional.test_tensor_parallel_training import _free_port
+from tests.helpers.launch import free_port
+from tests.helpers.paths import ROOT
+from tests.helpers.training import LOG_LINE, MOCK, TINY, log_lines
 
 LOG_INTERVAL = 2
 FLAGS = [*TINY, *MOCK, "--ckpt-format", "torch", "--pipeline-model-parallel-size", "2", "--log-interval", str(LOG_INTERVAL),
@@ -42,7 +42,7 @@ def _env(**extra):
 
 def _torchrun(nproc):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-            str(_free_port())]
+            str(free_port())]
 
 
 def _process_tree(pid):

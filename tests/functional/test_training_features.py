@@ -10,8 +10,9 @@ import pytest
 import pretrain_gpt
 from megatron.training import checkpointing
 from megatron.training.checkpointing import CheckpointError, get_checkpoint_tracker_filename
-from tests.conftest import ROOT
-from tests.functional.test_pretrain_gpt import MOCK, TINY, log_lines, losses
+from tests.helpers.launch import run_cli
+from tests.helpers.paths import ROOT
+from tests.helpers.training import MOCK, TINY, log_lines, losses
 
 QUIET = ["--eval-iters", "0"]
 
@@ -131,12 +132,6 @@ def test_tensorboard_scalars(tmp_path):
         assert tag in tags, tag
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]
     assert [e.value for e in events.Scalars("batch-size")] == [4.0] * 4
-
-
-def run_cli(args, **kwargs):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, **kwargs)
 
 
 def test_torchrun_one_process_trains_and_saves_megatron_layout(tmp_path):

@@ -16,9 +16,9 @@ import time
 import pytest
 
 from megatron.core import watchdog
-from tests.conftest import ROOT
-from tests.functional.test_pretrain_gpt import MOCK
-from tests.functional.test_tensor_parallel_training import _free_port
+from tests.helpers.launch import free_port
+from tests.helpers.paths import ROOT
+from tests.helpers.training import MOCK
 
 SECONDS = 5
 MARGIN = 90  # start-up of three two-rank jobs on a shared CPU (34 s with every core busy), the SIGTERM
@@ -41,7 +41,7 @@ def jobs():
     for name, (layout, stall) in JOBS.items():
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **{watchdog.STALL_ENV: stall})
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                   str(_free_port()), "pretrain_gpt.py", *FLAGS, *layout]
+                   str(free_port()), "pretrain_gpt.py", *FLAGS, *layout]
         started[name] = (subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True), time.monotonic())
     results = {}

@@ -9,8 +9,8 @@ import torch
 
 import megatron.core.atomic_io as atomic_io
 from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from tests.helpers.checkpoints import TinyGPT, make_args
 from tests.parallel.harness import init_parallel
-from tests.unit.test_checkpointing import TinyGPT, make_args
 
 
 def _save_then_fail_on_rank_1(directory: str):

@@ -18,12 +18,11 @@ import torch.distributed as dist
 
 from megatron.core import communication, parallel_state, tensor_parallel  # noqa: F401
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.model import Float16Module, GPTModel, TransformerConfig
+from tests.helpers import dp_gpt
+from tests.helpers.dp_gpt import GLOBAL, HIDDEN, LAYERS, SEED, SEQ, VOCAB
 from tests.parallel.harness import init_parallel
-
-VOCAB, SEQ, MBS, HIDDEN, LAYERS, SEED, GLOBAL, STEPS = 256, 8, 2, 32, 4, 1234, 8, 3
 
 
 def _model(bf16: bool = False):
@@ -37,55 +36,11 @@ def _model(bf16: bool = False):
     return Float16Module(config, model) if bf16 else model
 
 
-def _microbatches(step: int, count: int = GLOBAL):
-    """The global batch of a step: `count` (tokens, labels) micro-batches."""
-    generator = torch.Generator().manual_seed(100 + step)
-    return [(torch.randint(0, VOCAB, (MBS, SEQ), generator=generator),
-             torch.randint(0, VOCAB, (MBS, SEQ), generator=generator)) for _ in range(count)]
-
-
-def _forward_step(data_iterator, model):
-    tokens, labels = next(data_iterator)
-    positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
-    output = model(tokens, positions, None, labels=labels)
-
-    def loss_func(losses):
-        loss = losses.float().mean()
-        return loss, {"lm loss": loss.detach()}
-
-    return output, loss_func
-
-
-def _train(model, optimizer, share: slice, steps: int = STEPS):
-    """STEPS optimizer steps on this rank's share of each global batch; returns the logged losses."""
-    logged = []
-    for step in range(steps):
-        batches = _microbatches(step)[share]
-        if hasattr(model, "zero_grad_buffer"):
-            model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = schedules.forward_backward_no_pipelining(
-            forward_step_func=_forward_step, data_iterator=iter(batches), model=[model],
-            num_microbatches=len(batches), grad_scale_func=optimizer.scale_loss,
-            finalize_model_grads_func=finalize_model_grads)
-        optimizer.step()
-        local = torch.tensor([sum(x["lm loss"].item() for x in losses), len(losses)], dtype=torch.float64)
-        if hasattr(model, "zero_grad_buffer"):
-            dist.all_reduce(local, group=parallel_state.get_data_parallel_group())
-        logged.append((local[0] / local[1]).item())
-    return logged
-
-
-def _optimizer(model, bf16: bool):
-    return get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=1e-2, bf16=bf16, clip_grad=1.0,
-                                                  params_dtype=torch.bfloat16 if bf16 else torch.float32), [model])
-
-
 def _compare(tp: int, ddp_config: DistributedDataParallelConfig, bf16: bool = False):
     """tp = 1: DP = 4; tp = 2: DP = 2 of a TP=2 model. The reference is the same TP layout, unwrapped."""
     init_parallel(tp=tp)
     reference = _model(bf16)
-    reference_losses = _train(reference, _optimizer(reference, bf16), slice(None))
+    reference_losses = dp_gpt.train(reference, dp_gpt.make_optimizer(reference, bf16), slice(None))
     expected = {name: p.detach().float().clone() for name, p in reference.named_parameters()}
 
     d = parallel_state.get_data_parallel_world_size()
@@ -94,7 +49,7 @@ def _compare(tp: int, ddp_config: DistributedDataParallelConfig, bf16: bool = Fa
     model = _model(bf16)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()
-    losses = _train(ddp, _optimizer(ddp, bf16), slice(r * per_rank, (r + 1) * per_rank))
+    losses = dp_gpt.train(ddp, dp_gpt.make_optimizer(ddp, bf16), slice(r * per_rank, (r + 1) * per_rank))
     errors = {name: ((p.detach().float() - expected[name]).abs().max() / expected[name].abs().max()).item()
               for name, p in ddp.module.named_parameters()}
     buckets = sum(len(buffer.buckets) for buffer in ddp.buffers)
@@ -135,10 +90,10 @@ def _reductions_before_first_layer_gradient(overlap: bool):
         # registered after DDP's hook: runs once that hook has accumulated (and maybe launched)
         first_layer.register_post_accumulate_grad_hook(
             lambda _: seen.append(sum(e.op == "all_reduce" and e.group.startswith("dp") for e in counter.events)))
-        batches = _microbatches(0)[:2]
+        batches = dp_gpt.microbatches(0)[:2]
         ddp.zero_grad_buffer()
         schedules.forward_backward_no_pipelining(
-            forward_step_func=_forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=2,
+            forward_step_func=dp_gpt.forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=2,
             finalize_model_grads_func=finalize_model_grads)
         total = sum(e.op == "all_reduce" and e.group.startswith("dp") for e in counter.events)
     return {"seen": seen, "total": total, "buckets": len(ddp.buffers[0].buckets)}

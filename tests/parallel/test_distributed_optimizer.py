@@ -29,12 +29,11 @@ from megatron.core.optimizer import (
 )
 from megatron.core.pipeline_parallel import schedules
 from megatron.model import Float16Module, GPTModel, TransformerConfig
+from tests.helpers import dp_gpt
+from tests.helpers.groups import WORLD, destroy_groups, dp_group
 from tests.parallel.harness import init_parallel
-from tests.parallel.test_data_parallel import _forward_step  # noqa: F401 (used by the tasks below)
-from tests.parallel.test_data_parallel import _microbatches as data_parallel_batches
 
 VOCAB, SEQ, MBS, HIDDEN, SEED, GLOBAL = 256, 8, 2, 32, 1234, 4
-WORLD = 4
 # 2 layers: 33,920 parameters, a multiple of 4, so one bucket needs no padding at d = 1, 2, 4
 LAYERS = 2
 HALF = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,24 +54,6 @@ def _model(precision: str = "fp32", layers: int = LAYERS):
     return Float16Module(config, model) if HALF[precision] else model
 
 
-def _dp_group(d: int, created: list):
-    """This rank's data-parallel group of size d (tp = 1: the pool's 4 ranks cut into 4 / d groups)."""
-    if d == parallel_state.get_data_parallel_world_size():
-        return parallel_state.get_data_parallel_group()
-    mine = None
-    for start in range(0, WORLD, d):  # new_group is collective: every rank creates every group
-        group = dist.new_group(list(range(start, start + d)))
-        created.append(group)
-        if start <= dist.get_rank() < start + d:
-            mine = group
-    return mine
-
-
-def _destroy(created: list) -> None:
-    for group in created:
-        dist.destroy_process_group(group)
-
-
 def _wrap(model, group, distributed: bool, overlap: bool = False, bucket_size=None, fp32_grads: bool = True,
           overlap_param_gather: bool = False):
     config = DistributedDataParallelConfig(grad_reduce_in_fp32=fp32_grads, overlap_grad_reduce=overlap,
@@ -89,7 +70,7 @@ def _optimizer(ddp, precision: str = "fp32", clip_grad: float = 0.1, **kwargs):
 
 
 def _microbatches(step: int):
-    return data_parallel_batches(step, GLOBAL)
+    return dp_gpt.microbatches(step, GLOBAL)
 
 
 def _backward(ddp, optimizer, step: int):
@@ -100,8 +81,8 @@ def _backward(ddp, optimizer, step: int):
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     losses = schedules.get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=len(batches),
-        seq_length=SEQ, micro_batch_size=MBS, grad_scale_func=optimizer.scale_loss,
+        forward_step_func=dp_gpt.forward_step, data_iterator=iter(batches), model=[ddp],
+        num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=MBS, grad_scale_func=optimizer.scale_loss,
         finalize_model_grads_func=finalize_model_grads)
     local = torch.tensor([sum(x["lm loss"].item() for x in losses), len(losses)], dtype=torch.float64)
     dist.all_reduce(local, group=group)
@@ -134,10 +115,10 @@ def _compare(d: int, tp: int = 1, pp: int = 1, precision: str = "fp32", overlap:
              overlap_param_gather: bool = False):
     init_parallel(tp=tp, pp=pp)
     created = []
-    reference = _wrap(_model(precision), _dp_group(1, created), distributed=False)
+    reference = _wrap(_model(precision), dp_group(1, created), distributed=False)
     reference_losses, reference_norms = _train(reference, _optimizer(reference, precision), 3)
 
-    ddp = _wrap(_model(precision), _dp_group(d, created), distributed=True, overlap=overlap, bucket_size=bucket_size,
+    ddp = _wrap(_model(precision), dp_group(d, created), distributed=True, overlap=overlap, bucket_size=bucket_size,
                 overlap_param_gather=overlap_param_gather)
     optimizer = _optimizer(ddp, precision)
     assert isinstance(optimizer, DistributedOptimizer)
@@ -146,7 +127,7 @@ def _compare(d: int, tp: int = 1, pp: int = 1, precision: str = "fp32", overlap:
               "reference_norms": reference_norms, "errors": _errors(_params(ddp), _params(reference)),
               "buckets": sum(len(b.buckets) for b in ddp.buffers), "d": dist.get_world_size(ddp.data_parallel_group),
               "group_keys": [sorted(k for k in g if k != "params") for g in optimizer.param_groups]}
-    _destroy(created)
+    destroy_groups(created)
     return result
 
 
@@ -219,7 +200,7 @@ def _memory_table():
     table = {}
     for d in (1, 2, 4):
         created = []
-        group = _dp_group(d, created)
+        group = dp_group(d, created)
         for name, (precision, fp32_grads) in PRECISIONS.items():
             for distributed in (False, True):
                 ddp = _wrap(_model(precision), group, distributed=distributed, fp32_grads=fp32_grads)
@@ -228,7 +209,7 @@ def _memory_table():
                 assert optimizer.step()[0]  # the inner state exists after a step
                 memory = optimizer_memory_per_parameter([ddp], optimizer)
                 table[(name, d, distributed)] = {k: v for k, v in memory.items() if k != "bytes"}
-        _destroy(created)
+        destroy_groups(created)
     return table
 
 
@@ -271,7 +252,7 @@ def _resume(directory: str):
                           "step": [g["step"] for g in optimizer_state["optimizer"]["param_groups"]]}
     for d in (2, 1):
         created = []
-        ddp = _wrap(_model(), _dp_group(d, created), distributed=True, bucket_size=6000 if d == 2 else None)
+        ddp = _wrap(_model(), dp_group(d, created), distributed=True, bucket_size=6000 if d == 2 else None)
         optimizer = _optimizer(ddp)
         ddp.module.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
@@ -282,7 +263,7 @@ def _resume(directory: str):
                                           for key in saved[0] for k in ("param", "exp_avg", "exp_avg_sq"))
         _train(ddp, optimizer, 1, first=2)
         result["errors"][d] = _errors(_params(ddp), uninterrupted)
-        _destroy(created)
+        destroy_groups(created)
     result["refusals"] = _refusals(path)
     return result
 
@@ -325,7 +306,7 @@ def _param_gathers_wait_for_the_forward():
     """After step() the all-gathers are in flight; each module's forward waits for its own buckets."""
     init_parallel(tp=1)
     created = []
-    ddp = _wrap(_model("fp32"), _dp_group(4, created), distributed=True, overlap=True, bucket_size=6000,
+    ddp = _wrap(_model("fp32"), dp_group(4, created), distributed=True, overlap=True, bucket_size=6000,
                 overlap_param_gather=True)
     optimizer = _optimizer(ddp)
     _backward(ddp, optimizer, 0)
@@ -342,7 +323,7 @@ def _param_gathers_wait_for_the_forward():
     result = {"buckets": len(buckets), "pending_after_step": pending_after_step,
               "pending_at_layer_0": seen["pending"], "pending_after_forward": sum(b.param_gather is not None
                                                                                 for b in buckets)}
-    _destroy(created)
+    destroy_groups(created)
     return result
 
 
@@ -353,7 +334,6 @@ def test_overlap_param_gather_leaves_gathers_to_the_next_forward(dist_pool):
         # by layer 0 the embedding's bucket (and layer 0's own) had been waited for, later layers' not yet
         assert 0 < result["pending_at_layer_0"] < result["buckets"]
         assert result["pending_after_forward"] == 0
-
 
 
 def _threads() -> int:
@@ -370,12 +350,12 @@ def _train_and_drop_a_wrapper() -> bool:
 
     init_parallel()
     created = []
-    ddp = _wrap(_model(), _dp_group(2, created), distributed=True, overlap=True)
+    ddp = _wrap(_model(), dp_group(2, created), distributed=True, overlap=True)
     optimizer = _optimizer(ddp)
     _train(ddp, optimizer, 1)
     wrapper = weakref.ref(ddp)
     del ddp, optimizer
-    _destroy(created)
+    destroy_groups(created)
     gc.collect()
     return wrapper() is None
 

@@ -16,8 +16,9 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import schedules
+from tests.helpers import pp_gpt, tp_gpt
+from tests.helpers.pp_gpt import MBS, SEQ, VOCAB
 from tests.parallel.harness import DistributedPool, init_parallel
-from tests.parallel.test_pipeline_parallel_gpt import MBS, SEQ, VOCAB, _build_chunks, _forward_step, _gather, _serial_name
 
 GLOBAL, STEPS = 8, 3
 
@@ -43,7 +44,7 @@ def _train(chunks, optimizer, share: slice, ddp: bool):
                 chunk.zero_grad_buffer()
         optimizer.zero_grad()
         func = schedules.get_forward_backward_func() if ddp else schedules.forward_backward_no_pipelining
-        reported = func(forward_step_func=_forward_step(False), data_iterator=iter(batches), model=chunks,
+        reported = func(forward_step_func=pp_gpt.make_forward_step(False), data_iterator=iter(batches), model=chunks,
                         num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=MBS,
                         finalize_model_grads_func=finalize_model_grads if ddp else None)
         optimizer.step()
@@ -58,13 +59,13 @@ def _optimizer(chunks, use_distributed_optimizer: bool):
 
 def _compare(use_distributed_optimizer: bool):
     init_parallel(tp=1)
-    (serial,), _ = _build_chunks(1, 1, None)
+    (serial,), _ = pp_gpt.build_chunks(1, 1, None)
     serial_losses = _train([serial], _optimizer([serial], False), slice(None), ddp=False)
     expected = {name: p.detach().clone() for name, p in serial.named_parameters()}
     parallel_state.destroy_model_parallel()
 
     init_parallel(tp=2, pp=2)
-    chunks, offsets = _build_chunks(2, 2, None)
+    chunks, offsets = pp_gpt.build_chunks(2, 2, None)
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=4000,
                                                use_distributed_optimizer=use_distributed_optimizer)
     wrapped = [DistributedDataParallel(chunk.config, ddp_config, chunk) for chunk in chunks]
@@ -77,8 +78,8 @@ def _compare(use_distributed_optimizer: bool):
     errors = {}
     for chunk, offset in zip(chunks, offsets):
         for name, param in chunk.named_parameters():
-            full = _gather(param, param.detach())
-            reference = expected[_serial_name(name, offset, untied=False)]
+            full = tp_gpt.gather(param, param.detach())
+            reference = expected[pp_gpt.serial_name(name, offset, untied=False)]
             rows = slice(0, VOCAB) if name.endswith(("word_embeddings.weight", "output_layer.weight")) else slice(None)
             errors[f"{offset}:{name}"] = ((full[rows] - reference[rows]).abs().max()
                                          / reference[rows].abs().max()).item()

@@ -314,7 +314,7 @@ def _moe_gpt_run(ep: int, distributed: bool, steps: int = 3):
     from megatron.core import tensor_parallel
     from megatron.core.pipeline_parallel import schedules
     from megatron.model import GPTModel, TransformerConfig
-    from tests.parallel.test_data_parallel import _forward_step, _microbatches
+    from tests.helpers import dp_gpt
 
     init_parallel(ep=ep)
     torch.manual_seed(SEED)
@@ -329,12 +329,12 @@ def _moe_gpt_run(ep: int, distributed: bool, steps: int = 3):
     rank, d = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     losses, norms = [], []
     for step in range(steps):
-        batches = _microbatches(step, 4)[rank * 4 // d:(rank + 1) * 4 // d]
+        batches = dp_gpt.microbatches(step, 4)[rank * 4 // d:(rank + 1) * 4 // d]
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         out = schedules.get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter(batches), model=[ddp], num_microbatches=len(batches),
-            seq_length=8, micro_batch_size=2, grad_scale_func=optimizer.scale_loss,
+            forward_step_func=dp_gpt.forward_step, data_iterator=iter(batches), model=[ddp],
+            num_microbatches=len(batches), seq_length=8, micro_batch_size=2, grad_scale_func=optimizer.scale_loss,
             finalize_model_grads_func=finalize_model_grads)
         loss = torch.tensor([sum(x["lm loss"].item() for x in out) / len(out)], dtype=torch.float64)
         dist.all_reduce(loss)

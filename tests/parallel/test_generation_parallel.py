@@ -22,8 +22,8 @@ from megatron.inference.generation import generate_tokens
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.transformer_layer import get_layer_offset
 from megatron.training.tokenizer.null_tokenizer import NullTokenizer
+from tests.helpers.hf_models import VOCAB, gpt2, llama_family, make_hf
 from tests.parallel.harness import init_parallel
-from tests.unit.test_hf_equivalence import VOCAB, gpt2, llama_family, make_hf
 
 transformers = pytest.importorskip("transformers")
 

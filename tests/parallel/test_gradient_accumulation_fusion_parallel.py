@@ -11,30 +11,29 @@ from megatron.core import communication, parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.pipeline_parallel import schedules
 from megatron.model import GPTModel, TransformerConfig
-from tests.parallel import test_data_parallel as dp_case
-from tests.parallel import test_tensor_parallel_gpt as tp_case
+from tests.helpers import dp_gpt, tp_gpt
 from tests.parallel.harness import init_parallel
 
 
 def _dp_model(fusion: bool) -> GPTModel:
-    torch.manual_seed(dp_case.SEED)
-    tensor_parallel.model_parallel_cuda_manual_seed(dp_case.SEED)
-    config = TransformerConfig(num_layers=dp_case.LAYERS, hidden_size=dp_case.HIDDEN, num_attention_heads=4,
+    torch.manual_seed(dp_gpt.SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(dp_gpt.SEED)
+    config = TransformerConfig(num_layers=dp_gpt.LAYERS, hidden_size=dp_gpt.HIDDEN, num_attention_heads=4,
                                hidden_dropout=0.0, attention_dropout=0.0, gradient_accumulation_fusion=fusion)
-    return GPTModel(config, vocab_size=dp_case.VOCAB, max_sequence_length=dp_case.SEQ)
+    return GPTModel(config, vocab_size=dp_gpt.VOCAB, max_sequence_length=dp_gpt.SEQ)
 
 
 def _overlapped_steps(fusion: bool, distributed: bool):
     """STEPS data-parallel steps with overlapped reduction; the logged losses and final weights."""
     init_parallel(tp=1)
     d, r = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    per_rank = dp_case.GLOBAL // d
+    per_rank = dp_gpt.GLOBAL // d
     model = _dp_model(fusion)
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=2000,
                                                use_distributed_optimizer=distributed)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     ddp.broadcast_params()
-    losses = dp_case._train(ddp, dp_case._optimizer(ddp, False), slice(r * per_rank, (r + 1) * per_rank))
+    losses = dp_gpt.train(ddp, dp_gpt.make_optimizer(ddp, False), slice(r * per_rank, (r + 1) * per_rank))
     ddp.finish_param_sync()
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -43,7 +42,7 @@ def _fused_against_unfused(distributed: bool):
     fused_losses, fused = _overlapped_steps(True, distributed)
     parallel_state.destroy_model_parallel()
     losses, weights = _overlapped_steps(False, distributed)
-    errors = {name: tp_case._relative_error(fused[name], weights[name]) for name in weights}
+    errors = {name: tp_gpt.relative_error(fused[name], weights[name]) for name in weights}
     return {"fused_losses": fused_losses, "losses": losses, "errors": errors}
 
 
@@ -69,7 +68,7 @@ def _reductions_before_first_layer_gradient():
             lambda _: seen.append(sum(e.op == "all_reduce" and e.group.startswith("dp") for e in counter.events)))
         ddp.zero_grad_buffer()
         schedules.forward_backward_no_pipelining(
-            forward_step_func=dp_case._forward_step, data_iterator=iter(dp_case._microbatches(0)[:2]), model=[ddp],
+            forward_step_func=dp_gpt.forward_step, data_iterator=iter(dp_gpt.microbatches(0)[:2]), model=[ddp],
             num_microbatches=2, finalize_model_grads_func=finalize_model_grads)
         total = sum(e.op == "all_reduce" and e.group.startswith("dp") for e in counter.events)
     return {"seen": seen, "total": total, "buckets": len(ddp.buffers[0].buckets), "flags": flags}
@@ -84,29 +83,29 @@ def test_fused_overlap_still_launches_buckets_during_backward(dist_pool):
 
 def _tp_sp_against_serial():
     init_parallel(tp=1)
-    serial_loss, serial_grads, _ = tp_case._loss_and_grads(tp_case._build(1, False, untied=True))
+    serial_loss, serial_grads, _ = tp_gpt.loss_and_grads(tp_gpt.build(1, False, untied=True))
     parallel_state.destroy_model_parallel()
 
     init_parallel(tp=2)  # and DP = 2: both replicas see the same batch, so the mean changes nothing
-    torch.manual_seed(tp_case.SEED)
-    tensor_parallel.model_parallel_cuda_manual_seed(tp_case.SEED)
-    config = TransformerConfig(num_layers=2, hidden_size=tp_case.HIDDEN, num_attention_heads=4,
+    torch.manual_seed(tp_gpt.SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(tp_gpt.SEED)
+    config = TransformerConfig(num_layers=2, hidden_size=tp_gpt.HIDDEN, num_attention_heads=4,
                                tensor_model_parallel_size=2, sequence_parallel=True, hidden_dropout=0.0,
                                attention_dropout=0.0, gradient_accumulation_fusion=True)
-    model = GPTModel(config, vocab_size=tp_case._padded(2), num_tokens=tp_case.VOCAB,
-                     max_sequence_length=tp_case.SEQ, share_embeddings_and_output_weights=False)
+    model = GPTModel(config, vocab_size=tp_gpt.padded(2), num_tokens=tp_gpt.VOCAB,
+                     max_sequence_length=tp_gpt.SEQ, share_embeddings_and_output_weights=False)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    tokens, labels, loss_mask, position_ids = tp_case._batch()
+    tokens, labels, loss_mask, position_ids = tp_gpt.batch()
     losses = ddp(tokens, position_ids, None, labels=labels)  # [b, s]
     loss = (losses * loss_mask).sum() / loss_mask.sum()
     loss.backward()
     finalize_model_grads([ddp])
     errors, leftover = {}, []
     for name, param in model.named_parameters():
-        grad, serial = tp_case._gather(param, param.main_grad), serial_grads[name]
-        if name in tp_case.VOCAB_PARAMS:
-            grad, serial = grad[:tp_case.VOCAB], serial[:tp_case.VOCAB]
-        errors[name] = tp_case._relative_error(grad, serial)
+        grad, serial = tp_gpt.gather(param, param.main_grad), serial_grads[name]
+        if name in tp_gpt.VOCAB_PARAMS:
+            grad, serial = grad[:tp_gpt.VOCAB], serial[:tp_gpt.VOCAB]
+        errors[name] = tp_gpt.relative_error(grad, serial)
         if param.grad is not None:
             leftover.append(name)
     return {"serial_loss": serial_loss, "loss": loss.item(), "errors": errors, "leftover": leftover}

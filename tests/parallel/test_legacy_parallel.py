@@ -2,7 +2,8 @@
 Accelerate's initialize() leaves them), split over TP = 2 and over PP = 2 stages under the pipeline
 schedule (set_input_tensor between the stages), against the same legacy model on one rank: the same
 initial weights, the same losses (lm + sop, with padding) and the same gradients. The batches and the
-forward step are tests/parallel/test_bert_parallel.py's (Accelerate's BertTrainStep call)."""
+forward step are tests/parallel/test_bert_parallel.py's (tests/helpers/tp_pp_bert.py; Accelerate's
+BertTrainStep call)."""
 
 from argparse import Namespace
 
@@ -13,8 +14,8 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.legacy.model import BertModel
 from megatron.model import TransformerConfig
 from megatron.training.global_vars import set_args
-from tests.parallel.test_bert_parallel import HIDDEN, SEED, SEQ, VOCAB, compare_stages_with_serial
-from tests.parallel.test_tensor_parallel_gpt import _padded
+from tests.helpers import tp_gpt, tp_pp_bert
+from tests.helpers.tp_pp_bert import HIDDEN, SEED, SEQ, VOCAB
 
 LAYERS, MICROBATCHES = 4, 4
 
@@ -25,7 +26,7 @@ def _legacy_bert(tp: int, pp: int) -> BertModel:
     config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4,
                                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                hidden_dropout=0.0, attention_dropout=0.0)
-    set_args(Namespace(padded_vocab_size=_padded(tp), orig_vocab_size=VOCAB, max_position_embeddings=SEQ,
+    set_args(Namespace(padded_vocab_size=tp_gpt.padded(tp), orig_vocab_size=VOCAB, max_position_embeddings=SEQ,
                        untie_embeddings_and_output_weights=False))
     try:
         return BertModel(config=config, num_tokentypes=2, add_binary_head=True, parallel_output=True,
@@ -36,7 +37,7 @@ def _legacy_bert(tp: int, pp: int) -> BertModel:
 
 
 def _compare_with_serial(tp: int, pp: int):
-    return compare_stages_with_serial(_legacy_bert, tp, pp, MICROBATCHES)
+    return tp_pp_bert.compare_stages_with_serial(_legacy_bert, tp, pp, MICROBATCHES)
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])

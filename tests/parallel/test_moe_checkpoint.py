@@ -18,7 +18,7 @@ import torch
 from megatron.training.checkpoint_safety import CheckpointError
 from megatron.core.atomic_io import atomic_write
 from megatron.dist_checkpointing import read_dcp_metadata
-from tests.parallel.test_torch_dist_checkpoint import _pretrain, _pretrain_error
+from tests.helpers.checkpoints import pretrain, pretrain_error
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "16", "--ffn-hidden-size", "32", "--num-attention-heads", "2",
          "--seq-length", "8",
@@ -78,8 +78,8 @@ def _every_tensor(folder):
 def saved(dist_pool, tmp_path_factory):
     """The uninterrupted EP=2 run (3 iterations, saved at 2); the tracker then names iteration 2."""
     ckpt = tmp_path_factory.mktemp("moe") / "ckpt"
-    losses = dist_pool.run(_pretrain, [*FLAGS, *EP2, *DISTOPT, "--train-iters", "3",
-                                       "--save", str(ckpt), "--save-interval", "2"])[-1]
+    losses = dist_pool.run(pretrain, [*FLAGS, *EP2, *DISTOPT, "--train-iters", "3",
+                                      "--save", str(ckpt), "--save-interval", "2"])[-1]
     atomic_write(str(ckpt / "latest_checkpointed_iteration.txt"), lambda f: f.write(b"2"))
     return ckpt, losses
 
@@ -111,24 +111,24 @@ def test_loads_at_another_expert_layout_with_the_same_state_and_losses(dist_pool
     assert sorted(after) == sorted(before)
     differ = [name for name in before if not torch.equal(before[name], after[name])]
     assert differ == []
-    resumed = dist_pool.run(_pretrain, [*FLAGS, *layout, "--train-iters", "3", "--load", str(ckpt)])[-1]
+    resumed = dist_pool.run(pretrain, [*FLAGS, *layout, "--train-iters", "3", "--load", str(ckpt)])[-1]
     assert sorted(resumed) == [3] and resumed[3] == pytest.approx(losses[3], rel=1e-6)  # other reduction orders
 
 
 def test_classic_format_resumes_at_its_ep_and_refuses_another(dist_pool, saved, tmp_path):
     _, losses = saved
     legacy = tmp_path / "legacy"
-    dist_pool.run(_pretrain, [*FLAGS, *EP2, *DISTOPT, "--train-iters", "3", "--exit-interval",
-                              "2", "--ckpt-format", "torch", "--save", str(legacy), "--save-interval", "2"])
+    dist_pool.run(pretrain, [*FLAGS, *EP2, *DISTOPT, "--train-iters", "3", "--exit-interval",
+                             "2", "--ckpt-format", "torch", "--save", str(legacy), "--save-interval", "2"])
     folders = sorted(os.listdir(legacy / "iter_0000002"))
     assert folders == ["checksums.json", "mp_rank_00_000", "mp_rank_00_001"]
     for folder in folders[1:]:  # each expert rank's experts, and their distributed optimizer state
         assert sorted(os.listdir(legacy / "iter_0000002" / folder)) == ["distrib_optim.pt", "model_optim_rng.pt"]
-    resumed = dist_pool.run(_pretrain, [*FLAGS, *EP2, *DISTOPT, "--train-iters", "3",
-                                        "--ckpt-format", "torch", "--load", str(legacy)])[-1]
+    resumed = dist_pool.run(pretrain, [*FLAGS, *EP2, *DISTOPT, "--train-iters", "3",
+                                       "--ckpt-format", "torch", "--load", str(legacy)])[-1]
     assert sorted(resumed) == [3] and resumed[3] == pytest.approx(losses[3], rel=1e-6)
-    refused = dist_pool.run(_pretrain_error, [*FLAGS, "--expert-model-parallel-size", "4", "--train-iters", "3",
-                                              "--ckpt-format", "torch", "--load", str(legacy)])
+    refused = dist_pool.run(pretrain_error, [*FLAGS, "--expert-model-parallel-size", "4", "--train-iters", "3",
+                                             "--ckpt-format", "torch", "--load", str(legacy)])
     assert len(set(refused)) == 1 and "\n" not in refused[0]
     assert refused[0].startswith(f"checkpoint {legacy / 'iter_0000002'} "
                                  "was saved with --expert-model-parallel-size 2 but this run has "

@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.embedding import LanguageModelEmbedding
-from tests.padded_vocab_reference import HEADS, HIDDEN, SEED, SEQ, SMALL_VOCAB, megatron_core_reference
+from tests.helpers.padded_vocab_reference import HEADS, HIDDEN, SEED, SEQ, SMALL_VOCAB, megatron_core_reference
 from tests.parallel.harness import init_parallel
 
 BATCH = 2

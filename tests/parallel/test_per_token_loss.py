@@ -19,10 +19,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.model import GPTModel, TransformerConfig
+from tests.helpers import dp_gpt
+from tests.helpers.dp_gpt import MBS, SEQ, VOCAB
+from tests.helpers.groups import destroy_groups, dp_group
 from tests.parallel.harness import init_parallel
-from tests.parallel.test_data_parallel import MBS, SEQ, VOCAB
-from tests.parallel.test_data_parallel import _microbatches as data_parallel_batches
-from tests.parallel.test_distributed_optimizer import _destroy, _dp_group
 
 SEED, HIDDEN, LAYERS, GLOBAL, LR = 1234, 32, 2, 4, 0.1
 # Loss tokens kept at the start of each sample, [micro-batch][sample]: uneven within and across ranks
@@ -41,7 +41,7 @@ def _model():
 def _batches():
     """The global batch: (tokens, labels, loss_mask) per micro-batch, each [MBS, SEQ]."""
     masks = [(torch.arange(SEQ) < torch.tensor(lengths).unsqueeze(1)).float() for lengths in LENGTHS]
-    return [(tokens, labels, mask) for (tokens, labels), mask in zip(data_parallel_batches(0, GLOBAL), masks)]
+    return [(tokens, labels, mask) for (tokens, labels), mask in zip(dp_gpt.microbatches(0, GLOBAL), masks)]
 
 
 def _forward_step(data_iterator, model):
@@ -112,7 +112,7 @@ def _compare(tp: int):
     """tp = 1: DP = 2 over explicit groups; tp = 2: parallel_state's DP = 2 of a TP = 2 model."""
     init_parallel(tp=tp)
     created = []
-    group = _dp_group(2, created)
+    group = dp_group(2, created)
     serial_loss, serial_grads, serial_norm, serial_steps = _serial()
     results = {"serial": (serial_loss, serial_norm), "d": dist.get_world_size(group)}
     for distributed in (False, True):
@@ -120,7 +120,7 @@ def _compare(tp: int):
         results["dist-opt" if distributed else "ddp"] = {
             "loss": loss, "norm": norm, "steps": _max_relative_errors(steps, serial_steps),
             "grads": None if grads is None else _max_relative_errors(grads, serial_grads)}
-    _destroy(created)
+    destroy_groups(created)
     return results
 
 

@@ -16,14 +16,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import p2p_communication, schedules, tracer
 from megatron.core.pipeline_parallel.p2p_communication import PipelineTimeoutError
+from tests.helpers import pp_gpt
+from tests.helpers.pp_gpt import VOCAB
 from tests.parallel.harness import DistributedPool, init_parallel
-from tests.parallel.test_pipeline_parallel_gpt import (
-    VOCAB,
-    _build_chunks,
-    _forward_step,
-    _run,
-    _serial_name,
-)
 
 PP, M = 4, 8
 
@@ -82,9 +77,9 @@ PAPER_INTERLEAVED = [
 def _trace_schedule(pp: int, vpp, m: int):
     """Train one global batch of m micro-batches with the tracer on; this rank's steps."""
     init_parallel(pp=pp, vpp=vpp)
-    chunks, _ = _build_chunks(1, pp, vpp)
+    chunks, _ = pp_gpt.build_chunks(1, pp, vpp)
     with tracer.tracing() as trace:
-        _run(chunks, m, per_token=False)
+        pp_gpt.run(chunks, m, per_token=False)
     return {"stage": parallel_state.get_pipeline_model_parallel_rank(), "order": trace.order(),
             "max_in_flight": trace.max_in_flight}
 
@@ -92,8 +87,8 @@ def _trace_schedule(pp: int, vpp, m: int):
 def _serial(m: int):
     """The one-stage model over the same micro-batches: (reported losses, {name: grad})."""
     init_parallel(tp=1)
-    (serial,), _ = _build_chunks(1, 1, None)
-    losses = _run([serial], m, False, schedules.forward_backward_no_pipelining)
+    (serial,), _ = pp_gpt.build_chunks(1, 1, None)
+    losses = pp_gpt.run([serial], m, False, schedules.forward_backward_no_pipelining)
     grads = {name: param.grad for name, param in serial.named_parameters()}
     parallel_state.destroy_model_parallel()
     return losses, grads
@@ -104,7 +99,7 @@ def _relative_errors(chunks, offsets, serial_grads):
     errors = {}
     for chunk, offset in zip(chunks, offsets):
         for name, param in chunk.named_parameters():
-            expected = serial_grads[_serial_name(name, offset, untied=False)]
+            expected = serial_grads[pp_gpt.serial_name(name, offset, untied=False)]
             rows = slice(0, VOCAB) if name.endswith(("word_embeddings.weight", "output_layer.weight")) else slice(None)
             difference = (param.grad[rows] - expected[rows]).abs().max() / expected[rows].abs().max()
             errors[f"chunk{offset}:{name}"] = difference.item()
@@ -131,9 +126,9 @@ def _deallocation(vpp, m: int):
     """Train PP = 4 (vpp chunks) keeping the outputs; their sizes afterwards and the gradient errors."""
     serial_losses, serial_grads = _serial(m)
     init_parallel(pp=PP, vpp=vpp)
-    chunks, offsets = _build_chunks(1, PP, vpp)
+    chunks, offsets = pp_gpt.build_chunks(1, PP, vpp)
     outputs = []
-    losses = _run(chunks, m, False, func=_recording(outputs))
+    losses = pp_gpt.run(chunks, m, False, func=_recording(outputs))
     return {"outputs": [(sent, output.numel()) for sent, output in outputs],
             "errors": _relative_errors(chunks, offsets, serial_grads),
             "losses": losses, "serial_losses": serial_losses,
@@ -144,10 +139,10 @@ def _evaluate(vpp, m: int):
     """forward_only over PP = 4 (vpp chunks): losses, gradients left, outputs kept, steps traced."""
     serial_losses, _ = _serial(m)
     init_parallel(pp=PP, vpp=vpp)
-    chunks, _ = _build_chunks(1, PP, vpp)
+    chunks, _ = pp_gpt.build_chunks(1, PP, vpp)
     outputs = []
     with tracer.tracing() as trace:
-        losses = _run(chunks, m, False, func=_recording(outputs, forward_only=True))
+        losses = pp_gpt.run(chunks, m, False, func=_recording(outputs, forward_only=True))
     return {"losses": losses, "serial_losses": serial_losses,
             "last_stage": parallel_state.is_pipeline_last_stage(ignore_virtual=True),
             "with_grad": [name for chunk in chunks for name, p in chunk.named_parameters() if p.grad is not None],
@@ -160,13 +155,13 @@ def _stall_or_run(timeout_s: float, stall_s: float, m: int):
     init_parallel(pp=2)
     p2p_communication.set_p2p_timeout(timeout_s)
     try:
-        chunks, _ = _build_chunks(1, 2, None)  # both stages: building syncs the tied embedding
+        chunks, _ = pp_gpt.build_chunks(1, 2, None)  # both stages: building syncs the tied embedding
         if parallel_state.get_pipeline_model_parallel_rank() == 1:
             time.sleep(stall_s)
             return None
         start = time.monotonic()
         try:
-            _run(chunks, m, False)
+            pp_gpt.run(chunks, m, False)
         except PipelineTimeoutError as error:
             return {"message": str(error), "elapsed": time.monotonic() - start}
         return {"message": None, "elapsed": time.monotonic() - start}
@@ -189,7 +184,7 @@ def _interleaved_refusal(m: int):
     init_parallel(pp=PP, vpp=2)
     try:
         schedules.forward_backward_pipelining_with_interleaving(
-            forward_step_func=_forward_step(False), data_iterator=[iter([]), iter([])],
+            forward_step_func=pp_gpt.make_forward_step(False), data_iterator=[iter([]), iter([])],
             model=[torch.nn.Identity(), torch.nn.Identity()], num_microbatches=m, seq_length=8, micro_batch_size=2)
     except ValueError as error:
         return str(error)

@@ -14,8 +14,8 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import finalize_model_grads
 from megatron.model import TransformerConfig
 from megatron.model.t5_model import T5Model, t5_attention_masks
+from tests.helpers import tp_gpt, tp_pp_bert
 from tests.parallel.harness import init_parallel
-from tests.parallel.test_tensor_parallel_gpt import _padded, _relative_error, errors_against_serial
 
 VOCAB, S_ENC, S_DEC, BATCH, HIDDEN, SEED = 300, 10, 8, 2, 32, 4321
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "lm_head.output_layer.bias")
@@ -30,7 +30,7 @@ def _build(tp: int, position_embedding_type: str) -> T5Model:
                                attention_dropout=0.0, init_method_std=0.1,
                                **(dict(normalization="RMSNorm", add_bias_linear=False, activation_func=F.relu)
                                   if relative else {}))
-    return T5Model(config, vocab_size=_padded(tp), num_tokens=VOCAB, max_sequence_length=S_ENC,
+    return T5Model(config, vocab_size=tp_gpt.padded(tp), num_tokens=VOCAB, max_sequence_length=S_ENC,
                    position_embedding_type=position_embedding_type, relative_attention_num_buckets=8,
                    relative_attention_max_distance=16, attention_scale=1.0 if relative else None,
                    output_hidden_scale=HIDDEN ** -0.5 if relative else 1.0)
@@ -60,9 +60,9 @@ def _compare_with_serial(tp: int, position_embedding_type: str):
     init_parallel(tp=tp)
     model = _build(tp, position_embedding_type)
     loss, grads, weights = _loss_and_grads(model)
-    grad_errors, weight_errors, padding_grad = errors_against_serial(model, grads, weights, serial_grads,
-                                                                     serial_weights, VOCAB, VOCAB_PARAMS)
-    return {"loss_error": _relative_error(loss, serial_loss), "grad_errors": grad_errors,
+    grad_errors, weight_errors, padding_grad = tp_gpt.errors_against_serial(model, grads, weights, serial_grads,
+                                                                            serial_weights, VOCAB, VOCAB_PARAMS)
+    return {"loss_error": tp_gpt.relative_error(loss, serial_loss), "grad_errors": grad_errors,
             "weight_errors": weight_errors, "padding_grad": padding_grad, "names": sorted(grads),
             "serial_names": sorted(serial_grads)}
 
@@ -96,7 +96,7 @@ def _stage_model(tp: int, position_embedding_type: str, layers: int, sp: bool = 
                                hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1,
                                **(dict(normalization="RMSNorm", add_bias_linear=False, activation_func=F.relu)
                                   if relative else {}))
-    return T5Model(config, vocab_size=_padded(tp), num_tokens=VOCAB, max_sequence_length=S_ENC,
+    return T5Model(config, vocab_size=tp_gpt.padded(tp), num_tokens=VOCAB, max_sequence_length=S_ENC,
                    position_embedding_type=position_embedding_type, relative_attention_num_buckets=8,
                    relative_attention_max_distance=16, **_stage_roles(ModelType.encoder_and_decoder))
 
@@ -148,8 +148,6 @@ def _serial_name(name: str, model: T5Model) -> str:
 def _pipeline_compare(tp: int, pp: int, split: int, position_embedding_type: str, layers: int, sp: bool = False,
                       m: int = 3):
     from megatron.core.pipeline_parallel import schedules
-    from tests.parallel.test_tensor_parallel_gpt import _gather
-
     init_parallel(tp=1)
     serial = _stage_model(1, position_embedding_type, layers)
     serial_losses = _t5_run(serial, m, schedules.forward_backward_no_pipelining, finalize=None)
@@ -163,7 +161,7 @@ def _pipeline_compare(tp: int, pp: int, split: int, position_embedding_type: str
     grad_errors, weights_equal, padding_grad = {}, {}, 0.0
     for name, param in model.named_parameters():
         expected = serial_params[_serial_name(name, model)]
-        grad, weight = _gather(param, param.grad), _gather(param, param.detach())
+        grad, weight = tp_gpt.gather(param, param.grad), tp_gpt.gather(param, param.detach())
         if name in VOCAB_PARAMS + ("lm_head.output_layer.weight",):
             padding_grad = max(padding_grad, grad[VOCAB:].abs().max().item())
             grad, weight = grad[:VOCAB], weight[:VOCAB]
@@ -171,7 +169,7 @@ def _pipeline_compare(tp: int, pp: int, split: int, position_embedding_type: str
         else:
             rows = slice(None)
         weights_equal[name] = torch.equal(weight, expected.detach()[rows])
-        grad_errors[name] = _relative_error(grad, expected.grad[rows])
+        grad_errors[name] = tp_gpt.relative_error(grad, expected.grad[rows])
     return {"serial_losses": serial_losses, "losses": losses, "grad_errors": grad_errors,
             "weights_equal": weights_equal, "padding_grad": padding_grad,
             "last_stage": parallel_state.is_pipeline_last_stage(),
@@ -246,12 +244,11 @@ def test_pipeline_layouts_t5_cannot_take_are_refused_by_name(dist_pool):
 
 def _saved_layouts(family: str, pp: int, split):
     from megatron.dist_checkpointing.layout import model_layouts
-    from tests.parallel import test_bert_parallel
 
     def build():
         if family.startswith("t5"):
             return _stage_model(1, "relative" if family == "t5-relative" else "learned_absolute", 2)
-        return test_bert_parallel._build(1, False, False, layers=4, pp=parallel_state.get_pipeline_model_parallel_world_size())
+        return tp_pp_bert.build(1, False, False, layers=4, pp=parallel_state.get_pipeline_model_parallel_world_size())
 
     init_parallel(tp=1)
     serial = {key: tuple(value.shape) for key, value in build().state_dict().items()}

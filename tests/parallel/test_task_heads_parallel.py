@@ -1,6 +1,6 @@
 """The fine-tuning heads (Classification, MultipleChoice) split over tensor-parallel ranks (with and
 without sequence parallelism) and pipeline stages give the serial model's logits, loss and head
-gradients: the trunk is BertModel's (tests/parallel/test_bert_parallel.py), the pooler and heads
+gradients: the trunk is BertModel's (tests/helpers/tp_pp_bert.py), the pooler and heads
 are replicated and read the whole sequence."""
 import pytest
 import torch
@@ -11,8 +11,8 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.model import TransformerConfig
 from megatron.model.classification import Classification
 from megatron.model.multiple_choice import MultipleChoice
+from tests.helpers import tp_gpt
 from tests.parallel.harness import init_parallel
-from tests.parallel.test_tensor_parallel_gpt import _padded
 
 VOCAB, SEQ, BATCH, CHOICES, SEED = 300, 8, 2, 4, 4321
 
@@ -26,8 +26,8 @@ def _build(kind: str, tp: int, sp: bool, pp: int):
     stages = dict(pre_process=parallel_state.is_pipeline_first_stage(),
                   post_process=parallel_state.is_pipeline_last_stage(), num_tokens=VOCAB)
     if kind == "classification":
-        return Classification(config, 3, _padded(tp), SEQ, **stages)
-    return MultipleChoice(config, _padded(tp), SEQ, **stages)
+        return Classification(config, 3, tp_gpt.padded(tp), SEQ, **stages)
+    return MultipleChoice(config, tp_gpt.padded(tp), SEQ, **stages)
 
 
 def _batch(kind: str):

@@ -9,102 +9,27 @@ the same seed; gradients of split parameters are gathered over the TP group befo
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.core import communication, parallel_state, tensor_parallel
-from megatron.core.distributed import finalize_model_grads
-from megatron.model import GPTModel, TransformerConfig
 from megatron.model.layer_specs import layer_spec_from_config
 from megatron.model.transformer_layer import TransformerLayer
 from megatron.model.utils import get_causal_attention_mask, get_num_parameters, get_num_parameters_across_model_parallel
+from tests.helpers import tp_gpt
+from tests.helpers.tp_gpt import BATCH, HIDDEN, SEED, SEQ, VOCAB, VOCAB_PARAMS
 from tests.parallel.harness import init_parallel
-
-VOCAB, SEQ, BATCH, HIDDEN, SEED = 300, 8, 2, 32, 1234
-VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
-
-
-def _padded(tp: int) -> int:
-    multiple = 128 * tp
-    return -(-VOCAB // multiple) * multiple
-
-
-def _config(tp: int, sp: bool, dropout: float = 0.0) -> TransformerConfig:
-    return TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, tensor_model_parallel_size=tp,
-                             sequence_parallel=sp, hidden_dropout=dropout, attention_dropout=dropout)
-
-
-def _build(tp: int, sp: bool, untied: bool = False, dropout: float = 0.0) -> GPTModel:
-    torch.manual_seed(SEED)
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    return GPTModel(_config(tp, sp, dropout), vocab_size=_padded(tp), num_tokens=VOCAB, max_sequence_length=SEQ,
-                    share_embeddings_and_output_weights=not untied)
-
-
-def _batch():
-    generator = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-    labels[0, 0] = VOCAB - 1  # the last real id sits next to the padding rows
-    loss_mask = (torch.rand(BATCH, SEQ, generator=generator) > 0.2).float()
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    return tokens, labels, loss_mask, position_ids
-
-
-def _loss_and_grads(model: GPTModel):
-    """Masked mean loss of one batch, backward, finalize; returns (loss, {name: grad}, {name: weight})."""
-    tokens, labels, loss_mask, position_ids = _batch()
-    losses = model(tokens, position_ids, None, labels=labels)  # [b, s]
-    loss = (losses * loss_mask).sum() / loss_mask.sum()
-    loss.backward()
-    finalize_model_grads([model])
-    named = dict(model.named_parameters())
-    return loss.item(), {n: p.grad.detach().clone() for n, p in named.items()}, \
-        {n: p.detach().clone() for n, p in named.items()}
-
-
-def _gather(param: torch.nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor from the TP ranks' shards (replicated tensors are returned as they are)."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return tensor
-    world = parallel_state.get_tensor_model_parallel_world_size()
-    shards = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(shards, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(shards, dim=param.partition_dim)
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
-
-
-def errors_against_serial(model: torch.nn.Module, grads: dict, weights: dict, serial_grads: dict,
-                          serial_weights: dict, vocab: int, vocab_params) -> tuple[dict, dict, float]:
-    """Per parameter of this TP rank's model, the relative error of its gathered gradient and weight
-    against the serial run's ({name: error} twice), and the largest gradient on the padded-vocab rows
-    of `vocab_params` (those rows are left out of the comparison: the serial model has fewer)."""
-    grad_errors, weight_errors, padding_grad = {}, {}, 0.0
-    for name, param in model.named_parameters():
-        grad, weight = _gather(param, grads[name]), _gather(param, weights[name])
-        serial_grad, serial_weight = serial_grads[name], serial_weights[name]
-        if name in vocab_params:
-            padding_grad = max(padding_grad, grad[vocab:].abs().max().item())
-            grad, weight, serial_grad, serial_weight = (t[:vocab] for t in (grad, weight, serial_grad, serial_weight))
-        assert grad.shape == serial_grad.shape, (name, grad.shape, serial_grad.shape)
-        grad_errors[name] = _relative_error(grad, serial_grad)
-        weight_errors[name] = _relative_error(weight, serial_weight)
-    return grad_errors, weight_errors, padding_grad
 
 
 def _compare_with_serial(tp: int, sp: bool, untied: bool):
     init_parallel(tp=1)
-    serial_loss, serial_grads, serial_weights = _loss_and_grads(_build(1, False, untied))
+    serial_loss, serial_grads, serial_weights = tp_gpt.loss_and_grads(tp_gpt.build(1, False, untied))
     parallel_state.destroy_model_parallel()
 
     init_parallel(tp=tp)
-    model = _build(tp, sp, untied)
-    loss, grads, weights = _loss_and_grads(model)
+    model = tp_gpt.build(tp, sp, untied)
+    loss, grads, weights = tp_gpt.loss_and_grads(model)
     params = dict(model.named_parameters())
-    grad_errors, weight_errors, padding_grad = errors_against_serial(model, grads, weights, serial_grads,
-                                                                     serial_weights, VOCAB, VOCAB_PARAMS)
+    grad_errors, weight_errors, padding_grad = tp_gpt.errors_against_serial(model, grads, weights, serial_grads,
+                                                                            serial_weights, VOCAB, VOCAB_PARAMS)
     return {"serial_loss": serial_loss, "loss": loss, "grad_errors": grad_errors, "weight_errors": weight_errors,
             "padding_grad": padding_grad, "names": sorted(params), "serial_names": sorted(serial_grads)}
 
@@ -126,11 +51,11 @@ def _dropout_runs():
     init_parallel(tp=2)
     results = []
     for _ in range(2):
-        model = _build(2, True, dropout=0.2)
-        loss, grads, _ = _loss_and_grads(model)
+        model = tp_gpt.build(2, True, dropout=0.2)
+        loss, grads, _ = tp_gpt.loss_and_grads(model)
         results.append((loss, grads))
     (loss_a, grads_a), (loss_b, grads_b) = results
-    no_dropout_loss, _, _ = _loss_and_grads(_build(2, True, dropout=0.0))
+    no_dropout_loss, _, _ = tp_gpt.loss_and_grads(tp_gpt.build(2, True, dropout=0.0))
     same_grads = all(torch.equal(grads_a[name], grads_b[name]) for name in grads_a)
     return {"losses": (loss_a, loss_b), "same_grads": same_grads, "no_dropout_loss": no_dropout_loss}
 
@@ -150,7 +75,7 @@ def _layer_communication(sp: bool):
     init_parallel(tp=2)
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    config = _config(2, sp)
+    config = tp_gpt.model_config(2, sp)
     layer = TransformerLayer(config, layer_spec_from_config(config).submodules, layer_number=1)
     rows = SEQ // 2 if sp else SEQ
     x = torch.randn(rows, BATCH, HIDDEN, requires_grad=True)  # [s(/t), b, h]
@@ -188,11 +113,11 @@ def test_communication_per_layer_with_sequence_parallelism(dist_pool):
 
 def _parameter_counts(tp: int):
     init_parallel(tp=1)
-    serial = _build(1, False)
+    serial = tp_gpt.build(1, False)
     serial_total = get_num_parameters_across_model_parallel(serial)
     parallel_state.destroy_model_parallel()
     init_parallel(tp=tp)
-    model = _build(tp, True)
+    model = tp_gpt.build(tp, True)
     replicated = sum(p.numel() for p in model.parameters() if not getattr(p, "tensor_model_parallel", False))
     return {"serial": serial_total, "serial_local": get_num_parameters(serial),
             "local": get_num_parameters(model), "total": get_num_parameters_across_model_parallel(model),
@@ -202,7 +127,7 @@ def _parameter_counts(tp: int):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parameter_counts_add_up_to_the_serial_model(dist_pool, tp):
     results = dist_pool.run(_parameter_counts, tp)
-    padding_difference = (_padded(tp) - _padded(1)) * HIDDEN  # extra zero rows of the word embedding
+    padding_difference = (tp_gpt.padded(tp) - tp_gpt.padded(1)) * HIDDEN  # extra zero rows of the word embedding
     one_group = [r for r in results if r["tp_rank"] in range(tp)][:tp]
     for result in results:
         assert result["serial"] == result["serial_local"]

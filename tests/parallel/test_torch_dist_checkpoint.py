@@ -26,6 +26,7 @@ import torch
 from megatron.training.checkpoint_safety import CheckpointError
 from megatron.core.atomic_io import atomic_write
 from megatron.dist_checkpointing import HOLD_ENV, flat_boxes, index_runs, read_dcp_metadata, split_runs
+from tests.helpers.checkpoints import pretrain, pretrain_error
 from tests.parallel.harness import DistributedPool
 
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -36,28 +37,6 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--log-interval", "1", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
          "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
          "--disable-bias-linear"]
-
-
-def _pretrain(argv):
-    """Every rank: train with argv; the losses by iteration as the last rank logs them."""
-    import pretrain_gpt
-
-    try:
-        result = pretrain_gpt.main(list(argv), record_history=True)
-    finally:
-        from megatron.training.initialize import reset_megatron
-
-        reset_megatron()
-    return {record.iteration: record.losses.get("lm loss") for record in result.history}
-
-
-def _pretrain_error(argv):
-    """Every rank: the CheckpointError message pretrain raises (None when it trained)."""
-    try:
-        _pretrain(argv)
-    except CheckpointError as error:
-        return str(error)
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +51,9 @@ def saved(pool8, tmp_path_factory):
     """The uninterrupted TP=2 PP=2 DP=2 run (4 iterations, async saves at 2 and 4); the tracker is
     then pointed back at iteration 2."""
     ckpt = tmp_path_factory.mktemp("torch_dist") / "ckpt"
-    losses = pool8.run(_pretrain, [*FLAGS, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
-                                   "2", "--use-distributed-optimizer", "--train-iters", "4", "--save", str(ckpt),
-                                   "--save-interval", "2", "--async-save"])[-1]
+    losses = pool8.run(pretrain, [*FLAGS, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                  "2", "--use-distributed-optimizer", "--train-iters", "4", "--save", str(ckpt),
+                                  "--save-interval", "2", "--async-save"])[-1]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
     atomic_write(str(ckpt / "latest_checkpointed_iteration.txt"), lambda f: f.write(b"2"))
     return ckpt, losses
@@ -108,7 +87,7 @@ def test_the_saved_folder_is_megatrons_layout(saved):
 ], ids=["tp1-dp4-distopt", "tp1-dp4", "tp4-kv-replicated"])
 def test_loads_at_another_layout_and_continues_like_the_uninterrupted_run(dist_pool, saved, layout):
     ckpt, losses = saved
-    resumed = dist_pool.run(_pretrain, [*FLAGS, *layout, "--train-iters", "4", "--load", str(ckpt)])[-1]
+    resumed = dist_pool.run(pretrain, [*FLAGS, *layout, "--train-iters", "4", "--load", str(ckpt)])[-1]
     assert sorted(resumed) == [3, 4]
     for iteration in (3, 4):  # 3 follows from the weights, 4 also from Adam's moments
         assert resumed[iteration] == pytest.approx(losses[iteration], rel=1e-6), (iteration, resumed[iteration], losses[iteration])
@@ -120,30 +99,30 @@ GPT2 = FLAGS[:FLAGS.index("--swiglu")]
 
 def test_tied_embeddings_and_virtual_stages_reshard_to_one_stage(pool8, dist_pool, tmp_path):
     ckpt = tmp_path / "gpt2"
-    losses = pool8.run(_pretrain, [*GPT2, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                   "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
-                                   "--train-iters", "3", "--save", str(ckpt), "--save-interval", "2"])[-1]
+    losses = pool8.run(pretrain, [*GPT2, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                  "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
+                                  "--train-iters", "3", "--save", str(ckpt), "--save-interval", "2"])[-1]
     atomic_write(str(ckpt / "latest_checkpointed_iteration.txt"), lambda f: f.write(b"2"))
     tensors = read_dcp_metadata(str(ckpt / "iter_0000002" / ".metadata")).state_dict_metadata
     assert "output_layer.weight" not in tensors and "embedding.position_embeddings.weight" in tensors
-    resumed = dist_pool.run(_pretrain, [*GPT2, "--train-iters", "3", "--load", str(ckpt)])[-1]
+    resumed = dist_pool.run(pretrain, [*GPT2, "--train-iters", "3", "--load", str(ckpt)])[-1]
     assert sorted(resumed) == [3] and resumed[3] == pytest.approx(losses[3], rel=1e-6)
 
 
 def test_auto_detect_reads_either_format(dist_pool, saved, tmp_path):
     ckpt, losses = saved
     legacy = tmp_path / "legacy"
-    dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "4", "--exit-interval", "2", "--ckpt-format", "torch",
-                              "--save", str(legacy), "--save-interval", "2"])
+    dist_pool.run(pretrain, [*FLAGS, "--train-iters", "4", "--exit-interval", "2", "--ckpt-format", "torch",
+                             "--save", str(legacy), "--save-interval", "2"])
     assert (legacy / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").is_file()
-    refused = dist_pool.run(_pretrain_error, [*FLAGS, "--train-iters", "4", "--load", str(legacy)])
+    refused = dist_pool.run(pretrain_error, [*FLAGS, "--train-iters", "4", "--load", str(legacy)])
     assert refused[0] == (f"{legacy / 'iter_0000002'} is a torch checkpoint but this run has --ckpt-format "
                           "torch_dist; pass --auto-detect-ckpt-format to load either format (or --ckpt-format torch)")
     assert len(set(refused)) == 1 and "\n" not in refused[0]
-    from_legacy = dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "4", "--load", str(legacy),
-                                            "--auto-detect-ckpt-format"])[-1]
-    from_dist = dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "4", "--load", str(ckpt), "--ckpt-format",
-                                          "torch", "--auto-detect-ckpt-format"])[-1]
+    from_legacy = dist_pool.run(pretrain, [*FLAGS, "--train-iters", "4", "--load", str(legacy),
+                                           "--auto-detect-ckpt-format"])[-1]
+    from_dist = dist_pool.run(pretrain, [*FLAGS, "--train-iters", "4", "--load", str(ckpt), "--ckpt-format",
+                                         "torch", "--auto-detect-ckpt-format"])[-1]
     assert sorted(from_legacy) == [3, 4]
     assert from_dist[3] == pytest.approx(losses[3], rel=1e-6) and from_dist[4] == pytest.approx(losses[4], rel=1e-6)
 
@@ -156,7 +135,7 @@ def test_a_damaged_piece_is_refused_in_one_line(dist_pool, saved, tmp_path):
     data = bytearray(piece.read_bytes())
     data[len(data) // 2] ^= 0xFF
     piece.write_bytes(bytes(data))
-    messages = dist_pool.run(_pretrain_error, [*FLAGS, "--train-iters", "4", "--load", str(damaged)])
+    messages = dist_pool.run(pretrain_error, [*FLAGS, "--train-iters", "4", "--load", str(damaged)])
     assert len(set(messages)) == 1 and "\n" not in messages[0]
     assert messages[0].startswith(f"checkpoint file {piece} does not match its checksum")
 
@@ -184,8 +163,8 @@ def test_kill_9_during_an_async_save_leaves_the_previous_checkpoint_latest(dist_
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert not (ckpt / "iter_0000004").exists() and (ckpt / ".iter_0000004.partial").is_dir()
     logged = {int(i): float(v) for i, v in re.findall(r"iteration +(\d+)/ +6 \|.*?lm loss: (\S+) \|", output)}
-    resumed = dist_pool.run(_pretrain, [*FLAGS, "--train-iters", "6", "--load", str(ckpt), "--exit-interval", "3",
-                                        "--save", str(ckpt), "--save-interval", "100"])[-1]
+    resumed = dist_pool.run(pretrain, [*FLAGS, "--train-iters", "6", "--load", str(ckpt), "--exit-interval", "3",
+                                       "--save", str(ckpt), "--save-interval", "100"])[-1]
     assert sorted(resumed) == [3] and resumed[3] == pytest.approx(logged[3], rel=2e-6)  # logged to 7 digits
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"  # the exit save
     assert not (ckpt / ".iter_0000004.partial").exists()  # the next save removed the killed one's pieces
@@ -223,7 +202,7 @@ def test_the_bench_helper_saves_and_loads_either_format_in_one_process(tmp_path)
     """benchmark_save_load (for bench/checkpoint_io.py) times a real round trip: a fresh model and
     Adam loaded from what it wrote hold the saved weights and moments."""
     from megatron.training.checkpointing import benchmark_save_load, load_checkpoint
-    from tests.unit.test_checkpointing import TinyGPT, make_args
+    from tests.helpers.checkpoints import TinyGPT, make_args
 
     def model_and_adam(seed):
         torch.manual_seed(seed)

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from megatron.training import accelerate_launch as launch
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 
 pytest.importorskip("accelerate")
 

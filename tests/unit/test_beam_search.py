@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron.inference.beam_search import beam_search, model_next_logits
-from tests.unit.test_hf_equivalence import gpt2, llama_family, make_hf, make_ours
+from tests.helpers.hf_models import gpt2, llama_family, make_hf, make_ours
 
 BEAMS, NEW = 3, 6
 PROMPT = [5, 17, 42, 8, 99]

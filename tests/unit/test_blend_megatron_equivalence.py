@@ -1,7 +1,7 @@
 """Blends, sizes, split boundaries and cache names against megatron-core 0.16.1 itself.
 
 Both sides read the same small .bin/.idx files written here. megatron-core runs in one
-subprocess per test (tests/mcore_reference.py) that handles a whole list of cases; our side
+subprocess per test (tests/helpers/mcore_reference.py) that handles a whole list of cases; our side
 runs the same cases in this process, and every array, size and file name is compared.
 """
 
@@ -19,7 +19,7 @@ from megatron.data.dataset_config import GPTDatasetConfig
 from megatron.data.gpt_dataset import GPTDataset
 from megatron.data.indexed_dataset import IndexedDatasetBuilder
 from megatron.data.utils import get_split_indices, parse_and_normalize_split
-from tests.mcore_reference import require_mcore, run_mcore
+from tests.helpers.mcore_reference import require_mcore, run_mcore
 
 VOCAB = 1000
 # Megatron-LM's legacy GPT2BPETokenizer describes itself so (core_v0.13 / v0.14, or --legacy-tokenizer)

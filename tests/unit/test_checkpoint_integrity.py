@@ -22,7 +22,7 @@ import pretrain_gpt
 from megatron.training.arguments import ArgsError, parse_and_validate_args
 from megatron.training.checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from megatron.core.atomic_io import atomic_write
-from tests.unit.test_checkpointing import TinyGPT, assert_same_weights, build, make_args, model_file
+from tests.helpers.checkpoints import TinyGPT, assert_same_weights, build, make_args, model_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",

@@ -12,7 +12,7 @@ import pytest
 import pretrain_gpt
 from megatron.training import cli
 from megatron.training.arguments_validation import ArgsError
-from tests.functional.test_pretrain_gpt import MOCK, TINY
+from tests.helpers.training import MOCK, TINY
 from tools import inspect_dataset, make_default_corpus, merge_datasets, preprocess_data, train_tokenizer
 
 MODEL = [*TINY, "--num-layers", "1", "--hidden-size", "16", "--seq-length", "16", "--max-position-embeddings", "16",

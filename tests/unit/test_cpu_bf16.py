@@ -52,7 +52,7 @@ def test_no_probe_on_a_gpu_machine(monkeypatch):
 
 def _start_up_output(capsys, argv):
     from megatron.training.initialize import initialize_megatron, reset_megatron
-    from tests.functional.test_pretrain_gpt import MOCK, TINY
+    from tests.helpers.training import MOCK, TINY
 
     threads = torch.get_num_threads()
     try:

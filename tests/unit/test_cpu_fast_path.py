@@ -245,7 +245,7 @@ def _losses(argv: list[str]) -> list[float]:
 def test_fast_path_and_plain_path_train_to_the_same_losses(precision, capsys):
     """pretrain_gpt, 5 iterations, dropout 0.1 (so the RNG streams must line up too): the default
     (fast) flags and the plain path log the same losses, fp32 to 1e-5 and bf16 to bf16 rounding."""
-    from tests.functional.test_pretrain_gpt import MOCK, TINY
+    from tests.helpers.training import MOCK, TINY
 
     argv = [*TINY, *MOCK, "--eval-iters", "0", "--train-iters", "5"] + (["--bf16"] if precision == "bf16" else [])
     threads = torch.get_num_threads()
@@ -269,7 +269,7 @@ def test_fast_path_and_plain_path_train_to_the_same_losses(precision, capsys):
 @pytest.mark.slow
 def test_torch_compile_flag_trains_to_the_same_losses(capsys):
     """--torch-compile (each transformer layer through torch.compile): the eager losses, fp32."""
-    from tests.functional.test_pretrain_gpt import MOCK, TINY
+    from tests.helpers.training import MOCK, TINY
 
     argv = [*TINY, *MOCK, "--eval-iters", "0", "--train-iters", "3", "--hidden-dropout", "0",
             "--attention-dropout", "0"]

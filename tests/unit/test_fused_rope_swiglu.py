@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron import fused_kernels as fk
-from tests.unit.test_fused_kernels import assert_rel_close, assert_same_results, bias_swiglu_case, leaf, rope_case, \
+from tests.helpers.fused_kernels import assert_rel_close, assert_same_results, bias_swiglu_case, leaf, rope_case, \
     rope_freqs, run
 
 
@@ -135,7 +135,7 @@ def test_input_checks():
 def test_rope_reference_is_megatron_core_unfused_bit_for_bit(tmp_path):
     """The reference is Megatron-Core's _apply_rotary_pos_emb_bshd (run from megatron-core), bit
     for bit, in fp32 and bf16, interleaved or not, partial rotary; bf16 native within rounding."""
-    from tests.mcore_reference import run_mcore
+    from tests.helpers.mcore_reference import run_mcore
 
     cases = [(dtype, interleaved) for dtype in (torch.float32, torch.bfloat16) for interleaved in (False, True)]
     inputs = [(leaf(5, 2, 3, 12, seed=7, dtype=dtype).detach(), rope_freqs(5, 8, interleaved), interleaved)

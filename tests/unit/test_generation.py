@@ -1,9 +1,10 @@
 """Text generation (megatron/inference): greedy decoding equals HuggingFace's generate token for
 token, with the key/value cache and without, for a batch of prompts of different lengths.
 
-The tiny random models of test_hf_equivalence (GPT-2: learned positions, tied output; Llama:
-RoPE, grouped-query attention) mapped into ours. HF runs each prompt alone (no padding) up to the
-batch's common final length, max prompt + tokens_to_generate, as Megatron's loop extends every row.
+The tiny random models of test_hf_equivalence (tests/helpers/hf_models.py; GPT-2: learned positions,
+tied output; Llama: RoPE, grouped-query attention) mapped into ours. HF runs each prompt alone (no
+padding) up to the batch's common final length, max prompt + tokens_to_generate, as Megatron's loop
+extends every row.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from megatron.inference.context import InferenceContext
 from megatron.inference.generation import generate_tokens
 
-from tests.unit.test_hf_equivalence import FUSED, UNFUSED, VOCAB, gpt2, llama_family, make_hf, make_ours
+from tests.helpers.hf_models import FUSED, UNFUSED, VOCAB, gpt2, llama_family, make_hf, make_ours
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,7 +23,7 @@ from megatron.model.mlp import MLP
 from megatron.model.module import MegatronModule
 from megatron.model.spec import ModuleSpec, build_module
 from megatron.model.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-from tests.mcore_reference import run_mcore
+from tests.helpers.mcore_reference import run_mcore
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, SEQ = 256, 16

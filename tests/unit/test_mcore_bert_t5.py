@@ -1,7 +1,7 @@
 """megatron-core's BertModel and T5Model (local specs, 0.16.1, run on CPU) and ours: one state dict,
 the same numbers, both ways.
 
-Each module-scoped fixture runs one megatron-core snippet (tests/mcore_reference.py) that builds
+Each module-scoped fixture runs one megatron-core snippet (tests/helpers/mcore_reference.py) that builds
 megatron-core's tiny model with perturbed weights (norms and biases away from 1 and 0, so a mix-up
 shows), saves its state dict and its outputs on a fixed batch, then loads *our* model's state dict
 (saved by the fixture first) into a fresh megatron-core model and saves that model's outputs too.
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from megatron.convert.legacy import drop_core_aliases
 from megatron.model import BertModel, TransformerConfig
 from megatron.model.t5_model import T5Model, t5_attention_masks
-from tests.mcore_reference import require_mcore, run_mcore
+from tests.helpers.mcore_reference import require_mcore, run_mcore
 
 VOCAB, SEQ, BATCH = 128, 16, 3
 LENGTHS = (16, 11, 6)  # real tokens per row

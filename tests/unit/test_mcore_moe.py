@@ -1,7 +1,7 @@
 """megatron-core's MoE GPTModel (0.16.1, local specs, run on CPU) and ours: one state dict, the same
 logits, loss, balancing-loss values and gradients, both ways.
 
-One megatron-core snippet (tests/mcore_reference.py) builds megatron-core's GPTModel for each of
+One megatron-core snippet (tests/helpers/mcore_reference.py) builds megatron-core's GPTModel for each of
 VARIANTS: "top2" from get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False,
 normalization="RMSNorm") (every layer MoE; top-2 softmax router, aux loss and z-loss), and two from
 get_gpt_decoder_block_spec(config, use_transformer_engine=False) (a dense layer then an MoE layer
@@ -37,7 +37,7 @@ from megatron.core import aux_losses
 from megatron.core.aux_losses import AuxLossAutoScaler
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.moe.router import drop_tokens, expert_capacity
-from tests.mcore_reference import require_mcore, run_mcore
+from tests.helpers.mcore_reference import require_mcore, run_mcore
 
 VOCAB, SEQ, BATCH = 128, 12, 3
 # the same keyword arguments for megatron-core's TransformerConfig and ours

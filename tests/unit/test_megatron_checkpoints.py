@@ -29,8 +29,8 @@ from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron.core import device, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.training.training import pretrain
-from tests.mcore_reference import run_mcore
-from tests.unit.test_checkpointing import TinyGPT, build, make_args
+from tests.helpers.checkpoints import TinyGPT, build, make_args
+from tests.helpers.mcore_reference import run_mcore
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--max-position-embeddings", "16"]

@@ -1,7 +1,7 @@
 """--include-padded-vocab-in-loss against megatron-core 0.16.1 itself, on one rank.
 
 megatron-core's GPTModel (local spec, GPT-2's 50,257 ids padded to 50,304) is built in a subprocess
-(tests/padded_vocab_reference.py); its weights are loaded into ours and the same batch is run
+(tests/helpers/padded_vocab_reference.py); its weights are loaded into ours and the same batch is run
 through both. With the flag our per-token losses are megatron-core's -- on both cross-entropy paths
 (the one-rank fast path and the general vocab-parallel one) and with an untied output layer; by
 default they are lower by exactly the probability the padding ids take, which is the figure
@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.model import GPTModel, TransformerConfig
 from megatron.model.embedding import LanguageModelEmbedding
 from megatron.model.layers import fused_impl
-from tests.padded_vocab_reference import (
+from tests.helpers.padded_vocab_reference import (
     GPT2_PADDED,
     GPT2_VOCAB,
     HEADS,

@@ -214,7 +214,7 @@ def test_the_config_checks_recompute_num_layers_against_each_stage(method, size,
 
 def test_pretrain_gpt_trains_to_the_same_losses_with_the_recompute_flags(capsys):
     import pretrain_gpt
-    from tests.functional.test_pretrain_gpt import MOCK, TINY
+    from tests.helpers.training import MOCK, TINY
 
     argv = [*TINY, *MOCK, "--eval-iters", "0", "--train-iters", "3"]  # dropout 0.1 (the default)
     runs = {}

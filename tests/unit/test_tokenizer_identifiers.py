@@ -14,7 +14,7 @@ from argparse import Namespace
 import pytest
 
 from megatron.training.tokenizer import build_tokenizer
-from tests.mcore_reference import run_mcore
+from tests.helpers.mcore_reference import run_mcore
 
 # --tokenizer-type -> (Megatron's class, the positional paths and the options it passes to the base)
 MEGATRON_CALLS = {

@@ -10,7 +10,7 @@ CUDA-only helpers redone on CPU, bench/mcore_cpu_patches.py) and `init_one_rank(
 gloo group and megatron-core's parallel state) are defined in every snippet. Tests
 that need the reference skip, with the install command, when it is missing.
 
-    from tests.mcore_reference import run_mcore
+    from tests.helpers.mcore_reference import run_mcore
 
     def test_blend_matches_megatron_core(tmp_path):
         ref = run_mcore('''
@@ -41,7 +41,8 @@ from typing import Any, Dict, Optional
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import ROOT
+
 MCORE_PATH = Path(os.environ.get("MEGATRON_CORE_PATH", ROOT / ".venv" / "peers" / "megatron_core"))
 INSTALL_HINT = (f"{sys.executable} -m pip install --no-deps --target {MCORE_PATH} megatron-core==0.16.1 "
                 "(make setup-test does this)")

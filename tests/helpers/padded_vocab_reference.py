@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tests.mcore_reference import run_mcore
+from tests.helpers.mcore_reference import run_mcore
 
 SEED, LAYERS, HIDDEN, HEADS, SEQ, BATCH = 1234, 2, 32, 4, 16, 2
 GPT2_VOCAB, GPT2_PADDED = 50257, 50304  # GPT-2's tokenizer, padded to a multiple of 128 (TP=1)

@@ -12,7 +12,7 @@ import importlib
 import os
 from typing import List
 
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 
 MODULES = {"MNLI": "tasks.glue.finetune", "QQP": "tasks.glue.finetune", "RACE": "tasks.race.finetune"}
 
