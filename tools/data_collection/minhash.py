@@ -76,8 +76,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def shingle_hashes(normalised: str, kind: str, size: int) -> np.ndarray:
-    """uint64 hashes (< 2^32) of the distinct shingles of a normalised text; empty without words."""
+def span_hashes(normalised: str, kind: str, size: int) -> np.ndarray:
+    """uint64 hash of every shingle of a normalised text, in order (a text shorter than one
+    shingle is one shingle; none without words)."""
     data = np.frombuffer(normalised.encode("utf-8"), np.uint8)
     n = len(data)
     if n == 0:
@@ -97,8 +98,12 @@ def shingle_hashes(normalised: str, kind: str, size: int) -> np.ndarray:
     forward, inverse = _POWERS.get(n + 1)
     prefix = np.zeros(n + 1, np.uint64)
     np.cumsum(data.astype(np.uint64) * inverse[:n], dtype=np.uint64, out=prefix[1:])
-    h = forward[e - 1] * (prefix[e] - prefix[s])
-    return np.unique(_mix(h) >> np.uint64(32))
+    return _mix(forward[e - 1] * (prefix[e] - prefix[s]))
+
+
+def shingle_hashes(normalised: str, kind: str, size: int) -> np.ndarray:
+    """uint64 hashes (< 2^32) of the distinct shingles of a normalised text; empty without words."""
+    return np.unique(span_hashes(normalised, kind, size) >> np.uint64(32))
 
 
 class MinHasher:
