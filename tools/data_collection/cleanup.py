@@ -27,7 +27,6 @@ Install the dependencies with `pip install -e .[data]`.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import sys
@@ -39,8 +38,7 @@ from urllib.parse import urlsplit
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.training.cli import run_cli
-from tools.data_collection.common import (DataCollectionError, Line, atomic_output, atomic_write_json, batched,
+from tools.data_collection.common import (DataCollectionError, run_tool, Line, atomic_output, atomic_write_json, batched,
                                           check_inputs, dump_line, numbered_lines, ordered_map, parse_document,
                                           positive_int)
 
@@ -212,4 +210,4 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_cli(main, "cleanup.py", errors=(DataCollectionError,), interrupted="interrupted: no output was written")
+    run_tool(main, "cleanup.py")

@@ -26,6 +26,30 @@ class DataCollectionError(ValueError):
     """Bad input or settings; the message names the flag, or the FILE:LINE of the bad record."""
 
 
+_PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+
+def run_tool(main: Callable[[], Any], prog: str, interrupted: str = "interrupted: no output was written") -> None:
+    """megatron.training.cli.run_cli's contract without importing torch (2-3 s a start, and these
+    tools need none): `PROG: error: MESSAGE` and status 1 on a DataCollectionError or an OSError
+    naming a path, the traceback for a bug or with MEGATRON_DEBUG=1, status 130 on Ctrl-C."""
+    debug = os.environ.get("MEGATRON_DEBUG", "") not in ("", "0")
+    try:
+        main()
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: {interrupted}", file=sys.stderr, flush=True)
+        sys.exit(130)
+    except (DataCollectionError, *_PATH_ERRORS) as error:
+        if debug:
+            raise
+        message = f"{error.filename}: {error.strerror}" if isinstance(error, OSError) and error.filename else str(error)
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    sys.exit(0)
+
+
 Line = Tuple[int, bytes]  # (line number from 1, the raw line)
 
 

@@ -36,16 +36,15 @@ import re
 import sys
 import time
 from collections import Counter
-from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.training.cli import run_cli
 from tools.data_collection import minhash
-from tools.data_collection.common import (DataCollectionError, Line, atomic_output, atomic_write_json, batched,
+from tools.data_collection.common import (DataCollectionError, run_tool, Line, atomic_output, atomic_write_json, batched,
                                           check_inputs, dump_line, numbered_lines, ordered_map, parse_document,
                                           positive_int)
 
@@ -313,4 +312,4 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_cli(main, "decontaminate.py", errors=(DataCollectionError,), interrupted="interrupted: no output was written")
+    run_tool(main, "decontaminate.py")

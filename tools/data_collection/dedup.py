@@ -43,9 +43,8 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.training.cli import run_cli
 from tools.data_collection import minhash
-from tools.data_collection.common import (DataCollectionError, Line, atomic_output, atomic_write_json, batched,
+from tools.data_collection.common import (DataCollectionError, run_tool, Line, atomic_output, atomic_write_json, batched,
                                           check_inputs, numbered_lines, ordered_map, parse_document, positive_int)
 from tools.data_collection.npy_stream import NpyRowWriter
 
@@ -329,4 +328,4 @@ def _find_and_remove(prefixes: List[str], threshold: float, duplicates: str, out
 
 
 if __name__ == "__main__":
-    run_cli(main, "dedup.py", errors=(DataCollectionError,), interrupted="interrupted: no output was written")
+    run_tool(main, "dedup.py")

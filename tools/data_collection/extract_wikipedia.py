@@ -36,8 +36,7 @@ from typing import Iterator, List, Optional, Tuple
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron.training.cli import run_cli
-from tools.data_collection.common import (DataCollectionError, atomic_output, batched, dump_line, open_input,
+from tools.data_collection.common import (DataCollectionError, run_tool, atomic_output, batched, dump_line, open_input,
                                           ordered_map, positive_int)
 from tools.data_collection.wikitext import clean_wikitext
 
@@ -221,5 +220,4 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    run_cli(main, "extract_wikipedia.py", errors=(DataCollectionError,),
-            interrupted="interrupted: no output was written")
+    run_tool(main, "extract_wikipedia.py")
