@@ -5,7 +5,7 @@ minimum length, with a JSON report of what was dropped and why.
         --report clean.report.json --workers 8 [--languages en] [--min-words 128]
 
 The checks, in order; a document is dropped at the first it fails, under that reason:
-  blacklisted_domain     its "url" (when it has one) is on a blacklisted site: the URL's
+  blacklisted_domain     its "url" (when it has one, unless --no-url-filter) is on a blacklisted site: the URL's
                          registered name (www.youtube.com -> youtube) or its whole host is in
                          OpenWebText's list (image, video, social and file hosts), extended
                          by --blacklist-domains FILE (one name a line);
@@ -104,8 +104,9 @@ class Cleaner:
     """The checks of one configuration; called on batches of lines in the worker processes."""
 
     def __init__(self, path: str, languages: Sequence[str], min_words: int, min_probability: float,
-                 domains: frozenset) -> None:
+                 domains: frozenset, url_filter: bool = True) -> None:
         self.path, self.min_words, self.min_probability, self.domains = path, min_words, min_probability, domains
+        self.url_filter = url_filter
         self.languages = frozenset(languages)
         self._identifier = None
 
@@ -124,7 +125,7 @@ class Cleaner:
         for number, raw in lines:
             record = parse_document(self.path, number, raw)
             url = record.get("url")
-            reason = url_verdict(url, self.domains) if isinstance(url, str) and url else None
+            reason = url_verdict(url, self.domains) if self.url_filter and isinstance(url, str) and url else None
             language, changed, line = None, False, None
             if reason is None:
                 text = ftfy.fix_text(record["text"])
@@ -163,6 +164,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--min-language-probability", type=float, default=0.5)
     parser.add_argument("--min-words", type=int, default=128, help="Drop documents with fewer words")
     parser.add_argument("--blacklist-domains", default=None, help="A file of more domain names to drop")
+    parser.add_argument("--no-url-filter", action="store_true",
+                        help="Skip the URL rules (Wikipedia's own URLs are on the blacklist)")
     parser.add_argument("--batch-size", type=int, default=64, help="Documents sent to a worker at a time")
     args = parser.parse_args(argv)
     positive_int("--workers", args.workers)
@@ -177,7 +180,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     """Clean the corpus; returns the report it writes."""
     args = get_args(argv)
     domains = BLACKLISTED_DOMAINS | (read_domain_list(args.blacklist_domains) if args.blacklist_domains else frozenset())
-    cleaner = Cleaner(args.input, args.languages, args.min_words, args.min_language_probability, domains)
+    cleaner = Cleaner(args.input, args.languages, args.min_words, args.min_language_probability, domains,
+                      url_filter=not args.no_url_filter)
     dropped: Counter = Counter()
     languages: Counter = Counter()
     examples: Dict[str, List[str]] = {reason: [] for reason in REASONS}
@@ -200,7 +204,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         report = {"input": args.input, "output": args.output, "documents": documents, "kept": kept,
                   "dropped": {reason: dropped[reason] for reason in REASONS}, "ftfy_repaired": repaired,
                   "languages": dict(languages.most_common()), "examples": examples,
-                  "settings": {"languages": args.languages, "min_words": args.min_words,
+                  "settings": {"languages": args.languages, "min_words": args.min_words, "url_filter": not args.no_url_filter,
                                "min_language_probability": args.min_language_probability},
                   "input_bytes": os.path.getsize(args.input), "seconds": round(time.time() - start, 3)}
         atomic_write_json(args.report or args.output + ".report.json", report)

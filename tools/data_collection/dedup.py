@@ -154,7 +154,8 @@ def find_duplicates(states: States, threshold: float, workers: int = 1) -> Tuple
     stats = {"documents": states.total, "bands": bands, "rows": rows}
 
     exact = np.concatenate(states.load(".exact.npy", np.uint64)) if states.total else np.zeros(0, np.uint64)
-    exact_pairs = minhash.bucket_pairs(exact, np.arange(states.total, dtype=np.int64), max_all_pairs=2)
+    exact_pairs = minhash.unique_pairs(minhash.bucket_pairs(exact, np.arange(states.total, dtype=np.int64),
+                                                             max_all_pairs=2))
     groups.union_pairs(exact_pairs)
     stats["exact_pairs"] = len(exact_pairs)
     del exact

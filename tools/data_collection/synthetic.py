@@ -94,14 +94,15 @@ def wiki_page(rng: random.Random, title: str, page_id: int) -> str:
 def write_dump(path: str, articles: int, seed: int = 0, copies: int = 0, extra_text: Optional[str] = None) -> None:
     """A MediaWiki dump of `articles` synthetic articles, `copies` of which are repeated under
     another title (duplicates for the dedup stage), plus a redirect and a talk page;
-    extra_text, when given, is one more article's text. bz2-compressed when path ends in .bz2."""
+    extra_text, when given, is in the middle of one more article. bz2-compressed when path ends in .bz2."""
     rng = random.Random(seed)
     pages = [wiki_page(rng, f"Place {k}", k + 1) for k in range(articles)]
     pages += [p.replace(f"<title>Place {k}</title>", f"<title>Place {k} (copy)</title>")
               .replace(f"<id>{k + 1}</id>", f"<id>{articles + k + 1}</id>") for k, p in enumerate(pages[:copies])]
     if extra_text is not None:
         pages.append(f"  <page>\n    <title>Extra</title>\n    <ns>0</ns>\n    <id>{2 * articles + 10}</id>\n"
-                     f"    <revision><text>{escape(extra_text)}</text></revision>\n  </page>\n")
+                     f"    <revision><text>{escape(paragraph(rng) + ' ' + extra_text + ' ' + paragraph(rng))}</text>"
+                     "</revision>\n  </page>\n")
     pages.append("  <page>\n    <title>Place</title>\n    <ns>0</ns>\n    <id>999999</id>\n"
                  "    <redirect title=\"Place 0\" />\n    <revision><text>#REDIRECT [[Place 0]]</text></revision>\n  </page>\n")
     pages.append("  <page>\n    <title>Talk:Place 0</title>\n    <ns>1</ns>\n    <id>999998</id>\n"
