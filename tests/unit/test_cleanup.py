@@ -83,3 +83,15 @@ def test_malformed_json_line_is_one_line_and_leaves_no_output(tmp_path):
         f"cleanup.py: error: {tmp_path / 'in.jsonl'}:2: not valid JSON (Expecting property name enclosed in "
         "double quotes, column 14)"]
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
+
+
+def test_truncated_bz2_input_names_the_line_where_it_ends(tmp_path):
+    import bz2
+    rng = random.Random(1)
+    lines = "".join(json.dumps({"text": paragraph(rng, 40)}) + "\n" for _ in range(400)).encode()
+    data = bz2.compress(lines)
+    (tmp_path / "in.jsonl.bz2").write_bytes(data[:-40])
+    with pytest.raises(DataCollectionError, match=r"in\.jsonl\.bz2:\d+: the compressed data is damaged or truncated"):
+        cleanup.main(["--input", str(tmp_path / "in.jsonl.bz2"), "--output", str(tmp_path / "out.jsonl"),
+                      "--languages"])
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl.bz2"]

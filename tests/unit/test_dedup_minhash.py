@@ -120,3 +120,11 @@ def test_malformed_json_line_names_file_and_line_and_writes_nothing(tmp_path):
         dedup.main(["run", "--input", str(tmp_path / "in.jsonl"), "--output-dir", str(tmp_path / "out"),
                     "--workers", "2"])
     assert os.listdir(tmp_path / "out") == []
+
+
+def test_batched_word_shingles_equal_text_by_text():
+    texts = ["", "one", "one two three", "a b c d e f g h", "", "x y z w v u", "caf\u00e9 na\u00efve r\u00e9sum\u00e9 a b c"]
+    hashes, counts = minhash.batch_word_shingles(texts, 5)
+    alone = [minhash.shingle_hashes(t, "word", 5) for t in texts]
+    assert counts.tolist() == [len(a) for a in alone] == [0, 1, 1, 4, 0, 2, 2]
+    assert (hashes == np.concatenate(alone)).all()

@@ -34,7 +34,7 @@ _WORD = re.compile(r"\w+")
 _B = np.uint64(0x100000001B3)  # odd: invertible mod 2^64
 _B_INV = np.uint64(pow(0x100000001B3, -1, 1 << 64))
 EMPTY = np.uint32(0xFFFFFFFF)  # every value of the signature of a text without words
-_CHUNK_ROWS = 8192  # shingles hashed at a time: [8192, num_perm] uint64 = 8 MiB at 128
+_CHUNK_ROWS = 8192  # shingles hashed at a time: [num_perm, 8192] uint64 = 8 MiB at 128
 
 
 def normalise(text: str) -> str:
@@ -102,8 +102,44 @@ def span_hashes(normalised: str, kind: str, size: int) -> np.ndarray:
 
 
 def shingle_hashes(normalised: str, kind: str, size: int) -> np.ndarray:
-    """uint64 hashes (< 2^32) of the distinct shingles of a normalised text; empty without words."""
-    return np.unique(span_hashes(normalised, kind, size) >> np.uint64(32))
+    """uint64 hashes (< 2^32) of the shingles of a normalised text (repeats kept: they do not
+    change a minimum, and removing them costs more than it saves); empty without words."""
+    return span_hashes(normalised, kind, size) >> np.uint64(32)
+
+
+def batch_word_shingles(normalised_texts: Sequence[str], size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Hashes (< 2^32) of the word shingles of many normalised texts at once, and the number of
+    each text's shingles (the hashes are grouped by text, in order): the same values as
+    shingle_hashes(text, "word", size) text by text, with numpy's per-call cost paid once."""
+    data = np.frombuffer("\n".join(normalised_texts).encode("utf-8"), np.uint8)
+    n, docs = len(data), len(normalised_texts)
+    if n == 0:
+        return np.zeros(0, np.uint64), np.zeros(docs, np.int64)
+    separator = (data == 32) | (data == 10)
+    inside = ~separator
+    starts = np.flatnonzero(inside & np.concatenate([[True], separator[:-1]]))
+    ends = np.flatnonzero(inside & np.concatenate([separator[1:], [True]])) + 1
+    newlines = np.flatnonzero(data == 10)
+    doc_of_word = np.searchsorted(newlines, starts)  # texts are separated by "\n"
+    words_per_doc = np.bincount(doc_of_word, minlength=docs)
+    # Full shingles: `size` consecutive words of one text.
+    first = np.arange(max(len(starts) - size + 1, 0))
+    full = first[doc_of_word[first] == doc_of_word[first + size - 1]]
+    s, e, d = starts[full], ends[full + size - 1], doc_of_word[full]
+    # A text with fewer words than a shingle is one shingle.
+    short = np.flatnonzero((words_per_doc > 0) & (words_per_doc < size))
+    if len(short):
+        first_word = np.concatenate([[0], np.cumsum(words_per_doc)[:-1]])
+        s = np.concatenate([s, starts[first_word[short]]])
+        e = np.concatenate([e, ends[first_word[short] + words_per_doc[short] - 1]])
+        d = np.concatenate([d, short])
+        order = np.argsort(d, kind="stable")
+        s, e, d = s[order], e[order], d[order]
+    forward, inverse = _POWERS.get(n + 1)
+    prefix = np.zeros(n + 1, np.uint64)
+    np.cumsum(data.astype(np.uint64) * inverse[:n], dtype=np.uint64, out=prefix[1:])
+    hashes = _mix(forward[e - 1] * (prefix[e] - prefix[s])) >> np.uint64(32)
+    return hashes, np.bincount(d, minlength=docs).astype(np.int64)
 
 
 class MinHasher:
@@ -119,25 +155,29 @@ class MinHasher:
 
     def signatures(self, normalised_texts: Sequence[str]) -> np.ndarray:
         """uint32 [len(texts), num_perm]; a text without words gets EMPTY everywhere."""
-        parts = [shingle_hashes(text, self.kind, self.size) for text in normalised_texts]
-        counts = np.array([len(p) for p in parts], np.int64)
-        out = np.full((len(parts), self.num_perm), EMPTY, np.uint32)
+        if self.kind == "word":
+            x, counts = batch_word_shingles(normalised_texts, self.size)
+        else:
+            parts = [shingle_hashes(text, self.kind, self.size) for text in normalised_texts]
+            counts = np.array([len(p) for p in parts], np.int64)
+            x = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+        out = np.full((len(normalised_texts), self.num_perm), EMPTY, np.uint32)
         docs = np.flatnonzero(counts)  # the documents with shingles
         if len(docs) == 0:
             return out
-        x = np.concatenate([parts[d] for d in docs])
         starts = np.concatenate([[0], np.cumsum(counts[docs])[:-1]])
-        signature = np.full((len(docs), self.num_perm), np.iinfo(np.uint64).max, np.uint64)
+        # [num_perm, shingles] layout: the per-document minimum runs along contiguous memory.
+        signature = np.full((self.num_perm, len(docs)), np.iinfo(np.uint64).max, np.uint64)
         for r0 in range(0, len(x), _CHUNK_ROWS):
             r1 = min(r0 + _CHUNK_ROWS, len(x))
-            h = np.multiply.outer(x[r0:r1], self.a)  # [rows, num_perm]
-            h += self.b
-            h >>= np.uint64(32)
+            h = np.multiply.outer(self.a, x[r0:r1])  # [num_perm, rows]: a*x mod 2^64
+            h += self.b[:, None]
             d0 = int(np.searchsorted(starts, r0, side="right")) - 1
             d1 = int(np.searchsorted(starts, r1, side="left"))
             offsets = np.maximum(starts[d0:d1], r0) - r0
-            np.minimum(signature[d0:d1], np.minimum.reduceat(h, offsets, axis=0), out=signature[d0:d1])
-        out[docs] = signature.astype(np.uint32)
+            # >> 32 is monotonic, so it is taken once on the minima rather than on every value.
+            np.minimum(signature[:, d0:d1], np.minimum.reduceat(h, offsets, axis=1), out=signature[:, d0:d1])
+        out[docs] = (signature >> np.uint64(32)).T.astype(np.uint32)
         return out
 
 
