@@ -110,7 +110,14 @@ class Cleaner:
         self.languages = frozenset(languages)
         self._identifier = None
 
+    def prepare(self) -> None:
+        """Load the language model now (about a second), so forked workers share it."""
+        if self.languages:
+            self._language("warm up")
+
     def _language(self, text: str) -> Tuple[str, float]:
+        """(language, probability) from the text's first 10,000 characters (py3langid walks
+        the text byte by byte in Python: the cap keeps long documents cheap)."""
         if self._identifier is None:
             # py3langid >= 0.4 keeps its model as an .npz (loaded with allow_pickle=False).
             from py3langid.langid import MODEL_FILE, LanguageIdentifier
@@ -182,6 +189,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     domains = BLACKLISTED_DOMAINS | (read_domain_list(args.blacklist_domains) if args.blacklist_domains else frozenset())
     cleaner = Cleaner(args.input, args.languages, args.min_words, args.min_language_probability, domains,
                       url_filter=not args.no_url_filter)
+    cleaner.prepare()
     dropped: Counter = Counter()
     languages: Counter = Counter()
     examples: Dict[str, List[str]] = {reason: [] for reason in REASONS}

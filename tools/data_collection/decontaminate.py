@@ -155,29 +155,30 @@ class NgramIndex:
         self.ngram, self.min_ngram = ngram, min_ngram
         self.grams: Dict[str, str] = {}  # "w1 w2 ... wn" -> task
         self.hashes: Dict[int, np.ndarray] = {}  # length -> sorted uint64
+        self._pending: Dict[int, List[np.ndarray]] = {}
 
     def add_task(self, task: str, texts: Iterator[str]) -> int:
+        """Add the n-grams of a task's texts; returns how many were new."""
         added = 0
         for text in texts:
             words = _WORD.findall(text.lower())
             if len(words) >= self.ngram:
-                grams = (" ".join(words[i:i + self.ngram]) for i in range(len(words) - self.ngram + 1))
+                length = self.ngram
             elif len(words) >= self.min_ngram:
-                grams = iter([" ".join(words)])
+                length = len(words)
             else:
                 continue
-            for gram in grams:
+            self._pending.setdefault(length, []).append(minhash.span_hashes(" ".join(words), "word", length))
+            for i in range(len(words) - length + 1):
+                gram = " ".join(words[i:i + length])
                 if gram not in self.grams:
                     self.grams[gram] = task
                     added += 1
         return added
 
     def freeze(self) -> None:
-        by_length: Dict[int, List[int]] = {}
-        for gram in self.grams:
-            length = gram.count(" ") + 1
-            by_length.setdefault(length, []).append(int(minhash.span_hashes(gram, "word", length)[0]))
-        self.hashes = {length: np.unique(np.array(h, np.uint64)) for length, h in sorted(by_length.items())}
+        self.hashes = {length: np.unique(np.concatenate(parts)) for length, parts in sorted(self._pending.items())}
+        self._pending = {}
 
     def matches(self, normalised: str) -> List[Tuple[int, int, str]]:
         """(first word, word count, task) of each contaminating n-gram in a normalised text."""
@@ -185,7 +186,8 @@ class NgramIndex:
         found = []
         for length, table in self.hashes.items():
             hashes = minhash.span_hashes(normalised, "word", length)
-            hit = np.flatnonzero(np.isin(hashes, table))
+            position = np.minimum(np.searchsorted(table, hashes), len(table) - 1)
+            hit = np.flatnonzero(table[position] == hashes)
             if len(hit) == 0:
                 continue
             words = words if words is not None else normalised.split(" ")
