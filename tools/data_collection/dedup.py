@@ -219,6 +219,8 @@ def remove_duplicates(states: States, duplicates: str, output_dir: str) -> List[
         local = drop[(drop >= states.offsets[k]) & (drop < states.offsets[k + 1])] - states.offsets[k]
         dropped_lines = set(lines[k][local].tolist())
         output = os.path.join(output_dir, names[k])
+        if os.path.abspath(output) == os.path.abspath(path):
+            raise DataCollectionError(f"--output-dir {output_dir}: would overwrite the input {path}")
         kept = 0
         with atomic_output(output) as out:
             for number, raw in numbered_lines(path):

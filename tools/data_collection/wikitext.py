@@ -28,8 +28,9 @@ from typing import List
 
 # Namespaces whose links are dropped whole (English names and the canonical aliases).
 DROPPED_LINK_NAMESPACES = {"file", "image", "category", "media"}
-# Interlanguage/interwiki prefixes are language codes: 2-3 letters, or forms like "zh-min-nan".
-_INTERWIKI = re.compile(r"^[a-z]{2,3}(-[a-z]+)*$")
+# Interlanguage prefixes are language codes: 2-3 letters, or forms like "zh-min-nan", and a few
+# longer ones. (Other interwiki links, e.g. [[wikt:word|word]], show their label as MediaWiki does.)
+_INTERWIKI = re.compile(r"^([a-z]{2,3}(-[a-z]+)*|simple|be-tarask|map-bms|nds-nl|roa-rup|bat-smg|fiu-vro)$")
 _DROPPED_TAGS = ("ref", "references", "gallery", "math", "timeline", "imagemap", "score", "syntaxhighlight",
                  "source", "pre", "chem", "ce", "graph", "mapframe", "templatedata")
 
@@ -37,6 +38,7 @@ _COMMENT = re.compile(r"<!--.*?(-->|\Z)", re.S)
 _SELF_CLOSING = re.compile(r"<(%s)\b[^>]*/>" % "|".join(_DROPPED_TAGS), re.I)
 _DROPPED_ELEMENT = re.compile(r"<(%s)\b[^>]*>.*?(</\1\s*>|\Z)" % "|".join(_DROPPED_TAGS), re.I | re.S)
 _NOWIKI = re.compile(r"<nowiki\s*>(.*?)</nowiki\s*>", re.I | re.S)
+_NOWIKI_ESCAPES = {ord(c): f"&#{ord(c)};" for c in "[]{}|'<>&=*#:;_"}
 _BR = re.compile(r"<br\s*/?>", re.I)
 _ANY_TAG = re.compile(r"</?[a-zA-Z][a-zA-Z0-9]*\b[^<>]*/?>")
 _EXTERNAL_LINK = re.compile(r"\[(?:https?:|ftp:|//)[^\s\]]*(?:\s+([^\]]*))?\]", re.I)
@@ -119,6 +121,7 @@ def _replace_links(text: str) -> str:
 
 
 def _inline(text: str) -> str:
+    text = text.replace("{{!}}", "|")  # the escaped pipe, before templates go
     text = _drop_nested(text)
     text = _replace_links(text)
     text = _EXTERNAL_LINK.sub(lambda m: m.group(1) or "", text)
@@ -134,7 +137,8 @@ def clean_wikitext(wikitext: str) -> str:
     text = _COMMENT.sub("", wikitext)
     text = _SELF_CLOSING.sub("", text)
     text = _DROPPED_ELEMENT.sub("", text)
-    text = _NOWIKI.sub(lambda m: html.escape(m.group(1), quote=False), text)
+    # <nowiki> content is literal: its markup characters become entities, decoded at the end.
+    text = _NOWIKI.sub(lambda m: m.group(1).translate(_NOWIKI_ESCAPES), text)
     text = _inline(text)
     lines: List[str] = []
     pending_headings: List[str] = []
