@@ -136,3 +136,16 @@ def test_not_a_mediawiki_dump(tmp_path):
     (tmp_path / "x.xml").write_text("<html><body/></html>\n")
     with pytest.raises(DataCollectionError, match=r"x\.xml:1: bad XML \(the root element is <html>"):
         extract_wikipedia.main(["--input", str(tmp_path / "x.xml"), "--output", str(tmp_path / "o.jsonl")])
+
+
+def test_dumps_without_ns_elements_use_the_title_prefix(tmp_path):
+    (tmp_path / "old.xml").write_text(
+        '<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.5/" version="0.5">\n'
+        "  <siteinfo><base>https://en.wikipedia.org/wiki/Main_Page</base>\n"
+        '    <namespaces><namespace key="0" /><namespace key="1">Talk</namespace></namespaces></siteinfo>\n'
+        "  <page><title>Talk:X</title><id>1</id><revision><text>talk</text></revision></page>\n"
+        "  <page><title>X: the letter</title><id>2</id><revision><text>Article.</text></revision></page>\n"
+        "</mediawiki>\n")
+    stats = extract_wikipedia.main(["--input", str(tmp_path / "old.xml"), "--output", str(tmp_path / "o.jsonl")])
+    assert [r["title"] for r in read_jsonl(tmp_path / "o.jsonl")] == ["X: the letter"]
+    assert stats["skipped_namespace"] == 1

@@ -92,6 +92,8 @@ def _parse(reader, stats: dict) -> Iterator[Page]:
         tag = _local(element.tag)
         if tag == "base" and "url_base" not in stats:
             stats["url_base"] = (element.text or "").rsplit("/", 1)[0]
+        elif tag == "namespace" and element.get("key", "0") != "0" and element.text:
+            stats.setdefault("namespaces", set()).add(element.text.strip())
         elif tag == "page":
             page = _page(element, stats)
             root.clear()  # drop this page (and the siteinfo) from the tree: memory stays flat
@@ -100,7 +102,7 @@ def _parse(reader, stats: dict) -> Iterator[Page]:
 
 
 def _page(element, stats: dict) -> Optional[Page]:
-    fields = {"ns": "0", "id": None, "title": "", "text": "", "redirect": False}
+    fields = {"ns": None, "id": None, "title": "", "text": "", "redirect": False}
     for child in element:
         tag = _local(child.tag)
         if tag in ("ns", "id", "title"):
@@ -112,6 +114,9 @@ def _page(element, stats: dict) -> Optional[Page]:
                 if _local(part.tag) == "text":
                     fields["text"] = part.text or ""
     stats["pages"] = stats.get("pages", 0) + 1
+    if fields["ns"] is None:  # dumps before export-0.6 have no <ns>: the title's prefix says
+        prefix, colon, _ = fields["title"].partition(":")
+        fields["ns"] = "other" if colon and prefix in stats.get("namespaces", ()) else "0"
     if fields["ns"] != "0":
         stats["skipped_namespace"] = stats.get("skipped_namespace", 0) + 1
         return None
@@ -213,6 +218,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     stats["input_bytes"] = os.path.getsize(args.input)
     stats["seconds"] = round(time.time() - start, 3)
     stats.pop("url_base", None)
+    stats.pop("namespaces", None)
     print(f"extract_wikipedia: {written} articles of {stats.get('pages', 0)} pages "
           f"({stats.get('skipped_redirect', 0)} redirects, {stats.get('skipped_namespace', 0)} other namespaces, "
           f"{stats.get('skipped_empty', 0)} empty) in {stats['seconds']:.2f} s -> {args.output}", file=sys.stderr)
