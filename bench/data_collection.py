@@ -13,8 +13,8 @@ show memory stays flat as the input grows.
 Dedup comparison: on a corpus with planted near-duplicates (--dedup-docs documents of 200 words,
 a fifth of them near-copies with 0-40 words changed), our MinHash LSH (in-process, 1 worker, and
 --workers processes) and datasketch's MinHash + MinHashLSH with the same settings (128
-permutations, word 5-shingles, threshold 0.8, candidates verified by the signatures' estimated
-Jaccard in both) are timed, in documents/s; printed: the pairs each finds, their agreement, and
+permutations, word 5-shingles, threshold 0.8, the same LSH weighting: ours' default 0.1/0.9, then
+datasketch's 0.5/0.5; candidates verified by the signatures' estimated Jaccard in both) are timed, in documents/s; printed: the pairs each finds, their agreement, and
 recall of the planted pairs with true Jaccard >= 0.9 and the rate at which pairs <= 0.5 are
 flagged. datasketch is a bench-only dependency (pip install datasketch); without it that part
 says so and is skipped. Prints what it measured; asserts nothing.
@@ -126,7 +126,7 @@ def group_pairs(groups: minhash.UnionFind, n: int):
     return pairs
 
 
-def ours(texts, scratch: str, workers: int, threshold: float):
+def ours(texts, scratch: str, workers: int, threshold: float, weight: float):
     path = os.path.join(scratch, "dedup_corpus.jsonl")
     with open(path, "w") as f:
         for t in texts:
@@ -134,15 +134,16 @@ def ours(texts, scratch: str, workers: int, threshold: float):
     start = time.perf_counter()
     settings = {"num_perm": 128, "shingle": "word", "shingle_size": 5, "seed": 1}
     dedup.compute_signatures(path, os.path.join(scratch, f"state{workers}"), settings, workers)
-    groups, stats = dedup.find_duplicates(dedup.States([os.path.join(scratch, f"state{workers}")]), threshold)
+    groups, stats = dedup.find_duplicates(dedup.States([os.path.join(scratch, f"state{workers}")]), threshold,
+                                          false_negative_weight=weight)
     return time.perf_counter() - start, groups
 
 
-def theirs(texts, threshold: float):
+def theirs(texts, threshold: float, weight: float):
     from datasketch import MinHash, MinHashLSH
 
     start = time.perf_counter()
-    lsh = MinHashLSH(threshold=threshold, num_perm=128)
+    lsh = MinHashLSH(threshold=threshold, num_perm=128, weights=(1 - weight, weight))
     sketches = []
     for k, text in enumerate(texts):
         w = minhash.normalise(text).split()
@@ -158,23 +159,24 @@ def theirs(texts, threshold: float):
     return time.perf_counter() - start, groups
 
 
-def bench_dedup(scratch: str, docs: int, workers: int, threshold: float = 0.8) -> None:
+def bench_dedup(scratch: str, docs: int, workers: int, weight: float, threshold: float = 0.8) -> None:
     texts, planted = synthetic.planted_corpus(docs - docs // 5, docs // 5, words=200, seed=11)
     similar = [p for p in planted if true_jaccard(texts[p[0]], texts[p[1]]) >= 0.9]
     dissimilar = [p for p in planted if true_jaccard(texts[p[0]], texts[p[1]]) <= 0.5]
     print(f"\n== dedup: {len(texts)} documents of 200 words, {len(planted)} planted near-copies "
           f"({len(similar)} with Jaccard >= 0.9, {len(dissimilar)} <= 0.5); 128 permutations, word 5-shingles, "
-          f"threshold {threshold}")
+          f"threshold {threshold}, LSH weights (false positive, false negative) = ({1 - weight:.1f}, {weight:.1f}) "
+          f"in both, bands x rows {minhash.optimal_bands(threshold, 128, 1 - weight, weight)}")
     rows = []
     for w in sorted({1, workers}):
-        seconds, groups = ours(texts, scratch, w, threshold)
+        seconds, groups = ours(texts, scratch, w, threshold, weight)
         rows.append((f"ours, {w} worker{'s' if w > 1 else ''}", seconds, group_pairs(groups, len(texts))))
     try:
         import datasketch  # noqa: F401
     except ImportError:
         print("datasketch is not installed (a bench-only dependency: pip install datasketch); comparison skipped")
     else:
-        seconds, groups = theirs(texts, threshold)
+        seconds, groups = theirs(texts, threshold, weight)
         rows.append((f"datasketch {datasketch.__version__}, 1 process", seconds, group_pairs(groups, len(texts))))
     for name, seconds, pairs in rows:
         recall = sum(p in pairs for p in similar) / max(len(similar), 1)
@@ -201,6 +203,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--quick", action="store_true", help="Tiny sizes: a smoke test of the bench itself")
     parser.add_argument("--skip-stages", action="store_true")
+    parser.add_argument("--false-negative-weight", type=float, nargs="+", default=[dedup.FALSE_NEGATIVE_WEIGHT, 0.5],
+                        help="LSH weightings to compare at (ours' default, then datasketch's)")
     args = parser.parse_args()
     if args.quick:
         args.articles, args.dedup_docs = 100, 1000
@@ -209,7 +213,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-data-collection-") as scratch:
         if not args.skip_stages:
             bench_stages(scratch, args.articles, args.workers)
-        bench_dedup(scratch, args.dedup_docs, args.workers)
+        for weight in args.false_negative_weight:
+            bench_dedup(scratch, args.dedup_docs, args.workers, weight)
 
 
 if __name__ == "__main__":

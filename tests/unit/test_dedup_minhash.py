@@ -43,18 +43,20 @@ def same_group(drop_json: str, n_docs: int) -> np.ndarray:
     return group
 
 
-def test_planted_near_duplicates_are_found_and_dissimilar_pairs_are_not(tmp_path):
+@pytest.mark.parametrize("verify", ["signatures", "shingles"])
+def test_planted_near_duplicates_are_found_and_dissimilar_pairs_are_not(tmp_path, verify):
     texts, planted = planted_corpus(documents=400, pairs=500, words=200, substitutions=[0, 1, 1, 2, 2, 3, 4, 6, 8, 10, 12]
                                     + list(range(14, 41)), seed=3)
     write_jsonl(tmp_path / "corpus.jsonl", texts)
     stats = dedup.main(["run", "--input", str(tmp_path / "corpus.jsonl"), "--output-dir", str(tmp_path / "out"),
-                        "--threshold", "0.8"])
+                        "--threshold", "0.8", "--verify", verify])
     group = same_group(str(tmp_path / "out" / "dedup.report.json"), len(texts))
     similar = [(i, j) for i, j in planted if jaccard(texts[i], texts[j]) >= 0.9]
     dissimilar = [(i, j) for i, j in planted if jaccard(texts[i], texts[j]) <= 0.5]
     assert len(similar) >= 50 and len(dissimilar) >= 250  # the corpus covers both ends
     found = sum(group[i] == group[j] for i, j in similar)
     flagged = sum(group[i] == group[j] for i, j in dissimilar)
+    print(f"{verify}: found {found} of {len(similar)} pairs with J >= 0.9, flagged {flagged} of {len(dissimilar)} with J <= 0.5")
     assert found >= 0.95 * len(similar), (found, len(similar))
     assert flagged <= 0.01 * len(dissimilar), (flagged, len(dissimilar))
     # Unrelated documents (of different planted families) are never joined.
@@ -63,6 +65,17 @@ def test_planted_near_duplicates_are_found_and_dissimilar_pairs_are_not(tmp_path
     assert all(len({family.find(int(i)) for i in np.flatnonzero(group == g)}) == 1 for g in set(group.tolist()))
     kept = [json.loads(line)["text"] for line in open(tmp_path / "out" / "corpus.jsonl")]
     assert len(kept) == len(texts) - stats["dropped"]
+
+
+def test_pairs_just_above_0_9_are_found(tmp_path):
+    """The hardest case for the banding: every planted pair at J of about 0.9 (2 of 200 words changed)."""
+    texts, planted = planted_corpus(documents=300, pairs=300, words=200, substitutions=[2], seed=8)
+    write_jsonl(tmp_path / "corpus.jsonl", texts)
+    dedup.main(["run", "--input", str(tmp_path / "corpus.jsonl"), "--output-dir", str(tmp_path / "out")])
+    group = same_group(str(tmp_path / "out" / "dedup.report.json"), len(texts))
+    similar = [(i, j) for i, j in planted if jaccard(texts[i], texts[j]) >= 0.9]
+    assert len(similar) >= 200
+    assert sum(group[i] == group[j] for i, j in similar) >= 0.95 * len(similar)
 
 
 def test_signatures_do_not_depend_on_batching_and_equal_texts_match():

@@ -19,8 +19,9 @@ groups, each [[state, line], ...] with the kept document first, and counts) and
 order). Everything is loaded with allow_pickle=False.
 
 Duplicates: documents with equal normalised text (lower-case words; see minhash.py), and pairs
-whose MinHash signatures share a band and whose estimated Jaccard similarity of shingle sets
-is at least --threshold. Groups are the connected components of those pairs; the first
+whose MinHash signatures share a band and whose Jaccard similarity of shingle sets is at least
+--threshold: estimated from the signatures (--verify signatures, the default: no second read),
+or computed exactly from the shingle sets of the candidates, re-read (--verify shingles). Groups are the connected components of those pairs; the first
 document of a group (in file order) is kept, the others dropped.
 
 Memory: `signatures` streams (a batch of documents per worker); `find` memory-maps the
@@ -49,6 +50,13 @@ from tools.data_collection.common import (DataCollectionError, run_tool, Line, a
 from tools.data_collection.npy_stream import NpyRowWriter
 
 STATE_FORMAT = 1
+# Every candidate pair is verified, so a false positive of the banding costs one comparison and a
+# false negative a missed duplicate: the bands favour recall. At threshold 0.8 and 128 values this
+# picks 14 bands of 9 rows: a pair at J = 0.9 is a candidate with probability 0.999, at 0.5 with
+# 0.027 (datasketch's default weights 0.5/0.5 pick 9 x 13: 0.93 at J = 0.9).
+FALSE_NEGATIVE_WEIGHT = 0.9
+VERIFY_HELP = ("How candidate pairs are verified: the Jaccard similarity estimated from their signatures "
+               "(default), or the true one of their shingle sets (re-reads the candidates' documents)")
 SETTINGS = ("num_perm", "shingle", "shingle_size", "seed")
 
 
@@ -146,12 +154,41 @@ class States:
         return out
 
 
-def find_duplicates(states: States, threshold: float, workers: int = 1) -> Tuple[minhash.UnionFind, dict]:
-    """Union-find over the states' documents joined by exact and near-duplicate pairs."""
+def shingle_jaccard(states: States, pairs: np.ndarray) -> np.ndarray:
+    """The true Jaccard similarity of each pair's shingle sets (64-bit shingle hashes), the
+    documents re-read from the states' inputs: only those in a pair are kept in memory."""
+    meta = states.meta[0]
+    wanted = np.unique(pairs)
+    shingles = {}
+    for k, state_meta in enumerate(states.meta):
+        path = state_meta["input"]
+        check_inputs([path], "--state input")
+        if os.path.getsize(path) != state_meta["input_bytes"]:
+            raise DataCollectionError(f"{path}: changed since its signatures were computed")
+        local = wanted[(wanted >= states.offsets[k]) & (wanted < states.offsets[k + 1])] - states.offsets[k]
+        lines = states.load(".lines.npy", np.int64)[k]
+        by_line = {int(lines[i]): int(i + states.offsets[k]) for i in local}
+        for number, raw in numbered_lines(path):
+            if number in by_line:
+                text = minhash.normalise(parse_document(path, number, raw)["text"])
+                shingles[by_line[number]] = np.unique(minhash.span_hashes(text, meta["shingle"], meta["shingle_size"]))
+    out = np.zeros(len(pairs))
+    for p, (i, j) in enumerate(pairs.tolist()):
+        a, b = shingles[i], shingles[j]
+        common = len(np.intersect1d(a, b, assume_unique=True))
+        out[p] = common / max(len(a) + len(b) - common, 1)
+    return out
+
+
+def find_duplicates(states: States, threshold: float, verify: str = "signatures",
+                    false_negative_weight: float = FALSE_NEGATIVE_WEIGHT) -> Tuple[minhash.UnionFind, dict]:
+    """Union-find over the states' documents joined by exact and near-duplicate pairs; verify:
+    "signatures" (the estimated Jaccard) or "shingles" (the true one, re-reading the inputs)."""
     num_perm = states.meta[0]["num_perm"]
-    bands, rows = minhash.optimal_bands(threshold, num_perm)
+    bands, rows = minhash.optimal_bands(threshold, num_perm, 1.0 - false_negative_weight, false_negative_weight)
     groups = minhash.UnionFind(states.total)
-    stats = {"documents": states.total, "bands": bands, "rows": rows}
+    stats = {"documents": states.total, "bands": bands, "rows": rows, "verify": verify,
+             "false_negative_weight": false_negative_weight}
 
     exact = np.concatenate(states.load(".exact.npy", np.uint64)) if states.total else np.zeros(0, np.uint64)
     exact_pairs = minhash.unique_pairs(minhash.bucket_pairs(exact, np.arange(states.total, dtype=np.int64),
@@ -170,7 +207,10 @@ def find_duplicates(states: States, threshold: float, workers: int = 1) -> Tuple
         if keys:
             candidates.append(minhash.bucket_pairs(np.concatenate(keys), np.concatenate(ids).astype(np.int64)))
     pairs = minhash.unique_pairs(np.concatenate(candidates) if candidates else np.zeros((0, 2), np.int64))
-    similarity = minhash.estimated_jaccard(states.signatures_of, pairs)
+    if verify == "shingles":
+        similarity = shingle_jaccard(states, pairs)
+    else:
+        similarity = minhash.estimated_jaccard(states.signatures_of, pairs)
     verified = pairs[similarity >= threshold]
     groups.union_pairs(verified)
     stats.update(candidate_pairs=len(pairs), verified_pairs=len(verified))
@@ -249,6 +289,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     run.add_argument("--input", nargs="+", required=True)
     run.add_argument("--output-dir", required=True, help="Deduplicated copies of the inputs, same names")
     run.add_argument("--threshold", type=float, default=0.8, help="Jaccard similarity of near-duplicates")
+    run.add_argument("--verify", choices=("signatures", "shingles"), default="signatures", help=VERIFY_HELP)
+    run.add_argument("--false-negative-weight", type=float, default=FALSE_NEGATIVE_WEIGHT,
+                     help="Weight of missed pairs against extra candidates when choosing the LSH bands "
+                          "(datasketch's default: 0.5)")
     _add_settings(run)
     signatures = sub.add_parser("signatures", help="MinHash and exact hashes of one file")
     signatures.add_argument("--input", required=True)
@@ -258,6 +302,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     find.add_argument("--state", nargs="+", required=True)
     find.add_argument("--output", required=True, help="Prefix of OUTPUT.json and OUTPUT.drop.npy")
     find.add_argument("--threshold", type=float, default=0.8)
+    find.add_argument("--verify", choices=("signatures", "shingles"), default="signatures", help=VERIFY_HELP)
+    find.add_argument("--false-negative-weight", type=float, default=FALSE_NEGATIVE_WEIGHT,
+                     help="Weight of missed pairs against extra candidates when choosing the LSH bands "
+                          "(datasketch's default: 0.5)")
     remove = sub.add_parser("remove", help="copy the inputs without their duplicates")
     remove.add_argument("--state", nargs="+", required=True)
     remove.add_argument("--duplicates", required=True, help="The --output prefix of `find`")
@@ -269,6 +317,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         positive_int("--shingle-size", args.shingle_size)
     if hasattr(args, "threshold") and not 0.0 < args.threshold <= 1.0:
         raise DataCollectionError(f"--threshold must be in (0, 1], got {args.threshold}")
+    if hasattr(args, "false_negative_weight") and not 0.0 < args.false_negative_weight < 1.0:
+        raise DataCollectionError(f"--false-negative-weight must be in (0, 1), got {args.false_negative_weight}")
     return args
 
 
@@ -294,8 +344,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         try:
             for path, prefix in zip(inputs, prefixes):
                 compute_signatures(path, prefix, settings, args.workers)
-            return _find_and_remove(prefixes, args.threshold, os.path.join(state_dir, "duplicates"),
-                                    args.output_dir, start)
+            return _find_and_remove(prefixes, args, os.path.join(state_dir, "duplicates"), args.output_dir, start)
         finally:
             for name in os.listdir(state_dir) if os.path.isdir(state_dir) else []:
                 os.unlink(os.path.join(state_dir, name))
@@ -303,7 +352,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                 os.rmdir(state_dir)
     states = States(args.state)
     if args.command == "find":
-        groups, stats = find_duplicates(states, args.threshold)
+        groups, stats = find_duplicates(states, args.threshold, args.verify, args.false_negative_weight)
         drop = write_duplicates(states, groups, stats, args.output)
         print(f"dedup find: {len(drop)} of {states.total} documents are duplicates ({stats['exact_pairs']} exact "
               f"pairs, {stats['verified_pairs']} of {stats['candidate_pairs']} candidate pairs verified) -> "
@@ -315,9 +364,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
     return {"outputs": results}
 
 
-def _find_and_remove(prefixes: List[str], threshold: float, duplicates: str, output_dir: str, start: float) -> dict:
+def _find_and_remove(prefixes: List[str], args: argparse.Namespace, duplicates: str, output_dir: str,
+                     start: float) -> dict:
     states = States(prefixes)
-    groups, stats = find_duplicates(states, threshold)
+    groups, stats = find_duplicates(states, args.threshold, args.verify, args.false_negative_weight)
     drop = write_duplicates(states, groups, stats, duplicates)
     with open(duplicates + ".json", encoding="utf-8") as f:
         report = json.load(f)
