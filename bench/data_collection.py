@@ -14,7 +14,8 @@ Dedup comparison: on a corpus with planted near-duplicates (--dedup-docs documen
 a fifth of them near-copies with 0-40 words changed), our MinHash LSH (in-process, 1 worker, and
 --workers processes) and datasketch's MinHash + MinHashLSH with the same settings (128
 permutations, word 5-shingles, threshold 0.8, the same LSH weighting: ours' default 0.1/0.9, then
-datasketch's 0.5/0.5; candidates verified by the signatures' estimated Jaccard in both) are timed, in documents/s; printed: the pairs each finds, their agreement, and
+datasketch's 0.5/0.5; candidates verified by the signatures' estimated Jaccard in both) are
+timed, in documents/s; printed: the pairs each finds, their agreement, and
 recall of the planted pairs with true Jaccard >= 0.9 and the rate at which pairs <= 0.5 are
 flagged. datasketch is a bench-only dependency (pip install datasketch); without it that part
 says so and is skipped. Prints what it measured; asserts nothing.

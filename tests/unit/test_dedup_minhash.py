@@ -56,7 +56,8 @@ def test_planted_near_duplicates_are_found_and_dissimilar_pairs_are_not(tmp_path
     assert len(similar) >= 50 and len(dissimilar) >= 250  # the corpus covers both ends
     found = sum(group[i] == group[j] for i, j in similar)
     flagged = sum(group[i] == group[j] for i, j in dissimilar)
-    print(f"{verify}: found {found} of {len(similar)} pairs with J >= 0.9, flagged {flagged} of {len(dissimilar)} with J <= 0.5")
+    print(f"{verify}: found {found} of {len(similar)} pairs with J >= 0.9, "
+          f"flagged {flagged} of {len(dissimilar)} with J <= 0.5")
     assert found >= 0.95 * len(similar), (found, len(similar))
     assert flagged <= 0.01 * len(dissimilar), (flagged, len(dissimilar))
     # Unrelated documents (of different planted families) are never joined.

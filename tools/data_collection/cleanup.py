@@ -38,9 +38,9 @@ from urllib.parse import urlsplit
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tools.data_collection.common import (DataCollectionError, run_tool, Line, atomic_output, atomic_write_json, batched,
+from tools.data_collection.common import (DataCollectionError, Line, atomic_output, atomic_write_json, batched,
                                           check_inputs, dump_line, numbered_lines, ordered_map, parse_document,
-                                          positive_int)
+                                          positive_int, run_tool)
 
 # Sites whose pages are mostly media, listings or logins, not prose (OpenWebText's blacklist).
 BLACKLISTED_DOMAINS = frozenset("""
@@ -212,7 +212,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         report = {"input": args.input, "output": args.output, "documents": documents, "kept": kept,
                   "dropped": {reason: dropped[reason] for reason in REASONS}, "ftfy_repaired": repaired,
                   "languages": dict(languages.most_common()), "examples": examples,
-                  "settings": {"languages": args.languages, "min_words": args.min_words, "url_filter": not args.no_url_filter,
+                  "settings": {"languages": args.languages, "min_words": args.min_words,
+                               "url_filter": not args.no_url_filter,
                                "min_language_probability": args.min_language_probability},
                   "input_bytes": os.path.getsize(args.input), "seconds": round(time.time() - start, 3)}
         atomic_write_json(args.report or args.output + ".report.json", report)

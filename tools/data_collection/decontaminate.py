@@ -44,9 +44,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tools.data_collection import minhash
-from tools.data_collection.common import (DataCollectionError, run_tool, Line, atomic_output, atomic_write_json, batched,
+from tools.data_collection.common import (DataCollectionError, Line, atomic_output, atomic_write_json, batched,
                                           check_inputs, dump_line, numbered_lines, ordered_map, parse_document,
-                                          positive_int)
+                                          positive_int, run_tool)
 
 TASKS = ("LAMBADA", "WIKITEXT103", "RACE", "MNLI", "QQP")
 _WORD = re.compile(r"\w+")
@@ -63,7 +63,8 @@ def _text_lines(path: str) -> Iterator[Tuple[int, str]]:
                 try:
                     yield number, raw.decode("utf-8")
                 except UnicodeDecodeError as error:
-                    raise DataCollectionError(f"{path}:{number}: not valid UTF-8 (byte {error.start} of the line)") from None
+                    raise DataCollectionError(f"{path}:{number}: not valid UTF-8 "
+                                              f"(byte {error.start} of the line)") from None
     except (FileNotFoundError, IsADirectoryError, PermissionError) as error:
         raise DataCollectionError(f"--task {path}: {error.strerror}") from None
 

@@ -21,8 +21,9 @@ order). Everything is loaded with allow_pickle=False.
 Duplicates: documents with equal normalised text (lower-case words; see minhash.py), and pairs
 whose MinHash signatures share a band and whose Jaccard similarity of shingle sets is at least
 --threshold: estimated from the signatures (--verify signatures, the default: no second read),
-or computed exactly from the shingle sets of the candidates, re-read (--verify shingles). Groups are the connected components of those pairs; the first
-document of a group (in file order) is kept, the others dropped.
+or computed exactly from the shingle sets of the candidates, re-read (--verify shingles).
+Groups are the connected components of those pairs; the first document of a group (in file
+order) is kept, the others dropped.
 
 Memory: `signatures` streams (a batch of documents per worker); `find` memory-maps the
 signatures and holds 8 bytes per document per band while bucketing, plus the candidate pairs;
@@ -45,8 +46,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from tools.data_collection import minhash
-from tools.data_collection.common import (DataCollectionError, run_tool, Line, atomic_output, atomic_write_json, batched,
-                                          check_inputs, numbered_lines, ordered_map, parse_document, positive_int)
+from tools.data_collection.common import (DataCollectionError, Line, atomic_output, atomic_write_json, batched,
+                                          check_inputs, numbered_lines, ordered_map, parse_document, positive_int,
+                                          run_tool)
 from tools.data_collection.npy_stream import NpyRowWriter
 
 STATE_FORMAT = 1
@@ -242,7 +244,8 @@ def remove_duplicates(states: States, duplicates: str, output_dir: str) -> List[
     try:
         drop = np.load(duplicates + ".drop.npy", allow_pickle=False)
     except (OSError, ValueError) as error:
-        raise DataCollectionError(f"--duplicates {duplicates}.drop.npy: {getattr(error, 'strerror', None) or error}") from None
+        reason = getattr(error, "strerror", None) or error
+        raise DataCollectionError(f"--duplicates {duplicates}.drop.npy: {reason}") from None
     if drop.dtype != np.int64 or drop.ndim != 1 or (len(drop) and (drop.min() < 0 or drop.max() >= states.total)):
         raise DataCollectionError(f"--duplicates {duplicates}.drop.npy: not a list of document indices of these states")
     names = [os.path.basename(m["input"]) for m in states.meta]

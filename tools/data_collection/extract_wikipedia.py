@@ -36,8 +36,8 @@ from typing import Iterator, List, Optional, Tuple
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tools.data_collection.common import (DataCollectionError, run_tool, atomic_output, batched, dump_line, open_input,
-                                          ordered_map, positive_int)
+from tools.data_collection.common import (DataCollectionError, atomic_output, batched, dump_line, open_input,
+                                          ordered_map, positive_int, run_tool)
 from tools.data_collection.wikitext import clean_wikitext
 
 Page = Tuple[str, str, str]  # (id, title, wikitext)

@@ -104,7 +104,8 @@ def write_dump(path: str, articles: int, seed: int = 0, copies: int = 0, extra_t
                      f"    <revision><text>{escape(paragraph(rng) + ' ' + extra_text + ' ' + paragraph(rng))}</text>"
                      "</revision>\n  </page>\n")
     pages.append("  <page>\n    <title>Place</title>\n    <ns>0</ns>\n    <id>999999</id>\n"
-                 "    <redirect title=\"Place 0\" />\n    <revision><text>#REDIRECT [[Place 0]]</text></revision>\n  </page>\n")
+                 "    <redirect title=\"Place 0\" />\n"
+                 "    <revision><text>#REDIRECT [[Place 0]]</text></revision>\n  </page>\n")
     pages.append("  <page>\n    <title>Talk:Place 0</title>\n    <ns>1</ns>\n    <id>999998</id>\n"
                  "    <revision><text>Is this right?</text></revision>\n  </page>\n")
     xml = ('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/" version="0.10" xml:lang="en">\n'
