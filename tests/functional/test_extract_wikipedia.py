@@ -149,3 +149,26 @@ def test_dumps_without_ns_elements_use_the_title_prefix(tmp_path):
     stats = extract_wikipedia.main(["--input", str(tmp_path / "old.xml"), "--output", str(tmp_path / "o.jsonl")])
     assert [r["title"] for r in read_jsonl(tmp_path / "o.jsonl")] == ["X: the letter"]
     assert stats["skipped_namespace"] == 1
+
+
+def test_nltk_sentences(tmp_path, nltk_data_dir):
+    import nltk
+
+    dump = tmp_path / "dump.xml"
+    write_dump(dump)
+    extract_wikipedia.main(["--input", str(dump), "--output", str(tmp_path / "wiki.jsonl"),
+                            "--split-sentences", "nltk", "--workers", "2"])
+    text = read_jsonl(tmp_path / "wiki.jsonl")[0]["text"]
+    assert text.split("\n") == [s for line in EXPECTED["Paris"].split("\n") for s in nltk.sent_tokenize(line)]
+    assert text.split("\n")[:2] == ["Paris is the capital and largest city of France.", "It lies on the Seines banks."]
+
+
+def test_missing_punkt_is_one_clear_error_before_any_work(tmp_path, monkeypatch):
+    import nltk
+
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "empty")])
+    write_dump(tmp_path / "dump.xml")
+    with pytest.raises(DataCollectionError, match=r"punkt_tab data is not installed.*or use --split-sentences regex"):
+        extract_wikipedia.main(["--input", str(tmp_path / "dump.xml"), "--output", str(tmp_path / "o.jsonl"),
+                                "--split-sentences", "nltk"])
+    assert not (tmp_path / "o.jsonl").exists()
