@@ -119,7 +119,7 @@ def true_jaccard(a: str, b: str) -> float:
 
 def group_pairs(groups: minhash.UnionFind, n: int):
     """Set of (i, j) pairs in one group."""
-    roots = np.array([groups.find(i) for i in range(n)])
+    roots = groups.roots()
     pairs = set()
     for root in np.unique(roots):
         members = np.flatnonzero(roots == root).tolist()

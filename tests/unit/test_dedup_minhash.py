@@ -142,3 +142,10 @@ def test_batched_word_shingles_equal_text_by_text():
     alone = [minhash.shingle_hashes(t, "word", 5) for t in texts]
     assert counts.tolist() == [len(a) for a in alone] == [0, 1, 1, 4, 0, 2, 2]
     assert (hashes == np.concatenate(alone)).all()
+
+
+def test_union_find_groups_keep_the_lowest_member():
+    groups = minhash.UnionFind(10)
+    groups.union_pairs([(8, 9), (3, 8), (5, 6), (9, 1)])
+    assert groups.groups() == {1: [1, 3, 8, 9], 5: [5, 6]}
+    assert groups.roots().tolist() == [0, 1, 2, 1, 4, 5, 5, 7, 1, 1]

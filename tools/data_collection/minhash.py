@@ -271,12 +271,22 @@ class UnionFind:
             if ri != rj:
                 self.parent[max(ri, rj)] = min(ri, rj)
 
+    def roots(self) -> np.ndarray:
+        """The root of every element, by vectorised pointer jumping (parents only point down)."""
+        roots = self.parent.copy()
+        while True:
+            jumped = roots[roots]
+            if (jumped == roots).all():
+                return roots
+            roots = jumped
+
     def groups(self) -> Dict[int, List[int]]:
         """root -> sorted members, for groups of two or more."""
-        roots = np.array([self.find(i) for i in range(len(self.parent))], np.int64) if len(self.parent) else \
-            np.zeros(0, np.int64)
-        self.parent = roots
+        roots = self.roots()
+        members = np.flatnonzero(roots != np.arange(len(roots)))
+        members = members[np.argsort(roots[members], kind="stable")]
         out: Dict[int, List[int]] = {}
-        for i in np.flatnonzero(roots != np.arange(len(roots))):
-            out.setdefault(int(roots[i]), [int(roots[i])]).append(int(i))
+        for group in np.split(members, np.flatnonzero(np.diff(roots[members])) + 1) if len(members) else []:
+            root = int(roots[group[0]])
+            out[root] = [root] + group.tolist()
         return out
