@@ -149,3 +149,14 @@ def test_union_find_groups_keep_the_lowest_member():
     groups.union_pairs([(8, 9), (3, 8), (5, 6), (9, 1)])
     assert groups.groups() == {1: [1, 3, 8, 9], 5: [5, 6]}
     assert groups.roots().tolist() == [0, 1, 2, 1, 4, 5, 5, 7, 1, 1]
+
+
+def test_normalise_ascii_fast_path_equals_the_regex():
+    import random
+    import re
+
+    rng = random.Random(0)
+    for _ in range(500):
+        text = "".join(rng.choice([chr(i) for i in range(128)]) for _ in range(40))
+        assert minhash.normalise(text) == " ".join(re.findall(r"\w+", text.lower()))
+    assert minhash.normalise("Héllo, WORLD_x! Ünï") == "héllo world_x ünï"
