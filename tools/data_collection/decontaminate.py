@@ -227,7 +227,7 @@ class Decontaminator:
         for number, raw in lines:
             record = parse_document(self.path, number, raw)
             text = record["text"]
-            found = self.index.matches(" ".join(_WORD.findall(text.lower())))
+            found = self.index.matches(minhash.normalise(text))
             tasks = Counter(task for _, _, task in found)
             if not found:
                 out.append((number, [raw if raw.endswith(b"\n") else raw + b"\n"], tasks))
