@@ -95,3 +95,13 @@ def test_truncated_bz2_input_names_the_line_where_it_ends(tmp_path):
         cleanup.main(["--input", str(tmp_path / "in.jsonl.bz2"), "--output", str(tmp_path / "out.jsonl"),
                       "--languages"])
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl.bz2"]
+
+
+def test_missing_dependency_is_one_clear_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "py3langid" else real(name, *a))
+    with pytest.raises(DataCollectionError, match=r"cleanup needs py3langid: pip install -e \.\[data\]"):
+        cleanup.check_dependencies(["en"])
+    cleanup.check_dependencies([])  # no language filter: py3langid is not needed

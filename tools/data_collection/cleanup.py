@@ -27,6 +27,7 @@ Install the dependencies with `pip install -e .[data]`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import sys
@@ -183,9 +184,17 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def check_dependencies(languages: Sequence[str]) -> None:
+    needed = ["ftfy"] + (["py3langid"] if languages else [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise DataCollectionError(f"cleanup needs {' and '.join(missing)}: pip install -e .[data]")
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
     """Clean the corpus; returns the report it writes."""
     args = get_args(argv)
+    check_dependencies(args.languages)
     domains = BLACKLISTED_DOMAINS | (read_domain_list(args.blacklist_domains) if args.blacklist_domains else frozenset())
     cleaner = Cleaner(args.input, args.languages, args.min_words, args.min_language_probability, domains,
                       url_filter=not args.no_url_filter)
