@@ -8,7 +8,6 @@ with the RNG restore disabled, the recomputed dropout masks differ and so do the
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
