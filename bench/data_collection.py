@@ -7,8 +7,8 @@ Each stage (tools/data_collection/*.py) runs as a child process on synthetic inp
 first (synthetic.py: a MediaWiki dump of --articles articles, and 10x that; the stages after
 extraction read what the one before wrote). Printed per stage: MB of input per second with 1
 worker (per process) and with --workers (default: all cores), and the peak resident set of the
-run (ru_maxrss from wait4: the largest process of the run's tree) at 1x and at 10x the input, to
-show memory stays flat as the input grows.
+run (VmRSS sampled from /proc every 50 ms: the largest process, and the sum over the run's
+processes) at 1x and at 10x the input, to show memory stays flat as the input grows.
 
 Dedup comparison: on a corpus with planted near-duplicates (--dedup-docs documents of 200 words,
 a fifth of them near-copies with 0-40 words changed), our MinHash LSH (in-process, 1 worker, and
@@ -42,18 +42,52 @@ from tools.data_collection import dedup, minhash, synthetic  # noqa: E402
 TOOLS = os.path.join(ROOT, "tools", "data_collection")
 
 
+def _children(pid: int):
+    """Child pids of pid, through every thread's /proc/PID/task/TID/children (Linux)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _tree_rss(pid: int):
+    """(largest VmRSS of one process, sum of VmRSS) over pid and its descendants, in bytes.
+    Forked workers share their parent's pages, so the sum over-counts."""
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [c for p in frontier for c in _children(p)]
+        tree += frontier
+    sizes = []
+    for p in tree:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                sizes += [int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")]
+        except OSError:
+            pass
+    return (max(sizes), sum(sizes)) if sizes else (0, 0)
+
+
 def run_measured(argv):
-    """Run argv; (wall seconds, peak RSS in bytes of its largest process)."""
+    """Run argv; (wall seconds, peak RSS of its largest process, peak RSS summed over its process
+    tree), sampled from /proc every 50 ms. (ru_maxrss is no use here: a child started by fork+exec
+    carries the parent's high-water mark across exec.)"""
     start = time.perf_counter()
     child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(child.pid, 0)
+    peak_one = peak_sum = 0
+    while child.poll() is None:
+        one, total = _tree_rss(child.pid)
+        peak_one, peak_sum = max(peak_one, one), max(peak_sum, total)
+        time.sleep(0.05)
     wall = time.perf_counter() - start
     err = child.stderr.read().decode()
     child.stderr.close()
-    child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{err}")
-    return wall, usage.ru_maxrss * 1024
+    return wall, peak_one, peak_sum
 
 
 def stage_commands(scratch: str, tag: str, dump: str, workers: int, lambada: str):
@@ -90,19 +124,22 @@ def bench_stages(scratch: str, articles: int, workers: int) -> None:
         for w, tag in runs:
             for name, source, argv in stage_commands(scratch, tag, dump, w, lambada):
                 size = os.path.getsize(source)
-                wall, rss = run_measured(argv)
-                results[(name, scale, w)] = (size, wall, rss)
+                wall, rss, rss_sum = run_measured(argv)
+                results[(name, scale, w)] = (size, wall, rss, rss_sum)
     print(f"\n== stages (synthetic Wikipedia: {articles} articles at 1x, {10 * articles} at 10x; "
           f"{os.cpu_count()} cores; wall time of the whole child, start-up included)")
     print(f"{'stage':<18} {'input 1x':>9} {'MB/s 1 proc':>12} {f'MB/s {workers} procs':>14} "
-          f"{'peak RSS 1x':>12} {'input 10x':>10} {'MB/s 10x':>9} {'peak RSS 10x':>13}")
+          f"{'peak RSS 1x':>16} {'input 10x':>10} {'MB/s 10x':>9} {'peak RSS 10x':>16}")
+    mb = 1024 * 1024
     for name in ("extract_wikipedia", "cleanup", "dedup", "decontaminate"):
-        s1, t1, _ = results[(name, 1, 1)]
-        _, tw, rw = results[(name, 1, workers)]
-        s10, t10, r10 = results[(name, 10, workers)]
-        mb = 1024 * 1024
-        print(f"{name:<18} {s1 / mb:>7.1f}MB {s1 / mb / t1:>12.2f} {s1 / mb / tw:>14.2f} {rw / mb:>10.0f}MB "
-              f"{s10 / mb:>8.1f}MB {s10 / mb / t10:>9.2f} {r10 / mb:>11.0f}MB")
+        s1, t1, _, _ = results[(name, 1, 1)]
+        _, tw, rw, rws = results[(name, 1, workers)]
+        s10, t10, r10, r10s = results[(name, 10, workers)]
+        print(f"{name:<18} {s1 / mb:>7.1f}MB {s1 / mb / t1:>12.2f} {s1 / mb / tw:>14.2f} "
+              f"{f'{rw / mb:.0f}/{rws / mb:.0f}MB':>16} {s10 / mb:>8.1f}MB {s10 / mb / t10:>9.2f} "
+              f"{f'{r10 / mb:.0f}/{r10s / mb:.0f}MB':>16}")
+    print("(peak RSS: of the largest process / summed over the run's processes, sampled every 50 ms, "
+          f"with {workers} workers)")
     print("(extract_wikipedia reads uncompressed XML here; a .bz2 dump adds serial decompression in the main process)")
 
 

@@ -73,11 +73,11 @@ def test_cleanup_drops_and_reports(tmp_path):
 def test_malformed_json_line_is_one_line_and_leaves_no_output(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"text": "a"}\n\n{"text": 3}\n')
     with pytest.raises(DataCollectionError, match=r"in\.jsonl:3: no 'text' string in the object"):
-        cleanup.main(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")])
+        cleanup.main(["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"), "--languages"])
     (tmp_path / "in.jsonl").write_text('{"text": "a"}\n{"text": "b",,}\n')
     result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "data_collection", "cleanup.py"),
                              "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
-                             "--workers", "2"], capture_output=True, text=True, cwd=ROOT)
+                             "--workers", "2", "--languages"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"cleanup.py: error: {tmp_path / 'in.jsonl'}:2: not valid JSON (Expecting property name enclosed in "
