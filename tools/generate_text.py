@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.cli import run_cli  # noqa: E402
-from megatron.inference.checkpoint_model import DATA_FLAGS as _DATA_FLAGS, ServerFlagError, build_model  # noqa: E402
+from megatron.inference.checkpoint_model import ServerFlagError, build_model, initialize_for_inference  # noqa: E402
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -36,13 +36,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 def main(argv: List[str] = None) -> None:
     from megatron.training.global_vars import get_tokenizer
     from megatron.inference.api import generate
-    from megatron.training.initialize import initialize_megatron
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(arg.split("=")[0] in _DATA_FLAGS for arg in argv):
-        argv.append("--mock-data")  # the training checks want a data source; nothing is read
-    args = initialize_megatron(add_generation_args, argv=argv, args_defaults={
-        "tokenizer_type": "GPT2BPETokenizer", "micro_batch_size": 1, "train_iters": 1, "lr": 0.0})
+    args = initialize_for_inference(sys.argv[1:] if argv is None else argv, add_generation_args)
     if not args.prompt:
         raise ServerFlagError("give at least one --prompt")
     if args.load is None and args.load_hf is None:

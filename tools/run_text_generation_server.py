@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.training.cli import run_cli  # noqa: E402
-from megatron.inference.checkpoint_model import DATA_FLAGS as _DATA_FLAGS, ServerFlagError, build_model  # noqa: E402,F401
+from megatron.inference.checkpoint_model import ServerFlagError, build_model, initialize_for_inference  # noqa: E402,F401
 from megatron.inference.server import GenerationBackend  # noqa: E402
 
 _STOP, _GENERATE = 0, 1
@@ -125,15 +125,9 @@ def _listen(args: argparse.Namespace) -> Any:
 
 def main(argv: List[str] = None) -> None:
     from megatron.training.global_vars import get_tokenizer
-    from megatron.training.initialize import initialize_megatron
     from megatron.inference.server import ApiBackend
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(arg.split("=")[0] in _DATA_FLAGS for arg in argv):
-        argv.append("--mock-data")  # the training checks want a data source; the server reads none
-    args = initialize_megatron(add_server_args, argv=argv, args_defaults={
-        "tokenizer_type": "GPT2BPETokenizer", "micro_batch_size": 1, "train_iters": 1,
-        "lr": 0.0})  # (no optimizer: the training flags only need to pass validation)
+    args = initialize_for_inference(sys.argv[1:] if argv is None else argv, add_server_args)
     _check_server_flags(args)
     serving = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     server = _listen(args) if serving else None  # before the model loads: a taken port fails at once

@@ -8,7 +8,7 @@ with the scoring flags, `build_harness_lm(args)` loads this rank's model into a 
 import argparse
 from typing import List
 
-from megatron.inference.checkpoint_model import DATA_FLAGS, ServerFlagError, build_model
+from megatron.inference.checkpoint_model import ServerFlagError, build_model, initialize_for_inference
 
 
 def add_harness_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -27,15 +27,10 @@ def add_harness_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 def initialize(argv: List[str]) -> argparse.Namespace:
     """initialize_megatron for scoring (no data, no optimizer); the checked args."""
-    from megatron.training.initialize import initialize_megatron
-
     argv = list(argv)
-    if not any(arg.split("=")[0] in DATA_FLAGS for arg in argv):
-        argv.append("--mock-data")  # the training checks want a data source; nothing is read
     if not any(arg.split("=")[0] in ("--ckpt-format", "--auto-detect-ckpt-format") for arg in argv):
         argv.append("--auto-detect-ckpt-format")  # --use-checkpoint-args reads either format, as the load does
-    args = initialize_megatron(add_harness_args, argv=argv, args_defaults={
-        "tokenizer_type": "GPT2BPETokenizer", "micro_batch_size": 1, "train_iters": 1, "lr": 0.0})
+    args = initialize_for_inference(argv, add_harness_args)
     if args.load is None and args.load_hf is None:
         raise ServerFlagError("a checkpoint is required: --load CKPT or --load-hf HF_DIR")
     args.max_length = args.max_length or args.max_position_embeddings

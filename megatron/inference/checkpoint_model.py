@@ -19,6 +19,19 @@ class ServerFlagError(ValueError):
     """A bad flag of a serving or scoring tool: one line, exit status 1."""
 
 
+def initialize_for_inference(argv: list, extra_args_provider=None) -> argparse.Namespace:
+    """initialize_megatron for a tool that loads a model and reads no data (the server, the
+    harness, generate_text.py, megatron.training.api.load): --mock-data when no data flag is given
+    (the training checks want a source; nothing is read) and one-sample, no-optimizer defaults."""
+    from megatron.training.initialize import initialize_megatron
+
+    argv = list(argv)
+    if not any(arg.split("=")[0] in DATA_FLAGS for arg in argv):
+        argv.append("--mock-data")
+    return initialize_megatron(extra_args_provider, argv=argv, args_defaults={
+        "tokenizer_type": "GPT2BPETokenizer", "micro_batch_size": 1, "train_iters": 1, "lr": 0.0})
+
+
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """The model of this rank, loaded, in eval mode (one chunk: no virtual pipeline stages)."""
     from megatron.training.checkpointing import CheckpointError, checkpoint_exists, load_checkpoint

@@ -219,32 +219,19 @@ def _engine_init(original: Callable) -> Callable:
 
 def share_last_stage_losses(loss_dict: Dict[str, Any]) -> Dict[str, Any]:
     """The scalar entries of the last pipeline stage's loss_dict on every rank of its pipeline group
-    (other entries, such as logits, are kept where they are). Three broadcasts from the last stage:
-    the names' length, the names (UTF-8, newline-separated), the values."""
+    (other entries, such as logits, stay where they are): one broadcast of the values, as
+    training._reduce_losses shares the log line's losses."""
     from megatron.core import communication, parallel_state as mpu
-    from megatron.core.device import get_device
 
     if mpu.get_pipeline_model_parallel_world_size() == 1:
         return loss_dict
-    group, src = mpu.get_pipeline_model_parallel_group(), mpu.get_pipeline_model_parallel_last_rank()
     last = mpu.is_pipeline_last_stage(ignore_virtual=True)
-    scalars = {k: v for k, v in loss_dict.items() if torch.is_tensor(v) and v.dim() == 0} if last else {}
-    device = get_device()
-    names = torch.tensor(list("\n".join(scalars).encode()), dtype=torch.uint8, device=device)
-    length = torch.tensor([names.numel()], dtype=torch.int64, device=device)
-    communication.broadcast(length, src, group)
-    if not last:
-        names = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
-    if names.numel() == 0:
-        return loss_dict
-    communication.broadcast(names, src, group)
-    keys = bytes(names.tolist()).decode().split("\n")
-    values = (torch.stack([scalars[k].detach().float().to(device) for k in keys]) if last
-              else torch.empty(len(keys), dtype=torch.float32, device=device))
-    communication.broadcast(values, src, group)
+    shared = [{k: float(v) for k, v in loss_dict.items() if torch.is_tensor(v) and v.dim() == 0} if last else None]
+    communication.broadcast_object_list(shared, src=mpu.get_pipeline_model_parallel_last_rank(),
+                                        group=mpu.get_pipeline_model_parallel_group())
     if last:
         return loss_dict
-    return {**loss_dict, **{k: values[i] for i, k in enumerate(keys)}}
+    return {**loss_dict, **{k: torch.tensor(v) for k, v in shared[0].items()}}
 
 
 def _shared_losses(step: Callable, train: bool) -> Callable:

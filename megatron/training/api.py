@@ -26,6 +26,7 @@ layout of `config` (serial by default; under torchrun every rank calls generate 
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Dict, Optional
 
 from megatron.core.enums import ModelType
@@ -35,28 +36,10 @@ RECIPES = ("gpt", "bert", "t5")
 
 
 def _recipe(name: str) -> Dict[str, Any]:
-    """pretrain()'s arguments of a built-in recipe (megatron/training/recipes)."""
-    if name == "gpt":
-        from megatron.training.recipes import gpt as module
-
-        return dict(train_valid_test_dataset_provider=module.train_valid_test_datasets_provider,
-                    model_provider=module.model_provider, model_type=ModelType.encoder_or_decoder,
-                    forward_step_func=module.forward_step, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    if name == "bert":
-        from megatron.training.recipes import bert as module
-
-        return dict(train_valid_test_dataset_provider=module.train_valid_test_datasets_provider,
-                    model_provider=module.model_provider, model_type=ModelType.encoder_or_decoder,
-                    forward_step_func=module.forward_step,
-                    args_defaults={"tokenizer_type": "BertWordPieceLowerCase", "model_family": "BERT"})
-    if name == "t5":
-        from megatron.training.recipes import t5 as module
-
-        return dict(train_valid_test_dataset_provider=module.train_valid_test_datasets_provider,
-                    model_provider=module.model_provider, model_type=ModelType.encoder_and_decoder,
-                    forward_step_func=module.forward_step, extra_args_provider=module.add_t5_args,
-                    args_defaults=dict(module.T5_ARGS_DEFAULTS))
-    raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {name!r}")
+    """pretrain()'s arguments of a built-in recipe (megatron/training/recipes/NAME.py)."""
+    if name not in RECIPES:
+        raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {name!r}")
+    return importlib.import_module(f"megatron.training.recipes.{name}").pretrain_arguments()
 
 
 def pretrain(config: MegatronConfig, train_valid_test_dataset_provider: Optional[Callable] = None,
@@ -131,11 +114,10 @@ def load(path: str, config: Optional[MegatronConfig] = None) -> LoadedModel:
     `config` adds settings (a layout, a tokenizer the checkpoint does not name, ...)."""
     import os
 
-    from megatron.inference.checkpoint_model import build_model
+    from megatron.inference.checkpoint_model import build_model, initialize_for_inference
     from megatron.training.arguments import argv_from_config
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.global_vars import get_tokenizer
-    from megatron.training.initialize import initialize_megatron
 
     if os.path.isfile(os.path.join(path, "config.json")):
         source = ["--load-hf", path]
@@ -144,9 +126,5 @@ def load(path: str, config: Optional[MegatronConfig] = None) -> LoadedModel:
     else:
         raise CheckpointError(f"load({path!r}): neither a checkpoint folder (latest_checkpointed_iteration.txt) "
                               f"nor a HuggingFace folder (config.json)")
-    argv = [*argv_from_config(config or MegatronConfig()), *source]
-    if "--mock-data" not in argv and "--data-path" not in argv:
-        argv.append("--mock-data")  # validation asks for a data source; nothing is read
-    args = initialize_megatron(argv=argv, args_defaults={"micro_batch_size": 1, "train_iters": 1, "lr": 0.0,
-                                                         "tokenizer_type": "GPT2BPETokenizer"})
+    args = initialize_for_inference([*argv_from_config(config or MegatronConfig()), *source])
     return LoadedModel(build_model(args), get_tokenizer(), args)

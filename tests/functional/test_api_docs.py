@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 
 
 def test_the_documented_example_runs_from_the_repository_root(tmp_path):

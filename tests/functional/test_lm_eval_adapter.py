@@ -46,15 +46,9 @@ MULTIPLE_CHOICE = [
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory, gpt2_vocab_dir):
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=50257, n_positions=MAX_LENGTH, n_embd=32, n_layer=2, n_head=4,
-                                     activation_function="gelu_new", bos_token_id=EOT, eos_token_id=EOT)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    directory = tmp_path_factory.mktemp("lm_eval") / "hf"
-    model.save_pretrained(directory)
-    tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(gpt2_vocab_dir))
-    tokenizer.save_pretrained(directory)
-    return model, tokenizer, directory
+    from tests.helpers.hf_models import gpt2_folder
+
+    return gpt2_folder(tmp_path_factory.mktemp("lm_eval") / "hf", gpt2_vocab_dir, MAX_LENGTH)
 
 
 def _hf_greedy(hf, context, max_gen_toks):

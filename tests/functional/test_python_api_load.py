@@ -11,7 +11,7 @@ import torch
 from megatron.training.api import load
 from megatron.training.config import MegatronConfig
 from megatron.training.initialize import reset_megatron
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,15 +21,9 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "In the beginning God c
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory, gpt2_vocab_dir):
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                     activation_function="gelu_new", bos_token_id=EOT, eos_token_id=EOT)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    directory = tmp_path_factory.mktemp("api_load") / "hf"
-    model.save_pretrained(directory)
-    tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(gpt2_vocab_dir))
-    tokenizer.save_pretrained(directory)
-    return model, tokenizer, directory
+    from tests.helpers.hf_models import gpt2_folder
+
+    return gpt2_folder(tmp_path_factory.mktemp("api_load") / "hf", gpt2_vocab_dir, 64)
 
 
 def _hf_scores(hf, text):

@@ -55,3 +55,17 @@ def make_ours(hf, flags: dict) -> GPTModel:
     ours = GPTModel(TransformerConfig(**{**flags, **config_kwargs}), **model_kwargs).eval()
     ours.load_state_dict(state_dict_from_hf(hf.state_dict(), hf.config))  # strict: the same keys
     return ours
+
+
+def gpt2_folder(directory, gpt2_vocab_dir, n_positions: int):
+    """A tiny random GPT-2 (the real 50257-id vocabulary, h 32, 2 layers) saved with its fast
+    tokenizer in `directory` (an HF folder as --load-hf and load() read it); (model, tokenizer, directory)."""
+    eot = 50256
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=32, n_layer=2, n_head=4,
+                                     activation_function="gelu_new", bos_token_id=eot, eos_token_id=eot)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(directory)
+    tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(gpt2_vocab_dir))
+    tokenizer.save_pretrained(directory)
+    return model, tokenizer, directory

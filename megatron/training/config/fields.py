@@ -47,14 +47,7 @@ def setting(default: Any = _MISSING, *, flags: tuple[str, ...] | None = None, ac
                 "metavar": metavar, "also": also}
     if default_factory is not _MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
-    if isinstance(default, (list, dict, set)):
-        value = default
-        return dataclasses.field(default_factory=lambda: type_copy(value), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
-
-
-def type_copy(value: Any) -> Any:
-    return value.copy()
 
 
 class ConfigGroup:

@@ -112,8 +112,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
     return datasets
 
 
+def pretrain_arguments() -> dict:
+    """pretrain()'s arguments for this recipe (main and megatron.training.api.pretrain use them)."""
+    return dict(train_valid_test_dataset_provider=train_valid_test_datasets_provider, model_provider=model_provider,
+                model_type=ModelType.encoder_or_decoder, forward_step_func=forward_step,
+                args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+
+
 def main(argv: Optional[List[str]] = None, record_history: bool = False):
     """Train with the flags in argv (None: sys.argv); returns megatron.training.training.TrainingResult."""
-    return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
-                    forward_step, args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, argv=argv,
-                    record_history=record_history)
+    return pretrain(**pretrain_arguments(), argv=argv, record_history=record_history)

@@ -121,8 +121,13 @@ def add_t5_args(parser):
     return parser
 
 
+def pretrain_arguments() -> dict:
+    """pretrain()'s arguments for this recipe (main and megatron.training.api.pretrain use them)."""
+    return dict(train_valid_test_dataset_provider=train_valid_test_datasets_provider, model_provider=model_provider,
+                model_type=ModelType.encoder_and_decoder, forward_step_func=forward_step,
+                extra_args_provider=add_t5_args, args_defaults=dict(T5_ARGS_DEFAULTS))
+
+
 def main(argv: Optional[List[str]] = None, record_history: bool = False):
     """Train with the flags in argv (None: sys.argv); returns megatron.training.training.TrainingResult."""
-    return pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_and_decoder,
-                    forward_step, extra_args_provider=add_t5_args, args_defaults=dict(T5_ARGS_DEFAULTS), argv=argv,
-                    record_history=record_history)
+    return pretrain(**pretrain_arguments(), argv=argv, record_history=record_history)
