@@ -323,25 +323,23 @@ def hf_seq_length(hf_config: Any) -> int:
 
 def args_from_hf(checkpoint: HFCheckpoint) -> argparse.Namespace:
     """Validated training args (TP = 1, PP = 1) of the checkpoint's model, its vocabulary padded."""
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import args_from_config, validate_args
+    from megatron.training.config import ConfigError, MegatronConfig
 
-    argv = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data"]
-    tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", os.path.abspath(checkpoint.path)] \
-        if "tokenizer.json" in checkpoint.tokenizer_files() else []
+    values = hf_arg_values(checkpoint.config)
+    family = huggingface.ARCHITECTURES[checkpoint.config.model_type].family
+    # T5's relative positions are refused by validate_args (a GPT run's check): set after it. Only
+    # T5's: a GPT's position_embedding_type (rope) must be there when --use-rope-scaling is checked.
+    t5_values = {dest: values.pop(dest) for dest in t5_convert.T5_ARGS if dest in values} if family == "T5" else {}
+    fixed = dict(micro_batch_size=1, train_iters=1, lr=1e-4, mock_data=True, seq_length=hf_seq_length(checkpoint.config))
+    if "tokenizer.json" in checkpoint.tokenizer_files():
+        fixed.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(checkpoint.path))
     with contextlib.redirect_stdout(io.StringIO()):  # validate_args prints the whole argument block
-        args = parse_args(argv=[*argv, *tokenizer])
-        values = hf_arg_values(checkpoint.config)
-        family = huggingface.ARCHITECTURES[checkpoint.config.model_type].family
-        # T5's relative positions are refused by validate_args (a GPT run's check): set after it. Only
-        # T5's: a GPT's position_embedding_type (rope) must be there when --use-rope-scaling is checked.
-        t5_values = {dest: values.pop(dest) for dest in t5_convert.T5_ARGS if dest in values} if family == "T5" else {}
-        for dest, value in values.items():
-            setattr(args, dest, value)
-        args.seq_length = hf_seq_length(checkpoint.config)
-        args.rank, args.world_size = 0, 1
         try:
+            args = args_from_config(MegatronConfig.from_values({**values, **fixed}, where=""))
+            args.rank, args.world_size = 0, 1
             validate_args(args)
-        except ValueError as error:
+        except (ValueError, ConfigError) as error:
             raise CheckpointError(f"{checkpoint.path}: the HF config gives args that do not validate: {error}") \
                 from None
     args.padded_vocab_size = padded_vocab_size(int(checkpoint.config.vocab_size),

@@ -84,14 +84,11 @@ _UNSUPPORTED = ("multi_latent_attention", "mtp_num_layers", "hybrid_override_pat
                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                 "pipeline_model_parallel_layout", "heterogeneous_layers_config_path",
                 "heterogeneous_layers_config_encoded_json", "retro_add_retriever", "spec")
-_BOOLEAN_FLAGS = {  # our flag: Megatron-LM's field (default False when absent)
-    "--swiglu": "swiglu", "--squared-relu": "squared_relu", "--openai-gelu": "openai_gelu",
-    "--untie-embeddings-and-output-weights": "untie_embeddings_and_output_weights",
-    "--add-qkv-bias": "add_qkv_bias", "--qk-layernorm": "qk_layernorm",
-    "--apply-layernorm-1p": "apply_layernorm_1p", "--rotary-interleaved": "rotary_interleaved",
-    "--apply-residual-connection-post-layernorm": "apply_residual_connection_post_layernorm",
-    "--fp32-residual-connection": "fp32_residual_connection", "--use-rope-scaling": "use_rope_scaling",
-}
+_BOOLEANS = (  # Megatron-LM's fields (default False when absent), our flags' dests too
+    "swiglu", "squared_relu", "openai_gelu", "untie_embeddings_and_output_weights", "add_qkv_bias",
+    "qk_layernorm", "apply_layernorm_1p", "rotary_interleaved", "apply_residual_connection_post_layernorm",
+    "fp32_residual_connection", "use_rope_scaling",
+)
 # MoE fields of Megatron-LM our MoE layer does not have (truthy -> refused, with what it is)
 _MOE_UNSUPPORTED = {
     "moe_router_enable_expert_bias": "the aux-loss-free expert bias (mlp.router.expert_bias)",
@@ -103,18 +100,13 @@ _MOE_UNSUPPORTED = {
     "moe_router_force_load_balancing": "random routing for benchmarks",
     "moe_use_upcycling": "upcycling (the checkpoint is then a dense one)",
 }
-# Megatron-LM's MoE values passed to our flags as they are (absent: our default, which is Megatron's)
-_MOE_VALUES = {"--moe-router-topk": "moe_router_topk", "--moe-ffn-hidden-size": "moe_ffn_hidden_size",
-               "--moe-shared-expert-intermediate-size": "moe_shared_expert_intermediate_size",
-               "--moe-router-score-function": "moe_router_score_function",
-               "--moe-router-topk-scaling-factor": "moe_router_topk_scaling_factor",
-               "--moe-router-dtype": "moe_router_dtype", "--moe-z-loss-coeff": "moe_z_loss_coeff",
-               "--moe-expert-capacity-factor": "moe_expert_capacity_factor",
-               "--moe-token-drop-policy": "moe_token_drop_policy"}
-_MOE_BOOLEANS = {"--moe-router-pre-softmax": "moe_router_pre_softmax", "--moe-grouped-gemm": "moe_grouped_gemm",
-                 "--moe-pad-expert-input-to-capacity": "moe_pad_expert_input_to_capacity"}
-# Megatron-LM's fields that are True by default (absent: True), and our flag that turns each off
-_DEFAULT_TRUE_FLAGS = {"--no-bias-gelu-fusion": "bias_gelu_fusion"}
+# Megatron-LM's MoE values taken as they are (absent: our default, which is Megatron's)
+_MOE_VALUES = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+               "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_z_loss_coeff",
+               "moe_expert_capacity_factor", "moe_token_drop_policy")
+_MOE_BOOLEANS = ("moe_router_pre_softmax", "moe_grouped_gemm", "moe_pad_expert_input_to_capacity")
+# Megatron-LM's fields that are True by default (absent: True); our flags turn each off (--no-bias-gelu-fusion)
+_DEFAULT_TRUE = ("bias_gelu_fusion",)
 # copied as they are after validation (tokenizer, counters); absent ones keep our defaults
 _CARRIED = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size", "vocab_extra_ids",
             "consumed_train_samples", "consumed_valid_samples", "skipped_train_samples", "fp16", "bf16",
@@ -171,34 +163,33 @@ def megatron_lm_args(raw: argparse.Namespace, path: str, family: str = "GPT") ->
     if ffn is None and swiglu:
         raise CheckpointError(f"{path}: the saved args have no ffn_hidden_size (needed with --swiglu)")
     positions = int(_required(raw, path, "max_position_embeddings"))
-    flags = ["--num-layers", str(_required(raw, path, "num_layers", "encoder_num_layers")),
-             "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
-             "--ffn-hidden-size", str(ffn if ffn is not None else 4 * hidden),  # Megatron's default 4h
-             "--kv-channels", str(_get(raw, "kv_channels", default=hidden // heads)),
-             "--max-position-embeddings", str(positions),
-             "--seq-length", str(min(int(_get(raw, "seq_length", default=positions)), positions)),
-             "--position-embedding-type", position_embedding_type(raw, path),
-             "--normalization", str(_get(raw, "normalization", default="LayerNorm")),
-             "--norm-epsilon", str(_get(raw, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
-             "--rotary-base", str(_get(raw, "rotary_base", default=10000)),
-             "--rotary-percent", str(_get(raw, "rotary_percent", default=1.0)),
-             "--rope-scaling-factor", str(_get(raw, "rope_scaling_factor", default=8.0))]
+    values = dict(num_layers=int(_required(raw, path, "num_layers", "encoder_num_layers")),
+                  hidden_size=hidden, num_attention_heads=heads,
+                  ffn_hidden_size=int(ffn) if ffn is not None else 4 * hidden,  # Megatron's default 4h
+                  kv_channels=int(_get(raw, "kv_channels", default=hidden // heads)),
+                  max_position_embeddings=positions,
+                  seq_length=min(int(_get(raw, "seq_length", default=positions)), positions),
+                  position_embedding_type=position_embedding_type(raw, path),
+                  normalization=_get(raw, "normalization", default="LayerNorm"),
+                  norm_epsilon=float(_get(raw, "norm_epsilon", "layernorm_epsilon", default=1e-5)),
+                  rotary_base=_get(raw, "rotary_base", default=10000),
+                  rotary_percent=float(_get(raw, "rotary_percent", default=1.0)),
+                  rope_scaling_factor=float(_get(raw, "rope_scaling_factor", default=8.0)))
     if getattr(raw, "rotary_seq_len_interpolation_factor", None) is not None:
-        flags += ["--rotary-seq-len-interpolation-factor", str(raw.rotary_seq_len_interpolation_factor)]
+        values["rotary_seq_len_interpolation_factor"] = raw.rotary_seq_len_interpolation_factor
     if getattr(raw, "group_query_attention", False):
-        flags += ["--group-query-attention", "--num-query-groups", str(_required(raw, path, "num_query_groups"))]
-    flags += [flag for flag, name in _BOOLEAN_FLAGS.items() if getattr(raw, name, False)]
-    # --no-bias-gelu-fusion: the MLP's GeLU is then the erf one, not the fused tanh form
-    flags += [flag for flag, name in _DEFAULT_TRUE_FLAGS.items() if getattr(raw, name, True) is False]
+        values.update(group_query_attention=True, num_query_groups=_required(raw, path, "num_query_groups"))
+    values.update({name: True for name in _BOOLEANS if getattr(raw, name, False)})
+    # bias_gelu_fusion False: the MLP's GeLU is then the erf one, not the fused tanh form
+    values.update({name: False for name in _DEFAULT_TRUE if getattr(raw, name, True) is False})
     # add_bias_linear since 2023; before, biases were always on; foundation models say disable_bias_linear
     bias = getattr(raw, "add_bias_linear", None)
     if bias is None:
         bias = not getattr(raw, "disable_bias_linear", False)
-    if not bias:
-        flags.append("--disable-bias-linear")
+    values["add_bias_linear"] = bool(bias)
     if getattr(raw, "num_experts", None):
-        flags += _moe_flags(raw, path)
-    args = _validated(flags, path)
+        values.update(_moe_values(raw, path))
+    args = _validated(values, path)
 
     # before version 3.0 (Megatron-LM v2.0) tensor parallelism was called model_parallel_size
     args.tensor_model_parallel_size = int(_get(raw, "tensor_model_parallel_size", "model_parallel_size", default=1))
@@ -241,27 +232,26 @@ def _single(raw: argparse.Namespace, name: str, path: str) -> Any:
     return value
 
 
-def _moe_flags(raw: argparse.Namespace, path: str) -> List[str]:
-    """Our MoE flags of Megatron-LM's MoE args (--num-experts and the router's, the layer pattern,
+def _moe_values(raw: argparse.Namespace, path: str) -> Dict[str, Any]:
+    """Our MoE settings of Megatron-LM's MoE args (--num-experts and the router's, the layer pattern,
     the expert sizes); the token dispatcher is not carried (it does not change the model: ours is
     allgather unless the checkpoint says alltoall)."""
-    flags = ["--num-experts", str(int(raw.num_experts))]
+    from megatron.training.config.groups import moe_freq_type
+
+    values: Dict[str, Any] = {"num_experts": int(raw.num_experts)}
     freq = getattr(raw, "moe_layer_freq", None)
-    if freq is not None:
-        # an int, a list, or (a pattern string) what our flag parses the same way
-        flags += ["--moe-layer-freq", str(list(freq) if isinstance(freq, (list, tuple)) else freq)]
-    for flag, name in _MOE_VALUES.items():
-        if getattr(raw, name, None) is not None:
-            flags += [flag, str(getattr(raw, name))]
-    for name, flag in (("moe_router_load_balancing_type", "--moe-router-load-balancing-type"),
-                       ("moe_aux_loss_coeff", "--moe-aux-loss-coeff")):
+    if freq is not None:  # an int, a 0/1 list, or a pattern string as the flag takes it
+        values["moe_layer_freq"] = moe_freq_type(freq) if isinstance(freq, str) else \
+            list(freq) if isinstance(freq, (list, tuple)) else int(freq)
+    values.update({name: getattr(raw, name) for name in _MOE_VALUES if getattr(raw, name, None) is not None})
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
         value = _single(raw, name, path)
         if value is not None:
-            flags += [flag, str(value)]
-    flags += [flag for flag, name in _MOE_BOOLEANS.items() if getattr(raw, name, False)]
+            values[name] = value
+    values.update({name: True for name in _MOE_BOOLEANS if getattr(raw, name, False)})
     if getattr(raw, "moe_token_dispatcher_type", None) == "alltoall":
-        flags += ["--moe-token-dispatcher-type", "alltoall"]
-    return flags
+        values["moe_token_dispatcher_type"] = "alltoall"
+    return values
 
 
 def _expert_sizes(raw: argparse.Namespace, args: argparse.Namespace, path: str) -> None:
@@ -308,24 +298,24 @@ def _virtual_stages(raw: argparse.Namespace, args: argparse.Namespace, path: str
     return int(vp)
 
 
-def _validated(flags: List[str], path: str) -> argparse.Namespace:
-    """Our full Namespace of these model flags, validated as pretrain_gpt.py validates them."""
-    from megatron.training.arguments import ArgsError, parse_args, validate_args
+def _validated(values: Dict[str, Any], path: str) -> argparse.Namespace:
+    """Our full Namespace of these model settings (the parser's defaults for the rest), checked as the
+    flags would check them and validated as pretrain_gpt.py validates them."""
+    from megatron.training.arguments import ArgsError, args_from_config, validate_args
+    from megatron.training.config import ConfigError, MegatronConfig
 
-    fixed = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--mock-data",
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", "1"]  # replaced by the checkpoint's
-    printed, refused = io.StringIO(), io.StringIO()
+    fixed = dict(micro_batch_size=1, train_iters=1, lr=1e-4, mock_data=True,
+                 tokenizer_type="NullTokenizer", vocab_size=1)  # replaced by the checkpoint's
+    printed = io.StringIO()
     try:
-        with contextlib.redirect_stderr(refused):  # argparse's usage text: only its last line is kept
-            args = parse_args(argv=[*flags, *fixed])
+        args = args_from_config(MegatronConfig.from_values({**values, **fixed}, where=""))
         with contextlib.redirect_stdout(printed):  # not the argument block; its warnings are passed on
             validate_args(args)
     except ArgsError as error:
         raise CheckpointError(f"{path}: the saved args describe a model this framework cannot build ({error})") \
             from None
-    except SystemExit:  # argparse refused a value (e.g. an unknown normalization)
-        reason = (refused.getvalue().strip().splitlines() or ["?"])[-1].split(": error: ", 1)[-1]
-        raise CheckpointError(f"{path}: the saved args hold a value our flags do not accept ({reason})") from None
+    except ConfigError as error:  # a value our flags do not take (e.g. an unknown normalization)
+        raise CheckpointError(f"{path}: the saved args hold a value our flags do not accept ({error})") from None
     finally:
         for line in printed.getvalue().splitlines():
             if line.startswith("WARNING"):
@@ -503,7 +493,7 @@ def switch_mlp_args(raw: argparse.Namespace, path: str) -> argparse.Namespace:
                               "not support with linear biases (Megatron-LM's legacy SwitchMLP converts only with "
                               "--disable-bias-linear)")
     out = argparse.Namespace(**vars(raw))
-    for name in (*_MOE_UNSUPPORTED, *_MOE_VALUES.values(), *_MOE_BOOLEANS.values(), "moe_layer_freq",
+    for name in (*_MOE_UNSUPPORTED, *_MOE_VALUES, *_MOE_BOOLEANS, "moe_layer_freq",
                  "moe_z_loss_coeff", "expert_tensor_parallel_size"):
         setattr(out, name, None)
     out.moe_router_topk, out.moe_router_load_balancing_type, out.moe_aux_loss_coeff = 1, "sinkhorn", 0.0

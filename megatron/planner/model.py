@@ -14,6 +14,8 @@ import argparse
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from megatron.training.config.architecture import ModelArchitecture
+
 
 class PlanError(ValueError):
     """The flags describe something the planner does not model (said in one line)."""
@@ -130,34 +132,33 @@ def _dtype_name(args: argparse.Namespace) -> str:
 def shape_from_args(args: argparse.Namespace, vocab_size: Optional[int] = None) -> ModelShape:
     """The ModelShape of validated pretrain_gpt.py args (padded_vocab_size set); vocab_size, the
     tokenizer's, lets shape_at_tp pad the vocabulary for another TP size."""
-    if getattr(args, "context_parallel_size", 1) != 1:
+    if args.context_parallel_size != 1:
         raise PlanError("--context-parallel-size > 1 is not modelled by the planner")
-    if getattr(args, "qk_layernorm", False) or getattr(args, "squared_relu", False):
+    if args.qk_layernorm or args.squared_relu:
         raise PlanError("--qk-layernorm / --squared-relu layers are not modelled by the planner")
-    heads = args.num_attention_heads
+    arch = ModelArchitecture.from_args(args)
     return ModelShape(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
-        num_query_groups=args.num_query_groups if args.group_query_attention else heads,
-        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-        padded_vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings, swiglu=bool(args.swiglu),
-        layernorm=args.normalization == "LayerNorm", add_bias_linear=bool(args.add_bias_linear),
-        add_qkv_bias=bool(args.add_qkv_bias), learned_positions=args.position_embedding_type == "learned_absolute",
-        rope=args.position_embedding_type == "rope", rope_fused=bool(args.apply_rope_fusion),
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size, num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels, ffn_hidden_size=arch.ffn_hidden_size,
+        padded_vocab_size=arch.padded_vocab_size, seq_length=arch.seq_length,
+        max_position_embeddings=arch.max_position_embeddings, swiglu=bool(arch.swiglu),
+        layernorm=arch.normalization == "LayerNorm", add_bias_linear=bool(arch.add_bias_linear),
+        add_qkv_bias=bool(args.add_qkv_bias), learned_positions=arch.position_embedding_type == "learned_absolute",
+        rope=arch.position_embedding_type == "rope", rope_fused=bool(args.apply_rope_fusion),
         swiglu_fused=bool(args.bias_swiglu_fusion),
-        tied_embeddings=not args.untie_embeddings_and_output_weights,
+        tied_embeddings=not arch.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout > 0, attention_dropout=args.attention_dropout > 0,
-        params_dtype=_dtype_name(args), flash_attn=bool(getattr(args, "use_flash_attn", False)),
+        params_dtype=_dtype_name(args), flash_attn=bool(args.use_flash_attn),
         vocab_size=vocab_size, vocab_divisor=args.make_vocab_size_divisible_by,
         grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32) or not
-        (args.bf16 or args.fp16), moe=_moe_from_args(args),
+        (args.bf16 or args.fp16), moe=_moe_from_args(args, arch),
         fast_loss=(not args.fp16_lm_cross_entropy or not (args.bf16 or args.fp16))
-        and getattr(args, "fused_kernels_cpu_impl", "native") != "reference")
+        and args.fused_kernels_cpu_impl != "reference")
 
 
-def _moe_from_args(args: argparse.Namespace) -> Optional[MoEShape]:
+def _moe_from_args(args: argparse.Namespace, arch: ModelArchitecture) -> Optional[MoEShape]:
     """The MoEShape of validated args (None for a dense model); what is not modelled is refused."""
-    if not getattr(args, "num_experts", None):
+    if not arch.num_experts:
         return None
     if args.moe_router_load_balancing_type not in ("aux_loss", "none"):
         raise PlanError(f"--moe-router-load-balancing-type {args.moe_router_load_balancing_type}: the planner "
@@ -168,12 +169,10 @@ def _moe_from_args(args: argparse.Namespace) -> Optional[MoEShape]:
         raise PlanError("--moe-z-loss-coeff is not modelled by the planner")
     if args.moe_grouped_gemm and args.fp16:
         raise PlanError("--moe-grouped-gemm with --fp16: the batched fallback's memory is not modelled")
-    from megatron.training.training_log import moe_layer_numbers
-
     return MoEShape(
-        num_experts=args.num_experts, layers=tuple(moe_layer_numbers(args)),
-        ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size, topk=args.moe_router_topk,
-        shared_ffn_hidden_size=args.moe_shared_expert_intermediate_size or 0,
+        num_experts=arch.num_experts, layers=tuple(arch.moe_layers),
+        ffn_hidden_size=arch.moe_ffn_hidden_size, topk=arch.moe_router_topk,
+        shared_ffn_hidden_size=arch.moe_shared_expert_intermediate_size or 0,
         grouped_gemm=bool(args.moe_grouped_gemm), dispatcher=args.moe_token_dispatcher_type,
         capacity_factor=args.moe_expert_capacity_factor, pad_to_capacity=bool(args.moe_pad_expert_input_to_capacity),
         router_dtype=args.moe_router_dtype, pre_softmax=bool(args.moe_router_pre_softmax),
@@ -197,8 +196,8 @@ def layout_from_args(args: argparse.Namespace) -> Layout:
                   recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
                   distribute_saved_activations=bool(args.distribute_saved_activations),
                   distributed_optimizer=bool(args.use_distributed_optimizer),
-                  ep=getattr(args, "expert_model_parallel_size", 1) or 1,
-                  etp=getattr(args, "expert_tensor_parallel_size", None))
+                  ep=args.expert_model_parallel_size,
+                  etp=args.expert_tensor_parallel_size)
 
 
 # ----------------------------------------------------------------------------- parameters

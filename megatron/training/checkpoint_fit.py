@@ -18,37 +18,13 @@ import torch
 from torch import nn
 
 from megatron.training.checkpoint_safety import CheckpointError
+from megatron.training.config.architecture import LABELS, ModelArchitecture
 
 # Model-shape and architecture args compared on load and taken from the checkpoint by
-# --use-checkpoint-args: (attribute, how to name it in an error message). A checkpoint's weights
-# mean something else under another norm, activation, position embedding or head layout, even
-# where the tensor shapes agree (LayerNorm 1p, squared ReLU vs GeLU, interleaved rotary pairs).
-_SHAPE_ARGS: Tuple[Tuple[str, str], ...] = (
-    ("num_layers", "--num-layers"),
-    ("hidden_size", "--hidden-size"),
-    ("num_attention_heads", "--num-attention-heads"),
-    ("ffn_hidden_size", "--ffn-hidden-size"),
-    ("kv_channels", "--kv-channels"),
-    ("max_position_embeddings", "--max-position-embeddings"),
-    ("padded_vocab_size", "padded vocab size (tokenizer vocab and --make-vocab-size-divisible-by)"),
-    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
-    ("add_bias_linear", "--disable-bias-linear"),
-    ("add_qkv_bias", "--add-qkv-bias"),
-    ("num_query_groups", "key/value groups (--group-query-attention --num-query-groups)"),
-    ("normalization", "--normalization"),
-    ("apply_layernorm_1p", "--apply-layernorm-1p"),
-    ("qk_layernorm", "--qk-layernorm"),
-    ("swiglu", "--swiglu"),
-    ("squared_relu", "--squared-relu"),
-    ("position_embedding_type", "--position-embedding-type"),
-    ("rotary_percent", "--rotary-percent"),
-    ("rotary_interleaved", "--rotary-interleaved"),
-    ("bert_post_layernorm", "--bert-post-layernorm"),
-    ("num_experts", "--num-experts"),
-    ("moe_layer_freq", "--moe-layer-freq"),
-    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
-    ("moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
-)
+# --use-checkpoint-args (ModelArchitecture's LABELS). A checkpoint's weights mean something else under
+# another norm, activation, position embedding or head layout, even where the tensor shapes agree
+# (LayerNorm 1p, squared ReLU vs GeLU, interleaved rotary pairs).
+_SHAPE_ARGS: Tuple[str, ...] = tuple(LABELS)
 # Also taken from the checkpoint by load_args_from_checkpoint, but not compared on load: the
 # rotary base and scaling are what a long-context fine-tune changes on purpose.
 _ARCH_ARGS: Tuple[str, ...] = (
@@ -61,23 +37,6 @@ _ARCH_ARGS: Tuple[str, ...] = (
 )
 # Paths from the machine that saved the checkpoint: used only when this run gives none.
 _PATH_ARGS: Tuple[str, ...] = ("vocab_file", "merge_file", "tokenizer_model")
-
-
-def _effective(attr: str, ns: argparse.Namespace) -> Any:
-    """The value of attr that shapes the model (None: unknown or not applicable, not compared)."""
-    value = getattr(ns, attr, None)
-    if attr == "num_query_groups" and value is not None:
-        # Megatron's rule: without --group-query-attention, one group per head.
-        return value if getattr(ns, "group_query_attention", False) else getattr(ns, "num_attention_heads", None)
-    if attr == "add_qkv_bias" and getattr(ns, "add_bias_linear", True):
-        return None  # the QKV projection has its bias either way; add_bias_linear is compared
-    if attr.startswith("rotary_") and getattr(ns, "position_embedding_type", None) != "rope":
-        return None
-    if attr.startswith("moe_") and getattr(ns, "num_experts", None) is None:
-        return None  # a dense model: the MoE settings shape nothing
-    if attr == "moe_ffn_hidden_size" and value is None:
-        return getattr(ns, "ffn_hidden_size", None)  # the experts' default
-    return value
 
 
 def _describe(attr: str, label: str, value: Any) -> str:
@@ -94,14 +53,10 @@ def check_checkpoint_args(checkpoint_args: argparse.Namespace, args: argparse.Na
                           checkpoint_name: str) -> None:
     """Raise CheckpointError naming every model-shape flag where the checkpoint differs from
     this run (values that either side leaves unset are not compared)."""
-    problems = []
-    for attr, label in _SHAPE_ARGS:
-        saved, current = _effective(attr, checkpoint_args), _effective(attr, args)
-        if saved is None or current is None or saved == current:
-            continue
-        problems.append(f"checkpoint at {checkpoint_name} was saved with "
-                        f"{_describe(attr, label, saved)} but this run has "
-                        f"{_describe(attr, label, current)}")
+    saved = ModelArchitecture.from_checkpoint_args(checkpoint_args)
+    problems = [f"checkpoint at {checkpoint_name} was saved with {_describe(attr, LABELS[attr], saved_value)} "
+                f"but this run has {_describe(attr, LABELS[attr], current)}"
+                for attr, saved_value, current in saved.differences(ModelArchitecture.from_args(args))]
     if problems:
         raise CheckpointError("; ".join(problems)
                               + " (use --use-checkpoint-args to take the checkpoint's)")
@@ -244,7 +199,7 @@ def apply_checkpoint_args(args: argparse.Namespace, checkpoint_args: Any, checkp
         log(f"  overriding {name} = {current} with {value} from the checkpoint {checkpoint_name}")
         setattr(args, name, value)
 
-    for name, _ in _SHAPE_ARGS:
+    for name in _SHAPE_ARGS:
         _set_arg(name)
     for name in _ARCH_ARGS:
         _set_arg(name)

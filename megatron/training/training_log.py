@@ -36,6 +36,7 @@ import torch
 
 from megatron.core import device
 from megatron.model.transformer_config import moe_layer_numbers as _moe_layer_numbers
+from megatron.training.config.architecture import ModelArchitecture
 from megatron.training.global_vars import (
     get_args,
     get_num_microbatches,
@@ -47,42 +48,9 @@ from megatron.training.utils import print_rank_last, report_memory, timestamp
 
 
 def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
-    """Model FLOPs of one training iteration (forward + backward) on batch_size sequences.
-
-    Megatron-LM core_v0.13's count for a dense transformer (training.py, after Narayanan et al.,
-    2021): every GEMM costs 2 FLOPs per multiply-add and runs 3 times (forward, data and weight
-    gradients); recomputation is not counted. Per sequence of s tokens, L layers, hidden h:
-
-        attention  12 s L h^2 (1 + g/a + s/2h) (d a / h)   Q and output projections, K and V
-                                                          (g/a of them), scores and values over
-                                                          the causal half of the s x s matrix
-        MLP        12 s L h f m                            two h x f GEMMs; m = 3/2 with --swiglu
-                                                          (the gate is a third)
-        logits      6 s h V                                once, tied or untied output layer
-
-    with a heads, g query groups (= a without --group-query-attention), d = kv channels,
-    f = ffn hidden size, V = padded vocab. For a GPT (d a = h, g = a, f = 4h, m = 1) it is
-    72 s L h^2 (1 + s/12h + V/12Lh). The paper's full-matrix count (bench/compare_peers.py) has
-    s/6h for s/12h: core_v0.13 halved the score terms for causal attention.
-
-    An MoE layer (--num-experts, --moe-layer-freq) counts the experts a token runs, as Megatron does:
-    f becomes moe_ffn_hidden_size x topk + moe_shared_expert_intermediate_size (the router's small
-    h x E GEMM is left out, as there).
-    """
-    s, layers, h = args.seq_length, args.num_layers, args.hidden_size
-    heads = args.num_attention_heads
-    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
-    gated = 1.5 if getattr(args, "swiglu", False) else 1.0
-    q_ratio = args.kv_channels * heads / h
-    attention = 12 * layers * h * h * (1 + groups / heads + s / (2 * h)) * q_ratio
-    mlp = 12 * layers * h * args.ffn_hidden_size * gated
-    if getattr(args, "num_experts", None):
-        moe_layers = len(moe_layer_numbers(args))
-        moe_ffn = ((args.moe_ffn_hidden_size or args.ffn_hidden_size) * args.moe_router_topk
-                   + (args.moe_shared_expert_intermediate_size or 0))
-        mlp = 12 * h * gated * ((layers - moe_layers) * args.ffn_hidden_size + moe_layers * moe_ffn)
-    logits = 6 * h * args.padded_vocab_size
-    return batch_size * s * (attention + mlp + logits)
+    """Model FLOPs of one training iteration (forward + backward) on batch_size sequences: Megatron-LM
+    core_v0.13's count (ModelArchitecture.num_floating_point_operations says how it is made up)."""
+    return ModelArchitecture.from_args(args).num_floating_point_operations(batch_size)
 
 
 def _is_bad(value: float) -> bool:

@@ -377,8 +377,8 @@ def test_mcore_saver_output_loads_strictly_in_megatron_core_and_gives_our_logits
     (dict(num_experts=8), "uses num_experts=8, which the converter does not support"),
     (dict(hidden_size=None), "the saved args have no hidden_size, which the converter cannot infer"),
     (dict(position_embedding_type="relative"), "describe a model this framework cannot build"),
-    (dict(normalization="FancyNorm"), "hold a value our flags do not accept (argument --normalization: "
-                                      "invalid choice: 'FancyNorm'"),
+    (dict(normalization="FancyNorm"), "hold a value our flags do not accept (--normalization: 'FancyNorm' is "
+                                      "not one of LayerNorm, RMSNorm)"),
 ], ids=["moe", "no-hidden-size", "relative-positions", "unknown-norm"])
 def test_args_that_cannot_be_converted_are_one_line(change, message, models, tmp_path, capsys):
     args, whole, _ = models["gpt2"]

@@ -2,6 +2,7 @@
 (tests/unit/test_tests_import_no_tests.py checks it); what two of them need lives here.
 
 paths                   ROOT, the repository root
+args                    run_args (the parser's defaults under given values), architecture_defaults
 launch                  run_cli (python ... from ROOT), torchrun (pretrain_gpt.py), free_port
 training                tiny pretrain_gpt.py flag sets (TINY, MOCK, COMMON) and their log's parsing (LOG_LINE,
                         log_lines, losses, logged_losses, logged_grad_norms, COUNT, TOTAL, VALIDATION)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from megatron.training.checkpoint_safety import CheckpointError
+from tests.helpers.args import architecture_defaults
 
 
 class _Layer(nn.Module):
@@ -71,7 +72,7 @@ class TinyScheduler:
 
 
 def make_args(directory: Path, **overrides) -> argparse.Namespace:
-    values = dict(
+    values = dict(architecture_defaults(),
         save=str(directory), load=str(directory), no_save_optim=False, no_save_rng=False,
         no_load_optim=False, no_load_rng=False, finetune=False, use_checkpoint_args=False,
         exit_on_missing_checkpoint=False, consumed_train_samples=0, consumed_valid_samples=0,

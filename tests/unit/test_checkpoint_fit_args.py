@@ -7,6 +7,7 @@ import pytest
 
 from megatron.training.checkpoint_fit import apply_checkpoint_args, check_checkpoint_args
 from megatron.training.checkpoint_safety import CheckpointError
+from tests.helpers.args import run_args
 
 LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_size=128, kv_channels=8,
              max_position_embeddings=32, padded_vocab_size=128, untie_embeddings_and_output_weights=True,
@@ -18,7 +19,7 @@ LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=8, ffn_hidden_siz
 
 
 def check(saved, **run):
-    check_checkpoint_args(Namespace(**saved), Namespace(**dict(saved, **run)), "ckpt/iter_0000010")
+    check_checkpoint_args(Namespace(**saved), run_args(**dict(saved, **run)), "ckpt/iter_0000010")
 
 
 @pytest.mark.parametrize("change, words", [

@@ -10,6 +10,7 @@ from torch import nn
 
 from megatron.training.checkpoint_fit import check_checkpoint_args, check_parallel_layout
 from megatron.training.checkpoint_safety import CheckpointError
+from tests.helpers.args import run_args
 from megatron.dist_checkpointing import layout
 from megatron.dist_checkpointing.layout import global_expert_names, model_layouts
 from megatron.dist_checkpointing.save import saved_sizes
@@ -107,6 +108,11 @@ def _args(**kw):
     return argparse.Namespace(**{**base, **kw})
 
 
+def _run(**kw):
+    """This run's (validated) args: the parser's defaults under _args' values."""
+    return run_args(**vars(_args(**kw)))
+
+
 def test_a_classic_checkpoint_refuses_another_ep_or_etp_in_one_line():
     name = "/ckpt/iter_0000002/mp_rank_00_001/model_optim_rng.pt"
     check_parallel_layout(_args(), _args(), name)
@@ -126,10 +132,10 @@ def test_a_classic_checkpoint_refuses_another_ep_or_etp_in_one_line():
 
 
 def test_the_moe_shape_is_compared():
-    check_checkpoint_args(_args(moe_ffn_hidden_size=None, ffn_hidden_size=8), _args(ffn_hidden_size=8), "ckpt")
+    check_checkpoint_args(_args(moe_ffn_hidden_size=None, ffn_hidden_size=8), _run(ffn_hidden_size=8), "ckpt")
     with pytest.raises(CheckpointError, match="--num-experts 4 but this run has --num-experts 8"):
-        check_checkpoint_args(_args(), _args(num_experts=8), "ckpt")
-    check_checkpoint_args(_args(num_experts=None, moe_layer_freq=1), _args(num_experts=None, moe_layer_freq=2), "ckpt")
+        check_checkpoint_args(_args(), _run(num_experts=8), "ckpt")
+    check_checkpoint_args(_args(num_experts=None, moe_layer_freq=1), _run(num_experts=None, moe_layer_freq=2), "ckpt")
 
 
 def test_the_classic_format_refuses_experts_split_over_another_etp(monkeypatch, tmp_path):

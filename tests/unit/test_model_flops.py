@@ -1,11 +1,10 @@
 """megatron/training/training_log.py num_floating_point_operations: Megatron-LM core_v0.13's count, checked
 against numbers worked out by hand, GEMM by GEMM, for a GPT and a Llama-style layer."""
 
-from argparse import Namespace
-
 import pytest
 
 from megatron.training.training_log import num_floating_point_operations
+from tests.helpers.args import run_args as Namespace
 
 
 def gemm_by_gemm(*, s, layers, h, heads, groups, d, f, vocab, gated, batch):

@@ -77,6 +77,21 @@ class MegatronConfig:
             groups[name] = group(**{n: values.pop(n) for n in names if n in values})
         return cls(**groups, extra=values)
 
+    @classmethod
+    def from_values(cls, values: dict[str, Any], where: str = "config") -> "MegatronConfig":
+        """The config of {dest: value} (any setting left out keeps its default), its values checked
+        as the command line checks them (ConfigError naming the first wrong flag)."""
+        config = cls.from_namespace(argparse.Namespace(**values))
+        config.check(where)
+        return config
+
+    def check(self, where: str = "config") -> None:
+        """ConfigError (one line: where, if given, the flag, the value) for a value the flag would refuse."""
+        for name in self.groups():
+            problems = getattr(self, name).problems()
+            if problems:
+                raise ConfigError(f"{where}: {problems[0]}" if where else problems[0])
+
     def apply_to(self, args: argparse.Namespace) -> argparse.Namespace:
         """args (a Namespace of the parser's defaults) with every group's values, then `extra`, set."""
         for name in self.groups():
@@ -118,7 +133,9 @@ class MegatronConfig:
                 raise ConfigError(f"{where}: {name}.{wrong[0]} is not a setting of {groups[name].__name__} "
                                   f"(its flag would be --{wrong[0].replace('_', '-')})")
             made[name] = groups[name](**values)
-        return cls(**made)
+        config = cls(**made)
+        config.check(where)
+        return config
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"

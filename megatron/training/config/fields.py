@@ -65,6 +65,31 @@ class ConfigGroup:
         """The group's fields read from a Namespace that has them (a parsed command line)."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
+    def problems(self) -> list[str]:
+        """What the command line would refuse in these values, one line each naming the flag: a value
+        of another type than the field's (an int is a float; None is allowed, as the flag's default
+        can be), or not one of the flag's choices."""
+        out = []
+        hints = typing.get_type_hints(type(self))
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            flag = (field.metadata.get("flags") or ("--" + field.name.replace("_", "-"),))[0]
+            base, is_list = _base_type(hints[field.name])
+            kind = field.metadata.get("type", _MISSING)
+            items = list(value) if is_list and isinstance(value, (list, tuple)) else [value]
+            if base in (int, float, str, bool) and kind is _MISSING and not is_list:
+                allowed = (int, float) if base is float else (base,)
+                if not isinstance(value, allowed) or (base is not bool and isinstance(value, bool)):
+                    out.append(f"{flag}: {value!r} is not {'an' if base is int else 'a'} {base.__name__}")
+                    continue
+            choices = field.metadata.get("choices")
+            wrong = [item for item in items if choices is not None and item not in choices]
+            if wrong:
+                out.append(f"{flag}: {wrong[0]!r} is not one of {', '.join(map(str, choices))}")
+        return out
+
 
 @lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
