@@ -67,7 +67,7 @@ def read_common(base_dir: str, args: Optional[argparse.Namespace] = None) -> Dic
     if not verify_file(path, base_dir):
         _print_rank_0(f"  {path} is not verified: {base_dir} has no checksums.json")
     try:
-        common = load_file(path, trust_pickles=bool(getattr(args, "trust_checkpoint_pickles", False)),
+        common = load_file(path, trust_pickles=bool(args.trust_checkpoint_pickles),
                            log=_print_rank_0)
     except CheckpointError:
         raise
@@ -86,7 +86,7 @@ def read_common(base_dir: str, args: Optional[argparse.Namespace] = None) -> Dic
 
 
 def _check_vocab(saved_args: Any, args: argparse.Namespace, base_dir: str) -> None:
-    saved, current = getattr(saved_args, "padded_vocab_size", None), getattr(args, "padded_vocab_size", None)
+    saved, current = getattr(saved_args, "padded_vocab_size", None), args.padded_vocab_size
     if saved is not None and current is not None and saved != current:
         raise CheckpointError(
             f"checkpoint {base_dir} has a vocabulary padded to {saved} rows but this run pads it to {current} "
@@ -140,9 +140,9 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
     if saved_args is not None:
         _check_vocab(saved_args, args, base_dir)
         check_checkpoint_args(saved_args, args, base_dir)
-    finetune = bool(getattr(args, "finetune", False))
-    load_optim = optimizer is not None and not release and not finetune and not getattr(args, "no_load_optim", False)
-    load_rng = not release and not finetune and not getattr(args, "no_load_rng", False)
+    finetune = bool(args.finetune)
+    load_optim = optimizer is not None and not release and not finetune and not args.no_load_optim
+    load_rng = not release and not finetune and not args.no_load_rng
     error = None
     try:
         metadata_path = os.path.join(base_dir, DCP_METADATA)
@@ -206,7 +206,7 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, args: 
     error = _gather_errors(error)
     if error is not None:
         raise CheckpointError(error)
-    if optimizer is not None and not load_optim and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
+    if optimizer is not None and not load_optim and (args.fp16 or args.bf16):
         reload = getattr(optimizer, "reload_model_params", None)
         if reload is not None:
             reload()  # a fresh optimizer's fp32 main params follow the loaded weights

@@ -49,7 +49,7 @@ def _state_to_save(model: Any, optimizer: Any, args: argparse.Namespace, rng_sta
         if layout.save:
             state[layout.name] = GlobalTensor(layout.global_shape, layout.boxes(tensor.detach()))
     optimizer_common: Optional[Dict[str, Any]] = None
-    if optimizer is not None and not getattr(args, "no_save_optim", False):
+    if optimizer is not None and not args.no_save_optim:
         kind, keys = optimizer_kind(optimizer)
         inner = _inner(optimizer)
         mixed = False
@@ -82,7 +82,7 @@ def _state_to_save(model: Any, optimizer: Any, args: argparse.Namespace, rng_sta
         optimizer_common = {"kind": kind, "state_keys": list(keys), "step": float(step.item()),
                             "grad_scaler": scaler.state_dict() if scaler is not None else None,
                             "param_groups": groups, "fp32_params": mixed}
-    if rng_state is not None and not getattr(args, "no_save_rng", False):
+    if rng_state is not None and not args.no_save_rng:
         buffer = io.BytesIO()
         torch.save(rng_state, buffer)
         state[_rng_key()] = buffer.getvalue()
@@ -126,8 +126,8 @@ def _common_state(args: argparse.Namespace, iteration: int, opt_param_scheduler:
         "args": copy.deepcopy(args), "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
         "num_floating_point_operations_so_far": float(num_flops),
         "content": {"format": _CONTENT_FORMAT, "layout_version": LAYOUT_VERSION, **_sizes(),
-                    "virtual_pipeline_model_parallel_size": getattr(args, "virtual_pipeline_model_parallel_size", None),
-                    "use_distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
+                    "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
+                    "use_distributed_optimizer": bool(args.use_distributed_optimizer),
                     "optimizer": optimizer_common is not None, "rng": saved_rng},
     }
     if optimizer_common is not None:
@@ -213,7 +213,7 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
 
     save_dir = args.save
     finalize_async_save(blocking=True)  # one save in flight at a time, as Megatron
-    asynchronous = bool(getattr(args, "async_save", False))
+    asynchronous = bool(args.async_save)
     _print_rank_0("saving checkpoint at iteration {:7d} to {} in torch_dist format{}".format(
         iteration, save_dir, " (asynchronously)" if asynchronous else ""))
     staging = partial_dir(save_dir, iteration)

@@ -147,13 +147,13 @@ def _check_batch_size(argv: List[str]) -> None:
     saved = sys.argv
     try:
         sys.argv = argv  # HarnessCLI parses sys.argv (and inserts its 'run')
-        args = HarnessCLI().parse_args()
+        harness = HarnessCLI().parse_args()  # lm-eval's Namespace (its subcommands differ in their fields)
     finally:
         sys.argv = saved
-    if getattr(args, "model", None) != "megatron_compat" or not isinstance(getattr(args, "model_args", None), dict):
+    if getattr(harness, "model", None) != "megatron_compat" or not isinstance(getattr(harness, "model_args", None), dict):
         return
     default = {f.name: f.default for f in dataclasses.fields(EvaluatorConfig)}.get("batch_size")
-    merge_model_args(args.model_args, {"batch_size": getattr(args, "batch_size", default)})
+    merge_model_args(harness.model_args, {"batch_size": getattr(harness, "batch_size", default)})
 
 
 if __name__ == "__main__":

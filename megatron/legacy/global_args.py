@@ -29,10 +29,10 @@ def global_tokenizer() -> Optional[Any]:
 def model_vocab_sizes(args: Namespace, what: str) -> tuple[int, Optional[int]]:
     """(padded vocabulary, the tokenizer's ids) as pretrain_*.py pass them: vocab_size=args.padded_vocab_size,
     num_tokens the global tokenizer's size, else args.orig_vocab_size (Accelerate's), else None (all rows)."""
-    padded = getattr(args, "padded_vocab_size", None)
+    padded = args.padded_vocab_size
     if padded is None:
         raise ValueError(f"{what}: the global args have no padded_vocab_size (set by the tokenizer, or by "
                          "Accelerate from orig_vocab_size)")
     tokenizer = global_tokenizer()
-    num_tokens = tokenizer.vocab_size if tokenizer is not None else getattr(args, "orig_vocab_size", None)
+    num_tokens = tokenizer.vocab_size if tokenizer is not None else args.orig_vocab_size
     return int(padded), None if num_tokens is None else int(num_tokens)

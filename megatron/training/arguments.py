@@ -33,6 +33,7 @@ from megatron.training.arguments_validation import (
     env_rank_and_world_size,
     print_args,
     validate_args,
+    with_run_state,
 )
 from megatron.training.argument_utils import flag
 from megatron.training.config_builders import (  # noqa: F401  (Megatron's names, re-exported)
@@ -136,7 +137,7 @@ def parse_args(extra_args_provider: ExtraArgsProvider | None = None, ignore_unkn
     else:
         args = parser.parse_args(argv)
     args.rank, args.world_size = env_rank_and_world_size()
-    return args
+    return with_run_state(args)
 
 
 def args_from_config(config: MegatronConfig, extra_args_provider: ExtraArgsProvider | None = None) -> Namespace:
@@ -144,7 +145,7 @@ def args_from_config(config: MegatronConfig, extra_args_provider: ExtraArgsProvi
     defaults (the script's extra flags too), then the config's groups and `extra`."""
     args = config.apply_to(build_parser(extra_args_provider).parse_args([]))
     args.rank, args.world_size = env_rank_and_world_size()
-    return args
+    return with_run_state(args)
 
 
 def argv_from_config(config: MegatronConfig, extra_args_provider: ExtraArgsProvider | None = None) -> list[str]:

@@ -317,9 +317,9 @@ FAMILY_FLAGS = {"T5": T5_FLAGS, "BERT": BERT_FLAGS}
 def no_effect_flags_given(args: Namespace) -> list:
     """The NO_EFFECT flags whose value is not the default, as the user spelled them (for T5 and
     BERT, not the flags their scripts read)."""
-    used = FAMILY_FLAGS.get(getattr(args, "model_family", None), ())
+    used = FAMILY_FLAGS.get(args.model_family, ())
     return [row.names[0] for row in NO_EFFECT
-            if getattr(args, row.dest, row.default) != row.default and row.names[0] not in used]
+            if getattr(args, row.dest) != row.default and row.names[0] not in used]
 
 
 # ----------------------------------------------------------------------------- validation
@@ -383,5 +383,5 @@ def validate_megatron_flags(args: Namespace) -> None:
 
 
 def _print_rank_0(args: Namespace, message: str) -> None:
-    if getattr(args, "rank", 0) == 0:
+    if args.rank == 0:
         print_line(message)

@@ -40,11 +40,11 @@ T5_POSITION_EMBEDDINGS = ("learned_absolute", "relative")
 
 def is_t5(args: Namespace) -> bool:
     """Whether the entry script is pretrain_t5.py (its args_defaults set model_family "T5")."""
-    return getattr(args, "model_family", None) == T5_FAMILY
+    return args.model_family == T5_FAMILY
 
 
 def _warn(args: Namespace, message: str) -> None:
-    if getattr(args, "rank", 0) == 0:
+    if args.rank == 0:
         print_line(f"WARNING: {message}")
 
 
@@ -138,7 +138,7 @@ def _validate_t5(args: Namespace) -> None:
                         f"got {args.seq_length}")
     if not 0.0 < args.mask_prob < 1.0:
         raise ArgsError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
-    sentinels, spans = getattr(args, "vocab_extra_ids", 0), t5_max_spans(args.mask_prob, args.seq_length)
+    sentinels, spans = args.vocab_extra_ids, t5_max_spans(args.mask_prob, args.seq_length)
     if not sentinels:
         raise ArgsError("T5 needs sentinel tokens for its masked spans: give --vocab-extra-ids (e.g. 100, "
                         "the <extra_id_i> tokens)")
@@ -152,13 +152,13 @@ def _validate_t5(args: Namespace) -> None:
                         f"{args.seq_length} masks about {needed - 2} tokens (--mask-prob {args.mask_prob}), and the "
                         f"decoder holds BOS, a sentinel per span and those tokens; give >= {needed} (1 + 2 x "
                         f"{spans} = {1 + 2 * spans} always fits; Megatron uses 128 with 512)")
-    span = getattr(args, "mean_noise_span_length", None)
+    span = args.mean_noise_span_length
     if span is not None and span < 1:
         raise ArgsError(f"--mean-noise-span-length must be >= 1 (a span has at least one word), got {span}")
     for dest in ("relative_attention_num_buckets", "relative_attention_max_distance"):
         if getattr(args, dest) < 1:
             raise ArgsError(f"--{dest.replace('_', '-')} must be >= 1, got {getattr(args, dest)}")
-    if args.pipeline_model_parallel_size > 1 and getattr(args, "pipeline_model_parallel_split_rank", None) is None:
+    if args.pipeline_model_parallel_size > 1 and args.pipeline_model_parallel_split_rank is None:
         raise ArgsError(f"T5 with --pipeline-model-parallel-size {args.pipeline_model_parallel_size} needs "
                         "--pipeline-model-parallel-split-rank S (stages [0, S) run the encoder, the rest the decoder)")
     if args.decoder_num_layers not in (None, args.num_layers):
@@ -172,7 +172,7 @@ def _validate_bert(args: Namespace) -> None:
         raise ArgsError(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
     if not 0.0 <= args.short_seq_prob <= 1.0:
         raise ArgsError(f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
-    if getattr(args, "mock_data", False):
+    if args.mock_data:
         raise ArgsError("--mock-data: the BERT dataset has no mock data; give --data-path (a --split-sentences "
                         "dataset, PREFIX_text_sentence)")
 
@@ -181,7 +181,7 @@ def validate_model_architecture(args: Namespace) -> None:
     """The architecture rules above, after kv_channels and ffn_hidden_size are derived."""
     if is_t5(args):
         _validate_t5(args)
-    if getattr(args, "model_family", None) == "BERT":
+    if args.model_family == "BERT":
         _validate_bert(args)
     _validate_position_embedding(args)
     _validate_query_groups(args)

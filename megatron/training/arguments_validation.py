@@ -47,6 +47,7 @@ import torch
 from megatron.training.argument_utils import ArgsError, flag
 from megatron.training.arguments_megatron import refusal_rows, validate_megatron_flags
 from megatron.training.arguments_model import default_ffn_hidden_size, validate_model_architecture
+from megatron.training.config.container import RUN_STATE
 from megatron.training.config_builders import config_flag, core_transformer_config_from_args
 from megatron.core import device
 from megatron.data.utils import parse_and_normalize_split, parse_data_path
@@ -83,7 +84,7 @@ REQUIRED_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "max_
 
 
 def _print_rank_0(args: Namespace, message: str) -> None:
-    if getattr(args, "rank", 0) == 0:
+    if args.rank == 0:
         print_line(message)
 
 
@@ -103,10 +104,24 @@ def env_rank_and_world_size() -> tuple:
     return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
 
 
+def with_run_state(args: Namespace) -> Namespace:
+    """What every run's Namespace holds besides the flags, so that no reader needs a default for it:
+    rank and world_size from RANK / WORLD_SIZE (as Megatron-LM's), and RUN_STATE's values until the run
+    sets them (args_defaults fill the ones still None, the tokenizer, a loaded checkpoint). Attributes
+    already there stand (a script's own --eos-id; a Namespace validated before)."""
+    present = vars(args)
+    if "rank" not in present or "world_size" not in present:
+        args.rank, args.world_size = env_rank_and_world_size()
+    for name, value in RUN_STATE.items():
+        if name not in present:
+            setattr(args, name, value)
+    return args
+
+
 def _require_positive(args: Namespace, dests: tuple, allow_zero: bool = False) -> None:
     """Each given (non-None) value must be a finite number > 0 (>= 0 with allow_zero)."""
     for dest in dests:
-        value = getattr(args, dest, None)
+        value = getattr(args, dest)
         if value is None:
             continue
         if not math.isfinite(value):
@@ -139,10 +154,10 @@ ATTENTION_HEAD_TYPES = ("multihead", "multiquery")
 def _apply_older_spellings(args: Namespace) -> None:
     """position_embedding_type rotary / absolute -> rope / learned_absolute; attention_head_type
     multiquery -> --group-query-attention with one query group (multihead: one group per head)."""
-    kind = getattr(args, "position_embedding_type", None)
+    kind = args.position_embedding_type
     if kind in POSITION_EMBEDDING_SPELLINGS:
         args.position_embedding_type = POSITION_EMBEDDING_SPELLINGS[kind]
-    head_type = getattr(args, "attention_head_type", None)
+    head_type = args.attention_head_type
     if head_type is None:
         return
     if head_type not in ATTENTION_HEAD_TYPES:
@@ -186,7 +201,7 @@ def data_parallel_size(world_size: int, tp: int, pp: int, cp: int = 1) -> int:
 
 def _validate_parallel(args: Namespace) -> None:
     """rank, world_size, data_parallel_size and the distributed backend."""
-    if getattr(args, "rank", None) is None or getattr(args, "world_size", None) is None:
+    if args.rank is None or args.world_size is None:
         args.rank, args.world_size = env_rank_and_world_size()
     if args.world_size < 1:
         raise ArgsError(f"WORLD_SIZE must be >= 1, got {args.world_size}")
@@ -216,7 +231,7 @@ def _validate_parallel(args: Namespace) -> None:
 def _validate_not_yet_supported(args: Namespace) -> None:
     """Flags of features that later issues add raise instead of being ignored."""
     for dest, shown, supported, feature in NOT_YET_SUPPORTED:
-        value = getattr(args, dest, supported)
+        value = getattr(args, dest)
         if value == supported:
             continue
         given = "" if isinstance(value, bool) else " " + (" ".join(map(str, value)) if isinstance(value, list)
@@ -231,7 +246,7 @@ def _validate_not_yet_supported(args: Namespace) -> None:
 def _validate_model(args: Namespace) -> None:
     """Required shape flags, the 4h and h/heads defaults, positional range and dropouts."""
     for dest in REQUIRED_MODEL_ARGS:
-        if getattr(args, dest, None) is None:
+        if getattr(args, dest) is None:
             raise ArgsError(f"{flag(dest)} is required")
     _require_positive(args, REQUIRED_MODEL_ARGS + ("ffn_hidden_size", "kv_channels", "seq_length",
                                                    "make_vocab_size_divisible_by", "norm_epsilon",
@@ -356,7 +371,7 @@ def _validate_pipeline_parallel(args: Namespace) -> None:
     """Layers split evenly over the stages (and virtual stages); the interleaved schedule's batches.
     With --pipeline-model-parallel-split-rank (T5) each stack splits evenly over its own stages."""
     pp = args.pipeline_model_parallel_size
-    split = getattr(args, "pipeline_model_parallel_split_rank", None)
+    split = args.pipeline_model_parallel_split_rank
     if split is not None:
         if not 0 < split < pp:
             raise ArgsError(f"--pipeline-model-parallel-split-rank ({split}) must be in [1, "
@@ -630,7 +645,7 @@ def require_training_data(args: Namespace) -> None:
     Not part of validate_args: as in Megatron, a caller with its own data (Accelerate's data loader,
     a custom dataset provider, tasks/main.py's --train-data) validates without any data flag.
     """
-    given = any(getattr(args, dest, None) is not None
+    given = any(getattr(args, dest) is not None
                 for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"))
     if not given and not args.mock_data:
         raise ArgsError("no training data: give --data-path (with --split), --train-data-path/"
@@ -669,6 +684,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     Raises ArgsError (a ValueError) naming the flag; --checkpoint-activations exits.
     Prints Megatron's argument block on rank 0 at the end.
     """
+    with_run_state(args)  # (a Namespace made by hand, not by parse_args)
     _apply_defaults(args, defaults)
     _apply_older_spellings(args)
     _apply_flag_aliases(args)
@@ -699,7 +715,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
 
 def print_args(args: Namespace, title: str = "arguments") -> None:
     """Megatron's sorted '  name .... value' block, on rank 0 only."""
-    if getattr(args, "rank", 0) != 0:
+    if args.rank != 0:
         return
     print_line(f"------------------------ {title} ------------------------")
     lines = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()]

@@ -83,7 +83,7 @@ def check_parallel_layout(checkpoint_args: argparse.Namespace, args: argparse.Na
                                  ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1),
                                  ("virtual_pipeline_model_parallel_size", "--num-virtual-stages-per-pipeline-rank",
                                   None)):
-        saved, current = getattr(checkpoint_args, attr, default), getattr(args, attr, default)
+        saved, current = getattr(checkpoint_args, attr, default), getattr(args, attr)
         if saved != current:
             saved_text = f"no {label}" if saved is None else f"{label} {saved}"
             current_text = f"no {label}" if current is None else f"{label} {current}"
@@ -92,7 +92,7 @@ def check_parallel_layout(checkpoint_args: argparse.Namespace, args: argparse.Na
                                   "sizes it was saved with (resharding is the checkpoint converter's job: "
                                   "tools/checkpoint/convert.py --target-tensor-parallel-size N "
                                   "--target-pipeline-parallel-size M)")
-    if getattr(checkpoint_args, "num_experts", None) is None or getattr(args, "num_experts", None) is None:
+    if getattr(checkpoint_args, "num_experts", None) is None or args.num_experts is None:
         return  # a dense model (or a shape mismatch, which check_checkpoint_args names)
     for label, read in (("--expert-model-parallel-size", lambda ns: getattr(ns, "expert_model_parallel_size", 1)),
                         ("--expert-tensor-parallel-size", _expert_tensor_parallel_size)):
@@ -191,7 +191,7 @@ def apply_checkpoint_args(args: argparse.Namespace, checkpoint_args: Any, checkp
     def _set_arg(name: str, force: bool = True) -> None:
         if not hasattr(checkpoint_args, name):
             return
-        value, current = getattr(checkpoint_args, name), getattr(args, name, None)
+        value, current = getattr(checkpoint_args, name), getattr(args, name)
         if (not force and current is not None) or value == current:
             return
         if value is None and name == "tokenizer_type":
@@ -205,5 +205,5 @@ def apply_checkpoint_args(args: argparse.Namespace, checkpoint_args: Any, checkp
         _set_arg(name)
     for name in _PATH_ARGS:
         _set_arg(name, force=False)
-    if hasattr(args, "disable_bias_linear") and getattr(args, "add_bias_linear", None) is not None:
+    if hasattr(args, "disable_bias_linear") and args.add_bias_linear is not None:
         args.disable_bias_linear = not args.add_bias_linear

@@ -81,7 +81,7 @@ def _barrier() -> None:
 
 
 def _flag(args: argparse.Namespace, name: str) -> bool:
-    return bool(getattr(args, name, False))
+    return bool(getattr(args, name))
 
 
 def ensure_directory_exists(filename: str, check_parent: bool = True) -> None:
@@ -229,13 +229,13 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any, 
     Megatron's call form (Accelerate's): the run's args are get_args() unless given by keyword."""
     args = _run_args(args, num_floating_point_operations_so_far, "save_checkpoint",
                      "num_floating_point_operations_so_far")
-    save_dir = getattr(args, "save", None)
+    save_dir = args.save
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a checkpoint directory (--save)")
     if iteration <= 0:
         raise CheckpointError(f"cannot save iteration {iteration} to {save_dir}: the tracker file "
                               "must name an iteration > 0")
-    if getattr(args, "ckpt_format", "torch") == "torch_dist":
+    if args.ckpt_format == "torch_dist":
         from megatron import dist_checkpointing
 
         dist_checkpointing.save_checkpoint(iteration, model, optimizer, opt_param_scheduler, args,
@@ -317,7 +317,7 @@ def _refuse_split_experts(args: argparse.Namespace) -> None:
                parallel_state.get_expert_tensor_parallel_world_size())
     if etp == tp:
         return
-    if getattr(args, "num_experts", None) is not None:  # (args, not this stage's layers: every rank refuses)
+    if args.num_experts is not None:  # (args, not this stage's layers: every rank refuses)
         raise CheckpointError(f"--ckpt-format torch keeps one file per tensor/pipeline/expert rank and cannot hold "
                               f"experts split over --expert-tensor-parallel-size {etp} while "
                               f"--tensor-model-parallel-size is {tp}: save with --ckpt-format torch_dist")
@@ -547,9 +547,9 @@ def load_checkpoint(model: Sequence[nn.Module], optimizer: Any, opt_param_schedu
     calculator from them.
     """
     args = _run_args(args, load_arg, "load_checkpoint", "load_arg")
-    load_dir = getattr(args, load_arg, None)
+    load_dir = getattr(args, load_arg)
     flag = "--" + load_arg.replace("_", "-")
-    pretrained = getattr(args, "pretrained_checkpoint", None) if load_arg == "load" else None
+    pretrained = args.pretrained_checkpoint if load_arg == "load" else None
     if pretrained is not None and not checkpoint_exists(load_dir):
         # Megatron's --pretrained-checkpoint: a run that saved nothing yet under --load starts
         # from the pretrained model (weights only, iteration 0); later runs resume from --load.
@@ -631,7 +631,7 @@ def _saved_format(load_dir: str, args: argparse.Namespace, flag: str
         if saved != "torch_dist":
             raise CheckpointError(f"{base_dir} is a distributed checkpoint with sharded backend {saved}, "
                                   "which this framework does not read (only torch_dist)")
-    wanted = getattr(args, "ckpt_format", "torch")
+    wanted = args.ckpt_format
     if saved != wanted and not _flag(args, "auto_detect_ckpt_format"):
         raise CheckpointError(f"{base_dir} is a {saved} checkpoint but this run has --ckpt-format {wanted}; "
                               "pass --auto-detect-ckpt-format to load either format (or --ckpt-format "
@@ -645,7 +645,7 @@ def load_args_from_checkpoint(args: argparse.Namespace,
     one that changes); tokenizer paths are taken only when this run gives none. Call it before
     validate_args. Without a checkpoint the args are returned unchanged (or, with
     --exit-on-missing-checkpoint, CheckpointError)."""
-    load_dir = getattr(args, load_arg, None)
+    load_dir = getattr(args, load_arg)
     if load_dir is None:
         _print_rank_0("No load directory specified, using provided arguments.")
         return args

@@ -35,7 +35,7 @@ def t5_dataset_config_from_args(args: Any, tokenizer: Any) -> T5MaskedWordPieceD
         **fields, sequence_length_decoder=args.decoder_seq_length, masking_probability=args.mask_prob,
         short_sequence_probability=args.short_seq_prob, masking_max_ngram=10, masking_do_full_word=True,
         masking_use_longer_ngrams=False, masking_use_geometric_distribution=True,
-        **_geometric_p(getattr(args, "mean_noise_span_length", None)))
+        **_geometric_p(args.mean_noise_span_length))
 
 
 def _geometric_p(mean_span_length: Optional[float]) -> dict:

@@ -55,7 +55,7 @@ def get_tokenizer_or_build() -> Any:
     if _TOKENIZER is not None:
         return _TOKENIZER
     args = get_args()
-    key = tuple(str(getattr(args, name, None)) for name in
+    key = tuple(str(getattr(args, name)) for name in
                 ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size"))
     if key not in _TOKENIZERS_OF_ARGS:
         import copy
@@ -104,7 +104,7 @@ def set_global_variables(args: argparse.Namespace, build_tokenizer: bool = True)
         _TOKENIZER = _build(args)
     else:
         _TOKENIZER = None
-    _TIMERS = Timers(getattr(args, "timing_log_level", 0))
+    _TIMERS = Timers(args.timing_log_level)
     _set_tensorboard_writer(args)
     _set_wandb_writer(args)
     _set_signal_handler(args)
@@ -112,7 +112,7 @@ def set_global_variables(args: argparse.Namespace, build_tokenizer: bool = True)
 
 def _set_tensorboard_writer(args: argparse.Namespace) -> None:
     global _TENSORBOARD_WRITER
-    if not getattr(args, "tensorboard_dir", None) or args.rank != args.world_size - 1:
+    if not args.tensorboard_dir or args.rank != args.world_size - 1:
         return
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -124,7 +124,7 @@ def _set_tensorboard_writer(args: argparse.Namespace) -> None:
 
 def _set_wandb_writer(args: argparse.Namespace) -> None:
     global _WANDB_WRITER
-    if not getattr(args, "wandb_project", None) or args.rank != args.world_size - 1:
+    if not args.wandb_project or args.rank != args.world_size - 1:
         return
     try:
         import wandb
@@ -137,7 +137,7 @@ def _set_wandb_writer(args: argparse.Namespace) -> None:
 
 def _set_signal_handler(args: argparse.Namespace) -> None:
     global _SIGNAL_HANDLER
-    if getattr(args, "exit_signal_handler", False):
+    if args.exit_signal_handler:
         from megatron.training.dist_signal_handler import DistributedSignalHandler
 
         _SIGNAL_HANDLER = DistributedSignalHandler().__enter__()

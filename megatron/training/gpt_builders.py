@@ -41,7 +41,7 @@ def gpt_builder(args: argparse.Namespace, pre_process: bool, post_process: bool,
                          max_sequence_length=args.max_position_embeddings,
                          share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                          pre_process=pre_process, post_process=post_process, **gpt_model_kwargs(args))
-    model.return_logits = bool(getattr(args, "return_logits", False))  # set by Accelerate's MegatronLMPlugin
+    model.return_logits = bool(args.return_logits)  # set by Accelerate's MegatronLMPlugin
     return model
 
 
@@ -52,7 +52,7 @@ def _real_vocab_size(args: argparse.Namespace) -> Optional[int]:
     try:
         return get_tokenizer().vocab_size
     except RuntimeError:  # no tokenizer was built
-        return getattr(args, "orig_vocab_size", None)
+        return args.orig_vocab_size
 
 
 @contextlib.contextmanager

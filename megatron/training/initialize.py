@@ -117,14 +117,14 @@ def _initialize_distributed(get_embedding_ranks: Optional[Callable] = None,
             virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
             context_parallel_size=args.context_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size,
-            pipeline_model_parallel_split_rank=getattr(args, "pipeline_model_parallel_split_rank", None),
-            expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
+            pipeline_model_parallel_split_rank=args.pipeline_model_parallel_split_rank,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size)
         _report_node_topology(args)
     # A stage waiting on its neighbour longer than this fails with an error naming both (no silent hang).
     p2p_communication.set_p2p_timeout(args.distributed_timeout_minutes * 60.0)
     # A rank stuck in a collective or exchange prints what it waits on and exits (megatron/core/watchdog.py).
     watchdog.start(args.watchdog_seconds or args.distributed_timeout_minutes * 60.0,
-                   lambda: getattr(args, "iteration", 0))
+                   lambda: args.iteration)
     if args.log_communication_stats:
         from megatron.core import communication
 
@@ -138,10 +138,10 @@ def _report_node_topology(args: argparse.Namespace) -> None:
         return
     tp, pp, cp, ep = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                       args.context_parallel_size, args.expert_model_parallel_size)
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    etp = args.expert_tensor_parallel_size or tp
     # the same rank arithmetic initialize_model_parallel just used (one source of the layout)
     plan = parallel_state._plan_rank_groups(world, tp, pp, cp, ep, etp, "tp-cp-ep-dp-pp",
-                                            getattr(args, "pipeline_model_parallel_split_rank", None))
+                                            args.pipeline_model_parallel_split_rank)
     sizes = {"tp": tp, "cp": cp, "ep": ep, "etp": etp if ep > 1 or etp != tp else 1, "pp": pp,
              "dp": world // (tp * pp * cp)}
     node_topology.report(plan, [kind for kind, size in sizes.items() if size > 1], device.get_device(),
@@ -271,7 +271,7 @@ def write_args_to_tensorboard() -> None:
     writer = global_vars.get_tensorboard_writer()
     if writer:
         for name in vars(args):
-            writer.add_text(name, str(getattr(args, name)), global_step=getattr(args, "iteration", 0))
+            writer.add_text(name, str(getattr(args, name)), global_step=args.iteration)
 
 
 def _set_deterministic_mode() -> None:

@@ -42,9 +42,14 @@ def given_dests(argv: Optional[List[str]], extra_args_provider: Optional[Callabl
     from megatron.training.arguments import build_parser
 
     parser = build_parser(extra_args_provider)
-    parser.set_defaults(**{action.dest: _UNSET for action in parser._actions if action.dest != "help"})
+    # an append / extend / count action adds to its default, so it starts from None (given: not None)
+    accumulating = {a.dest for a in parser._actions if type(a).__name__ in ("_AppendAction", "_ExtendAction",
+                                                                              "_AppendConstAction", "_CountAction")}
+    parser.set_defaults(**{action.dest: None if action.dest in accumulating else _UNSET
+                           for action in parser._actions if action.dest != "help"})
     parsed, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return {dest for dest, value in vars(parsed).items() if value is not _UNSET}
+    return {dest for dest, value in vars(parsed).items()
+            if (value is not None if dest in accumulating else value is not _UNSET)}
 
 
 def _describe(dest: str, flag: str, value: Any) -> str:
@@ -62,7 +67,7 @@ def _compared(dest: str, values: dict, args: argparse.Namespace) -> bool:
     if dest.startswith("rotary_") or dest == "use_rope_scaling":
         return values["position_embedding_type"] == "rope"
     if dest == "num_query_groups":
-        return values["group_query_attention"] or bool(getattr(args, "group_query_attention", False))
+        return values["group_query_attention"] or bool(args.group_query_attention)
     return True
 
 
@@ -106,7 +111,7 @@ def load_hf_instead(args: argparse.Namespace) -> bool:
     """--load-hf is used: given, and --load (if any) holds no checkpoint yet."""
     from megatron.training.checkpointing import checkpoint_exists
 
-    return getattr(args, "load_hf", None) is not None and not checkpoint_exists(args.load)
+    return args.load_hf is not None and not checkpoint_exists(args.load)
 
 
 def load_hf_weights(model: List[torch.nn.Module], args: argparse.Namespace, vocab_size: int) -> None:
@@ -126,7 +131,7 @@ def load_hf_weights(model: List[torch.nn.Module], args: argparse.Namespace, voca
     pp, pp_rank = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
     # MoE: this rank's local experts are global ep_rank * E / EP + i, cut over the expert-TP group.
     ep_rank = parallel_state.get_expert_model_parallel_rank()
-    per_ep_rank = int(getattr(args, "num_experts", None) or 0) // parallel_state.get_expert_model_parallel_world_size()
+    per_ep_rank = int(args.num_experts or 0) // parallel_state.get_expert_model_parallel_world_size()
     etp, etp_rank = (parallel_state.get_expert_tensor_parallel_world_size(),
                      parallel_state.get_expert_tensor_parallel_rank())
     chunks = unwrap_model(model)

@@ -456,7 +456,7 @@ def train_step_report(forward_step_func: Callable, data_iterator: Optional[Itera
     losses = forward_backward(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
-        decoder_seq_length=getattr(args, "decoder_seq_length", None),
+        decoder_seq_length=args.decoder_seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False,
         grad_scale_func=getattr(config, "grad_scale_func", None) or optimizer.scale_loss,
         calculate_per_token_loss=args.calculate_per_token_loss,
@@ -473,7 +473,7 @@ def train_step_report(forward_step_func: Callable, data_iterator: Optional[Itera
         opt_param_scheduler.step(increment=get_num_microbatches() * args.micro_batch_size * args.data_parallel_size)
     losses, outputs = _split_outputs(losses)
     reduced = _reduce_losses(losses)
-    if getattr(args, "num_experts", None):
+    if args.num_experts:
         reduced.update(_collect_moe_stats(args))
     _LAST_STEP_OUTPUTS.clear()
     _LAST_STEP_OUTPUTS.update(outputs)
@@ -670,7 +670,7 @@ class _Loop:
         tensorboard), and the starved-expert / dropped-token warnings always."""
         global _MOE_INTERVAL
         args = get_args()
-        if not getattr(args, "num_experts", None):
+        if not args.num_experts:
             return
         interval, _MOE_INTERVAL = _MOE_INTERVAL, MoEInterval()
         layers = moe_layer_numbers(args)
@@ -705,7 +705,7 @@ class _Loop:
                 losses += forward_backward(
                     forward_step_func=self.forward_step_func, data_iterator=data_iterator, model=self.model,
                     num_microbatches=eval_microbatches, seq_length=args.seq_length,
-                    decoder_seq_length=getattr(args, "decoder_seq_length", None),
+                    decoder_seq_length=args.decoder_seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=True,
                     calculate_per_token_loss=args.calculate_per_token_loss)
                 args.consumed_valid_samples += args.global_batch_size

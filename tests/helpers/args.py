@@ -1,6 +1,6 @@
 """Run args for unit tests: what a validated Namespace holds, without a command line.
 
-run_args(**values)      the parser's defaults (every flag's dest, and padded_vocab_size None) with
+run_args(**values)      the parser's defaults (every flag's dest, rank 0 of 1, RUN_STATE) with
                         `values` over them
 architecture_defaults() the parser's defaults of the fields ModelArchitecture reads (and
                         --group-query-attention), to complete a hand-made Namespace
@@ -11,13 +11,13 @@ import dataclasses
 import functools
 
 from megatron.training.arguments import build_parser
+from megatron.training.config.container import RUN_STATE
 from megatron.training.config.architecture import ModelArchitecture
 
 
 @functools.lru_cache(maxsize=1)
 def _defaults() -> dict:
-    # padded_vocab_size is no flag: validation sets it from the tokenizer (None: not known here)
-    return dict(vars(build_parser().parse_args([])), padded_vocab_size=None)
+    return dict(vars(build_parser().parse_args([])), rank=0, world_size=1, **RUN_STATE)
 
 
 def run_args(**values) -> argparse.Namespace:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from megatron.training.checkpoint_safety import CheckpointError
-from tests.helpers.args import architecture_defaults
+from tests.helpers.args import run_args
 
 
 class _Layer(nn.Module):
@@ -72,7 +72,9 @@ class TinyScheduler:
 
 
 def make_args(directory: Path, **overrides) -> argparse.Namespace:
-    values = dict(architecture_defaults(),
+    """This run's args: the parser's defaults (tests.helpers.args.run_args) under a tiny GPT's shape and
+    the checkpoint flags, the legacy format (--ckpt-format torch) unless overridden."""
+    values = dict(ckpt_format="torch", virtual_pipeline_model_parallel_size=None,  # (validate_args sets it)
         save=str(directory), load=str(directory), no_save_optim=False, no_save_rng=False,
         no_load_optim=False, no_load_rng=False, finetune=False, use_checkpoint_args=False,
         exit_on_missing_checkpoint=False, consumed_train_samples=0, consumed_valid_samples=0,
@@ -83,7 +85,7 @@ def make_args(directory: Path, **overrides) -> argparse.Namespace:
         fp16=False, bf16=False,
     )
     values.update(overrides)
-    return argparse.Namespace(**values)
+    return run_args(**values)
 
 
 def build(args: argparse.Namespace, seed: int, train_steps: int = 1):

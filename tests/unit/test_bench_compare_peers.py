@@ -4,7 +4,6 @@ path (the probe replaced). No timings are asserted."""
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 from bench import compare_peers as cp
 from bench import peak
 from megatron.training.training_log import num_floating_point_operations
+from tests.helpers.args import run_args
 
 RATIO_LINE = re.compile(r"^(fp32|bf16): ratio vs transformers (\d+\.\d\dx|missing \(.+\)) "
                         r"\| ratio vs megatron-core (\d+\.\d\dx|missing \(.+\))$")
@@ -25,9 +25,8 @@ def measured(framework: str, ms: float | None, missing: str | None = None) -> cp
 def test_flops_formula_is_megatrons():
     s = cp.SHAPE
     assert cp.matmul_params() == 12 * 4 * 256 ** 2 + 8192 * 256 == 5_242_880
-    args = argparse.Namespace(seq_length=s.seq, num_layers=s.layers, hidden_size=s.hidden,
-                              num_attention_heads=s.heads, kv_channels=s.hidden // s.heads,
-                              ffn_hidden_size=4 * s.hidden, padded_vocab_size=s.vocab)
+    args = run_args(seq_length=s.seq, num_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
+                    kv_channels=s.hidden // s.heads, ffn_hidden_size=4 * s.hidden, padded_vocab_size=s.vocab)
     # the log line's count (core_v0.13) takes the causal half of the s x s scores: 6 B L s^2 h fewer
     causal_half = 6 * s.micro_batch * s.layers * s.seq ** 2 * s.hidden
     assert cp.flops_per_step() - causal_half == pytest.approx(num_floating_point_operations(args, s.micro_batch),
@@ -148,10 +147,9 @@ def test_llama_flops_formula_is_megatrons_with_query_groups_and_swiglu():
     hn = s.hidden // s.heads
     per_layer = s.hidden * (s.heads + 2 * s.query_groups) * hn + s.hidden ** 2 + 3 * s.hidden * s.ffn
     assert cp.matmul_params(s) == s.layers * per_layer + s.vocab * s.hidden == 4_866_048
-    args = argparse.Namespace(seq_length=s.seq, num_layers=s.layers, hidden_size=s.hidden,
-                              num_attention_heads=s.heads, kv_channels=hn, ffn_hidden_size=s.ffn,
-                              padded_vocab_size=s.vocab, group_query_attention=True,
-                              num_query_groups=s.query_groups, swiglu=True)
+    args = run_args(seq_length=s.seq, num_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
+                    kv_channels=hn, ffn_hidden_size=s.ffn, padded_vocab_size=s.vocab, group_query_attention=True,
+                    num_query_groups=s.query_groups, swiglu=True)
     causal_half = 6 * s.micro_batch * s.layers * s.seq ** 2 * s.hidden
     assert cp.flops_per_step(s) - causal_half == pytest.approx(num_floating_point_operations(args, s.micro_batch),
                                                                rel=1e-12)

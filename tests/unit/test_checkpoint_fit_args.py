@@ -65,9 +65,9 @@ def test_what_is_not_compared_where_it_changes_nothing():
 
 
 def test_use_checkpoint_args_takes_the_architecture():
-    args = Namespace(num_layers=None, hidden_size=None, swiglu=False, normalization="LayerNorm",
-                     position_embedding_type="learned_absolute", rotary_base=10000, group_query_attention=False,
-                     num_query_groups=1)
+    args = run_args(num_layers=None, hidden_size=None, swiglu=False, normalization="LayerNorm",
+                    position_embedding_type="learned_absolute", rotary_base=10000, group_query_attention=False,
+                    num_query_groups=1)
     lines = []
     apply_checkpoint_args(args, Namespace(**dict(LLAMA, rotary_base=500000)), "ckpt", log=lines.append)
     assert (args.swiglu, args.normalization, args.position_embedding_type) == (True, "RMSNorm", "rope")

@@ -52,15 +52,15 @@ def _generation_model(model: Any) -> torch.nn.Module:
 
 
 def _check_parallel_setup(args: Any) -> None:
-    if getattr(args, "model_type_name", "gpt") != "gpt":
+    if args.model_type_name not in (None, "gpt"):
         raise NotImplementedError("Generate method is not implemented for this model")
-    if getattr(args, "data_parallel_size", 1) > 1:
+    if args.data_parallel_size > 1:
         raise ValueError("Generate method requires data parallelism to be 1")
-    if getattr(args, "sequence_parallel", False):
+    if args.sequence_parallel:
         raise ValueError("Generate method requires sequence parallelism to be False")
-    if getattr(args, "recompute_granularity", None) is not None:
+    if args.recompute_granularity is not None:
         raise ValueError("Checkpoint activations cannot be set for inference")
-    if getattr(args, "vocab_file", None) is None:
+    if args.vocab_file is None:
         raise ValueError("Vocab file is required for inference")
 
 

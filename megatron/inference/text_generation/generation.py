@@ -85,7 +85,7 @@ def single_token(tokenizer: Any, text: str) -> int | None:
 
 def termination_id(args: Any | None, tokenizer: Any) -> int:
     """Megatron's: args.eos_id when set, else the tokenizer's eod (or eos_id)."""
-    if args is not None and getattr(args, "eos_id", None) is not None:
+    if args is not None and args.eos_id is not None:
         return int(args.eos_id)
     for name in ("eod", "eos_id"):
         value = getattr(tokenizer, name, None)
@@ -97,11 +97,11 @@ def termination_id(args: Any | None, tokenizer: Any) -> int:
 def _check_length(args: Any | None, batch: int, length: int) -> None:
     if args is None:
         return
-    limit = getattr(args, "max_position_embeddings", None)
+    limit = args.max_position_embeddings
     if limit is not None and length > limit:
         raise ValueError(f"Length of prompt + tokens_to_generate longer than allowed ({length} > "
                          f"--max-position-embeddings {limit})")
-    oom = getattr(args, "max_tokens_to_oom", None)
+    oom = args.max_tokens_to_oom
     if oom is not None and batch * length > oom:
         raise ValueError(f"Too many tokens.  {batch * length} is greater than {oom}")
 
@@ -169,7 +169,7 @@ def beam_search_and_return_on_first_stage(model, tokens: torch.Tensor, lengths: 
         raise ValueError(f"beam search takes one prompt (batch size 1), got a batch of {tokens.shape[0]}")
     prompt_length = int(lengths.reshape(-1)[0])
     final_length = tokens.shape[1]
-    if args is not None and getattr(args, "max_position_embeddings", None) is not None:
+    if args is not None and args.max_position_embeddings is not None:
         final_length = min(final_length, args.max_position_embeddings)
     if prompt_length >= final_length:
         raise ValueError(f"context length + tokens_to_generate too large (the prompt has {prompt_length} "

@@ -29,15 +29,14 @@ class BertModel(bert_model.BertModel):
     def __init__(self, config: TransformerConfig, num_tokentypes: int = 2, add_binary_head: bool = True,
                  parallel_output: bool = True, pre_process: bool = True, post_process: bool = True) -> None:
         args = legacy_args("megatron.legacy.model.BertModel")
-        if getattr(args, "output_bert_embeddings", False):
+        if args.output_bert_embeddings:
             raise ValueError("megatron.legacy.model.BertModel: --output-bert-embeddings is not supported")
         vocab_size, num_tokens = model_vocab_sizes(args, "megatron.legacy.model.BertModel")
         super().__init__(config, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
                          num_tokentypes=num_tokentypes, add_binary_head=add_binary_head,
-                         share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights",
-                                                                         False),
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                          pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
-                         num_tokens=num_tokens, post_layernorm=getattr(args, "bert_post_layernorm", False))
+                         num_tokens=num_tokens, post_layernorm=args.bert_post_layernorm)
 
     def forward(self, bert_model_input: torch.Tensor | None, attention_mask: torch.Tensor,
                 tokentype_ids: torch.Tensor | None = None, lm_labels: torch.Tensor | None = None,

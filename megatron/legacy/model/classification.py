@@ -31,7 +31,7 @@ class Classification(classification.Classification):
         vocab_size, num_tokens = model_vocab_sizes(args, what)
         super().__init__(config, num_classes, vocab_size, args.max_position_embeddings,
                          num_tokentypes=num_tokentypes, pre_process=pre_process, post_process=post_process,
-                         num_tokens=num_tokens, post_layernorm=getattr(args, "bert_post_layernorm", False))
+                         num_tokens=num_tokens, post_layernorm=args.bert_post_layernorm)
 
     def forward(self, model_input: torch.Tensor | None, attention_mask: torch.Tensor,
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,6 +38,25 @@ from megatron.training.config.groups import (
 )
 
 
+# What a run's Namespace holds besides the settings (and rank / world_size): no flag sets them; the run
+# does (a recipe's args_defaults, the tokenizer, a loaded checkpoint, Accelerate's plugin). A Namespace
+# made by parse_args or validate_args has every one, so readers need no default
+# (arguments_validation.with_run_state); they are not settings, so a config leaves them out.
+RUN_STATE = {
+    "model_family": None,  # "BERT" or "T5": the recipe's args_defaults (the converter's mark as well)
+    "padded_vocab_size": None,  # build_tokenizer's (or a checkpoint's, with --use-checkpoint-args)
+    "iteration": 0,  # the loaded checkpoint's, then the loop's
+    "orig_vocab_size": None,  # Accelerate's MegatronLMPlugin: the vocabulary when it builds no tokenizer
+    "return_logits": None,  # Accelerate's MegatronLMPlugin (True): the GPT returns logits beside the loss
+    "model_type_name": None,  # Accelerate's MegatronLMPlugin: "gpt", "bert" or "t5"
+    "output_bert_embeddings": None,  # Megatron's inference flag, set only through args_defaults here (refused)
+    "eos_id": None,  # the text-generation scripts' --eos-id: the token that ends a generation
+    "max_tokens_to_oom": None,  # Megatron's inference limit (prompt + generated tokens x batch), if given
+    "mean_noise_span_length": None,  # pretrain_t5.py's own flag (T5 through Accelerate has not got it)
+}
+NOT_SETTINGS = frozenset(("rank", "world_size", *RUN_STATE))
+
+
 class ConfigError(ValueError):
     """A setting that does not exist or a file that is not a config: one line naming it."""
 
@@ -70,7 +89,7 @@ class MegatronConfig:
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> "MegatronConfig":
         """The config of a parsed command line: each dest into its group, the rest into `extra`."""
-        values = dict(vars(args))
+        values = {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}
         groups = {}
         for name, group in cls.groups().items():
             names = [f.name for f in dataclasses.fields(group)]

@@ -44,7 +44,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> BertM
                      add_binary_head=binary_head,
                      share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      pre_process=pre_process, post_process=post_process,
-                     post_layernorm=getattr(args, "bert_post_layernorm", False))
+                     post_layernorm=args.bert_post_layernorm)
 
 
 def get_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:
