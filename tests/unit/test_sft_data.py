@@ -1,0 +1,121 @@
+"""--sft: chat JSON lines tokenized on the fly, the loss on assistant tokens only (megatron/data/sft_dataset.py).
+
+The first iteration's loss is transformers' loss with labels -100 outside the assistant turns
+(the mask from transformers' own {% generation %} markers); resuming mid-epoch is bit-exact; a
+malformed line stops pretrain_gpt.py with FILE:LINE: reason, no traceback.
+"""
+
+import json
+import random
+
+import pytest
+import torch
+
+from tests.helpers import hf_models, sft
+from tests.helpers.checkpoints import pretrain
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+SEQ = 128
+
+
+def _model_folder(directory, chat_template=None):
+    """A tiny random HF Llama and the test tokenizer saved together (what --load-hf reads)."""
+    sft.tokenizer_folder(directory, chat_template)
+    config = hf_models.llama_family("llama", vocab_size=VOCAB, max_position_embeddings=128)
+    hf = hf_models.make_hf(config)
+    hf.save_pretrained(str(directory))
+    return hf
+
+
+def _argv(model, data, *extra, iters=1, gbs=1):
+    return ["--sft", "--load-hf", str(model), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+            str(model), "--data-path", *data, "--split", "1,0,0", "--seq-length", str(SEQ), "--micro-batch-size",
+            "1", "--global-batch-size", str(gbs), "--train-iters", str(iters), "--num-workers", "0",
+            "--eval-iters", "0", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--seed", "7", *extra]
+
+
+@pytest.mark.parametrize("prompt_format, generation_template", [
+    ("llama2-chat", sft.LLAMA2_GENERATION),  # a named format
+    ("default", sft.CHATML_GENERATION),  # the ChatML template of tokenizer_config.json
+])
+def test_first_iteration_loss_is_transformers_loss_on_assistant_tokens(tmp_path, prompt_format, generation_template):
+    from megatron.data.sft_conversation import PROMPT_FORMATS, tokenize_conversation
+    from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+
+    model = tmp_path / "model"
+    hf = _model_folder(model, chat_template=PROMPT_FORMATS["chatml"] if prompt_format == "default" else None)
+    rng = random.Random(3)
+    messages = sft.conversation(rng, turns=2)
+    data = sft.write_chat_jsonl(tmp_path / "chat.jsonl", [messages])
+    reference_tokenizer = transformers.AutoTokenizer.from_pretrained(str(model))
+    ids, assistant = sft.hf_reference(reference_tokenizer, generation_template, messages)
+    # Our tokens and mask are transformers' (for both named formats, without and with a system prompt).
+    ours = HuggingFaceTokenizer(str(model))
+    for name, reference in (("llama2-chat", sft.LLAMA2_GENERATION), ("chatml", sft.CHATML_GENERATION)):
+        for probe in (messages, sft.conversation(rng, turns=3, system=False)):
+            got_ids, got_loss = tokenize_conversation(ours, PROMPT_FORMATS[name], probe)
+            assert (got_ids.tolist(), got_loss.tolist()) == sft.hf_reference(reference_tokenizer, reference, probe)
+    assert sum(assistant) > 4 and len(ids) < SEQ
+    labels = [i if trained else -100 for i, trained in zip(ids, assistant)]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids]), labels=torch.tensor([labels])).loss.item()
+    losses = pretrain(_argv(model, [str(data)], "--sft-tokenizer-prompt-format", prompt_format, "--lr", "0"))
+    assert losses[1] == pytest.approx(expected, rel=1e-5)
+
+
+def test_resuming_mid_epoch_is_bit_exact_and_workers_tokenize(tmp_path):
+    """6 iterations straight = 3, save, resume, 3 more: the same losses bit for bit (the consumed
+    samples pick up the shuffled order mid-epoch); data-loader workers tokenize."""
+    model = tmp_path / "model"
+    _model_folder(model)
+    rng = random.Random(5)
+    lines = [sft.conversation(rng, turns=rng.randint(1, 2)) + sft.conversation(rng) for _ in range(10)]
+    data = [str(sft.write_chat_jsonl(tmp_path / "chat.jsonl", lines))]
+    common = ["--sft-tokenizer-prompt-format", "chatml", "--lr", "1e-3", "--lr-decay-iters", "6", "--num-workers", "1",
+              "--ckpt-format", "torch"]
+    straight = pretrain(_argv(model, data, *common, iters=6, gbs=2))
+    first = pretrain(_argv(model, data, *common, "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
+                           iters=3, gbs=2))
+    resumed = pretrain(_argv(model, data, *common, "--load", str(tmp_path / "ckpt"), iters=6, gbs=2))
+    assert sorted(resumed) == [4, 5, 6]
+    assert [first[i] for i in (1, 2, 3)] + [resumed[i] for i in (4, 5, 6)] == [straight[i] for i in range(1, 7)]
+
+
+BAD_LINES = [
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]', "not valid JSON"),
+    ('{"text": "hello"}', 'needs a "messages" list'),
+    ('{"messages": [{"role": "robot", "content": "hi"}]}', "message 0: needs a role"),
+    ('[{"role": "user", "content": 3}]', "message 0 (user): content must be a string"),
+    ('{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}',
+     "conversation 0: no assistant message"),
+]
+
+
+def test_a_malformed_line_stops_with_file_line_reason(tmp_path):
+    from megatron.data.sft_dataset import SFTDataError, SFTLowLevelDataset
+
+    good = json.dumps({"messages": sft.conversation(random.Random(0))})
+    for bad, reason in BAD_LINES:
+        path = tmp_path / "chat.jsonl"
+        path.write_text(f"{good}\n\n{bad}\n{good}\n")
+        with pytest.raises(SFTDataError) as caught:
+            SFTLowLevelDataset(str(path))
+        assert str(caught.value).startswith(f"{path}:3: ") and reason in str(caught.value), str(caught.value)
+    # pretrain_gpt.py says it in one line, before training
+    from tests.helpers.launch import run_cli
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(f"{good}\n{BAD_LINES[1][0]}\n")
+    tokenizer = sft.tokenizer_folder(tmp_path / "tok")
+    done = run_cli(["pretrain_gpt.py", "--sft", "--sft-tokenizer-prompt-format", "chatml", "--num-layers", "1",
+                    "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "32",
+                    "--max-position-embeddings", "32", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
+                    "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer),
+                    "--data-path", str(path), "--split", "1,0,0", "--num-workers", "0"])
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f'pretrain_gpt.py: error: {path}:2: a JSON object needs a "messages" list'], done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
