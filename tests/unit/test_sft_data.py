@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tests.helpers import hf_models, sft
-from tests.helpers.checkpoints import pretrain
 
 transformers = pytest.importorskip("transformers")
 
@@ -62,26 +61,73 @@ def test_first_iteration_loss_is_transformers_loss_on_assistant_tokens(tmp_path,
     labels = [i if trained else -100 for i, trained in zip(ids, assistant)]
     with torch.no_grad():
         expected = hf(torch.tensor([ids]), labels=torch.tensor([labels])).loss.item()
-    losses = pretrain(_argv(model, [str(data)], "--sft-tokenizer-prompt-format", prompt_format, "--lr", "0"))
+    losses, _ = _pretrain(_argv(model, [str(data)], "--sft-tokenizer-prompt-format", prompt_format, "--lr", "0"))
     assert losses[1] == pytest.approx(expected, rel=1e-5)
 
 
-def test_resuming_mid_epoch_is_bit_exact_and_workers_tokenize(tmp_path):
-    """6 iterations straight = 3, save, resume, 3 more: the same losses bit for bit (the consumed
-    samples pick up the shuffled order mid-epoch); data-loader workers tokenize."""
+def _pretrain(argv):
+    """Train in this process: ({iteration: lm loss}, [(prefix, validation losses)])."""
+    import pretrain_gpt
+    from megatron.training.initialize import reset_megatron
+
+    try:
+        result = pretrain_gpt.main(list(argv), record_history=True)
+    finally:
+        reset_megatron()
+    return {r.iteration: r.losses["lm loss"] for r in result.history}, result.validation
+
+
+def test_a_blend_resumes_mid_epoch_bit_exact_with_validation_from_split(tmp_path):
+    """A weighted blend of two files, --split for validation: 4 iterations straight = 2, save,
+    resume, 2 more, bit for bit (the consumed samples pick up the shuffled order mid-epoch),
+    validation losses included; a data-loader worker tokenizes."""
     model = tmp_path / "model"
     _model_folder(model)
     rng = random.Random(5)
-    lines = [sft.conversation(rng, turns=rng.randint(1, 2)) + sft.conversation(rng) for _ in range(10)]
-    data = [str(sft.write_chat_jsonl(tmp_path / "chat.jsonl", lines))]
-    common = ["--sft-tokenizer-prompt-format", "chatml", "--lr", "1e-3", "--lr-decay-iters", "6", "--num-workers", "1",
-              "--ckpt-format", "torch"]
-    straight = pretrain(_argv(model, data, *common, iters=6, gbs=2))
-    first = pretrain(_argv(model, data, *common, "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
-                           iters=3, gbs=2))
-    resumed = pretrain(_argv(model, data, *common, "--load", str(tmp_path / "ckpt"), iters=6, gbs=2))
-    assert sorted(resumed) == [4, 5, 6]
-    assert [first[i] for i in (1, 2, 3)] + [resumed[i] for i in (4, 5, 6)] == [straight[i] for i in range(1, 7)]
+    files = []
+    for name in ("a", "b"):
+        lines = [sft.conversation(rng, turns=rng.randint(1, 2)) + sft.conversation(rng) for _ in range(10)]
+        files.append(str(sft.write_chat_jsonl(tmp_path / f"{name}.jsonl", lines)))
+    data = ["0.7", files[0], "0.3", files[1]]
+    common = ["--sft-tokenizer-prompt-format", "chatml", "--lr", "1e-3", "--lr-decay-iters", "4", "--num-workers",
+              "1", "--ckpt-format", "torch", "--split", "8,2,0", "--eval-interval", "2", "--eval-iters", "1"]
+    straight, straight_valid = _pretrain(_argv(model, data, *common, iters=4, gbs=2))
+    first, first_valid = _pretrain(_argv(model, data, *common, "--save", str(tmp_path / "ckpt"), "--save-interval",
+                                         "2", iters=2, gbs=2))
+    resumed, resumed_valid = _pretrain(_argv(model, data, *common, "--load", str(tmp_path / "ckpt"), iters=4, gbs=2))
+    assert sorted(resumed) == [3, 4]
+    assert [first[1], first[2], resumed[3], resumed[4]] == [straight[i] for i in range(1, 5)]
+    # validation at iterations 2 and 4, and at the end of each run
+    assert [prefix for prefix, _ in straight_valid] == ["iteration 2", "iteration 4", "iteration 4 on validation set"]
+    assert first_valid[0] == straight_valid[0] and resumed_valid == straight_valid[1:]
+    assert all(losses["lm loss"] > 0 for _, losses in straight_valid)
+
+
+def test_blends_and_splits_build_as_for_gpt_data(tmp_path):
+    """--data-path 0.7 A 0.3 B --split 6,4,0: each split takes its own lines of each file, blended by weight."""
+    from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.data.sft_conversation import PROMPT_FORMATS
+    from megatron.data.sft_dataset import SFTDataset, SFTDatasetConfig
+    from megatron.training.tokenizer.huggingface_tokenizer import HuggingFaceTokenizer
+
+    tokenizer = HuggingFaceTokenizer(str(sft.tokenizer_folder(tmp_path / "tok")))
+    files = []
+    for name, word in (("a", "cat"), ("b", "dog")):
+        lines = [[{"role": "user", "content": f"{word} {i}"}, {"role": "assistant", "content": word}]
+                 for i in range(10)]
+        files.append(str(sft.write_chat_jsonl(tmp_path / f"{name}.jsonl", lines)))
+    config = SFTDatasetConfig(random_seed=3, sequence_length=32, blend=(files, [0.7, 0.3]), split="6,4,0",
+                              tokenizer=tokenizer, chat_template=PROMPT_FORMATS["chatml"])
+    train, valid, test = BlendedMegatronDatasetBuilder(SFTDataset, [20, 10, 0], lambda: True, config).build()
+    assert test is None
+    for blend, lines in ((train, range(0, 6)), (valid, range(6, 10))):
+        texts = [tokenizer.detokenize(blend[i]["tokens"].tolist()) for i in range(len(blend))]
+        from_a = [t for t in texts if "cat" in t]
+        assert len(from_a) == pytest.approx(0.7 * len(texts), abs=1)
+        assert len(from_a) + sum("dog" in t for t in texts) == len(texts)
+        assert {int(t.split("user\n")[1].split()[1].split("<")[0]) for t in texts} <= set(lines)
+    again = BlendedMegatronDatasetBuilder(SFTDataset, [20, 10, 0], lambda: True, config).build()[0]
+    assert all(torch.equal(train[i]["tokens"], again[i]["tokens"]) for i in range(len(train)))  # the seed decides
 
 
 BAD_LINES = [
