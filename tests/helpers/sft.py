@@ -79,3 +79,23 @@ def hf_reference(hf_tokenizer, generation_template: str, messages: list):
     out = hf_tokenizer.apply_chat_template(messages, chat_template=generation_template, tokenize=True,
                                            return_dict=True, return_assistant_tokens_mask=True)
     return list(out["input_ids"]), [bool(x) for x in out["assistant_masks"]]
+
+
+def llama_folder(directory, chat_template: str | None = None, vocab_size: int = 300, positions: int = 128):
+    """A tiny random HF Llama (tests/helpers/hf_models) saved with tokenizer_folder's tokenizer: what
+    --load-hf and --tokenizer-model read. Returns the transformers model."""
+    from tests.helpers import hf_models
+
+    tokenizer_folder(directory, chat_template, vocab_size)
+    hf = hf_models.make_hf(hf_models.llama_family("llama", vocab_size=vocab_size, max_position_embeddings=positions))
+    hf.save_pretrained(str(directory))
+    return hf
+
+
+def sft_argv(model, data, seq_length: int, *extra, iters: int = 1, gbs: int = 1):
+    """pretrain_gpt.py's flags for SFT from the llama_folder `model` on the JSON-lines `data` (a list)."""
+    return ["--sft", "--load-hf", str(model), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+            str(model), "--data-path", *data, "--split", "1,0,0", "--seq-length", str(seq_length),
+            "--micro-batch-size", "1", "--global-batch-size", str(gbs), "--train-iters", str(iters),
+            "--num-workers", "0", "--eval-iters", "0", "--log-interval", "1", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--seed", "7", *extra]

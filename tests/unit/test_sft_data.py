@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tests.helpers import hf_models, sft
+from tests.helpers import sft
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,20 +20,11 @@ SEQ = 128
 
 
 def _model_folder(directory, chat_template=None):
-    """A tiny random HF Llama and the test tokenizer saved together (what --load-hf reads)."""
-    sft.tokenizer_folder(directory, chat_template)
-    config = hf_models.llama_family("llama", vocab_size=VOCAB, max_position_embeddings=128)
-    hf = hf_models.make_hf(config)
-    hf.save_pretrained(str(directory))
-    return hf
+    return sft.llama_folder(directory, chat_template, VOCAB)
 
 
 def _argv(model, data, *extra, iters=1, gbs=1):
-    return ["--sft", "--load-hf", str(model), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-            str(model), "--data-path", *data, "--split", "1,0,0", "--seq-length", str(SEQ), "--micro-batch-size",
-            "1", "--global-batch-size", str(gbs), "--train-iters", str(iters), "--num-workers", "0",
-            "--eval-iters", "0", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--seed", "7", *extra]
+    return sft.sft_argv(model, data, SEQ, *extra, iters=iters, gbs=gbs)
 
 
 @pytest.mark.parametrize("prompt_format, generation_template", [
