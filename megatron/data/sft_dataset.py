@@ -9,8 +9,9 @@ Input, one JSON value per line (Megatron-LM's SFT format, or an OpenAI-style mes
 Roles are system, user and assistant; content is a string. A line may hold several
 conversations one after the other: each system message starts a new one (Megatron-LM's
 rule). Every conversation needs an assistant message, and its first message after the
-system one is the user's. Blank lines are skipped. The whole file is checked when the
-dataset is built, before training: a malformed line stops the run with `FILE:LINE: reason`.
+system one is the user's. Blank lines are skipped. The whole file is checked when it is
+opened (open_sft_file, already while the flags are checked): a malformed line stops the run
+with `FILE:LINE: reason`.
 
 Sample i is one line (the lines of the split in a seeded shuffle per epoch, as many epochs as
 the samples need). Its conversations are tokenized in the data loader's workers through the
@@ -149,6 +150,25 @@ class SFTLowLevelDataset:
         return {**self.__dict__, "_fd": None, "_pid": None}
 
 
+_OPENED: Dict[tuple, SFTLowLevelDataset] = {}  # (path, size, mtime) -> its checked line index
+
+
+def open_sft_file(path: str) -> SFTLowLevelDataset:
+    """The file's SFTLowLevelDataset, checked once per process: validating the flags opens every
+    --data-path file (so a malformed line stops the run before the model is built) and the
+    dataset builder reuses what it found unless the file changed since."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return SFTLowLevelDataset(path)  # its own error names the file
+    key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _OPENED:
+        for stale in [k for k in _OPENED if k[0] == key[0]]:  # the file changed: forget its old index
+            del _OPENED[stale]
+        _OPENED[key] = SFTLowLevelDataset(path)
+    return _OPENED[key]
+
+
 def pack(conversations: List[tuple], sequence_length: int, pad: int) -> Dict[str, torch.Tensor]:
     """Tokenized conversations [(ids, loss flags)] -> one packed sample (the module docstring)."""
     total = sequence_length + 1  # inputs and labels overlap by one token
@@ -210,7 +230,7 @@ class SFTDataset(torch.utils.data.Dataset):
 
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: SFTDatasetConfig) -> SFTLowLevelDataset:
-        return SFTLowLevelDataset(dataset_path)
+        return open_sft_file(dataset_path)
 
     @staticmethod
     def numel_low_level_dataset(low_level: SFTLowLevelDataset) -> int:

@@ -23,7 +23,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 9b | _validate_optimizer | (Adam betas and eps, momentum, clipping: the ranges torch accepts) |
 | 9c | _validate_seed | (a positive seed that numpy accepts on every pipeline stage) |
 | 10 | _validate_checkpointing | |
-| 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' (none required: pretrain() checks) |
+| 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' (none required: pretrain() checks); with --sft every line of the chat files parsed (FILE:LINE) |
 | 12 | _validate_intervals | |
 | 13 | _set_training_state | consumed/skipped sample counters, variable_seq_lengths |
 
@@ -653,6 +653,18 @@ def _validate_sft(args: Namespace) -> None:
         if getattr(args, dest):
             raise ArgsError(f"{flag(dest)} cannot be combined with --sft: SFT samples restart positions and "
                             "attention at each conversation and train on assistant tokens only")
+    _check_sft_files(args)
+
+
+def _check_sft_files(args: Namespace) -> None:
+    """Every line of every --sft file parses (FILE:LINE: reason), before the model is built; the
+    dataset builder reuses the line index (megatron.data.sft_dataset.open_sft_file)."""
+    from megatron.data.sft_dataset import open_sft_file
+
+    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, dest) is not None:
+            for path in parse_data_path(getattr(args, dest))[0]:
+                open_sft_file(path)
 
 
 def _check_dataset_files(shown: str, prefixes: list, jsonl: bool = False) -> None:

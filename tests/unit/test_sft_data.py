@@ -141,7 +141,7 @@ def test_a_malformed_line_stops_with_file_line_reason(tmp_path):
         with pytest.raises(SFTDataError) as caught:
             SFTLowLevelDataset(str(path))
         assert str(caught.value).startswith(f"{path}:3: ") and reason in str(caught.value), str(caught.value)
-    # pretrain_gpt.py says it in one line, before training
+    # pretrain_gpt.py says it in one line, before the model is built
     from tests.helpers.launch import run_cli
 
     path = tmp_path / "chat.jsonl"
@@ -156,3 +156,4 @@ def test_a_malformed_line_stops_with_file_line_reason(tmp_path):
     assert done.stderr.strip().splitlines() == [
         f'pretrain_gpt.py: error: {path}:2: a JSON object needs a "messages" list'], done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+    assert "building GPT model" not in done.stdout  # said while the flags are checked
