@@ -131,6 +131,16 @@ BAD_LINES = [
 ]
 
 
+def test_lines_split_into_conversations_at_system_messages():
+    from megatron.data.sft_dataset import parse_line
+
+    system, user, answer = ({"role": role, "content": role[0]} for role in ("system", "user", "assistant"))
+    openai = [user, answer, user, answer]  # an OpenAI-style list: one conversation, no system prompt
+    assert parse_line(json.dumps(openai)) == parse_line(json.dumps({"messages": openai})) == [openai]
+    megatron = [system, user, answer, system, user, answer, user, answer]  # Megatron-LM's: two conversations
+    assert parse_line(json.dumps({"messages": megatron})) == [megatron[:3], megatron[3:]]
+
+
 def test_a_malformed_line_stops_with_file_line_reason(tmp_path):
     from megatron.data.sft_dataset import SFTDataError, SFTLowLevelDataset
 
