@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from megatron.convert.huggingface import config_from_hf, state_dict_from_hf
+from megatron.model import GPTModel, TransformerConfig
 from tests.helpers import hf_models, sft
 
 transformers = pytest.importorskip("transformers")
@@ -37,12 +39,9 @@ def _model(position: str, core: dict):
         hf = hf_models.make_hf(hf_models.llama_family("llama", vocab_size=300, max_position_embeddings=SEQ))
     else:
         hf = hf_models.make_hf(hf_models.gpt2(vocab_size=300, n_positions=SEQ))
-    config_kwargs, model_kwargs = __import__("megatron.convert.huggingface", fromlist=["x"]).config_from_hf(
-        hf.config, seq_length=SEQ)
-    from megatron.model import GPTModel, TransformerConfig
-
+    config_kwargs, model_kwargs = config_from_hf(hf.config, seq_length=SEQ)
     model = GPTModel(TransformerConfig(**{**core, **config_kwargs}), **model_kwargs)
-    model.load_state_dict(hf_models.__dict__["state_dict_from_hf"](hf.state_dict(), hf.config))
+    model.load_state_dict(state_dict_from_hf(hf.state_dict(), hf.config))
     return model.train()
 
 
