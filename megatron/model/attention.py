@@ -238,7 +238,8 @@ class SelfAttention(MegatronModule):
                 rotary_pos_emb: torch.Tensor | None = None,
                 attention_bias: torch.Tensor | None = None,
                 inference_context=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """rotary_pos_emb: freqs [s, 1, 1, rot_dim] (RotaryEmbedding); attention_bias: ALiBi's, this rank's heads.
+        """rotary_pos_emb: freqs [s, 1, 1, rot_dim] (RotaryEmbedding), or [s, b, 1, rot_dim] with
+        packed sequences (positions per row); attention_bias: ALiBi's, this rank's heads.
 
         inference_context (InferenceContext): this step's keys and values (after RoPE) join its cache
         and the queries attend over the whole cached prefix, [offset + s] keys."""
@@ -257,7 +258,9 @@ class SelfAttention(MegatronModule):
         if self.k_layernorm is not None:
             key = self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.config)  # freqs [s, 1, 1, rot]
+            # Per-row freqs [s, b, 1, rot] (packed sequences) repeat for the query's b ng/t rows.
+            query_freqs = rotary_pos_emb if rotary_pos_emb.shape[1] == 1 else rotary_pos_emb.repeat_interleave(ng, dim=1)
+            query = apply_rotary_pos_emb(query, query_freqs, self.config)  # freqs [s, 1, 1, rot] or [s, b ng/t, 1, rot]
             key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config)
         query = query.reshape(s, b, np_, hn)  # [s, b, np/t, hn]
         if inference_context is not None:

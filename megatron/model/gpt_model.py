@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_tens
 from megatron.inference.context import InferenceContext
 from megatron.model.embedding import LanguageModelEmbedding
 from megatron.model.language_module import LanguageModule
+from megatron.model.packed_seq import PackedSeqParams
 from megatron.model.positions import ALiBi, RotaryEmbedding
 from megatron.model.spec import ModuleSpec
 from megatron.model.transformer_config import TransformerConfig
@@ -153,8 +154,11 @@ class GPTModel(LanguageModule):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         inference_context: InferenceContext | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
         decoder_input = self.embedding(input_ids, position_ids) if self.embedding is not None else None  # [s, b, h]
+        if packed_seq_params is not None:
+            return self._forward_packed(decoder_input, attention_mask, labels, packed_seq_params, inference_context)
         rotary_pos_emb = attention_bias = None
         # With an inference context the s tokens sit at positions offset .. offset + s - 1 (position_ids
         # say so to the learned table) and attend over the offset + s cached ones.
@@ -170,6 +174,32 @@ class GPTModel(LanguageModule):
                     attention_bias = inference_context.pad_to_key_length(attention_bias, seq_length, 0.0)
         hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary_pos_emb,
                                      attention_bias=attention_bias, inference_context=inference_context)  # [s, b, h]
+        return self._output(hidden_states, labels, inference_context)
+
+    def _forward_packed(self, decoder_input: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                        labels: torch.Tensor | None, packed: PackedSeqParams,
+                        inference_context: InferenceContext | None) -> torch.Tensor:
+        """Several documents per row (megatron/model/packed_seq.py): a per-document causal mask,
+        RoPE at each token's position in its document (the learned table reads position_ids,
+        which the SFT data restarts itself; ALiBi's relative distances need nothing)."""
+        if inference_context is not None:
+            raise ValueError("packed sequences (packed_seq_params) are for training; generation takes no packing")
+        seq_length = self._sequence_length(decoder_input)
+        device = self._device(decoder_input)
+        if attention_mask is None:
+            attention_mask = packed.attention_mask(seq_length, device)  # [b, 1, s, s]
+        rotary_pos_emb = attention_bias = None
+        if self.rotary_pos_emb is not None:
+            rotary_pos_emb = self.rotary_pos_emb.at(packed.positions(seq_length)).to(device)  # [s, b, 1, rot]
+        elif self.alibi is not None:
+            attention_bias = self.alibi(seq_length, seq_length).to(device)  # [1, np/t, s, s]
+        hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                     attention_bias=attention_bias)  # [s, b, h]
+        return self._output(hidden_states, labels, None)
+
+    def _output(self, hidden_states: torch.Tensor, labels: torch.Tensor | None,
+                inference_context: InferenceContext | None) -> torch.Tensor:
+        """The last stage's logits [b, s, vocab(/t)] or per-token losses [b, s]; other stages' hidden states."""
         if not self.post_process:
             return hidden_states
         if (inference_context is not None and inference_context.materialize_only_last_token_logits

@@ -59,16 +59,23 @@ class RotaryEmbedding(nn.Module):
             self._last = ((seq_len, offset), self._angles(seq_len, offset))
         return self._last[1]
 
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """freqs [s, b, 1, rot_dim] fp32 for per-token positions [b, s] (packed sequences, whose
+        positions restart at each document); apply_rotary_pos_emb takes them unfused."""
+        return self._angles_of(positions.t().float())[:, :, None, :]  # [s, b, 1, dim]
+
     def _angles(self, seq_len: int, offset: int) -> torch.Tensor:
         positions = torch.arange(offset, offset + seq_len, dtype=torch.float32)
+        return self._angles_of(positions)[:, None, None, :]  # [s, 1, 1, dim]
+
+    def _angles_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """[..., dim] angles of fp32 positions [...]."""
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
-        angles = torch.outer(positions, self.inv_freq)  # [s, dim/2]
+        angles = positions[..., None] * self.inv_freq.to(positions.device)  # [..., dim/2]
         if self.rotary_interleaved:
-            freqs = angles.repeat_interleave(2, dim=-1)  # [s, dim]: a0 a0 a1 a1 ...
-        else:
-            freqs = torch.cat((angles, angles), dim=-1)  # [s, dim]: a0 a1 ... a0 a1 ...
-        return freqs[:, None, None, :]  # [s, 1, 1, dim]
+            return angles.repeat_interleave(2, dim=-1)  # [..., dim]: a0 a0 a1 a1 ...
+        return torch.cat((angles, angles), dim=-1)  # [..., dim]: a0 a1 ... a0 a1 ...
 
 
 def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float = 8.0, low_freq_factor: float = 1.0,
@@ -93,12 +100,14 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config) -> torch.Tensor:
-    """Rotate the first rot_dim channels of t [s, b, heads, hn] by freqs [s, 1, 1, rot_dim].
+    """Rotate the first rot_dim channels of t [s, b, heads, hn] by freqs [s, 1, 1, rot_dim]
+    (or [s, b, 1, rot_dim]: per-token positions of packed sequences).
 
-    config.apply_rope_fusion: fused_kernels.rotary_pos_emb; otherwise the formula in PyTorch ops
-    (cos and sin in fp32, the result in t's dtype), Megatron-Core's unfused path.
+    config.apply_rope_fusion: fused_kernels.rotary_pos_emb; otherwise, and for per-row freqs
+    (which the fused kernels do not take), the formula in PyTorch ops (cos and sin in fp32, the
+    result in t's dtype), Megatron-Core's unfused path.
     """
-    if config.apply_rope_fusion:
+    if config.apply_rope_fusion and freqs.shape[1] == 1:
         return fused_kernels.rotary_pos_emb(t, freqs, interleaved=config.rotary_interleaved,
                                             impl=backend.implementation(config.fused_kernels_cpu_impl, t))
     rot_dim = freqs.shape[-1]

@@ -23,7 +23,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 9b | _validate_optimizer | (Adam betas and eps, momentum, clipping: the ranges torch accepts) |
 | 9c | _validate_seed | (a positive seed that numpy accepts on every pipeline stage) |
 | 10 | _validate_checkpointing | |
-| 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' (none required: pretrain() checks) |
+| 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' (none required: pretrain() checks); with --sft every line of the chat files parsed (FILE:LINE) |
 | 12 | _validate_intervals | |
 | 13 | _set_training_state | consumed/skipped sample counters, variable_seq_lengths |
 
@@ -613,7 +613,7 @@ def _validate_data(args: Namespace) -> None:
                 prefixes, _ = parse_data_path(getattr(args, dest))
             except ValueError as error:
                 raise ArgsError(str(error).replace("--data-path", flag(dest))) from None
-            _check_dataset_files(flag(dest), prefixes)
+            _check_dataset_files(flag(dest), prefixes, jsonl=args.sft)
     given = (["--data-path"] if args.data_path is not None else []) + [flag(d) for d in per_split]
     if args.data_path is not None and per_split:
         raise ArgsError(f"--data-path cannot be combined with {', '.join(flag(d) for d in per_split)}; "
@@ -634,6 +634,8 @@ def _validate_data(args: Namespace) -> None:
             raise ArgsError(str(error)) from None
     if args.seq_length is None:
         raise ArgsError("--seq-length is required (tokens per training sample)")
+    if args.sft:
+        _validate_sft(args)
     _require_positive(args, ("num_workers",), allow_zero=True)
     if args.dataloader_type is None:
         args.dataloader_type = "single"
@@ -652,9 +654,42 @@ def require_training_data(args: Namespace) -> None:
                         "--valid-data-path/--test-data-path, or --mock-data")
 
 
-def _check_dataset_files(shown: str, prefixes: list) -> None:
-    """Each prefix needs PREFIX.bin and PREFIX.idx: say so now, not after the model is built."""
+def _validate_sft(args: Namespace) -> None:
+    """--sft: JSON-lines data through a known prompt format; the masks and positions are its own."""
+    from megatron.data.sft_conversation import DEFAULT_FORMAT, PROMPT_FORMATS
+
+    formats = (*PROMPT_FORMATS, DEFAULT_FORMAT)
+    if args.sft_tokenizer_prompt_format not in formats:
+        raise ArgsError(f"--sft-tokenizer-prompt-format {args.sft_tokenizer_prompt_format!r} is not one of "
+                        f"{', '.join(formats)}")
+    if args.mock_data:
+        raise ArgsError("--sft cannot be combined with --mock-data: give --data-path with JSON-lines files")
+    for dest in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        if getattr(args, dest):
+            raise ArgsError(f"{flag(dest)} cannot be combined with --sft: SFT samples restart positions and "
+                            "attention at each conversation and train on assistant tokens only")
+    _check_sft_files(args)
+
+
+def _check_sft_files(args: Namespace) -> None:
+    """Every line of every --sft file parses (FILE:LINE: reason), before the model is built; the
+    dataset builder reuses the line index (megatron.data.sft_dataset.open_sft_file)."""
+    from megatron.data.sft_dataset import open_sft_file
+
+    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, dest) is not None:
+            for path in parse_data_path(getattr(args, dest))[0]:
+                open_sft_file(path)
+
+
+def _check_dataset_files(shown: str, prefixes: list, jsonl: bool = False) -> None:
+    """Each prefix needs PREFIX.bin and PREFIX.idx (with --sft: is a JSON-lines file): say so now,
+    not after the model is built."""
     for prefix in prefixes:
+        if jsonl:
+            if not os.path.isfile(prefix):
+                raise ArgsError(f"{shown} {prefix}: no such file (with --sft, a JSON-lines file of conversations)")
+            continue
         missing = [prefix + ext for ext in (".idx", ".bin") if not os.path.isfile(prefix + ext)]
         if missing:
             hint = " (give the prefix without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""

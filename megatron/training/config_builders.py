@@ -12,6 +12,7 @@ flag -> config translations (megatron.training.arguments re-exports them, Megatr
 
 from __future__ import annotations
 
+import dataclasses
 from argparse import Namespace
 from typing import Any
 
@@ -188,3 +189,23 @@ def gpt_dataset_config_from_args(args: Namespace, tokenizer: Any) -> Any:
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
     )
+
+
+def sft_dataset_config_from_args(args: Namespace, tokenizer: Any) -> Any:
+    """The SFTDatasetConfig of validated args (--sft): the GPT data flags plus the chat template
+    of --sft-tokenizer-prompt-format (a named format, or the tokenizer's own for 'default')."""
+    from megatron.data.sft_conversation import DEFAULT_FORMAT, PROMPT_FORMATS
+    from megatron.data.sft_dataset import SFTDatasetConfig
+
+    name = args.sft_tokenizer_prompt_format
+    if name == DEFAULT_FORMAT:
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ArgsError("--sft-tokenizer-prompt-format default: the tokenizer has no chat template (a "
+                            "HuggingFace tokenizer folder whose tokenizer_config.json has a chat_template); "
+                            f"name a format instead ({', '.join(PROMPT_FORMATS)})")
+    else:
+        template = PROMPT_FORMATS[name]
+    base = gpt_dataset_config_from_args(args, tokenizer)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    return SFTDatasetConfig(**{**fields, "create_attention_mask": False}, chat_template=template)

@@ -531,6 +531,14 @@ class DataConfig(ConfigGroup, title="data and dataloader"):
     """No loss on end-of-document tokens."""
     create_attention_mask_in_dataloader: bool = setting(True, flags=("--no-create-attention-mask-in-dataloader",))
     """Do not build the [1, s, s] attention mask in the data loader."""
+    sft: bool = False
+    """Supervised fine-tuning on chat conversations: --data-path names JSON-lines files of
+    {"messages": [...]} (docs/sft.md), tokenized on the fly, packed, the loss on assistant tokens only.
+    """
+    sft_tokenizer_prompt_format: str = "nemotron-h-aligned"
+    """SFT prompt format: llama2-chat, chatml, nemotron-h-aligned, or default (the chat_template of
+    the HuggingFace tokenizer's tokenizer_config.json).
+    """
 
 
 @dataclass

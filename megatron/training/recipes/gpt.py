@@ -21,6 +21,7 @@ from megatron.core.enums import ModelType
 from megatron.training.global_vars import get_args, get_timers, get_tokenizer_or_build
 from megatron.training.gpt_builders import gpt_builder
 from megatron.model import GPTModel
+from megatron.model.packed_seq import PackedSeqParams
 from megatron.training.training import pretrain
 from megatron.training.utils import print_rank_0
 
@@ -66,6 +67,25 @@ def get_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
+def get_sft_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:
+    """(tokens, labels, loss_mask, position_ids, cu_seqlens [b, s + 1]) of the next packed SFT micro-batch.
+
+    Every pipeline stage reads it (each needs the conversation boundaries for its attention
+    masks and rotary positions); tensor-parallel rank 0 reads, the other TP ranks receive it.
+    """
+    keys = ("tokens", "labels", "position_ids", "cu_seqlens")
+    data: Optional[Dict[str, torch.Tensor]] = next(data_iterator) if data_iterator is not None else None
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        if data is not None:
+            data = {**{key: data[key].to(torch.int64) for key in keys}, "loss_mask": data["loss_mask"].float()}
+        received = tensor_parallel.broadcast_data(list(keys), data, torch.int64)
+        received.update(tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32))
+        data = received
+    target = device.get_device()
+    return tuple(data[key].to(target, non_blocking=True)
+                 for key in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens"))
+
+
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Sum of the per-token losses under loss_mask, the token count, and the reported [sum, count].
 
@@ -84,6 +104,12 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     """Forward one micro-batch; returns the per-token losses and the loss function to apply."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
+    if get_args().sft:
+        tokens, labels, loss_mask, position_ids, cu_seqlens = get_sft_batch(data_iterator)
+        timers("batch-generator", log_level=2).stop()
+        output_tensor = model(tokens, position_ids, None, labels=labels,
+                              packed_seq_params=PackedSeqParams(cu_seqlens))
+        return output_tensor, partial(loss_func, loss_mask)
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     timers("batch-generator", log_level=2).stop()
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
@@ -91,7 +117,10 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
 
 
 def is_dataset_built_on_rank() -> bool:
-    """Tensor-parallel rank 0 of the first and last pipeline stages reads the data."""
+    """Tensor-parallel rank 0 of the first and last pipeline stages reads the data (with --sft: of
+    every stage, which all need the conversation boundaries)."""
+    if get_args().sft:
+        return parallel_state.get_tensor_model_parallel_rank() == 0
     return ((parallel_state.is_pipeline_first_stage(ignore_virtual=True)
              or parallel_state.is_pipeline_last_stage(ignore_virtual=True))
             and parallel_state.get_tensor_model_parallel_rank() == 0)
@@ -104,11 +133,28 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: List[int]):
     from megatron.data.gpt_dataset import GPTDataset
 
     args = get_args()
+    if args.sft:
+        return _sft_datasets(args, train_val_test_num_samples)
     config = gpt_dataset_config_from_args(args, get_tokenizer_or_build())
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     datasets = BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, is_dataset_built_on_rank,
                                              config).build()
     print_rank_0("> finished creating GPT datasets ...")
+    return datasets
+
+
+def _sft_datasets(args, train_val_test_num_samples: List[int]):
+    """--sft: chat conversations from JSON lines (megatron/data/sft_dataset.py), blended and split as GPT data."""
+    from megatron.training.config_builders import sft_dataset_config_from_args
+    from megatron.data.dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.data.sft_dataset import SFTDataset
+
+    config = sft_dataset_config_from_args(args, get_tokenizer_or_build())
+    print_rank_0(f"> building train, validation, and test SFT datasets "
+                 f"(prompt format {args.sft_tokenizer_prompt_format}) ...")
+    datasets = BlendedMegatronDatasetBuilder(SFTDataset, train_val_test_num_samples, is_dataset_built_on_rank,
+                                             config).build()
+    print_rank_0("> finished creating SFT datasets ...")
     return datasets
 
 

@@ -16,7 +16,7 @@ comes from the names, not from the ids.
 """
 import os
 import re
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron.training.tokenizer.base import MegatronTokenizer
 
@@ -126,6 +126,34 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     @property
     def mask(self) -> int:
         return self._special("mask")
+
+    # ------------------------------------------------------------------ chat data (--sft)
+    @property
+    def chat_template(self) -> Optional[str]:
+        """tokenizer_config.json's ``chat_template`` (a Jinja template string), None without one."""
+        template = getattr(self._hf, "chat_template", None) if self._hf is not None else None
+        return template if isinstance(template, str) else None
+
+    @property
+    def special_tokens_map(self) -> Dict[str, str]:
+        """Role -> token string (bos_token, eos_token, ...): the variables a chat template sees."""
+        if self._hf is not None:
+            return {k: v for k, v in self._hf.special_tokens_map.items() if isinstance(v, str)}
+        found = {f"{role}_token": self._inv_vocab[self._special(role)] for role in ("bos", "eos", "pad")
+                 if any(t in self._vocab for t in _CANDIDATES[role])}
+        return found
+
+    def encode_with_offsets(self, text: str) -> Tuple[List[int], Optional[List[Tuple[int, int]]]]:
+        """(ids, character span of each id) of ``text`` as written: no special tokens added
+        (a chat template writes its own BOS), as transformers tokenizes a rendered template.
+        A slow (Python) transformers tokenizer has no spans: (ids, None)."""
+        if self._hf is not None and not getattr(self._hf, "is_fast", False):
+            return list(self._hf(text, add_special_tokens=False)["input_ids"]), None
+        if self._hf is not None:
+            encoded = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+            return list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]]
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(o) for o in encoding.offsets]
 
     @property
     def additional_special_tokens_ids(self) -> List[int]:
