@@ -6,6 +6,8 @@
                                       requires_grad False (no gradient, no main_grad, no optimizer state)
     is_lora_parameter(name)           whether a state-dict key / parameter name is an adapter's
     lora_state_dict(model)            the adapters' tensors only (this rank's pieces)
+    state_dict_view(chunks, view)     state_dict() of the adapters alone, or of the base alone (checkpoints)
+    merge_lora_state_dict(sd, s)      whole tensors with W + s B A folded in (tools/checkpoint merge)
 
 Each adapter's A is drawn from its own generator, seeded by the run's seed and the module's global
 name (layer number + path in the layer), so the adapters are the same at every TP/PP layout and do
@@ -14,6 +16,7 @@ not move any other random stream.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import torch
@@ -78,3 +81,43 @@ def merge_lora_state_dict(state_dict: dict[str, torch.Tensor], scaling: float) -
         base = merged[prefix + ".weight"]
         merged[prefix + ".weight"] = (base.float() + scaling * (b @ a)).to(base.dtype)  # [out, in]
     return merged
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(is_lora_parameter(name) for name, _ in model.named_parameters())
+
+
+def _view_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    view = getattr(module, "_lora_state_dict_view", None)
+    if view is None:
+        return
+    keep_adapters = view == "adapters"
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        if is_lora_parameter(key) != keep_adapters:
+            del state_dict[key]
+
+
+@contextlib.contextmanager
+def state_dict_view(chunks, view: str):
+    """While open, each chunk's state_dict() (wrappers included) holds only the adapters
+    (view "adapters": what a LoRA checkpoint saves and resumes) or only the base ("base": what is
+    read from the base checkpoint). Both checkpoint formats build their tensor lists from it."""
+    if view not in ("adapters", "base"):
+        raise ValueError(f"view must be 'adapters' or 'base', not {view!r}")
+    models = [_innermost(chunk) for chunk in chunks]
+    handles = []
+    for model in models:
+        model._lora_state_dict_view = view
+        handles.append(model._register_state_dict_hook(_view_hook))
+    try:
+        yield
+    finally:
+        for model, handle in zip(models, handles):
+            handle.remove()
+            model._lora_state_dict_view = None
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    while isinstance(getattr(module, "module", None), nn.Module):
+        module = module.module
+    return module

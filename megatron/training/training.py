@@ -317,7 +317,15 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType) -
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
     from megatron.training.load_hf import load_hf_instead, load_hf_weights
 
-    if load_hf_instead(args):  # --load-hf, and no checkpoint of this run under --load yet
+    from megatron.training import checkpoint_lora
+    from megatron.training.lora_pointer import lora_run
+
+    if lora_run(model):  # adapter-only checkpoints over a base (checkpoint_lora.py)
+        args.iteration, args.num_floating_point_operations_so_far = checkpoint_lora.load_lora_run(
+            model, optimizer, opt_param_scheduler, args)
+        if args.iteration == 0:
+            optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
+    elif load_hf_instead(args):  # --load-hf, and no checkpoint of this run under --load yet
         load_hf_weights(model, args, get_tokenizer().vocab_size)
         optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
     elif args.load is not None or args.pretrained_checkpoint is not None:
