@@ -138,3 +138,52 @@ def test_lora_layouts_equal_the_serial_run(dist_pool, kind):
                 state, buffer, trainable, d = layout["state"]
                 assert buffer == trainable, where  # DDP's buffer: this rank's adapters alone (no padding here)
                 assert state == 4 * trainable // d, where  # the momentum of this replica's shard only
+
+
+# ------------------------------------------------------------------ pretrain_gpt end to end on 4 ranks
+
+E2E = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+       "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+       "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--seq-length", "16",
+       "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "0.5",
+       "--optimizer", "sgd",  # (Adam's first steps are +-lr wherever a gradient is tiny: rounding shows)
+       "--lr-decay-style", "constant", "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
+       "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--mock-data", "--tokenizer-type",
+       "NullTokenizer", "--vocab-size", "255", "--lora-rank", "4", "--lora-alpha", "8"]
+TP2 = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
+
+
+def _last_rank(per_rank: list) -> dict:
+    return per_rank[-1]
+
+
+def test_lora_checkpoints_across_layouts(dist_pool, tmp_path):
+    """A LoRA run at TP 2 x DP 2 (distributed optimizer, torch format) and at DP 4 (torch_dist) from the same
+    base log the same losses and save the same adapters (the TP 2 files merged by the converter's layout
+    rules); the DP 4 run's torch_dist checkpoint resumes at TP 2 x DP 2 with the uninterrupted losses."""
+    from tests.helpers.checkpoints import pretrain
+    from tools.checkpoint.lora_common import read_adapters
+
+    base, tp2, dp4 = tmp_path / "base", tmp_path / "tp2", tmp_path / "dp4"
+    no_lora = E2E[:-4]  # the base: no --lora-rank 4 --lora-alpha 8
+    dist_pool.run(pretrain, [*no_lora, "--train-iters", "1", "--save", str(base), "--save-interval", "1",
+                             "--ckpt-format", "torch_dist"])
+    at_tp2 = _last_rank(dist_pool.run(pretrain, [*E2E, *TP2, "--train-iters", "2", "--load", str(base), "--save",
+                                                 str(tp2), "--save-interval", "2", "--ckpt-format", "torch",
+                                                 "--auto-detect-ckpt-format"]))
+    at_dp4 = _last_rank(dist_pool.run(pretrain, [*E2E, "--train-iters", "4", "--pretrained-checkpoint", str(base),
+                                                 "--load", str(dp4), "--save", str(dp4), "--save-interval", "2",
+                                                 "--ckpt-format", "torch_dist"]))
+    assert sorted(at_tp2) == [1, 2] and sorted(at_dp4) == [1, 2, 3, 4]
+    for iteration in (1, 2):
+        assert at_tp2[iteration] == pytest.approx(at_dp4[iteration], rel=1e-5)
+    (dp4 / "latest_checkpointed_iteration.txt").write_text("2")
+    whole_tp2, whole_dp4 = read_adapters(str(tp2)), read_adapters(str(dp4))
+    assert sorted(whole_tp2.tensors) == sorted(whole_dp4.tensors) and len(whole_tp2.tensors) == 16
+    for name, tensor in whole_dp4.tensors.items():
+        assert _relative_error(whole_tp2.tensors[name], tensor) <= 1e-5, name
+    resumed = _last_rank(dist_pool.run(pretrain, [*E2E, *TP2, "--train-iters", "4", "--load", str(dp4),
+                                                  "--ckpt-format", "torch_dist"]))
+    assert sorted(resumed) == [3, 4]
+    for iteration in (3, 4):
+        assert resumed[iteration] == pytest.approx(at_dp4[iteration], rel=1e-5)
