@@ -120,3 +120,26 @@ def test_a_peft_trained_adapter_merges_on_import_and_is_refused_as_adapters(trai
     with pytest.raises(CheckpointError, match="different lora_A"):
         _convert("--loader", "peft", "--saver", "lora", "--load-dir", tmp_path / "theirs", "--lora-base", hf_dir,
                  "--save-dir", tmp_path / "adapters")
+
+
+def test_imported_adapters_train_from_where_the_exported_ones_were(trained, tmp_path):
+    """pretrain_gpt --load of the adapters imported back from PEFT (a release checkpoint: iteration 0, fresh
+    optimizer) logs the first loss of --load of the original LoRA checkpoint with --finetune."""
+    import pretrain_gpt
+    from megatron.training.initialize import _destroy_distributed, reset_megatron
+
+    hf_dir, lora_dir = trained
+    _convert("--loader", "lora", "--saver", "peft", "--load-dir", lora_dir, "--save-dir", tmp_path / "peft")
+    _convert("--loader", "peft", "--saver", "lora", "--load-dir", tmp_path / "peft", "--save-dir", tmp_path / "back")
+    flags = ["--load-hf", str(hf_dir), *TRAIN, "--lora-rank", str(RANK), "--lora-alpha", str(ALPHA),
+             "--train-iters", "1", "--lr", "0"]
+    losses = []
+    try:
+        for extra in (["--load", str(lora_dir), "--finetune"], ["--load", str(tmp_path / "back")]):
+            result = pretrain_gpt.main([*flags, *extra], record_history=True)
+            reset_megatron()
+            losses.append([(r.iteration, r.losses["lm loss"]) for r in result.history])
+    finally:
+        reset_megatron()
+        _destroy_distributed()
+    assert losses[0] == losses[1] and [i for i, _ in losses[0]] == [1]

@@ -6,6 +6,7 @@ losses bit for bit; a moved base is refused."""
 import json
 
 import pytest
+import torch
 
 from megatron.training.checkpoint_safety import CheckpointError
 from tests.helpers.training import MOCK, TINY
@@ -54,6 +55,31 @@ def _adapter_tensor_bytes(directory, fmt):
             for name, meta in metadata.state_dict_metadata.items() if hasattr(meta, "size")}
 
 
+def _check_merge(base, lora, merged_dir):
+    """convert.py --loader lora --saver megatron: the merged checkpoint's logits are the base's with the
+    adapters attached (not merged)."""
+    from megatron.convert import verify
+    from megatron.convert.megatron_format import open_source, read_tensors
+    from megatron.core.tensor_parallel.lora import LoRAConfig
+    from megatron.model.lora import apply_lora
+    from tools.checkpoint import convert
+    from tools.checkpoint.lora_common import read_adapters
+
+    convert.main(["--model-type", "GPT", "--loader", "lora", "--saver", "megatron", "--load-dir", str(lora),
+                  "--save-dir", str(merged_dir)])
+    source = open_source(str(base))
+    model = verify.build_serial_model(source.args, read_tensors(source))
+    adapters = read_adapters(str(lora))
+    apply_lora(model, LoRAConfig(rank=4, alpha=8.0), seed=0)
+    model.load_state_dict(adapters.tensors, strict=False)
+    tokens = verify.sample_tokens(255, 32)
+    merged = open_source(str(merged_dir))
+    expected = verify.logits_of(model, tokens)
+    actual = verify.serial_logits(merged.args, read_tensors(merged), tokens)
+    assert ((actual - expected).abs().max() / expected.abs().max()).item() <= 1e-5
+    assert not torch.equal(actual, verify.serial_logits(source.args, read_tensors(source), tokens))  # it merged
+
+
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_adapter_checkpoints_resume_bit_for_bit(tmp_path, fmt):
     common = ["--ckpt-format", fmt, "--train-iters", "4", "--save-interval", "2"]
@@ -72,6 +98,8 @@ def test_adapter_checkpoints_resume_bit_for_bit(tmp_path, fmt):
     assert all(".adapter.linear_" in name for name in model) and len(model) == 16
     assert sum(model.values()) == 4 * TRAINABLE  # fp32 adapters, nothing of the base
     assert sum(tensors.values()) - sum(model.values()) == 8 * TRAINABLE  # Adam's two moments of the adapters
+
+    _check_merge(base, lora, tmp_path / "merged")
 
     (lora / "latest_checkpointed_iteration.txt").write_text("2")  # resume from the iteration-2 checkpoint
     resumed = _train([*common, *LORA, "--load", str(lora), "--save", str(lora)])
