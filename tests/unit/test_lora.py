@@ -111,3 +111,12 @@ def test_lora_flags_are_checked():
                            (["--lora-rank", "2", "--num-experts", "2"], "--num-experts")]:
         with pytest.raises(ArgsError, match=message):
             parse_and_validate_args(argv=base + extra)
+
+
+def test_target_modules_choose_the_adapted_layers():
+    model = tiny.build("llama", lora=LoRAConfig(rank=2, alpha=4.0, target_modules=("linear_qkv", "linear_fc2")))
+    names = sorted({n.split(".")[-4] for n, p in model.named_parameters() if p.requires_grad})
+    assert names == ["linear_fc2", "linear_qkv"]
+    qkv_out = (tiny.HEADS + 2 * 2) * (tiny.HIDDEN // tiny.HEADS)
+    expected = tiny.LAYERS * 2 * ((tiny.HIDDEN + qkv_out) + (tiny.FFN + tiny.HIDDEN))
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == expected
