@@ -60,7 +60,19 @@ def apply_lora(model: nn.Module, config: LoRAConfig, seed: int) -> int:
             count += 1
     for name, param in model.named_parameters():
         param.requires_grad_(is_lora_parameter(name))
+    embedding = getattr(model, "embedding", None)
+    if count and isinstance(embedding, nn.Module) and getattr(model.config, "recompute_granularity", None) == "full":
+        # Full recompute reruns each layer block from its input; with the embedding frozen that input
+        # needs no gradient, and a recompute whose inputs need none is cut off from backward (the
+        # adapters inside would get no gradient). The embedding's output is marked as needing one.
+        embedding.register_forward_hook(_output_requires_grad)
     return count
+
+
+def _output_requires_grad(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output = output.detach().requires_grad_(True)
+    return output
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -120,3 +120,21 @@ def test_target_modules_choose_the_adapted_layers():
     qkv_out = (tiny.HEADS + 2 * 2) * (tiny.HIDDEN // tiny.HEADS)
     expected = tiny.LAYERS * 2 * ((tiny.HIDDEN + qkv_out) + (tiny.FFN + tiny.HIDDEN))
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == expected
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_recompute_gives_the_adapters_their_gradients(granularity):
+    """Full recompute reruns each layer from its input, which the frozen embedding would leave without
+    gradient: the adapters must get the gradients of the run without recompute."""
+    recompute = dict(recompute_granularity=granularity)
+    if granularity == "full":
+        recompute.update(recompute_method="uniform", recompute_num_layers=1)
+    grads = []
+    for overrides in ({}, recompute):
+        model = tiny.build("llama", **overrides)
+        tokens, labels, loss_mask, position_ids = tiny.microbatches(1)[0]
+        (model(tokens, position_ids, None, labels=labels) * loss_mask).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert all(g is not None and g.abs().max() > 0 for g in grads[1].values())
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-6, atol=0)
