@@ -17,6 +17,9 @@ saved args (np heads, ng query groups, hn head dim, t ranks; L. = decoder.layers
     L.mlp.experts.local_experts.{e}.linear_fc1 / linear_fc2, L.mlp.shared_experts.linear_fc1 / fc2:
                                               as the dense MLP's, t the expert-tensor-parallel size
                                               for the experts (classic files: = TP; expert_key below)
+    L.<linear>.adapter.linear_{in,out}.weight LoRA (megatron/core/tensor_parallel/lora.py): B of linear_qkv /
+                                              linear_fc1 and A of linear_proj / linear_fc2 split as their
+                                              base weight; the other piece replicated
     everything else                           replicated: norms, linear_proj / linear_fc2 biases,
                                               q/k layernorms, position embeddings
     BertModel (L. = encoder.layers.{i}.)      the same layers; output_layer.bias rows, contiguous
@@ -47,6 +50,7 @@ _REPLICATED = re.compile(r"(layernorm|norm)\.(weight|bias)$|^embedding\.(positio
                          r"|linear_(proj|fc2)\.bias$|^(lm_head\.(dense|layer_norm)|pooler\.dense|binary_head)\."
                          r"|^(encoder|decoder)_relative_pos_emb\.relative_attention_bias\.weight$"
                          r"|\.mlp\.router\.(weight|bias)$")
+_ADAPTER = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.adapter\.linear_(in|out)\.weight$")
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias",
                  "lm_head.output_layer.weight", "lm_head.output_layer.bias")  # the last two: T5Model's
 
@@ -70,6 +74,13 @@ def head_dim(args: argparse.Namespace) -> int:
 def tensor_layout(name: str, args: argparse.Namespace, tp: int, rank: int) -> Dict[str, Any]:
     """The attributes shard_for_rank / merge_shards take for key `name` on rank `rank` of `tp`."""
     replicated: Dict[str, Any] = {"tensor_model_parallel": False}
+    adapter = _ADAPTER.search(name)
+    if adapter is not None:  # LoRA: the piece that follows the base layer's split is split as its weight
+        base, piece = adapter.group(1), adapter.group(2)
+        column = base in ("linear_qkv", "linear_fc1")
+        if (piece == "out") == column:
+            return tensor_layout(name[:adapter.start()] + f".{base}.weight", args, tp, rank)
+        return replicated
     if _REPLICATED.search(name):
         return replicated
     if name in VOCAB_TENSORS:

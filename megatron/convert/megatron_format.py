@@ -59,6 +59,9 @@ class Metadata:
     iteration: int
     release: bool
     true_vocab_size: Optional[int]  # the tokenizer's vocabulary, None when unknown
+    # LoRA loaders (tools/checkpoint/loader_lora.py, loader_peft.py): the adapters beside the merged tensors,
+    # a megatron.convert.lora.Adapters (savers other than peft / lora ignore it)
+    lora: Any = None
 
 
 # ----------------------------------------------------------------------------- dialects

@@ -44,7 +44,16 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
         raise ServerFlagError("the server runs without virtual pipeline stages: drop "
                               "--num-layers-per-virtual-pipeline-stage")
     model = get_model(model_provider)
-    if load_hf_instead(args):
+    from megatron.training.lora_pointer import lora_run
+
+    if lora_run(model):  # --lora-rank: a LoRA checkpoint's base (from its pointer) and adapters, or a base
+        from megatron.training.checkpoint_lora import load_lora_run
+
+        if not checkpoint_exists(args.load) and getattr(args, "load_hf", None) is None:
+            raise CheckpointError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt)")
+        args.no_load_optim, args.no_load_rng, args.auto_detect_ckpt_format = True, True, True
+        load_lora_run(model, None, None, args)
+    elif load_hf_instead(args):
         load_hf_weights(model, args, get_tokenizer().vocab_size)
     else:
         if not checkpoint_exists(args.load):

@@ -22,6 +22,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 9 | _validate_lr | start/end_weight_decay for the constant style |
 | 9b | _validate_optimizer | (Adam betas and eps, momentum, clipping: the ranges torch accepts) |
 | 9c | _validate_seed | (a positive seed that numpy accepts on every pipeline stage) |
+| 9d | _validate_lora | (rank, alpha, dropout ranges; no MoE) |
 | 10 | _validate_checkpointing | |
 | 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' (none required: pretrain() checks); with --sft every line of the chat files parsed (FILE:LINE) |
 | 12 | _validate_intervals | |
@@ -532,6 +533,23 @@ def _validate_seed(args: Namespace) -> None:
 # ----------------------------------------------------------------------------- steps 10-13
 
 
+def _validate_lora(args: Namespace) -> None:
+    """--lora-*: a rank >= 0 (0: off), alpha > 0, dropout in [0, 1), the targets once each; no MoE layers."""
+    if args.lora_rank < 0:
+        raise ArgsError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
+    if not args.lora_rank:
+        return
+    if not args.lora_alpha > 0:
+        raise ArgsError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        raise ArgsError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
+    targets = args.lora_target_modules
+    if not targets or len(set(targets)) != len(targets):
+        raise ArgsError(f"--lora-target-modules needs each module once, got {targets}")
+    if args.num_experts is not None:
+        raise ArgsError("--lora-rank with --num-experts: LoRA on mixture-of-experts layers is not supported")
+
+
 def _validate_checkpointing(args: Namespace) -> None:
     """--save needs --save-interval and a writable directory (created if missing); loading
     options need --load, which must not be a file."""
@@ -740,6 +758,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_lr(args)
     _validate_optimizer(args)
     _validate_seed(args)
+    _validate_lora(args)
     _validate_checkpointing(args)
     _validate_data(args)
     _validate_intervals(args)

@@ -229,6 +229,22 @@ def save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any, 
     Megatron's call form (Accelerate's): the run's args are get_args() unless given by keyword."""
     args = _run_args(args, num_floating_point_operations_so_far, "save_checkpoint",
                      "num_floating_point_operations_so_far")
+    from megatron.model.lora import state_dict_view
+    from megatron.training.lora_pointer import lora_run, write_pointer
+
+    if lora_run(_as_chunks(model)):
+        # LoRA: the adapters alone, after the pointer to their base (megatron/training/checkpoint_lora.py)
+        if args.save:
+            write_pointer(args.save, args)
+        with state_dict_view(_as_chunks(model), "adapters"):
+            _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                             args)
+        return
+    _save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far, args)
+
+
+def _save_checkpoint(iteration: int, model: Sequence[nn.Module], optimizer: Any, opt_param_scheduler: Any,
+                     num_floating_point_operations_so_far: float, args: argparse.Namespace) -> None:
     save_dir = args.save
     if not save_dir:
         raise CheckpointError("save_checkpoint needs a checkpoint directory (--save)")

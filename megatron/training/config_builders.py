@@ -6,6 +6,7 @@ flag -> config translations (megatron.training.arguments re-exports them, Megatr
 | core_transformer_config_from_args(args) | megatron.model.TransformerConfig |
 | gpt_model_kwargs(args) | GPTModel's position-embedding keywords (rope, alibi, none, ...) |
 | optimizer_config_from_args(args) | megatron.core.optimizer.OptimizerConfig |
+| lora_config_from_args(args) | megatron.core.tensor_parallel.lora.LoRAConfig, or None without --lora-rank |
 | gpt_dataset_config_from_args(args, tokenizer) | megatron.data.dataset_config.GPTDatasetConfig |
 | config_flag(field) | the flag of a TransformerConfig field (num_moe_experts -> --num-experts) |
 """
@@ -164,6 +165,16 @@ def optimizer_config_from_args(args: Namespace) -> Any:
         clip_grad=args.clip_grad,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
     )
+
+
+def lora_config_from_args(args: Namespace) -> Any:
+    """The LoRAConfig of validated args; None when --lora-rank is 0 (no adapters)."""
+    from megatron.core.tensor_parallel.lora import LoRAConfig
+
+    if not getattr(args, "lora_rank", 0):
+        return None
+    return LoRAConfig(rank=args.lora_rank, alpha=float(args.lora_alpha), dropout=float(args.lora_dropout),
+                      target_modules=tuple(args.lora_target_modules))
 
 
 def gpt_dataset_config_from_args(args: Namespace, tokenizer: Any) -> Any:

@@ -217,6 +217,7 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
             chunk = model_provider(**_stage_roles(model_type))
         chunk.model_type = model_type
         model.append(chunk)
+    _apply_lora(model, args)
     if virtual is not None:
         parallel_state.set_virtual_pipeline_model_parallel_rank(0)
     if args.torch_compile:
@@ -255,6 +256,20 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
     if args.check_weight_hash_across_dp_replicas_interval and not args.data_parallel_random_init:
         check_weights_equal_across_data_parallel_replicas(wrapped, 0)  # the debug check, at start-up too
     return wrapped
+
+
+def _apply_lora(model: List[torch.nn.Module], args: argparse.Namespace) -> None:
+    """--lora-rank: adapters on the targeted layers of every chunk, every other weight frozen."""
+    from megatron.model.lora import apply_lora
+    from megatron.training.config_builders import lora_config_from_args
+
+    lora = lora_config_from_args(args)
+    if lora is None:
+        return
+    count = sum(apply_lora(chunk, lora, args.seed) for chunk in model)
+    trainable = sum(p.numel() for chunk in model for p in chunk.parameters() if p.requires_grad)
+    print_rank_0(f" > LoRA rank {lora.rank}, alpha {lora.alpha} on {count} linear layers of this rank "
+                 f"({', '.join(lora.target_modules)}): {trainable} trainable parameters here, the rest frozen")
 
 
 def get_optimizer_param_scheduler(optimizer: Any) -> Any:
@@ -302,7 +317,15 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType) -
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
     from megatron.training.load_hf import load_hf_instead, load_hf_weights
 
-    if load_hf_instead(args):  # --load-hf, and no checkpoint of this run under --load yet
+    from megatron.training import checkpoint_lora
+    from megatron.training.lora_pointer import lora_run
+
+    if lora_run(model):  # adapter-only checkpoints over a base (checkpoint_lora.py)
+        args.iteration, args.num_floating_point_operations_so_far = checkpoint_lora.load_lora_run(
+            model, optimizer, opt_param_scheduler, args)
+        if args.iteration == 0:
+            optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
+    elif load_hf_instead(args):  # --load-hf, and no checkpoint of this run under --load yet
         load_hf_weights(model, args, get_tokenizer().vocab_size)
         optimizer.reload_model_params()  # the fp32 main copies follow the loaded weights
     elif args.load is not None or args.pretrained_checkpoint is not None:

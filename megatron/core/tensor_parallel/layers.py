@@ -286,6 +286,7 @@ class ColumnParallelLinear(nn.Module):
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         else:
             self.register_parameter("bias", None)
+        self.adapter: nn.Module | None = None  # a LoRA adapter (tensor_parallel/lora.py) when one is attached
         if rows is not None:
             for param in (self.weight, self.bias):
                 if param is not None:
@@ -319,6 +320,8 @@ class ColumnParallelLinear(nn.Module):
                                              self.sequence_parallel, fuse, onednn)  # [s, b, out/t]
         else:
             output_parallel = F.linear(input_parallel, weight, bias)  # [s, b, out/t]
+        if self.adapter is not None:  # LoRA (tensor_parallel/lora.py): reads the input before the TP copy
+            output_parallel = output_parallel + self.adapter(input_)  # [s, b, out/t]
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output_parallel)  # [s, b, out]
         else:
@@ -375,6 +378,7 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = config.sequence_parallel
         else:
             self.register_parameter("bias", None)
+        self.adapter: nn.Module | None = None  # a LoRA adapter (tensor_parallel/lora.py) when one is attached
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.input_is_parallel:
@@ -391,6 +395,8 @@ class RowParallelLinear(nn.Module):
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)  # [s/t, b, out]
         else:
             output = reduce_from_tensor_model_parallel_region(output_parallel)  # [s, b, out]
+        if self.adapter is not None:  # LoRA (tensor_parallel/lora.py): its own reduction, added after the base's
+            output = output + self.adapter(input_parallel)
         if self.skip_bias_add:
             return output, self.bias
         if self.bias is not None:

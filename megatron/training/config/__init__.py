@@ -16,6 +16,7 @@ from megatron.training.config.groups import (
     InitializationConfig,
     LearningRateConfig,
     LoggingConfig,
+    LoRAConfig,
     MixedPrecisionConfig,
     ModelConfig,
     MoEConfig,
@@ -27,9 +28,9 @@ from megatron.training.config.groups import (
 
 GROUPS = (ModelConfig, RegularizationConfig, TrainingConfig, InitializationConfig, LearningRateConfig,
           CheckpointConfig, MixedPrecisionConfig, DistributedConfig, ValidationConfig, DataConfig,
-          TokenizerConfig, LoggingConfig, MoEConfig)
+          TokenizerConfig, LoggingConfig, MoEConfig, LoRAConfig)
 
 __all__ = ["GROUPS", "CheckpointConfig", "ConfigError", "ConfigGroup", "MegatronConfig", "DataConfig", "DistributedConfig", "InitializationConfig",
-           "LearningRateConfig", "LoggingConfig", "MixedPrecisionConfig", "MoEConfig", "ModelConfig",
+           "LearningRateConfig", "LoggingConfig", "LoRAConfig", "MixedPrecisionConfig", "MoEConfig", "ModelConfig",
            "RegularizationConfig", "TokenizerConfig", "TrainingConfig", "ValidationConfig", "add_group",
            "flag_kwargs", "setting"]

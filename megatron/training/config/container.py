@@ -28,6 +28,7 @@ from megatron.training.config.groups import (
     InitializationConfig,
     LearningRateConfig,
     LoggingConfig,
+    LoRAConfig,
     MixedPrecisionConfig,
     ModelConfig,
     MoEConfig,
@@ -78,6 +79,7 @@ class MegatronConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings of no group (see the module docstring), by dest."""
 

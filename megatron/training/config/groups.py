@@ -16,6 +16,7 @@ command-line flag is declared (megatron/training/config/fields.py says how a fie
 | TokenizerConfig | tokenizer |
 | LoggingConfig | logging |
 | MoEConfig | moe |
+| LoRAConfig | lora |
 
 To add a setting: add a field to the group it belongs to, with its default and, under it, the help
 string; its flag, dest and type follow from the name and annotation (setting(...) for anything
@@ -638,3 +639,21 @@ class MoEConfig(ConfigGroup, title="moe"):
     """Ours: warn when more than this fraction of an MoE layer's routed tokens is dropped in a
     logging interval (an expert with no tokens is always warned about).
     """
+
+
+@dataclass
+class LoRAConfig(ConfigGroup, title="lora"):
+    """Low-rank adapters (LoRA) on the transformer's linear layers, the base weights frozen (ours;
+    Megatron-LM has none: the names are Megatron-Bridge's, the scaling and init PEFT's)."""
+
+    lora_rank: int = 0
+    """Rank r of the LoRA adapters (0: no LoRA, every weight trains)."""
+    lora_alpha: float = 32.0
+    """LoRA alpha: the adapter's output is scaled by alpha / r."""
+    lora_dropout: float = 0.0
+    """Dropout probability on the adapter's input."""
+    lora_target_modules: list[str] = setting(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1",
+                                                                         "linear_fc2"],
+                                             nargs="+", choices=("linear_qkv", "linear_proj", "linear_fc1",
+                                                                 "linear_fc2"))
+    """The linear layers of each transformer layer that get an adapter."""
