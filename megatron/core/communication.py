@@ -224,6 +224,20 @@ def batch_isend_irecv(ops: list[dist.P2POp]) -> list[Any]:
     return dist.batch_isend_irecv(ops)
 
 
+def ring_exchange(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, send_to: int, recv_from: int,
+                  group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Send `send_tensor` to global rank `send_to` while receiving `recv_tensor` from `recv_from`, and
+    wait for both (context parallelism's ring: keys and values forward, their gradients back).
+
+    Counted as one "cp_ring" send of the tensor; the watchdog names the exchange and both peers."""
+    record("cp_ring", group, send_tensor)
+    ops = [dist.P2POp(dist.isend, send_tensor, send_to, group), dist.P2POp(dist.irecv, recv_tensor, recv_from, group)]
+    with watchdog.watch("cp_ring", group, peer=f"rank {recv_from} to send, rank {send_to} to receive"):
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return recv_tensor
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait until every rank of `group` is here (counted as a call that moves no bytes)."""
     _record_event("barrier", group, 0, 0)
