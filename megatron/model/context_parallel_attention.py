@@ -115,6 +115,15 @@ def ring_attention(query, key, value, pos_q, positions_of, group, scale: float, 
     return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)  # [b, np, sq, hn] -> [sq, b, np * hn]
 
 
+def _is_causal_mask(mask, pos_q: torch.Tensor) -> bool:
+    """Whether mask [b or 1, 1, s/N, s] (True = masked) is the causal mask of the queries at pos_q."""
+    seq_length = pos_q.shape[0] * parallel_state.get_context_parallel_world_size()
+    if mask is None or mask.dim() != 4 or tuple(mask.shape[-2:]) != (pos_q.shape[0], seq_length):
+        return False
+    causal = torch.arange(seq_length, device=mask.device)[None, :] > pos_q[:, None]  # [s/N, s]
+    return bool(torch.equal(mask.bool(), causal.expand_as(mask)))
+
+
 def _natural_order(seq_length: int, cp_size: int, cp_ranks: list[int], device):
     """(permutation putting the ranks' concatenated tokens in position order, its inverse)."""
     order = torch.argsort(_group_positions(seq_length, cp_size, cp_ranks, device))
@@ -124,19 +133,20 @@ def _natural_order(seq_length: int, cp_size: int, cp_ranks: list[int], device):
 def context_parallel_attention(core_attention, config, layer_number: int, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, attention_mask, is_causal: bool, attention_bias) -> torch.Tensor:
     """query [s/N, b, np/t, hn], key / value [s/N, b, ng/t, hn] (this CP rank's tokens) ->
-    context [s/N, b, np/t * hn], by the layer's cp_comm_type. attention_mask is the local causal
-    mask the block made (is_causal True); the real positions' mask is built here instead."""
-    if not is_causal:
-        raise ValueError("context parallelism supports the causal mask only: no padding or per-document "
-                         "attention mask (--reset-attention-mask, packed sequences) with --context-parallel-size > 1")
-    if attention_bias is not None:
-        raise ValueError("context parallelism does not take an attention bias (ALiBi)")
+    context [s/N, b, np/t * hn], by the layer's cp_comm_type. With is_causal the attention_mask (the
+    block's local one) is ignored: the mask of the real positions is built here. A given mask must be
+    that causal mask, as get_batch_on_this_cp_rank cuts a loader's [b, 1, s, s] one: [b or 1, 1, s/N, s]."""
     kind = config.cp_comm_type_of(layer_number)
     cp_size, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     group = parallel_state.get_context_parallel_group()
     s_local, b, np_, hn = query.shape
     seq_length = s_local * cp_size
     device = query.device
+    if not is_causal and not _is_causal_mask(attention_mask, cp_positions(seq_length, cp_size, cp_rank, device)):
+        raise ValueError("context parallelism supports the causal mask only: no padding or per-document "
+                         "attention mask (--reset-attention-mask, packed sequences) with --context-parallel-size > 1")
+    if attention_bias is not None:
+        raise ValueError("context parallelism does not take an attention bias (ALiBi)")
     scale = 1.0 / math.sqrt(hn)
     dropout_p = config.attention_dropout if core_attention.training else 0.0
     if kind == "p2p":

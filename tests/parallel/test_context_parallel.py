@@ -186,3 +186,55 @@ def test_context_parallel_layouts_equal_the_serial_run(dist_pool, model, per_tok
     for name, layout in LAYOUTS.items():
         reported = [per_layout[name]["losses"] for per_layout in results if per_layout[name]["losses"]]
         assert len(reported) == dist_pool.world_size // layout.get("pp", 1), name
+
+
+# ------------------------------------------------------------------------------ activation bytes
+
+def _activation_bytes() -> dict:
+    """Bytes one bf16 layer saves for backward (activation_memory.measure_layer_activation_bytes), the
+    paper's and the Llama-style one, with selective and full recompute: serially and on every CP rank."""
+    from megatron.model.activation_memory import measure_layer_activation_bytes
+
+    def measure(kind, recompute, llama):
+        return measure_layer_activation_bytes(64, 2, 64, 8, dtype=torch.bfloat16, recompute=recompute,
+                                              llama_query_groups=2 if llama else None)
+
+    cases = [(recompute, llama) for recompute in ("selective", "full") for llama in (False, True)]
+    measured = {}
+    for cp, kinds in ((1, ("p2p",)), (2, TYPES), (4, TYPES + ("a2a+p2p",))):
+        parallel_state.initialize_model_parallel(context_parallel_size=cp,
+                                                 hierarchical_context_parallel_sizes=[2, 2] if cp == 4 else None)
+        for kind in kinds:
+            for recompute, llama in cases:
+                config_kind = kind if cp > 1 else None
+                measured[(cp, config_kind, recompute, llama)] = _measure_with(measure, config_kind, recompute, llama)
+        parallel_state.destroy_model_parallel()
+    return measured
+
+
+def _measure_with(measure, kind, recompute, llama):
+    from megatron.model import activation_memory
+
+    original = activation_memory.layer_config
+
+    def with_comm_type(*args, **kwargs):  # the layer's cp_comm_type (the measurement's config has the default)
+        config = original(*args, **kwargs)
+        config.cp_comm_type = kind
+        return config
+
+    activation_memory.layer_config = with_comm_type
+    try:
+        return measure(kind, recompute, llama)
+    finally:
+        activation_memory.layer_config = original
+
+
+def test_activation_bytes_per_cp_rank_are_the_serial_bytes_over_n(dist_pool):
+    """With recompute every saved tensor is per token (layer norms, linear inputs, q/k/v or the layer
+    input): each CP rank saves exactly 1/N of the serial layer's bytes, for every comm type."""
+    per_rank = dist_pool.run(_activation_bytes)
+    for measured in per_rank:
+        for (cp, kind, recompute, llama), value in measured.items():
+            serial = measured[(1, None, recompute, llama)]
+            assert value * cp == serial, (cp, kind, recompute, llama, value, serial)
+    assert len({tuple(sorted(m.items())) for m in per_rank}) == 1  # the same on every rank (balanced layout)
