@@ -188,6 +188,54 @@ def test_context_parallel_layouts_equal_the_serial_run(dist_pool, model, per_tok
         assert len(reported) == dist_pool.world_size // layout.get("pp", 1), name
 
 
+# ------------------------------------------------------------------------------ optimizer step
+
+# SGD with clip_grad below the norm: the step depends on the grad norm, which must count each
+# gradient once although the CP ranks hold the same (reduced) gradients.
+OPTIMIZER = dict(optimizer="sgd", lr=0.1, clip_grad=0.5, log_num_zeros_in_grad=True)
+
+
+def _optimizer_step(layout: dict) -> dict:
+    """One global batch and one step, serially and at `layout` (CP x DP, each DP replica half the
+    micro-batches; the distributed optimizer shards over DP x CP)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    def step(chunks, share, serial):
+        optimizer = get_megatron_optimizer(OptimizerConfig(**OPTIMIZER), chunks)
+        optimizer.zero_grad()
+        reported = _run(chunks, False, serial=serial, share=share)
+        _, grad_norm, num_zeros = optimizer.step()
+        return reported, grad_norm, num_zeros
+
+    parallel_state.initialize_model_parallel()
+    (serial,), _ = build_chunks("llama", False)
+    _, serial_norm, serial_zeros = step([serial], slice(None), serial=True)  # plain optimizer, param.grad
+    expected = {name: p.detach().clone() for name, p in serial.named_parameters()}
+    parallel_state.destroy_model_parallel()
+
+    parallel_state.initialize_model_parallel(context_parallel_size=layout["cp"])
+    (model,), _ = build_chunks("llama", False, cp=layout["cp"], comm=layout["comm"])
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=3000)  # several buckets
+    model = DistributedDataParallel(model.config, ddp, model)
+    d, r = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    _, grad_norm, num_zeros = step([model], slice(r * MICROBATCHES // d, (r + 1) * MICROBATCHES // d), serial=False)
+    errors = {name: _relative_error(p.detach(), expected[name]) for name, p in model.module.named_parameters()}
+    shards = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    parallel_state.destroy_model_parallel()
+    return {"serial_norm": serial_norm, "grad_norm": grad_norm, "serial_zeros": serial_zeros,
+            "num_zeros": num_zeros, "errors": errors, "shards": shards}
+
+
+def test_cp2_dp2_distributed_optimizer_step_equals_the_serial_step(dist_pool):
+    for result in dist_pool.run(_optimizer_step, dict(cp=2, comm="p2p")):
+        assert result["shards"] == 4  # the optimizer state is cut over DP x CP
+        assert result["serial_norm"] > OPTIMIZER["clip_grad"]  # the step is clipped: it depends on the norm
+        assert result["grad_norm"] == pytest.approx(result["serial_norm"], rel=1e-5)
+        assert result["num_zeros"] == result["serial_zeros"]
+        bad = {name: error for name, error in result["errors"].items() if error > 1e-5}
+        assert not bad, bad
+
+
 # ------------------------------------------------------------------------------ activation bytes
 
 def _activation_bytes() -> dict:
