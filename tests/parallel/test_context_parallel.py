@@ -13,6 +13,7 @@ count the tokens of the whole sequence.
     cp2-<type>        CP = 2 x DP = 2 (each replica half the micro-batches)
     cp2-tp2-sp-<type> CP = 2 x TP = 2 with sequence parallelism
     cp2-pp2           CP = 2 x PP = 2 (1F1B), and interleaved (2 virtual chunks)
+    recompute         selective (CP2 x TP2 + SP, p2p) and full (CP4, a2a+p2p): the exchanges rerun in backward
     cp4-mixed         one comm type per layer (Megatron's list form of --cp-comm-type)
 """
 
@@ -41,6 +42,8 @@ LAYOUTS = {
     **{f"cp2-tp2-sp-{t}": dict(cp=2, tp=2, sp=True, comm=t) for t in TYPES},
     "cp2-pp2": dict(cp=2, pp=2, comm="p2p"),
     "cp2-pp2-v2": dict(cp=2, pp=2, vpp=2, comm="a2a"),
+    "cp2-tp2-sp-selective": dict(cp=2, tp=2, sp=True, comm="p2p", recompute="selective"),
+    "cp4-full-recompute": dict(cp=4, comm="a2a+p2p", hier=[2, 2], recompute="full"),
 }
 
 
@@ -49,7 +52,7 @@ def _padded(tp: int) -> int:
 
 
 def _config(model: str, per_token: bool, cp: int = 1, tp: int = 1, pp: int = 1, vpp=None, sp: bool = False,
-            comm=None, hier=None) -> TransformerConfig:
+            comm=None, hier=None, recompute=None) -> TransformerConfig:
     llama = model == "llama"
     return TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=2 if llama else None,
@@ -58,6 +61,8 @@ def _config(model: str, per_token: bool, cp: int = 1, tp: int = 1, pp: int = 1, 
         attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, sequence_parallel=sp, context_parallel_size=cp,
         cp_comm_type=comm, hierarchical_context_parallel_sizes=hier, calculate_per_token_loss=per_token,
+        recompute_granularity=recompute, recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
         fused_kernels_cpu_impl="reference")
 
 
