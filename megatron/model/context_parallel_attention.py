@@ -76,12 +76,17 @@ class _Block:
         scores = torch.matmul(qh, kh) * self.scale  # [b, np, sq', sk']
         if masked.any():
             scores = scores.masked_fill(masked, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)  # [b, np, sq']: finite, every kept row sees a key
-        probs = torch.exp(scores - lse.unsqueeze(-1))
-        if self.dropout_p > 0:
+        # softmax = e / l with e = exp(scores - rowmax), l = sum(e): autograd keeps e only (one
+        # [b, np, sq', sk'] tensor); normalising the [sq', hn] output instead of e saves a second one.
+        with torch.no_grad():  # a shift that cancels in e / l: no gradient, nothing saved
+            rowmax = scores.amax(dim=-1, keepdim=True)  # finite: every kept row sees a key
+        e = torch.exp(scores - rowmax)
+        total = e.sum(dim=-1, keepdim=True)  # [b, np, sq', 1]
+        lse = (rowmax + torch.log(total)).squeeze(-1)  # [b, np, sq']
+        if self.dropout_p > 0:  # dropout of the probabilities = dropout of e, then the same division
             with tensor_parallel_dropout_context(partitioned=True):  # this rank's heads only
-                probs = F.dropout(probs, self.dropout_p)
-        out = torch.matmul(probs, vh)  # [b, np, sq', hn]
+                e = F.dropout(e, self.dropout_p)
+        out = torch.matmul(e, vh) / total  # [b, np, sq', hn]
         if not all_rows:  # rows without a visible key: nothing (lse -inf)
             out = out.new_zeros(b, np_, sq, hn).index_copy(2, rows, out)
             lse = lse.new_full((b, np_, sq), float("-inf")).index_copy(2, rows, lse)
