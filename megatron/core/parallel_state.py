@@ -39,7 +39,7 @@ _AXIS_WORDS = {"tp": "tensor", "cp": "context", "ep": "expert", "dp": "data", "p
 # Groups created by initialize_model_parallel, in creation order (every rank creates every group
 # in this same order, as torch.distributed requires), keyed by the name group_name() reports.
 _GROUP_NAMES = ("tp", "pp", "dp", "dp-cp", "cp", "mp", "tp-dp", "embd", "pos-embd", "pp-stack", "ep", "expert-dp",
-                "etp", "tp-ep", "tp-ep-pp", "cp-a2a", "cp-p2p")
+                "etp", "tp-ep", "tp-ep-pp", "tp-cp", "cp-a2a", "cp-p2p")
 # cp-a2a / cp-p2p are made only with hierarchical_context_parallel_sizes (a2a+p2p): the CP group as
 # a grid of inner all-to-all groups (consecutive CP ranks) and outer rings across them.
 # Expert groups that often list the same ranks as a group made before them (etp = tp when the
@@ -47,7 +47,7 @@ _GROUP_NAMES = ("tp", "pp", "dp", "dp-cp", "cp", "mp", "tp-dp", "embd", "pos-emb
 # a rank list already created is reused instead of becoming a second process group. The older
 # kinds keep a group of their own, so group_name() (the communication counter's label) still
 # tells a "dp" collective from a "dp-cp" one.
-_REUSES_EQUAL_GROUPS = ("etp", "tp-ep", "tp-ep-pp")
+_REUSES_EQUAL_GROUPS = ("etp", "tp-ep", "tp-ep-pp", "tp-cp")
 _PIPELINE_SUBSET_KINDS = ("embd", "pos-embd", "pp-stack")  # picked stages, not grid axes: never lent
 # Groups spanning the whole world in the trivial (uninitialised) layout; every other group is one rank.
 _WORLD_WIDE_WHEN_TRIVIAL = ("dp", "dp-cp", "tp-dp", "expert-dp")
@@ -233,6 +233,7 @@ def _plan_rank_groups(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: 
         "etp": experts.get_ranks("tp"),
         "tp-ep": experts.get_ranks("tp-ep"),        # the allgather dispatcher's group
         "tp-ep-pp": experts.get_ranks("tp-ep-pp"),  # every distinct expert param once: expert grad norms
+        "tp-cp": decoder.get_ranks("tp-cp"),  # the ranks holding one sequence's tokens (MoE token counts)
     }
     if hierarchical_cp is not None:
         plan.update(_hierarchical_cp_ranks(plan["cp"], hierarchical_cp))
@@ -484,6 +485,15 @@ def get_context_parallel_rank() -> int:
 
 def get_context_parallel_global_ranks() -> list[int]:
     return list(_membership("cp").ranks)
+
+
+def get_tensor_and_context_parallel_group() -> Optional[dist.ProcessGroup]:
+    """TP x CP: the ranks among which one micro-batch's tokens are spread (SP and CP split them)."""
+    return _group("tp-cp")
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    return _size_of("tp-cp")
 
 
 def get_hierarchical_context_parallel_groups() -> Optional[list[Optional[dist.ProcessGroup]]]:

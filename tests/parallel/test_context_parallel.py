@@ -193,6 +193,60 @@ def test_context_parallel_layouts_equal_the_serial_run(dist_pool, model, per_tok
         assert len(reported) == dist_pool.world_size // layout.get("pp", 1), name
 
 
+# ------------------------------------------------------------------------------ MoE
+
+MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=24, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+           moe_z_loss_coeff=0.001)
+
+
+def _moe_chunks(cp: int = 1, ep: int = 1, comm=None):
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=48,
+                               hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False,
+                               normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+                               context_parallel_size=cp, cp_comm_type=comm, expert_model_parallel_size=ep,
+                               fused_kernels_cpu_impl="reference", **MOE)
+    torch.manual_seed(SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    return GPTModel(config, vocab_size=_padded(1), num_tokens=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
+
+
+def _moe_compare(comm: str) -> dict:
+    """A 2-layer MoE GPT (4 experts, top-2, aux and z losses) serially and at CP 2 x EP 2: the balancing
+    losses count the tokens of the whole sequence (summed over TP x CP), experts see every CP rank's tokens."""
+    parallel_state.initialize_model_parallel()
+    serial = _moe_chunks()
+    _run([serial], False, serial=True)
+    expected = {name: p.grad for name, p in serial.named_parameters()}
+    parallel_state.destroy_model_parallel()
+
+    parallel_state.initialize_model_parallel(context_parallel_size=2, expert_model_parallel_size=2)
+    model = DistributedDataParallel(_moe_chunks(2, 2, comm).config, DistributedDataParallelConfig(),
+                                    _moe_chunks(2, 2, comm))
+    _run([model], False, serial=False)
+    local = MOE["num_moe_experts"] // 2
+    first = parallel_state.get_expert_model_parallel_rank() * local
+    errors = {}
+    for name, param in model.module.named_parameters():
+        serial_name = name
+        if ".local_experts." in name:  # local expert i of EP rank r is global expert r * E/EP + i
+            head, rest = name.split(".local_experts.")
+            index, tail = rest.split(".", 1)
+            serial_name = f"{head}.local_experts.{first + int(index)}.{tail}"
+        rows = slice(0, VOCAB) if "word_embeddings" in name or "output_layer" in name else slice(None)
+        errors[name] = _relative_error(param.main_grad[rows], expected[serial_name][rows])
+    parallel_state.destroy_model_parallel()
+    return errors
+
+
+@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+def test_moe_cp2_ep2_gradients_equal_the_serial_run(dist_pool, comm):
+    for rank, errors in enumerate(dist_pool.run(_moe_compare, comm)):
+        assert any(".local_experts." in name for name in errors)
+        bad = {name: error for name, error in errors.items() if error > 1e-5}
+        assert not bad, (rank, bad)
+
+
 # ------------------------------------------------------------------------------ optimizer step
 
 # SGD with clip_grad below the norm: the step depends on the grad norm, which must count each
