@@ -12,8 +12,9 @@ s = 16, N = 2 (chunks of 4):
 (megatron.training.utils.get_batch_on_this_cp_rank uses it on the batch, the model on RoPE's angles).
 
 The differentiable exchanges the attention uses (every collective goes through communication.py):
-    ring_shift          p2p: send to the next rank of the ring, receive from the previous one;
-                        backward sends the gradient the other way round
+    ring_shift(_start)  p2p: send to the next rank of the ring, receive from the previous one
+                        (started, waited on after the caller's compute); backward sends the
+                        gradient the other way round
     gather_sequence     allgather: [s/N, ...] -> [s, ...] in rank order; backward reduce-scatters
     heads_to_sequence   a2a (Ulysses): [s/N, b, n, hn] -> [s, b, n/N, hn] (chunks in rank order)
     sequence_to_heads   its inverse; each is the other's backward
@@ -55,16 +56,24 @@ def _ranks_of(group: Optional[dist.ProcessGroup]) -> list[int]:
 
 
 class _RingShift(torch.autograd.Function):
-    """x on every rank of the ring -> the previous rank's x; backward: the gradient to the previous rank."""
+    """x on every rank of the ring -> the previous rank's x; backward: the gradient to the previous rank.
+
+    The forward only starts the exchange: the handle goes into `started` and the output may be
+    read once it has been waited on (the caller computes on the current block meanwhile)."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup, started: list) -> torch.Tensor:
         ctx.group = group
-        return _shift(tensor, group, step=1)
+        ranks = _ranks_of(group)
+        me = ranks.index(dist.get_rank())
+        received = torch.empty_like(tensor)
+        started.append(communication.ring_exchange_start(tensor, received, send_to=ranks[(me + 1) % len(ranks)],
+                                                         recv_from=ranks[(me - 1) % len(ranks)], group=group))
+        return received
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _shift(grad, ctx.group, step=-1), None
+        return _shift(grad, ctx.group, step=-1), None, None
 
 
 def _shift(tensor: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
@@ -77,9 +86,19 @@ def _shift(tensor: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.T
     return received
 
 
+def ring_shift_start(tensor: torch.Tensor, group: dist.ProcessGroup):
+    """Start receiving the previous ring rank's `tensor` (same shape on every rank), differentiable:
+    (the output, a handle to wait() on before reading it; `tensor` must not change until then)."""
+    started: list = []
+    received = _RingShift.apply(tensor.contiguous(), group, started)
+    return received, started[0]
+
+
 def ring_shift(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """The previous ring rank's `tensor` (same shape on every rank), differentiable."""
-    return _RingShift.apply(tensor, group)
+    """The previous ring rank's `tensor`, differentiable (the blocking form of ring_shift_start)."""
+    received, handle = ring_shift_start(tensor, group)
+    handle.wait()
+    return received
 
 
 class _GatherSequence(torch.autograd.Function):

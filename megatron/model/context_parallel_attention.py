@@ -10,7 +10,9 @@ values of earlier positions held elsewhere; cp_comm_type says how they travel (M
                over every key. A chunk pair is masked by the real positions, rows / columns with no
                visible key are skipped: with the load-balanced layout a block from an earlier rank
                is (all queries x the block's first half), from a later rank (the queries' second
-               half x the whole block). Backward sends the K/V gradients back round the ring.
+               half x the whole block). Each shift is started before the block it overlaps, so
+               the next K/V travel while this one computes (gloo's isend/irecv run in the
+               background). Backward sends the K/V gradients back round the ring.
     allgather  K/V all-gathered (the whole sequence), local queries masked by their real positions;
                backward reduce-scatters the K/V gradients.
     a2a        Ulysses: all-to-all from sequence-split [s/N, b, np, hn] to head-split [s, b, np/N, hn],
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import parallel_state
-from megatron.core.context_parallel import (cp_positions, gather_sequence, heads_to_sequence, ring_shift,
+from megatron.core.context_parallel import (cp_positions, gather_sequence, heads_to_sequence, ring_shift_start,
                                             sequence_to_heads)
 from megatron.model.layers import tensor_parallel_dropout_context
 
@@ -111,9 +113,14 @@ def ring_attention(query, key, value, pos_q, positions_of, group, scale: float, 
     me = torch.distributed.get_rank(group)
     block = _Block(scale, dropout_p)
     kv = torch.stack((key, value))  # [2, sk, b, ng, hn]: one exchange per step
+    # Each shift is started before the block it overlaps: the next K/V travel while this one computes.
+    incoming, handle = ring_shift_start(kv, group) if size > 1 else (None, None)
     acc = block(query, key, value, pos_q, positions_of(me))  # the own block: every row sees itself
     for step in range(1, size):
-        kv = ring_shift(kv, group)  # now ring rank (me - step)'s keys and values
+        handle.wait()
+        kv = incoming  # ring rank (me - step)'s keys and values
+        if step < size - 1:
+            incoming, handle = ring_shift_start(kv, group)  # passed on while this block computes
         acc = _merge(acc, block(query, kv[0], kv[1], pos_q, positions_of((me - step) % size)))
     out = acc[0].to(query.dtype)  # [b, np, sq, hn]
     sq, b, np_, hn = query.shape
