@@ -24,7 +24,10 @@ The core attention, softmax(q k^T / sqrt(hn) + bias, masked) v, is a slot of the
 With recompute_granularity "selective" the core attention is rerun in backward
 (tensor_parallel.checkpoint): its s^2 activations (scores, probabilities, dropout mask) are not kept.
 Rotary embeddings rotate q and k after the projection (and after q/k layer norms); ALiBi arrives
-as an additive bias of this rank's heads.
+as an additive bias of this rank's heads. Under context parallelism (context_parallel_size > 1)
+s is this CP rank's s/N tokens and the core attention runs inside
+context_parallel_attention.context_parallel_attention, which brings the other ranks' keys and
+values by the layer's cp_comm_type (p2p ring, allgather, a2a, a2a+p2p).
 """
 
 from __future__ import annotations
