@@ -247,6 +247,45 @@ def test_moe_cp2_ep2_gradients_equal_the_serial_run(dist_pool, comm):
         assert not bad, (rank, bad)
 
 
+# ------------------------------------------------------------------------------ attention dropout
+
+def _dropout_runs() -> dict:
+    """CP 2 (p2p and a2a) with attention dropout 0.1: the dropout draws from the TP rank's tracker stream,
+    so the same seed gives the same loss, and selective recompute redraws the same masks (same gradients)."""
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    out = {}
+    for comm in ("p2p", "a2a"):
+        runs = []
+        for recompute in (None, "selective"):
+            config = _config("llama", False, cp=2, comm=comm, recompute=recompute)
+            config.attention_dropout = 0.1
+            torch.manual_seed(SEED)
+            tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+            model = GPTModel(config, vocab_size=_padded(1), num_tokens=VOCAB, max_sequence_length=SEQ,
+                             position_embedding_type="rope", share_embeddings_and_output_weights=False,
+                             transformer_layer_spec=get_llama_layer_spec())
+            batch = get_batch_on_this_cp_rank(microbatches()[0])
+            loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum()
+            loss.backward()
+            runs.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+        model.eval()
+        with torch.no_grad():
+            plain = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"]).sum().item()
+        out[comm] = {"losses": [r[0] for r in runs], "plain": plain,
+                     "recompute_grad_error": _relative_error(runs[1][1], runs[0][1])}
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_attention_dropout_under_cp_is_seeded_and_survives_recompute(dist_pool):
+    for per_comm in dist_pool.run(_dropout_runs):
+        for comm, result in per_comm.items():
+            first, recomputed = result["losses"]  # two models built from the same seeds
+            assert first == recomputed, comm
+            assert first != result["plain"], comm  # the dropout acted
+            assert result["recompute_grad_error"] == 0.0, comm  # recompute redrew the same masks
+
+
 # ------------------------------------------------------------------------------ optimizer step
 
 # SGD with clip_grad below the norm: the step depends on the grad norm, which must count each
