@@ -361,6 +361,10 @@ def _validate_context_parallel(args: Namespace) -> None:
         if args.hierarchical_context_parallel_sizes is not None:
             raise ArgsError("--hierarchical-context-parallel-sizes needs --context-parallel-size > 1")
         return
+    family = getattr(args, "model_family", None)
+    if family in ("BERT", "T5"):
+        raise ArgsError(f"--context-parallel-size > 1 is for causal (GPT-style) models: {family}'s bidirectional "
+                        "attention with a padding mask is not supported")
     seq = args.seq_length
     if seq is not None and seq % (2 * cp):
         raise ArgsError(f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({2 * cp}): "

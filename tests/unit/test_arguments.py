@@ -577,3 +577,10 @@ def test_optimizer_config_from_args():
     assert (config.clip_grad, config.loss_scale_window, config.hysteresis) == (0.5, 50, 1)
     assert config.initial_loss_scale == 1024 and config.loss_scale is None and config.weight_decay == 0.1
     assert config.fp16 and config.params_dtype == torch.float16 and config.log_num_zeros_in_grad
+
+
+def test_context_parallelism_is_refused_for_bert(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ArgsError, match=re.escape("--context-parallel-size > 1 is for causal (GPT-style) models: "
+                                                  "BERT's bidirectional attention")):
+        run("--context-parallel-size 2", drop=["--mock-data"], defaults={"model_family": "BERT"})
