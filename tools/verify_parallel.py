@@ -3,10 +3,11 @@
     python tools/verify_parallel.py --layout tp2pp2dp2 [--iterations 3] [--tolerance 1e-5] \\
         -- --num-layers 4 --hidden-size 64 ... (pretrain_gpt.py's flags: the model, data, batch)
 
-The layout is a string of parallel sizes: tpN (tensor), ppN (pipeline), dpN (data), vppN
-(virtual stages per pipeline rank), epN (expert), etpN (expert tensor), and the switches sp
+The layout is a string of parallel sizes: tpN (tensor), ppN (pipeline), dpN (data), cpN (context),
+vppN (virtual stages per pipeline rank), epN (expert), etpN (expert tensor), and the switches sp
 (--sequence-parallel) and distopt (--use-distributed-optimizer), e.g. "tp2sp-pp2-dp2", "ep2dp4",
-"pp2vpp2dp2distopt". The world is tp x pp x dp gloo processes on this machine (CPU); the serial run
+"pp2vpp2dp2distopt", "cp2tp2sp" (the comm type: --cp-comm-type in the flags). The world is
+tp x cp x pp x dp gloo processes on this machine (CPU); the serial run
 is one process with the same global batch (the same micro-batches, one after another).
 
 Both runs start from the same weights (pretrain_gpt's initialisation does not depend on the layout)
@@ -42,7 +43,7 @@ if ROOT not in sys.path:
 
 _FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
           "vpp": "--num-virtual-stages-per-pipeline-rank", "ep": "--expert-model-parallel-size",
-          "etp": "--expert-tensor-parallel-size"}
+          "etp": "--expert-tensor-parallel-size", "cp": "--context-parallel-size"}
 
 
 class LayoutError(ValueError):
@@ -51,18 +52,18 @@ class LayoutError(ValueError):
 
 def parse_layout(text: str) -> Dict[str, Any]:
     """'tp2sp-pp2-dp2' -> {'tp': 2, 'pp': 2, 'dp': 2, 'sp': True, ...}; sizes default to 1."""
-    layout: Dict[str, Any] = {name: 1 for name in ("tp", "pp", "dp", "ep")}
+    layout: Dict[str, Any] = {name: 1 for name in ("tp", "pp", "dp", "ep", "cp")}
     layout.update(vpp=None, etp=None, sp=False, distopt=False)
     rest = text.replace("-", "").replace("_", "").lower()
     if not rest:
         raise LayoutError("--layout is empty; give sizes such as tp2pp2dp2")
-    pattern = re.compile(r"(vpp|etp|tp|pp|dp|ep)(\d+)|(sp|distopt)")
+    pattern = re.compile(r"(vpp|etp|tp|pp|dp|ep|cp)(\d+)|(sp|distopt)")
     position = 0
     while position < len(rest):
         match = pattern.match(rest, position)
         if match is None:
-            raise LayoutError(f"--layout {text!r}: cannot read {rest[position:]!r}; use tpN, ppN, dpN, vppN, epN, "
-                              "etpN, sp, distopt")
+            raise LayoutError(f"--layout {text!r}: cannot read {rest[position:]!r}; use tpN, ppN, dpN, cpN, vppN, "
+                              "epN, etpN, sp, distopt")
         if match.group(3):
             layout[match.group(3)] = True
         else:
@@ -90,7 +91,7 @@ def layout_flags(layout: Dict[str, Any]) -> List[str]:
 
 
 def world_size(layout: Dict[str, Any]) -> int:
-    return layout["tp"] * layout["pp"] * layout["dp"]
+    return layout["tp"] * layout["cp"] * layout["pp"] * layout["dp"]
 
 
 # ----------------------------------------------------------------------------- one run (each rank)

@@ -224,6 +224,39 @@ def batch_isend_irecv(ops: list[dist.P2POp]) -> list[Any]:
     return dist.batch_isend_irecv(ops)
 
 
+class RingExchange:
+    """A started ring exchange (ring_exchange_start); wait() blocks until both halves are done."""
+
+    def __init__(self, requests: list, group: dist.ProcessGroup | None, send_to: int, recv_from: int) -> None:
+        self._requests, self._group, self._peers = requests, group, (send_to, recv_from)
+
+    def wait(self) -> None:
+        send_to, recv_from = self._peers
+        with watchdog.watch("cp_ring", self._group, peer=f"rank {recv_from} to send, rank {send_to} to receive"):
+            for request in self._requests:
+                request.wait()
+        self._requests = []
+
+
+def ring_exchange_start(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, send_to: int, recv_from: int,
+                        group: dist.ProcessGroup | None = None) -> RingExchange:
+    """Start sending `send_tensor` to global rank `send_to` and receiving `recv_tensor` from `recv_from`
+    (context parallelism's ring: keys and values forward, their gradients back); the caller computes
+    meanwhile and waits on the returned handle before reading recv_tensor or writing send_tensor.
+
+    Counted as one "cp_ring" send of the tensor; the watchdog names the exchange and both peers."""
+    record("cp_ring", group, send_tensor)
+    ops = [dist.P2POp(dist.isend, send_tensor, send_to, group), dist.P2POp(dist.irecv, recv_tensor, recv_from, group)]
+    return RingExchange(dist.batch_isend_irecv(ops), group, send_to, recv_from)
+
+
+def ring_exchange(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, send_to: int, recv_from: int,
+                  group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """ring_exchange_start and wait: the blocking exchange; returns recv_tensor."""
+    ring_exchange_start(send_tensor, recv_tensor, send_to, recv_from, group).wait()
+    return recv_tensor
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait until every rank of `group` is here (counted as a call that moves no bytes)."""
     _record_event("barrier", group, 0, 0)

@@ -39,13 +39,15 @@ _AXIS_WORDS = {"tp": "tensor", "cp": "context", "ep": "expert", "dp": "data", "p
 # Groups created by initialize_model_parallel, in creation order (every rank creates every group
 # in this same order, as torch.distributed requires), keyed by the name group_name() reports.
 _GROUP_NAMES = ("tp", "pp", "dp", "dp-cp", "cp", "mp", "tp-dp", "embd", "pos-embd", "pp-stack", "ep", "expert-dp",
-                "etp", "tp-ep", "tp-ep-pp")
+                "etp", "tp-ep", "tp-ep-pp", "tp-cp", "cp-a2a", "cp-p2p")
+# cp-a2a / cp-p2p are made only with hierarchical_context_parallel_sizes (a2a+p2p): the CP group as
+# a grid of inner all-to-all groups (consecutive CP ranks) and outer rings across them.
 # Expert groups that often list the same ranks as a group made before them (etp = tp when the
 # expert tensor size is the dense one; tp-ep = ep when etp = 1; tp-ep-pp = mp when ep = 1):
 # a rank list already created is reused instead of becoming a second process group. The older
 # kinds keep a group of their own, so group_name() (the communication counter's label) still
 # tells a "dp" collective from a "dp-cp" one.
-_REUSES_EQUAL_GROUPS = ("etp", "tp-ep", "tp-ep-pp")
+_REUSES_EQUAL_GROUPS = ("etp", "tp-ep", "tp-ep-pp", "tp-cp")
 _PIPELINE_SUBSET_KINDS = ("embd", "pos-embd", "pp-stack")  # picked stages, not grid axes: never lent
 # Groups spanning the whole world in the trivial (uninitialised) layout; every other group is one rank.
 _WORLD_WIDE_WHEN_TRIVIAL = ("dp", "dp-cp", "tp-dp", "expert-dp")
@@ -167,6 +169,26 @@ def _stack_ranks(pp_group: list[int], split_rank: Optional[int] = None) -> list[
     return [pp_group[:split_rank], pp_group[split_rank:]]
 
 
+def _hierarchical_cp_ranks(cp_groups: list[list[int]], sizes: list[int]) -> dict[str, list[list[int]]]:
+    """Each CP group [c0 .. c(N-1)] as an a x p grid, a = sizes[0] fastest: the a2a groups hold a
+    consecutive CP ranks, the p2p groups every a-th ({"cp-a2a": ..., "cp-p2p": ...})."""
+    inner, outer = sizes
+    a2a, p2p = [], []
+    for group in cp_groups:
+        a2a += [group[i * inner:(i + 1) * inner] for i in range(outer)]
+        p2p += [group[j::inner] for j in range(inner)]
+    return {"cp-a2a": a2a, "cp-p2p": p2p}
+
+
+def _check_hierarchical_sizes(sizes: Optional[list[int]], cp: int) -> None:
+    if sizes is None:
+        return
+    if len(sizes) != 2 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes) \
+            or sizes[0] * sizes[1] != cp:
+        raise ValueError(f"hierarchical_context_parallel_sizes must be two positive integers (the a2a size, then "
+                         f"the p2p size) whose product is the context-parallel size ({cp}), got {sizes!r}")
+
+
 def _check_split_rank(split_rank: Optional[int], pp: int) -> None:
     if split_rank is None:
         return
@@ -176,7 +198,8 @@ def _check_split_rank(split_rank: Optional[int], pp: int) -> None:
 
 
 def _plan_rank_groups(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: int,
-                      order: str, split_rank: Optional[int] = None) -> dict[str, list[list[int]]]:
+                      order: str, split_rank: Optional[int] = None,
+                      hierarchical_cp: Optional[list[int]] = None) -> dict[str, list[list[int]]]:
     """Every group's ranks, by group name; raises ValueError (naming the sizes) on a bad layout."""
     dense = tp * pp * cp
     if world_size % dense:
@@ -194,7 +217,7 @@ def _plan_rank_groups(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: 
         raise ValueError(f"order {order!r} puts pipeline stages on different ranks for dense layers "
                          f"(tensor ({tp}) x context ({cp})) and expert layers (expert tensor ({etp}) x "
                          f"expert ({ep})); make the two products equal or put pp last")
-    return {
+    plan = {
         "tp": decoder.get_ranks("tp"),
         "pp": pp_groups,
         "dp": decoder.get_ranks("dp"),
@@ -210,7 +233,11 @@ def _plan_rank_groups(world_size: int, tp: int, pp: int, cp: int, ep: int, etp: 
         "etp": experts.get_ranks("tp"),
         "tp-ep": experts.get_ranks("tp-ep"),        # the allgather dispatcher's group
         "tp-ep-pp": experts.get_ranks("tp-ep-pp"),  # every distinct expert param once: expert grad norms
+        "tp-cp": decoder.get_ranks("tp-cp"),  # the ranks holding one sequence's tokens (MoE token counts)
     }
+    if hierarchical_cp is not None:
+        plan.update(_hierarchical_cp_ranks(plan["cp"], hierarchical_cp))
+    return plan
 
 
 # --------------------------------------------------------------------------- process groups
@@ -256,7 +283,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                               context_parallel_size: int = 1, expert_model_parallel_size: int = 1,
                               order: str = "tp-cp-ep-dp-pp",
                               expert_tensor_parallel_size: Optional[int] = None,
-                              pipeline_model_parallel_split_rank: Optional[int] = None) -> None:
+                              pipeline_model_parallel_split_rank: Optional[int] = None,
+                              hierarchical_context_parallel_sizes: Optional[list[int]] = None) -> None:
     """Create every model/data-parallel group (Megatron's layout); call on all ranks alike.
 
     Everything is validated before the first group is created, so a bad size raises the same
@@ -266,6 +294,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     `pipeline_model_parallel_split_rank` (encoder-decoder models, Megatron's
     --pipeline-model-parallel-split-rank): stages [0, split) hold the encoder, [split, pp) the
     decoder; the embedding groups gain the first decoder stage.
+    `hierarchical_context_parallel_sizes` [a, p] (a x p = CP; --cp-comm-type a2a+p2p) also splits
+    each CP group into all-to-all groups of a consecutive CP ranks and rings of p across them.
     """
     global _STATE
     if _STATE.initialized:
@@ -280,6 +310,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     if virtual_pipeline_model_parallel_size is not None:
         _check_size("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size)
     _check_split_rank(pipeline_model_parallel_split_rank, pp)
+    _check_hierarchical_sizes(hierarchical_context_parallel_sizes, cp)
     if pipeline_model_parallel_split_rank is not None and virtual_pipeline_model_parallel_size is not None:
         raise ValueError("an encoder-decoder pipeline split (pipeline_model_parallel_split_rank) does not take "
                          "virtual pipeline stages")
@@ -288,14 +319,15 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         raise ValueError(f"torch.distributed is not initialized (a world of 1 process), so every parallel size "
                          f"must be 1; got tensor ({tp}), pipeline ({pp}), context ({cp}), expert ({ep}), "
                          f"expert tensor ({etp})")
-    plan = _plan_rank_groups(world_size, tp, pp, cp, ep, etp, order, pipeline_model_parallel_split_rank)
+    plan = _plan_rank_groups(world_size, tp, pp, cp, ep, etp, order, pipeline_model_parallel_split_rank,
+                             hierarchical_context_parallel_sizes)
 
     state = _State(rank=rank, virtual_pipeline_world_size=virtual_pipeline_model_parallel_size,
                    virtual_pipeline_rank=0 if virtual_pipeline_model_parallel_size is not None else None,
                    pipeline_split_rank=pipeline_model_parallel_split_rank)
     by_ranks: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}  # every group made, member or not
     for name in _GROUP_NAMES:
-        for ranks in plan[name]:
+        for ranks in plan.get(name, ()):
             key = tuple(ranks)
             # The plan is the same on every rank, so every rank reuses (or creates) the same lists
             # and the new_group calls, collective over the whole world, stay in step.
@@ -453,6 +485,22 @@ def get_context_parallel_rank() -> int:
 
 def get_context_parallel_global_ranks() -> list[int]:
     return list(_membership("cp").ranks)
+
+
+def get_tensor_and_context_parallel_group() -> Optional[dist.ProcessGroup]:
+    """TP x CP: the ranks among which one micro-batch's tokens are spread (SP and CP split them)."""
+    return _group("tp-cp")
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    return _size_of("tp-cp")
+
+
+def get_hierarchical_context_parallel_groups() -> Optional[list[Optional[dist.ProcessGroup]]]:
+    """[the a2a group, the p2p ring] of this rank (hierarchical_context_parallel_sizes), else None."""
+    if not _STATE.initialized or "cp-a2a" not in _STATE.memberships:
+        return None
+    return [_STATE.memberships["cp-a2a"].group, _STATE.memberships["cp-p2p"].group]
 
 
 def get_model_parallel_group() -> Optional[dist.ProcessGroup]:

@@ -22,7 +22,9 @@ The measurement runs a real TransformerLayer forward under torch.autograd.graph.
 and adds up the storages autograd keeps, each once (tensors sharing a storage -- q, k and v
 of one QKV output -- count once, with the storage's full size), leaving out parameters and the
 attention mask (one [1, 1, s, s] tensor for all layers, not a per-layer cost). With TP > 1 it
-needs the tensor-parallel group (parallel_state) and gives this rank's bytes.
+needs the tensor-parallel group (parallel_state) and gives this rank's bytes; with CP > 1 (the
+context-parallel group) the layer runs on this CP rank's s/N tokens and exchanges K/V with the others.
+Every per-token term is then 1/N of the serial one; the attention's s^2 terms are not (see docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import device, parallel_state
+from megatron.core.context_parallel import split_for_cp_rank
 from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 from megatron.model.positions import RotaryEmbedding
 from megatron.model.transformer_config import TransformerConfig
@@ -97,6 +100,7 @@ def layer_config(hidden_size: int, num_attention_heads: int, *, dtype: torch.dty
     return TransformerConfig(**llama,
         num_layers=1, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         sequence_parallel=sequence_parallel, hidden_dropout=dropout, attention_dropout=dropout,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
         recompute_granularity=recompute, recompute_method="uniform" if full else None,
@@ -121,8 +125,9 @@ def measure_layer_activation_bytes(seq_length: int, micro_batch_size: int, hidde
                           recompute=recompute, distribute_saved_activations=distribute_saved_activations,
                           use_flash_attn=use_flash_attn, dropout=dropout, llama_query_groups=llama_query_groups,
                           llama_fused=llama_fused)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    local_seq = seq_length // tp if sequence_parallel else seq_length
+    tp, cp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
+    cp_seq = seq_length // cp  # this CP rank's tokens (the load-balanced chunks r and 2N-1-r)
+    local_seq = cp_seq // tp if sequence_parallel else cp_seq
     tracker = get_cuda_rng_tracker()
     states = (torch.get_rng_state(), device.get_rng_state(), tracker.get_states(), set(tracker.seeds_))
     # Own seeds (the dropouts need the tracker's stream); the caller's generators are put back after.
@@ -136,8 +141,13 @@ def measure_layer_activation_bytes(seq_length: int, micro_batch_size: int, hidde
         hidden_states = torch.randn(local_seq, micro_batch_size, hidden_size, dtype=dtype,
                                     requires_grad=True)  # [s, b, h] ([s/t, b, h] with SP)
         mask = get_causal_attention_mask(seq_length)  # [1, 1, s, s]
+        if cp > 1:  # this CP rank's query rows of it: [1, 1, s/N, s], as get_batch_on_this_cp_rank cuts it
+            mask = split_for_cp_rank(mask, 2, cp, parallel_state.get_context_parallel_rank())
         # RoPE's angles, like the mask, are made once per model and shared by its layers.
-        freqs = RotaryEmbedding(config.kv_channels)(seq_length) if llama_query_groups is not None else None
+        freqs = None
+        if llama_query_groups is not None:  # [s/cp, 1, 1, hn]: the angles of this CP rank's positions
+            freqs = split_for_cp_rank(RotaryEmbedding(config.kv_channels)(seq_length), 0, cp,
+                                      parallel_state.get_context_parallel_rank())
         exclude = list(module.parameters()) + [mask] + ([freqs] if freqs is not None else [])
         if full:
             return saved_tensor_bytes(lambda x: module(x, mask, rotary_pos_emb=freqs), hidden_states,

@@ -24,12 +24,16 @@ The core attention, softmax(q k^T / sqrt(hn) + bias, masked) v, is a slot of the
 With recompute_granularity "selective" the core attention is rerun in backward
 (tensor_parallel.checkpoint): its s^2 activations (scores, probabilities, dropout mask) are not kept.
 Rotary embeddings rotate q and k after the projection (and after q/k layer norms); ALiBi arrives
-as an additive bias of this rank's heads.
+as an additive bias of this rank's heads. Under context parallelism (context_parallel_size > 1)
+s is this CP rank's s/N tokens and the core attention runs inside
+context_parallel_attention.context_parallel_attention, which brings the other ranks' keys and
+values by the layer's cp_comm_type (p2p ring, allgather, a2a, a2a+p2p).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,6 +43,7 @@ from megatron import fused_kernels
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, divide
 from megatron.fused_kernels import backend
+from megatron.model.context_parallel_attention import context_parallel_attention
 from megatron.model.layers import Dropout, fused_impl, tensor_parallel_dropout_context
 from megatron.model.module import MegatronModule
 from megatron.model.positions import apply_rotary_pos_emb
@@ -266,11 +271,16 @@ class SelfAttention(MegatronModule):
         if inference_context is not None:
             key, value = inference_context.append_key_value(self.layer_number, key, value)  # [offset + s, b, ng/t, hn]
         core_args = (query, key, value, attention_mask, is_causal, attention_bias)
+        core = self.core_attention
+        if self.config.context_parallel_size > 1:  # s is this CP rank's s/N tokens: the exchange inside
+            if inference_context is not None:
+                raise ValueError("generation with --context-parallel-size > 1 is not supported")
+            core = functools.partial(context_parallel_attention, self.core_attention, self.config, self.layer_number)
         if self.checkpoint_core_attention and self.training and torch.is_grad_enabled():
             # Selective recompute: keep q, k, v, rerun the attention in backward.
-            context = tensor_parallel.checkpoint(self.core_attention, False, *core_args)  # [s, b, np/t * hn]
+            context = tensor_parallel.checkpoint(core, False, *core_args)  # [s, b, np/t * hn]
         else:
-            context = self.core_attention(*core_args)  # [s, b, np/t * hn]
+            context = core(*core_args)  # [s, b, np/t * hn]
         return self.linear_proj(context)  # ([s, b, h] or [s/t, b, h] under SP, bias [h] or None)
 
 

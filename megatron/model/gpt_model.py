@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core import parallel_state
+from megatron.core.context_parallel import split_for_cp_rank
 from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_tensor_model_parallel_region
 from megatron.inference.context import InferenceContext
 from megatron.model.embedding import LanguageModelEmbedding
@@ -83,6 +84,8 @@ class GPTModel(LanguageModule):
         seq_len_interpolation_factor: float | None = None,
     ) -> None:
         super().__init__(config)
+        if position_embedding_type == "alibi" and config.context_parallel_size > 1:
+            raise ValueError("--position-embedding-type alibi is not supported with --context-parallel-size > 1")
         if position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type {position_embedding_type!r} is not supported "
                              f"(one of {', '.join(POSITION_EMBEDDING_TYPES)})")
@@ -166,7 +169,7 @@ class GPTModel(LanguageModule):
         if self.rotary_pos_emb is not None or self.alibi is not None:
             seq_length = self._sequence_length(decoder_input)
             if self.rotary_pos_emb is not None:
-                rotary_pos_emb = self.rotary_pos_emb(seq_length, offset).to(self._device(decoder_input))  # [s, 1, 1, rot]
+                rotary_pos_emb = self._rotary_angles(seq_length, offset).to(self._device(decoder_input))  # [s, 1, 1, rot]
             else:
                 attention_bias = self.alibi(seq_length, offset + seq_length).to(
                     self._device(decoder_input))  # [1, np/t, s, offset + s]
@@ -214,6 +217,15 @@ class GPTModel(LanguageModule):
         if self.return_logits:  # Accelerate's return_logits: (loss [b, s], logits [b, s, vocab])
             return loss, gather_from_tensor_model_parallel_region(logits).transpose(0, 1).contiguous()
         return loss
+
+    def _rotary_angles(self, seq_length: int, offset: int) -> torch.Tensor:
+        """RoPE's angles of this rank's tokens: under context parallelism the local s/N tokens sit at
+        the load-balanced chunks' real positions, so the angles of the whole sequence are cut the same way."""
+        cp = self.config.context_parallel_size
+        if cp == 1:
+            return self.rotary_pos_emb(seq_length, offset)  # [s, 1, 1, rot]
+        angles = self.rotary_pos_emb(seq_length * cp, offset)  # [N s, 1, 1, rot]
+        return split_for_cp_rank(angles, 0, cp, parallel_state.get_context_parallel_rank())  # [s, 1, 1, rot]
 
     def _sequence_length(self, decoder_input: torch.Tensor | None) -> int:
         """s of this forward: from the embedding's output, or on later pipeline stages from the

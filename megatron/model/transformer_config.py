@@ -62,6 +62,7 @@ InitMethod = Callable[[torch.Tensor], torch.Tensor]
 # Implementations of the fused ops the model may force on CPU (megatron.fused_kernels.dispatch).
 FUSED_KERNELS_CPU_IMPLS = ("native", "reference", "compiled")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+CP_COMM_TYPES = (None, "p2p", "a2a", "allgather", "a2a+p2p")
 
 
 def moe_layer_numbers(moe_layer_freq: int | list[int], num_layers: int) -> list[int]:
@@ -116,6 +117,12 @@ class TransformerConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     sequence_parallel: bool = False
+    # Context parallelism (megatron/model/context_parallel_attention.py, docs/parallelism.md): the
+    # sequence split over context_parallel_size ranks; cp_comm_type "p2p" (None), "a2a", "allgather" or
+    # "a2a+p2p" (with hierarchical_context_parallel_sizes [a2a size, p2p size]), or one per layer.
+    context_parallel_size: int = 1
+    cp_comm_type: str | list[str] | None = None
+    hierarchical_context_parallel_sizes: list[int] | None = None
     ffn_hidden_size: int | None = None
     kv_channels: int | None = None
     hidden_dropout: float = 0.1
@@ -219,6 +226,7 @@ class TransformerConfig:
             self.attention_softmax_in_fp32 = True
         self._check_recompute()
         self._check_moe()
+        self._check_context_parallel()
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
@@ -300,6 +308,40 @@ class TransformerConfig:
         if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
             raise ConfigRuleError("<<num_moe_experts>> with <<tensor_model_parallel_size>> > 1 needs "
                                   "<<sequence_parallel>>, as in Megatron")
+
+    def cp_comm_type_of(self, layer_number: int) -> str:
+        """The context-parallel exchange of the 1-based layer `layer_number` ("p2p" by default)."""
+        kind = self.cp_comm_type
+        if isinstance(kind, (list, tuple)):
+            kind = kind[layer_number - 1]
+        return kind or "p2p"
+
+    def _check_context_parallel(self) -> None:
+        """Megatron's rules for the context-parallel fields, one line each naming the fields."""
+        cp = self.context_parallel_size
+        _require_positive("context_parallel_size", cp)
+        kinds = self.cp_comm_type if isinstance(self.cp_comm_type, (list, tuple)) else [self.cp_comm_type]
+        if isinstance(self.cp_comm_type, (list, tuple)) and len(kinds) != self.num_layers:
+            raise ConfigRuleError(f"<<cp_comm_type>> as a list must hold one type per layer (<<num_layers>> = "
+                                  f"{self.num_layers}), got {len(kinds)}")
+        bad = [k for k in kinds if k not in CP_COMM_TYPES]
+        if bad:
+            raise ConfigRuleError(f"<<cp_comm_type>> must be one of {', '.join(t for t in CP_COMM_TYPES if t)}, "
+                                  f"got {bad[0]!r}")
+        sizes = self.hierarchical_context_parallel_sizes
+        if sizes is not None and (len(sizes) != 2 or sizes[0] * sizes[1] != cp or min(sizes) < 1):
+            raise ConfigRuleError(f"<<hierarchical_context_parallel_sizes>> must be two sizes (a2a, then p2p) "
+                                  f"whose product is <<context_parallel_size>> ({cp}), got {sizes!r}")
+        if cp == 1:
+            return
+        if "a2a+p2p" in kinds and sizes is None:
+            raise ConfigRuleError("<<cp_comm_type>> a2a+p2p needs <<hierarchical_context_parallel_sizes>>")
+        local_heads = self.num_attention_heads // self.tensor_model_parallel_size
+        for kind, ranks in (("a2a", cp), ("a2a+p2p", sizes[0] if sizes else 1)):
+            if kind in kinds and local_heads % ranks:
+                raise ConfigRuleError(f"<<cp_comm_type>> {kind} splits the {local_heads} attention heads of a "
+                                      f"tensor-parallel rank over {ranks} ranks: <<num_attention_heads>> / "
+                                      f"<<tensor_model_parallel_size>> must be divisible by it")
 
     def _check_recompute(self) -> None:
         """Megatron's rules for the recompute fields (ConfigRuleError: the command line names the

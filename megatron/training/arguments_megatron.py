@@ -69,7 +69,6 @@ PERF = "a performance setting of Megatron's CUDA/NCCL/Transformer Engine path; t
 TE = "Transformer Engine only (--transformer-impl local here)"
 FP8 = "only used with --fp8-format, which is not supported yet"
 MOE_PERF = "a performance setting of Megatron's MoE CUDA path (overlap, DeepEP, fused permute); the result is the same"
-CP = "only used with --context-parallel-size > 1, which is not supported yet"
 FSDP = "only used with --use-custom-fsdp / --use-torch-fsdp2, which are not supported yet"
 DIST_CKPT = "a tuning knob of Megatron's torch_dist strategies: every rank saves and loads its own pieces here"
 OFFLOAD = "the optimizer's state stays where its parameters are (CPU on a CPU run)"
@@ -193,8 +192,6 @@ NO_EFFECT = (
     _value("--suggested-communication-unit-size", int, None, FSDP),
     _true("--keep-fp8-transpose-cache-when-using-custom-fsdp", FSDP),
     _false("--torch-fsdp2-no-reshard-after-forward", "torch_fsdp2_reshard_after_forward", FSDP),
-    _value("--cp-comm-type", str, ["p2p"], CP, nargs="+"),
-    _value("--hierarchical-context-parallel-sizes", int, None, CP, nargs="+"),
     _value("--replication-jump", int, None, "only used with --replication, which is not supported yet"),
     _value("--replication-factor", int, 2, "only used with --replication, which is not supported yet"),
     # validation, tokenizer, data

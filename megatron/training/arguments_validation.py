@@ -16,6 +16,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints |
 | 7b | _validate_pipeline_parallel | virtual_pipeline_model_parallel_size |
 | 7c | _validate_data_parallel | |
+| 7c | _validate_context_parallel | (seq length divisible by 2 x CP; causal mask only; no ALiBi) |
 | 7d | _validate_pipeline_schedule | (PP > 1: the schedule simulator finds no deadlock) |
 | 7c | _validate_recompute | (granularity, method, layers per stage, distributed saved inputs) |
 | 8 | _validate_train_length | (iteration- or sample-based consistency) |
@@ -75,7 +76,6 @@ FLAG_ALIASES: dict[str, tuple] = {
 # delete the row when it lands. Megatron-LM's flags of features we lack are its last rows
 # (megatron/training/arguments_megatron.py REFUSED).
 NOT_YET_SUPPORTED = (
-    ("context_parallel_size", "--context-parallel-size", 1, "context parallelism"),
     ("transformer_impl", "--transformer-impl", "local", "Transformer Engine layers"),
     ("fp8", "--fp8-format", None, "FP8 training"),
 ) + refusal_rows()
@@ -366,6 +366,34 @@ def _validate_data_parallel(args: Namespace) -> None:
                             "distributed optimizer's parameter all-gather with the next forward)")
         if not args.overlap_grad_reduce:
             raise ArgsError("--overlap-param-gather needs --overlap-grad-reduce")
+
+
+def _validate_context_parallel(args: Namespace) -> None:
+    """--context-parallel-size > 1: the load-balanced split needs s divisible by 2 x CP (and the CP
+    rank's s / CP by TP under sequence parallelism); only the causal mask and no ALiBi; the comm
+    types' own rules are TransformerConfig's (_check_config_rules)."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        if args.hierarchical_context_parallel_sizes is not None:
+            raise ArgsError("--hierarchical-context-parallel-sizes needs --context-parallel-size > 1")
+        return
+    family = getattr(args, "model_family", None)
+    if family in ("BERT", "T5"):
+        raise ArgsError(f"--context-parallel-size > 1 is for causal (GPT-style) models: {family}'s bidirectional "
+                        "attention with a padding mask is not supported")
+    seq = args.seq_length
+    if seq is not None and seq % (2 * cp):
+        raise ArgsError(f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({2 * cp}): "
+                        "the sequence is cut into 2 x CP load-balanced chunks")
+    tp = args.tensor_model_parallel_size
+    if seq is not None and args.sequence_parallel and (seq // cp) % tp:
+        raise ArgsError(f"--seq-length / --context-parallel-size ({seq // cp}) must be divisible by "
+                        f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+    if getattr(args, "reset_attention_mask", False):
+        raise ArgsError("--reset-attention-mask (per-document attention, packed sequences) is not supported with "
+                        "--context-parallel-size > 1: context parallelism takes the causal mask only")
+    if getattr(args, "position_embedding_type", None) == "alibi":
+        raise ArgsError("--position-embedding-type alibi is not supported with --context-parallel-size > 1")
 
 
 def _validate_pipeline_parallel(args: Namespace) -> None:
@@ -751,6 +779,7 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_batch(args)
     _validate_pipeline_parallel(args)
     _validate_data_parallel(args)
+    _validate_context_parallel(args)
     _validate_pipeline_schedule(args)
     _validate_model_config(args)
     _validate_moe(args)

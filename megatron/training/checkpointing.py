@@ -321,7 +321,8 @@ def _writes_model_file() -> bool:
         return True
     if parallel_state.get_expert_model_parallel_world_size() > 1:
         return parallel_state.get_expert_data_parallel_rank() == 0
-    return parallel_state.get_data_parallel_rank() == 0
+    # The CP ranks of a data-parallel rank hold the same weights: the first of them writes.
+    return parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
 def _refuse_split_experts(args: argparse.Namespace) -> None:

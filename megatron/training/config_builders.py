@@ -38,6 +38,9 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
+        context_parallel_size=args.context_parallel_size,
+        cp_comm_type=_cp_comm_type(args),
+        hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -73,6 +76,12 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         use_flash_attn=args.use_flash_attn,
         **_moe_kwargs(args),
     )
+
+
+def _cp_comm_type(args: Namespace) -> Any:
+    """--cp-comm-type as Megatron hands it on: one value as a string, several as the per-layer list."""
+    kinds = args.cp_comm_type
+    return kinds[0] if isinstance(kinds, (list, tuple)) and len(kinds) == 1 else kinds
 
 
 def _moe_kwargs(args: Namespace) -> dict[str, Any]:

@@ -118,7 +118,8 @@ def _initialize_distributed(get_embedding_ranks: Optional[Callable] = None,
             context_parallel_size=args.context_parallel_size,
             expert_model_parallel_size=args.expert_model_parallel_size,
             pipeline_model_parallel_split_rank=args.pipeline_model_parallel_split_rank,
-            expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+            hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes)
         _report_node_topology(args)
     # A stage waiting on its neighbour longer than this fails with an error naming both (no silent hang).
     p2p_communication.set_p2p_timeout(args.distributed_timeout_minutes * 60.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import resource
-from typing import List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -24,6 +24,7 @@ from megatron.core.utils import (  # noqa: F401  (Megatron's megatron.training.u
     print_rank_last,
 )
 from megatron.core import communication, device, parallel_state
+from megatron.core.context_parallel import split_for_cp_rank
 
 
 def print_datetime(string: str) -> None:
@@ -77,6 +78,22 @@ def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, pad_toke
         else:
             attention_mask = causal.view(1, 1, seq, seq)
     return attention_mask, loss_mask, position_ids
+
+
+def get_batch_on_this_cp_rank(batch: Dict[str, Optional[torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
+    """Megatron's: this context-parallel rank's tokens of every tensor of the batch, load-balanced
+    (the sequence in 2N chunks, rank r keeping chunks r and 2N-1-r; megatron/core/context_parallel.py).
+
+    Tensors are [b, s] (tokens, labels, loss_mask, position_ids) and cut along dim 1; an attention
+    mask [b, 1, s, s] keeps this rank's query rows (dim 2) and every key. None values pass through;
+    the batch is returned unchanged when the CP size is 1.
+    """
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return batch
+    rank = parallel_state.get_context_parallel_rank()
+    return {key: None if value is None else split_for_cp_rank(value, 2 if key == "attention_mask" else 1, cp, rank)
+            for key, value in batch.items()}
 
 
 def average_losses_across_data_parallel_group(losses: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -51,3 +51,10 @@ def test_layout_flags_are_megatrons():
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--num-virtual-stages-per-pipeline-rank", "2", "--expert-model-parallel-size", "2", "--sequence-parallel",
         "--use-distributed-optimizer"]
+
+
+def test_layout_accepts_context_parallelism():
+    layout = verify_parallel.parse_layout("cp2-tp2sp-dp2")
+    assert verify_parallel.world_size(layout) == 8
+    assert verify_parallel.layout_flags(layout) == [
+        "--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel"]

@@ -1,10 +1,11 @@
 """The hang watchdog end to end: torchrun pretrain_gpt.py with one rank stalled (MEGATRON_TEST_STALL)
-in a tensor-parallel all-reduce, a pipeline exchange and the data-parallel gradient all-reduce.
+in a tensor-parallel all-reduce, a pipeline exchange, the data-parallel gradient all-reduce and a
+context-parallel ring exchange.
 
 Each job must end soon after --watchdog-seconds (not at the stall's 600 s or the 10-minute process
 group timeout) with a non-zero exit, and the rank left waiting must print one line naming the
-operation, the group and its ranks, the peer, the micro-batch and the iteration. The three jobs run
-at once (2 processes each) to keep the wall time near one job's.
+operation, the group and its ranks, the peer, the micro-batch and the iteration. The jobs run at
+once (2 processes each) to keep the wall time near one job's.
 """
 
 import os
@@ -30,6 +31,8 @@ JOBS = {
     "tp": (["--tensor-model-parallel-size", "2"], "rank=1,op=all_reduce,group=tp,after=3"),
     "pp": (["--pipeline-model-parallel-size", "2"], "rank=1,op=p2p,after=3"),
     "dp": ([], "rank=0,op=all_reduce,group=dp-cp,after=1"),
+    # 2 layers at CP 2: forward shifts #1, #2, backward #3, #4; rank 1 stops before waiting on #3
+    "cp": (["--context-parallel-size", "2"], "rank=1,op=cp_ring,group=cp,after=3"),
 }
 STUCK = re.compile(r"^rank (\d+): stuck for (\d+) s in (\S+) on group (\S+) \[([\d, ]+)\] \(([^)]*)\); "
                    r"waiting for (.+) \(--watchdog-seconds 5\)$", re.M)
@@ -95,3 +98,12 @@ def test_data_parallel_stall(jobs):
     assert (rank, op, group, ranks) == ("1", "all_reduce", "dp-cp", "0, 1")
     assert where == "after the micro-batches, iteration 1"  # the gradient all-reduce
     assert waiting == "ranks [0] of the group"
+
+
+def test_context_parallel_stall(jobs):
+    lines = _check_ended_by_watchdog(jobs["cp"])
+    assert "rank 1: MEGATRON_TEST_STALL: sleeping 600 s before cp_ring #3 on group cp" in jobs["cp"][2]
+    rank, _, op, group, ranks, where, waiting = lines[0]
+    assert (rank, op, group, ranks) == ("0", "cp_ring", "cp", "0, 1")  # the ring's next exchange, #4
+    assert re.fullmatch(r"micro-batch \d of 4, iteration 1", where)
+    assert waiting == "rank 1 to send, rank 1 to receive"

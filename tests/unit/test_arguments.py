@@ -157,6 +157,30 @@ BAD = [
      "the interleaved schedule needs the number of micro-batches (3 = batch 6 / (--micro-batch-size 2 x "
      "data-parallel size 1)) to be a multiple of --pipeline-model-parallel-size (2)"),
     ("ddp-bucket-size", "--ddp-bucket-size 0", [], {}, "--ddp-bucket-size must be > 0, got 0"),
+    ("cp-seq", "--context-parallel-size 2 --seq-length 30", ["--seq-length"], {"WORLD_SIZE": "2"},
+     "--seq-length (30) must be divisible by 2 x --context-parallel-size (4)"),
+    ("cp-sp-seq", "--context-parallel-size 2 --tensor-model-parallel-size 4 --sequence-parallel --seq-length 36 "
+     "--max-position-embeddings 36", ["--seq-length", "--max-position-embeddings"], {"WORLD_SIZE": "8"},
+     "--seq-length / --context-parallel-size (18) must be divisible by --tensor-model-parallel-size (4)"),
+    ("cp-reset-mask", "--context-parallel-size 2 --reset-attention-mask", [], {"WORLD_SIZE": "2"},
+     "--reset-attention-mask (per-document attention, packed sequences) is not supported with "
+     "--context-parallel-size > 1"),
+    ("cp-alibi", "--context-parallel-size 2 --position-embedding-type alibi", [], {"WORLD_SIZE": "2"},
+     "--position-embedding-type alibi is not supported with --context-parallel-size > 1"),
+    ("cp-comm-type", "--context-parallel-size 2 --cp-comm-type ring", [], {"WORLD_SIZE": "2"},
+     "--cp-comm-type must be one of p2p, a2a, allgather, a2a+p2p, got 'ring'"),
+    ("cp-comm-type-layers", "--context-parallel-size 2 --cp-comm-type p2p a2a a2a", [], {"WORLD_SIZE": "2"},
+     "--cp-comm-type as a list must hold one type per layer (--num-layers = 2), got 3"),
+    ("cp-a2a-heads", "--context-parallel-size 8 --cp-comm-type a2a", [], {"WORLD_SIZE": "8"},
+     "--cp-comm-type a2a splits the 4 attention heads of a tensor-parallel rank over 8 ranks"),
+    ("cp-hierarchical", "--context-parallel-size 4 --cp-comm-type a2a+p2p", [], {"WORLD_SIZE": "4"},
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"),
+    ("cp-hierarchical-product", "--context-parallel-size 4 --cp-comm-type a2a+p2p "
+     "--hierarchical-context-parallel-sizes 2 4", [], {"WORLD_SIZE": "4"},
+     "--hierarchical-context-parallel-sizes must be two sizes (a2a, then p2p) whose product is "
+     "--context-parallel-size (4)"),
+    ("cp-hierarchical-no-cp", "--hierarchical-context-parallel-sizes 1 1", [], {},
+     "--hierarchical-context-parallel-sizes needs --context-parallel-size > 1"),
     ("recompute-full-no-method", "--recompute-granularity full --recompute-num-layers 1", [], {},
      '--recompute-granularity full needs --recompute-method "uniform" or "block"'),
     ("recompute-full-no-layers", "--recompute-granularity full --recompute-method uniform", [], {},
@@ -553,3 +577,10 @@ def test_optimizer_config_from_args():
     assert (config.clip_grad, config.loss_scale_window, config.hysteresis) == (0.5, 50, 1)
     assert config.initial_loss_scale == 1024 and config.loss_scale is None and config.weight_decay == 0.1
     assert config.fp16 and config.params_dtype == torch.float16 and config.log_num_zeros_in_grad
+
+
+def test_context_parallelism_is_refused_for_bert(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ArgsError, match=re.escape("--context-parallel-size > 1 is for causal (GPT-style) models: "
+                                                  "BERT's bidirectional attention")):
+        run("--context-parallel-size 2", drop=["--mock-data"], defaults={"model_family": "BERT"})

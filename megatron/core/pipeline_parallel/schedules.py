@@ -62,16 +62,32 @@ def _run_loss_func(loss_func: Callable, output_tensor: torch.Tensor, num_microba
                    calculate_per_token_loss: bool) -> tuple[torch.Tensor, torch.Tensor, LossDict]:
     """Apply the loss function; returns (loss to back-propagate, num_tokens, reported values)."""
     outputs = loss_func(output_tensor)
+    cp = parallel_state.get_context_parallel_world_size()
     if len(outputs) == 3:
         loss, num_tokens, reported = outputs
         num_tokens = torch.as_tensor(num_tokens).detach()
         if not calculate_per_token_loss:
-            loss = loss / num_tokens.clamp(min=1) / num_microbatches
+            loss = loss / _micro_batch_token_count(num_tokens, cp) / num_microbatches
         return loss, num_tokens, reported
     if len(outputs) == 2:  # Megatron's legacy form: a mean, averaged over the micro-batches, no token count
         loss, reported = outputs
-        return loss / num_microbatches, torch.tensor(0), reported
+        # Megatron's: a loss function that already averages over the CP ranks (all-reduce of sum and
+        # count) gets its gradient multiplied back by the CP size, which DDP's 1/(DP x CP) divides.
+        return loss * cp / num_microbatches, torch.tensor(0), reported
     raise ValueError(f"a loss function must return 2 or 3 values, got {len(outputs)}")
+
+
+def _micro_batch_token_count(num_tokens: torch.Tensor, cp: int) -> torch.Tensor:
+    """What a micro-batch's loss sum is divided by: its token count, at least 1. Under context
+    parallelism each rank holds 1/N of the micro-batch's tokens: the count is summed over the CP
+    group and divided by N, so that DDP's mean over DP x CP ranks gives the gradient of
+    (sum over the whole micro-batch) / (its count) exactly, whatever share of the loss mask each CP
+    rank holds. (Megatron divides by the local count, the same when the shares are equal.)"""
+    if cp == 1:
+        return num_tokens.clamp(min=1)
+    total = num_tokens.to(device=device.get_device(), dtype=torch.int64).reshape(1).clone()
+    communication.all_reduce(total, group=parallel_state.get_context_parallel_group())
+    return total.to(num_tokens.device).reshape(()).clamp(min=1).float() / cp
 
 
 class _Run:
@@ -89,7 +105,10 @@ class _Run:
         self.losses: List[LossDict] = []
         # Auxiliary losses (MoE balancing) get the main loss's backward factor: 1/m, times the loss scale.
         scale = float(grad_scale_func(torch.ones(1)).item()) if grad_scale_func is not None else 1.0
-        AuxLossAutoScaler.set_loss_scale(scale if calculate_per_token_loss else scale / num_microbatches)
+        # Under context parallelism each rank's aux loss covers its 1/N of the tokens and DDP averages
+        # over DP x CP: multiplied by N, as Megatron does.
+        cp = parallel_state.get_context_parallel_world_size()
+        AuxLossAutoScaler.set_loss_scale(scale if calculate_per_token_loss else scale * cp / num_microbatches)
         # On the device: the pipeline broadcast and the data-parallel sum of it must work with NCCL.
         self.total_num_tokens = torch.zeros((), dtype=torch.int64, device=device.get_device())
         watchdog.note_schedule(num_microbatches, forward_only)  # names the micro-batch of a hang

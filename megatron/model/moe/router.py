@@ -176,8 +176,15 @@ class TopKRouter(MegatronModule):
 
     def routing(self, logits: torch.Tensor, seq_length: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         config = self.config
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        # The ranks that hold this micro-batch's other tokens: TP (MoE needs SP) and, under context
+        # parallelism, the CP ranks too (Megatron's tp-cp group): counts are summed over them, and a
+        # rank's partial z-loss is divided by their number.
+        if config.context_parallel_size > 1:
+            tp_group = parallel_state.get_tensor_and_context_parallel_group()
+            tp = parallel_state.get_tensor_and_context_parallel_world_size()
+        else:
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            tp = parallel_state.get_tensor_model_parallel_world_size()
         num_layers = config.num_layers
         if config.moe_z_loss_coeff and self._balancing():
             z_value = torch.mean(torch.square(torch.logsumexp(logits, dim=-1)))  # this rank's tokens

@@ -449,6 +449,17 @@ class DistributedConfig(ConfigGroup, title="distributed"):
     (--pipeline-model-parallel-size) is supported yet.
     """
     context_parallel_size: int = 1
+    """Degree of context parallelism: the sequence split over this many ranks (load-balanced
+    chunks; docs/parallelism.md).
+    """
+    cp_comm_type: list[str] = setting(default_factory=lambda: ["p2p"], type=str, nargs="+")
+    """Inter-GPU communication type for context parallelism: p2p (ring), a2a (Ulysses), allgather
+    or a2a+p2p (with --hierarchical-context-parallel-sizes); one value for every layer or one per layer.
+    """
+    hierarchical_context_parallel_sizes: list[int] | None = setting(None, type=int, nargs="+")
+    """Context parallelism as [a2a size, p2p size] (product = --context-parallel-size): the a2a+p2p
+    communication type.
+    """
     sequence_parallel: bool = False
     distributed_backend: str | None = setting(None, type=None, choices=("nccl", "gloo"))
     """nccl on CUDA, gloo on CPU if not given."""

@@ -23,7 +23,7 @@ from megatron.training.gpt_builders import gpt_builder
 from megatron.model import GPTModel
 from megatron.model.packed_seq import PackedSeqParams
 from megatron.training.training import pretrain
-from megatron.training.utils import print_rank_0
+from megatron.training.utils import get_batch_on_this_cp_rank, print_rank_0
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None) -> GPTModel:
@@ -35,7 +35,8 @@ def get_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:
     """(tokens, labels, loss_mask, attention_mask or None, position_ids) of the next micro-batch.
 
     Tensor-parallel rank 0 reads the batch; the other TP ranks (data_iterator None) receive it
-    by broadcast, so every rank of a TP group works on the same tokens. Only the first pipeline
+    by broadcast, so every rank of a TP group works on the same tokens. Under context parallelism
+    each CP rank then keeps its load-balanced share of the sequence (get_batch_on_this_cp_rank). Only the first pipeline
     stage (tokens) and the last (labels, loss mask) need a batch; middle stages get Nones.
     """
     keys = ("tokens", "labels", "loss_mask", "position_ids")
@@ -57,14 +58,16 @@ def get_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:
             received["attention_mask"] = mask.bool()
         data = received
     target = device.get_device()
-    tokens = data["tokens"].to(target, non_blocking=True)
-    labels = data["labels"].to(target, non_blocking=True)
-    loss_mask = data["loss_mask"].to(target, non_blocking=True)
-    position_ids = data["position_ids"].to(target, non_blocking=True)
+    batch = {key: data[key].to(target, non_blocking=True) for key in keys}
     attention_mask = data.get("attention_mask")
     if attention_mask is not None:
         attention_mask = attention_mask.to(target, non_blocking=True)  # [b, 1, s, s], True = masked
-    return tokens, labels, loss_mask, attention_mask, position_ids
+    if parallel_state.get_context_parallel_world_size() > 1:
+        # The causal mask is implied (validation refuses --reset-attention-mask with CP): the
+        # attention computes it from the real positions of each CP rank's chunks.
+        attention_mask = None
+        batch = get_batch_on_this_cp_rank(batch)  # [b, s/N] each, chunks r and 2N-1-r
+    return batch["tokens"], batch["labels"], batch["loss_mask"], attention_mask, batch["position_ids"]
 
 
 def get_sft_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]:
