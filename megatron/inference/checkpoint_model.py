@@ -49,7 +49,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     if lora_run(model):  # --lora-rank: a LoRA checkpoint's base (from its pointer) and adapters, or a base
         from megatron.training.checkpoint_lora import load_lora_run
 
-        if not checkpoint_exists(args.load) and getattr(args, "load_hf", None) is None:
+        if not checkpoint_exists(args.load) and args.load_hf is None:
             raise CheckpointError(f"--load {args.load}: no checkpoint there (no latest_checkpointed_iteration.txt)")
         args.no_load_optim, args.no_load_rng, args.auto_detect_ckpt_format = True, True, True
         load_lora_run(model, None, None, args)

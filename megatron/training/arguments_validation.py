@@ -377,7 +377,7 @@ def _validate_context_parallel(args: Namespace) -> None:
         if args.hierarchical_context_parallel_sizes is not None:
             raise ArgsError("--hierarchical-context-parallel-sizes needs --context-parallel-size > 1")
         return
-    family = getattr(args, "model_family", None)
+    family = args.model_family
     if family in ("BERT", "T5"):
         raise ArgsError(f"--context-parallel-size > 1 is for causal (GPT-style) models: {family}'s bidirectional "
                         "attention with a padding mask is not supported")
@@ -389,10 +389,10 @@ def _validate_context_parallel(args: Namespace) -> None:
     if seq is not None and args.sequence_parallel and (seq // cp) % tp:
         raise ArgsError(f"--seq-length / --context-parallel-size ({seq // cp}) must be divisible by "
                         f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
-    if getattr(args, "reset_attention_mask", False):
+    if args.reset_attention_mask:
         raise ArgsError("--reset-attention-mask (per-document attention, packed sequences) is not supported with "
                         "--context-parallel-size > 1: context parallelism takes the causal mask only")
-    if getattr(args, "position_embedding_type", None) == "alibi":
+    if args.position_embedding_type == "alibi":
         raise ArgsError("--position-embedding-type alibi is not supported with --context-parallel-size > 1")
 
 

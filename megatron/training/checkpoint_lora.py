@@ -53,7 +53,7 @@ def _load_base(model: List[nn.Module], args: argparse.Namespace, directory: str,
         raise CheckpointError(f"{flag} {directory}: its tracker names iteration {iteration}, but the adapters were "
                               f"trained on iteration {expected_iteration} ({POINTER_NAME}); restore that base "
                               "checkpoint")
-    saved = {name: getattr(args, name, None) for name in ("lora_base_dir", "finetune", "pretrained_checkpoint")}
+    saved = {name: getattr(args, name) for name in ("lora_base_dir", "finetune", "pretrained_checkpoint")}
     args.lora_base_dir, args.finetune, args.pretrained_checkpoint = directory, True, None
     try:
         with state_dict_view(model, "base"):
@@ -108,13 +108,13 @@ def load_lora_run(model: List[nn.Module], optimizer: Any, opt_param_scheduler: A
             result = load_checkpoint(model, optimizer, opt_param_scheduler, args=args)
         args.lora_base = base
         return result
-    if getattr(args, "pretrained_checkpoint", None) is not None:
+    if args.pretrained_checkpoint is not None:
         _load_base(model, args, args.pretrained_checkpoint, "--pretrained-checkpoint")
         return 0, 0.0
-    if getattr(args, "load_hf", None) is not None:
+    if args.load_hf is not None:
         _load_hf_base(model, args, args.load_hf)
         return 0, 0.0
-    if getattr(args, "save", None):
+    if args.save:
         raise CheckpointError("--lora-rank with --save needs a base model to point to (--load, "
                               "--pretrained-checkpoint or --load-hf holding one): its checkpoints hold the "
                               "adapters alone")

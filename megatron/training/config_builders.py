@@ -180,7 +180,7 @@ def lora_config_from_args(args: Namespace) -> Any:
     """The LoRAConfig of validated args; None when --lora-rank is 0 (no adapters)."""
     from megatron.core.tensor_parallel.lora import LoRAConfig
 
-    if not getattr(args, "lora_rank", 0):
+    if not args.lora_rank:
         return None
     return LoRAConfig(rank=args.lora_rank, alpha=float(args.lora_alpha), dropout=float(args.lora_dropout),
                       target_modules=tuple(args.lora_target_modules))

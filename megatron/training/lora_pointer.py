@@ -48,7 +48,7 @@ def read_pointer(directory: str) -> Optional[Dict[str, Any]]:
 
 def write_pointer(save_dir: str, args: argparse.Namespace) -> None:
     """Rank 0 writes <save>/lora_base.json (temp file + rename); the caller saves the adapters after it."""
-    base = getattr(args, "lora_base", None)
+    base = args.lora_base
     if base is None:
         raise CheckpointError("--lora-rank: this run has no base checkpoint to point to (start it with --load, "
                               "--pretrained-checkpoint or --load-hf): an adapter-only checkpoint would be unusable")

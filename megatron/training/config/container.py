@@ -54,6 +54,8 @@ RUN_STATE = {
     "eos_id": None,  # the text-generation scripts' --eos-id: the token that ends a generation
     "max_tokens_to_oom": None,  # Megatron's inference limit (prompt + generated tokens x batch), if given
     "mean_noise_span_length": None,  # pretrain_t5.py's own flag (T5 through Accelerate has not got it)
+    "lora_base": None,  # LoRA: the base checkpoint the adapters point to, once loaded (lora_pointer.py)
+    "lora_base_dir": None,  # LoRA: the folder the base weights are read from while they load
 }
 NOT_SETTINGS = frozenset(("rank", "world_size", *RUN_STATE))
 
