@@ -67,7 +67,7 @@ def read_common(base_dir: str, args: Optional[argparse.Namespace] = None) -> Dic
     if not verify_file(path, base_dir):
         _print_rank_0(f"  {path} is not verified: {base_dir} has no checksums.json")
     try:
-        common = load_file(path, trust_pickles=bool(args.trust_checkpoint_pickles),
+        common = load_file(path, trust_pickles=args is not None and bool(args.trust_checkpoint_pickles),
                            log=_print_rank_0)
     except CheckpointError:
         raise

@@ -80,8 +80,9 @@ def _barrier() -> None:
         communication.barrier()
 
 
-def _flag(args: argparse.Namespace, name: str) -> bool:
-    return bool(getattr(args, name))
+def _flag(args: Optional[argparse.Namespace], name: str) -> bool:
+    """A flag of the run's args; False without args (a file read before the run's args exist)."""
+    return args is not None and bool(getattr(args, name))
 
 
 def ensure_directory_exists(filename: str, check_parent: bool = True) -> None:

@@ -1,7 +1,9 @@
 """--sft with packed conversations at TP = 2 (x DP = 2, sequence parallel), PP = 2 (x DP = 2, the
 distributed optimizer) and TP = 2 x PP = 2 against the serial run: the same losses and grad norms
 (rel 1e-5) over two steps of pretrain_gpt.py's own loop (each pipeline stage reads the
-conversation boundaries, the second TP rank receives them by broadcast)."""
+conversation boundaries, the second TP rank receives them by broadcast). The same with LoRA
+adapters on the frozen HF model (--lora-rank, every target module) against LoRA's serial run: the
+layouts of issue 33 (TP 2, PP 2, TP 2 x PP 2, DP 2 with the distributed optimizer)."""
 
 import random
 
@@ -16,6 +18,13 @@ LAYOUTS = {
     "tp2-sp-dp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2-dp2-distopt": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"],
     "tp2-pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+}
+LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
+LORA_LAYOUTS = {
+    "lora-tp2-sp-dp2": LAYOUTS["tp2-sp-dp2"],
+    "lora-pp2-dp2-distopt": LAYOUTS["pp2-dp2-distopt"],
+    "lora-tp2-pp2": LAYOUTS["tp2-pp2"],
+    "lora-dp4-distopt": ["--use-distributed-optimizer"],
 }
 
 
@@ -42,13 +51,17 @@ def test_packed_sft_layouts_equal_the_serial_run(dist_pool, tmp_path):
     lines = [sft.conversation(rng, words=(1, 2)) + sft.conversation(rng, words=(1, 2)) for _ in range(12)]
     data = [str(sft.write_chat_jsonl(tmp_path / "chat.jsonl", lines))]
     argv = sft.sft_argv(model, data, SEQ, "--sft-tokenizer-prompt-format", "chatml", "--lr", "1e-2", iters=2, gbs=4)
-    serial = _records(argv)
-    results = dist_pool.run(_layouts, {name: argv + flags for name, flags in LAYOUTS.items()})
-    for name in LAYOUTS:
+    serial = {"": _records(argv), "lora-": _records(argv + LORA)}
+    runs = {**{name: argv + flags for name, flags in LAYOUTS.items()},
+            **{name: argv + LORA + flags for name, flags in LORA_LAYOUTS.items()}}
+    assert serial[""][1] != serial["lora-"][1]  # (LoRA trains other weights: another grad norm)
+    results = dist_pool.run(_layouts, runs)
+    for name in runs:
+        reference = serial["lora-" if name.startswith("lora-") else ""]
         reported = [per_layout[name] for per_layout in results if per_layout[name][1][0] is not None]
         assert reported, name
         for records in reported:
             assert sorted(records) == [1, 2], name
             for iteration, (loss, grad_norm) in records.items():
-                assert loss == pytest.approx(serial[iteration][0], rel=1e-5), (name, iteration)
-                assert grad_norm == pytest.approx(serial[iteration][1], rel=1e-5), (name, iteration)
+                assert loss == pytest.approx(reference[iteration][0], rel=1e-5), (name, iteration)
+                assert grad_norm == pytest.approx(reference[iteration][1], rel=1e-5), (name, iteration)
