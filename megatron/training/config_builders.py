@@ -5,6 +5,7 @@ flag -> config translations (megatron.training.arguments re-exports them, Megatr
 |---|---|
 | core_transformer_config_from_args(args) | megatron.model.TransformerConfig |
 | gpt_model_kwargs(args) | GPTModel's position-embedding keywords (rope, alibi, none, ...) |
+| mamba_model_kwargs(args) | MambaModel's: those and the hybrid layer pattern (hybrid_pattern_from_args) |
 | optimizer_config_from_args(args) | megatron.core.optimizer.OptimizerConfig |
 | gpt_dataset_config_from_args(args, tokenizer) | megatron.data.dataset_config.GPTDatasetConfig |
 | config_flag(field) | the flag of a TransformerConfig field (num_moe_experts -> --num-experts) |
@@ -70,7 +71,38 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         distribute_saved_activations=args.distribute_saved_activations,
         use_flash_attn=args.use_flash_attn,
         **_moe_kwargs(args),
+        **_mamba_kwargs(args),
     )
+
+
+def _mamba_kwargs(args: Namespace) -> dict[str, Any]:
+    """The Mamba fields of TransformerConfig (--disable-mamba-mem-eff-path is use_mamba_mem_eff_path=False)."""
+    return dict(mamba_state_dim=args.mamba_state_dim, mamba_head_dim=args.mamba_head_dim,
+                mamba_num_groups=args.mamba_num_groups, mamba_num_heads=args.mamba_num_heads,
+                use_mamba_mem_eff_path=not args.disable_mamba_mem_eff_path)
+
+
+def hybrid_pattern_from_args(args: Namespace) -> str | None:
+    """The layer pattern of a hybrid model (--hybrid-override-pattern or the ratios' allocation), or
+    None for a model that is not one (no hybrid flag given)."""
+    if not (args.is_hybrid_model or args.hybrid_override_pattern or args.hybrid_attention_ratio
+            or args.hybrid_mlp_ratio):
+        return None
+    from megatron.model.mamba.hybrid import HybridPatternError, allocate_layers
+
+    try:
+        return allocate_layers(args.num_layers, args.hybrid_attention_ratio, args.hybrid_mlp_ratio,
+                               args.hybrid_override_pattern)
+    except HybridPatternError as error:
+        raise ArgsError(str(error)) from None
+
+
+def mamba_model_kwargs(args: Namespace) -> dict[str, Any]:
+    """MambaModel's keywords from validated args: gpt_model_kwargs' positions and the hybrid pattern."""
+    kwargs = gpt_model_kwargs(args)
+    if kwargs.pop("transformer_layer_spec") is not None:
+        raise ArgsError("--spec: a hybrid model builds its layers from --hybrid-override-pattern")
+    return dict(kwargs, hybrid_override_pattern=hybrid_pattern_from_args(args) or "M" * args.num_layers)
 
 
 def _moe_kwargs(args: Namespace) -> dict[str, Any]:

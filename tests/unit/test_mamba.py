@@ -111,3 +111,54 @@ def test_allocation_matches_megatrons_and_refuses_bad_patterns():
                        ((4, 0.7, 0.5), "at most 1")):
         with pytest.raises(HybridPatternError, match=flag):
             allocate_layers(*args)
+
+
+def hybrid_config(**overrides):
+    kwargs = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, normalization="RMSNorm",
+                  add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                  hidden_dropout=0.0, attention_dropout=0.0, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
+                  mamba_chunk_size=8, init_method_std=0.1)
+    return TransformerConfig(**{**kwargs, **overrides})
+
+
+def test_hybrid_pattern_equals_a_stack_assembled_from_the_reference_layers():
+    """M*-M: our MambaModel against embedding -> HF's Mamba2Block / the attention and MLP halves of our
+    Llama-spec TransformerLayer (each half through its own norm and residual) -> final RMSNorm -> output
+    layer, with the same weights, written out here."""
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Block
+
+    from megatron.model.layer_specs import get_llama_layer_spec
+    from megatron.model.spec import build_module
+
+    config = hybrid_config()
+    torch.manual_seed(0)
+    model = MambaModel(config, vocab_size=64, max_sequence_length=32, hybrid_override_pattern="M*-M",
+                       share_embeddings_and_output_weights=False).eval()
+    assert [type(layer).__name__ for layer in model.decoder.layers] == ["MambaLayer", "TransformerLayer",
+                                                                         "TransformerLayer", "MambaLayer"]
+    gpt_layers = [build_module(get_llama_layer_spec(), config, layer_number=n) for n in (2, 3)]
+    state = model.state_dict()
+    for layer, i in zip(gpt_layers, (1, 2)):  # the GPT layer holds both halves: load the half the pattern has
+        own = {k[len(f"decoder.layers.{i}."):]: v for k, v in state.items() if k.startswith(f"decoder.layers.{i}.")}
+        missing, unexpected = layer.load_state_dict(own, strict=False)
+        assert not unexpected
+    hf_config = tiny_mamba2(hidden_size=32, num_heads=8, head_dim=8, state_size=8, n_groups=2, chunk_size=8)
+    mamba_blocks = []
+    for i in (0, 3):
+        block = Mamba2Block(hf_config, layer_idx=0).eval()
+        block.load_state_dict({k[len(f"decoder.layers.{i}."):]: v for k, v in state.items()
+                               if k.startswith(f"decoder.layers.{i}.")})
+        mamba_blocks.append(block)
+    ids = torch.randint(0, 64, (2, 19), generator=torch.Generator().manual_seed(1))
+    x = model.embedding(ids, None)  # [s, b, h]
+    x = mamba_blocks[0](x.transpose(0, 1)).transpose(0, 1)  # HF's block is batch-first
+    attn, mlp = gpt_layers
+    mask = torch.ones(19, 19, dtype=torch.bool).triu(1)[None, None]
+    out, bias = attn.self_attention(attn.input_layernorm(x), mask, True)
+    x = x + out
+    out, bias = mlp.mlp(mlp.pre_mlp_layernorm(x))
+    x = x + out
+    x = mamba_blocks[1](x.transpose(0, 1)).transpose(0, 1)
+    x = model.decoder.final_norm(x)
+    logits = x @ model.output_layer.weight.t()  # [s, b, v]
+    torch.testing.assert_close(model(ids, None), logits.transpose(0, 1), rtol=1e-5, atol=1e-5)

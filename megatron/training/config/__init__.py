@@ -13,6 +13,7 @@ from megatron.training.config.groups import (
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
+    HybridConfig,
     InitializationConfig,
     LearningRateConfig,
     LoggingConfig,
@@ -27,9 +28,9 @@ from megatron.training.config.groups import (
 
 GROUPS = (ModelConfig, RegularizationConfig, TrainingConfig, InitializationConfig, LearningRateConfig,
           CheckpointConfig, MixedPrecisionConfig, DistributedConfig, ValidationConfig, DataConfig,
-          TokenizerConfig, LoggingConfig, MoEConfig)
+          TokenizerConfig, LoggingConfig, MoEConfig, HybridConfig)
 
-__all__ = ["GROUPS", "CheckpointConfig", "ConfigError", "ConfigGroup", "MegatronConfig", "DataConfig", "DistributedConfig", "InitializationConfig",
+__all__ = ["GROUPS", "CheckpointConfig", "ConfigError", "ConfigGroup", "MegatronConfig", "DataConfig", "DistributedConfig", "HybridConfig", "InitializationConfig",
            "LearningRateConfig", "LoggingConfig", "MixedPrecisionConfig", "MoEConfig", "ModelConfig",
            "RegularizationConfig", "TokenizerConfig", "TrainingConfig", "ValidationConfig", "add_group",
            "flag_kwargs", "setting"]

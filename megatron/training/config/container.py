@@ -25,6 +25,7 @@ from megatron.training.config.groups import (
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
+    HybridConfig,
     InitializationConfig,
     LearningRateConfig,
     LoggingConfig,
@@ -59,6 +60,7 @@ class MegatronConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings of no group (see the module docstring), by dest."""
 
