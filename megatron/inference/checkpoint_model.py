@@ -2,7 +2,7 @@
 
 The text generation server, tools/generate_text.py and the lm-evaluation-harness scorer all load
 a model the same way: initialize_megatron with their own flags, then `build_model(args)` gives
-this rank's chunk of the GPT model, with the weights of --load (either checkpoint format) or
+this rank's chunk of the GPT model (with --is-hybrid-model, pretrain_mamba.py's MambaModel), with the weights of --load (either checkpoint format) or
 --load-hf, in eval mode.
 """
 
@@ -37,13 +37,13 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from megatron.training.checkpointing import CheckpointError, checkpoint_exists, load_checkpoint
     from megatron.training.global_vars import get_tokenizer
     from megatron.training.load_hf import load_hf_instead, load_hf_weights
-    from megatron.training.recipes.gpt import model_provider
+    from megatron.training.recipes import gpt, mamba
     from megatron.training.training import get_model
 
     if args.virtual_pipeline_model_parallel_size is not None:
         raise ServerFlagError("the server runs without virtual pipeline stages: drop "
                               "--num-layers-per-virtual-pipeline-stage")
-    model = get_model(model_provider)
+    model = get_model(mamba.model_provider if getattr(args, "is_hybrid_model", False) else gpt.model_provider)
     if load_hf_instead(args):
         load_hf_weights(model, args, get_tokenizer().vocab_size)
     else:

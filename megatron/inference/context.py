@@ -1,5 +1,9 @@
 """InferenceContext: the key/value cache of incremental decoding (Megatron-Core's InferenceParams).
 
+Mamba layers (megatron/model/mamba/) keep instead a fixed-size state per layer, mamba_state_dict
+(mamba_states): the last k-1 inputs of the causal convolution and the SSM state, updated in place by
+every forward with the context; a one-token step costs the same at every position.
+
 Each self-attention layer keeps the keys and values of the tokens seen so far, after RoPE, in a
 preallocated buffer per layer (this rank's query groups only):
 
