@@ -249,6 +249,8 @@ def hf_config_from_args(args: Any, vocab_size: int) -> dict:
         return _bert.hf_bert_config_from_args(args, vocab_size)
     if getattr(args, "model_family", "GPT") == "T5":
         return _t5.hf_t5_config_from_args(args, vocab_size)
+    if getattr(args, "is_hybrid_model", False):
+        return _mamba2.hf_mamba2_config_from_args(args, vocab_size)
     heads, hidden = int(args.num_attention_heads), int(args.hidden_size)
     groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
     head_dim = int(getattr(args, "kv_channels", None) or hidden // heads)

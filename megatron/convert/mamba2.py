@@ -52,6 +52,23 @@ def mamba2_config(c: Any, seq_length: int | None = None) -> tuple[dict, dict]:
     return config, model
 
 
+def mamba2_arg_values(c: Any) -> dict:
+    """Our args (dest -> value) of the HF config: a pure-Mamba hybrid model (pretrain_mamba.py's flags)."""
+    _refuse(int(c.conv_kernel) != 4, f"Mamba2 with conv_kernel {c.conv_kernel}", "Megatron's mixer has a fixed kernel of 4")
+    config, model = mamba2_config(c)
+    return dict(num_layers=config["num_layers"], hidden_size=config["hidden_size"],
+                num_attention_heads=config["num_attention_heads"], kv_channels=config["kv_channels"],
+                ffn_hidden_size=4 * config["hidden_size"], group_query_attention=False,
+                num_query_groups=config["num_attention_heads"], max_position_embeddings=model["max_sequence_length"],
+                position_embedding_type="none", normalization="RMSNorm", norm_epsilon=float(config["layernorm_epsilon"]),
+                swiglu=False, untie_embeddings_and_output_weights=not model["share_embeddings_and_output_weights"],
+                add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                init_method_std=float(config["init_method_std"]), is_hybrid_model=True,
+                hybrid_override_pattern=model["hybrid_override_pattern"], mamba_state_dim=config["mamba_state_dim"],
+                mamba_head_dim=config["mamba_head_dim"], mamba_num_groups=config["mamba_num_groups"],
+                mamba_num_heads=config["mamba_num_heads"])
+
+
 def mamba2_rules(c: Any) -> list[WeightRule]:
     """One rule per tensor of our (TP = 1) MambaModel, in model order."""
     rules = [_same("embedding.word_embeddings.weight", EMBEDDING)]
@@ -67,7 +84,7 @@ def mamba2_rules(c: Any) -> list[WeightRule]:
 
 def hf_mamba2_config_from_args(args: Any, vocab_size: int) -> dict:
     """config.json of the HF Mamba2ForCausalLM computing what a pure-Mamba MambaModel of our args does."""
-    pattern = getattr(args, "hybrid_pattern", None) or ""
+    pattern = getattr(args, "hybrid_override_pattern", None) or ""
     _refuse(set(pattern) != {"M"}, f"a hybrid model (pattern {pattern})",
             "HF's Mamba2ForCausalLM has Mamba layers only")
     _refuse(args.normalization != "RMSNorm" or args.add_bias_linear, "a Mamba model with LayerNorm or linear biases")
