@@ -1,0 +1,60 @@
+"""pretrain_mamba.py at TP / SP / PP / DP / distributed-optimizer / recompute layouts on the shared 4-rank gloo
+pool: every layout logs the serial run's losses and gradient norms (rel 1e-5).
+
+The model: the hybrid pattern M*M- (the pipeline splits it M* | M-), hidden 32, 8 Mamba heads of 8 in 2
+groups (TP 2: 4 heads and 1 group per rank), state 8, chunk 128 > s (one chunk), 4 iterations of a global
+batch of 8 on mock data, Adam. The serial run is pretrain_mamba.main in this (pytest's) process; each layout
+runs it on every pool rank. The gradient norm equals the serial one only if every gradient does (Mamba's
+in_proj, conv1d, dt_bias, A_log, D and gated-norm slices included).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import pretrain_mamba
+
+MODEL = ["--num-layers", "4", "--hybrid-override-pattern", "M*M-", "--hidden-size", "32", "--num-attention-heads",
+         "4", "--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups", "2", "--seq-length", "16",
+         "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "8",
+         "--train-iters", "4", "--lr", "3e-3", "--lr-warmup-iters", "1", "--mock-data", "--tokenizer-type",
+         "NullTokenizer", "--vocab-size", "127", "--make-vocab-size-divisible-by", "64", "--hidden-dropout", "0",
+         "--attention-dropout", "0", "--disable-bias-linear", "--swiglu", "--normalization", "RMSNorm",
+         "--position-embedding-type", "none", "--untie-embeddings-and-output-weights", "--eval-iters", "0",
+         "--log-interval", "1", "--clip-grad", "1.0", "--seed", "7", "--num-workers", "0"]
+TP2, PP2, DISTOPT = (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                     ["--pipeline-model-parallel-size", "2"], ["--use-distributed-optimizer"])
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+LAYOUTS = {
+    "tp2-sp-dp2": TP2,
+    "pp2-dp2": PP2,
+    "tp2-sp-pp2": [*TP2, *PP2],
+    "pp2-dp2-distopt": [*PP2, *DISTOPT],
+    "dp4-distopt-recompute": [*DISTOPT, *RECOMPUTE],
+}
+
+
+def _pretrain(argv):
+    """Train with argv; (lm loss, grad norm) by iteration, as this rank recorded them."""
+    from megatron.training.initialize import reset_megatron
+
+    try:
+        result = pretrain_mamba.main(list(argv), record_history=True)
+    finally:
+        reset_megatron()
+    return {r.iteration: (r.losses.get("lm loss"), r.grad_norm) for r in result.history}
+
+
+@pytest.fixture(scope="module")
+def serial():
+    return _pretrain(MODEL)
+
+
+def test_layouts_log_the_serial_runs_losses(dist_pool, serial):
+    assert sorted(serial) == [1, 2, 3, 4]
+    for name, flags in LAYOUTS.items():
+        run = dist_pool.run(_pretrain, [*MODEL, *flags])[-1]  # the last rank: the last pipeline stage
+        assert sorted(run) == sorted(serial), name
+        for iteration, (loss, grad_norm) in serial.items():
+            assert run[iteration][0] == pytest.approx(loss, rel=1e-5), (name, iteration, "loss")
+            assert run[iteration][1] == pytest.approx(grad_norm, rel=1e-5), (name, iteration, "grad norm")
