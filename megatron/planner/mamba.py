@@ -6,7 +6,7 @@ mixer's d_in = nh hd inner channels, nh heads of hd, ng groups, n state, k = 4 c
 c = ceil(s / L) chunks and s' = c L the padded length; per rank nh/t heads, ng/t groups, ch = (d_in +
 2 ng n)/t conv channels, P = (2 d_in + 2 ng n + nh)/t in_proj rows.
 
-Activations (mixer.py and ssd.py in fp32; counted from what autograd saves, checked against
+Activations (mixer.py and fused_kernels/fused_ssd.py in fp32; counted from what autograd saves, checked against
 saved_tensor_bytes in tests/unit/test_planner_mamba.py):
     norm                the layer's input and the normed input (e h each per token), 1/rms (fp32), the
                         residual dropout's 1-byte mask (with --hidden-dropout)

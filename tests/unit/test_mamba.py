@@ -15,7 +15,7 @@ from megatron.convert.huggingface import config_from_hf, state_dict_from_hf, sta
 from megatron.model import TransformerConfig
 from megatron.model.mamba import MambaModel, allocate_layers
 from megatron.model.mamba.hybrid import HybridPatternError
-from megatron.model.mamba.ssd import causal_conv1d, ssd_recurrence, ssd_scan
+from megatron.fused_kernels.fused_ssd import causal_conv1d, ssd_recurrence, ssd_scan
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,7 +4,7 @@
     z, xBC, dt = split                                 d_in, d_in + 2 ng n, nh
     xBC = silu(causal depthwise conv1d(xBC))           kernel mamba_d_conv over the sequence
     x, B, C = split(xBC)                               d_in = nh hd, ng n, ng n
-    y = SSD scan(x, softplus(dt + dt_bias), A = -exp(A_log), B, C) + D x     (ssd.py, fp32)
+    y = SSD scan(x, softplus(dt + dt_bias), A = -exp(A_log), B, C) + D x     (fused_kernels/fused_ssd.py, fp32)
     y = RMSNorm over each of the ng groups of (y * silu(z)), times norm.weight   (gated, norm after gate)
     out = out_proj(y)
 
@@ -29,9 +29,9 @@ Initialisation (Megatron-Core / mamba_ssm): in_proj init_method, out_proj output
 conv1d kaiming-uniform(a = sqrt 5) with a uniform(+-1/sqrt k) bias, dt_bias = softplus^-1(dt) for dt
 log-uniform in [1e-3, 1e-1] floored at 1e-4, A = uniform(1, 16) (A_log = log A), D = 1, norm.weight = 1.
 
-On CUDA, when importable (never required), the scan runs in mamba_ssm's mamba_chunk_scan_combined
-kernel and a training forward's convolution in causal_conv1d's causal_conv1d_fn; otherwise, and
-always on CPU, both run in PyTorch (ssd.py).
+The scan and the convolution are megatron.fused_kernels.fused_ssd's chunk_scan and conv1d_silu: on
+CUDA, when importable (never required), mamba_ssm's and causal_conv1d's kernels; otherwise, and
+always on CPU, PyTorch.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from torch import nn
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megatron.model.mamba.ssd import causal_conv1d, ssd_scan, ssd_step
+from megatron.fused_kernels.fused_ssd import chunk_scan, conv1d_silu, ssd_step
 from megatron.model.module import MegatronModule
 from megatron.model.spec import ModuleSpec, build_module
 from megatron.model.transformer_config import ConfigRuleError, TransformerConfig
@@ -216,13 +216,9 @@ class MambaMixer(MegatronModule):
             conv_state, ssm_state = inference_context.mamba_states(
                 self.layer_number, b, (xbc.shape[-1], d.d_conv - 1), (d.nheads_local, d.head_dim, d.d_state),
                 xbc.dtype, xbc.device)
-        conv_kernel = _conv_kernel() if xbc.is_cuda and conv_state is None else None
-        if conv_kernel is not None:
-            xbc = conv_kernel(xbc.transpose(1, 2).contiguous(), self.conv1d.weight.squeeze(1), self.conv1d.bias)
-        else:
-            xbc, new_conv_state = causal_conv1d(xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias,
-                                                conv_state)  # [b, ch/t, s]
-        xbc = F.silu(xbc).transpose(1, 2)  # [b, s, ch/t]
+        xbc, new_conv_state = conv1d_silu(xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias,
+                                          conv_state)  # [b, ch/t, s]
+        xbc = xbc.transpose(1, 2)  # [b, s, ch/t]
         x, B, C = torch.split(xbc, [d.d_inner_local, bc, bc], dim=-1)
         x = x.unflatten(-1, (d.nheads_local, d.head_dim))  # [b, s, nh/t, hd]
         B = B.unflatten(-1, (d.ngroups_local, d.d_state))  # [b, s, ng/t, n]
@@ -233,37 +229,11 @@ class MambaMixer(MegatronModule):
             y, final_state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], self.D)
             y = y[:, None]  # [b, 1, nh/t, hd]
         else:
-            y, final_state = self._scan(x, dt, A, B, C, ssm_state)
+            y, final_state = chunk_scan(x, dt, A, B, C, self.config.mamba_chunk_size, self.D, ssm_state)
         if inference_context is not None:
             conv_state.copy_(new_conv_state)
             ssm_state.copy_(final_state)
         y = self.norm(y.reshape(b, s, d.d_inner_local), z)  # [b, s, d_in/t], z's dtype
         return self.out_proj(y.transpose(0, 1))  # ([s, b, h] or [s/t, b, h] under SP, None)
 
-    def _scan(self, x, dt, A, B, C, initial_state):
-        """(y [b, s, nh/t, hd], final state) of the chunked scan, in mamba_ssm's kernel on CUDA when installed."""
-        kernel = _chunk_scan_kernel() if x.is_cuda else None
-        if kernel is not None:
-            y, final = kernel(x, dt, A, B, C, self.config.mamba_chunk_size, D=self.D.float(),
-                              initial_states=initial_state, return_final_states=True)
-            return y, final
-        return ssd_scan(x, dt, A, B, C, self.config.mamba_chunk_size, D=self.D, initial_state=initial_state,
-                        return_final_state=True)
 
-
-def _chunk_scan_kernel():
-    """mamba_ssm's Triton chunked scan when installed (never required), else None."""
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except ImportError:
-        return None
-    return mamba_chunk_scan_combined
-
-
-def _conv_kernel():
-    """causal_conv1d's causal_conv1d_fn when installed (never required), else None."""
-    try:
-        from causal_conv1d import causal_conv1d_fn
-    except ImportError:
-        return None
-    return causal_conv1d_fn

@@ -15,6 +15,10 @@ against; ssd_step is one position of it (decoding with a cached state).
 
 Everything runs in fp32 (the reference kernels keep dt, A and the states in fp32) and returns fp32.
 Shapes: x [b, s, nh, hd], dt [b, s, nh], A [nh], B and C [b, s, ng, n], D [nh], state [b, nh, hd, n].
+
+chunk_scan and conv1d_silu are what the model calls (megatron/model/mamba/mixer.py): on CUDA, when
+importable (never required), mamba_ssm's Triton mamba_chunk_scan_combined and causal_conv1d's
+causal_conv1d_fn; otherwise, and always on CPU, ssd_scan and causal_conv1d here.
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
 
     # 2. Each chunk's own contribution to the state at its end (from a zero start).
     to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b, nh, c, L]: decay from position l to the chunk's end
-    chunk_states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, to_end, xdt)  # [b, c, nh, hd, n]
+    B_to_end = B * to_end.permute(0, 2, 3, 1)[..., None]  # [b, c, L, nh, n]
+    chunk_states = torch.einsum("bclhn,bclhp->bchpn", B_to_end, xdt)  # [b, c, nh, hd, n]
 
     # 3. Across chunks: the state entering chunk k sums every earlier chunk's contribution, decayed
     #    over the chunks between (a (c+1) x (c+1) lower-triangular product; row 0 is the initial state).
@@ -79,7 +84,8 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     entering, final_state = states[:, :-1], states[:, -1]
 
     # 4. The entering state read out at each position of its chunk, decayed from the chunk's start.
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering, torch.exp(a_cum))
+    from_start = torch.exp(a_cum).permute(0, 2, 3, 1)[..., None]  # [b, c, L, nh, 1]
+    y = y + torch.einsum("bclhn,bchpn->bclhp", C, entering) * from_start
     y = y.reshape(b, c * L, nh, hd)[:, :s]  # [b, s, nh, hd]
     if D is not None:
         y = y + D.float()[:, None] * x
@@ -127,3 +133,34 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     window = torch.cat([state.to(x.dtype), x], dim=-1)  # [b, ch, k-1+s]
     out = F.conv1d(window, weight, bias, groups=x.shape[1])  # [b, ch, s]
     return out, window[..., window.shape[-1] - (k - 1):]
+
+
+def chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+               chunk_size: int, D: torch.Tensor | None = None, initial_state: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, final state) of the chunked scan: mamba_ssm's kernel for CUDA tensors when it is installed,
+    else ssd_scan."""
+    if x.device.type == "cuda":
+        try:
+            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        except ImportError:
+            pass
+        else:
+            return mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None if D is None else D.float(),
+                                             initial_states=initial_state, return_final_states=True)
+    return ssd_scan(x, dt, A, B, C, chunk_size, D=D, initial_state=initial_state, return_final_state=True)
+
+
+def conv1d_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """silu(causal_conv1d(x)) and the new state (None from the CUDA kernel, which a training forward
+    without a state uses when causal_conv1d is installed)."""
+    if x.device.type == "cuda" and state is None:
+        try:
+            from causal_conv1d import causal_conv1d_fn
+        except ImportError:
+            pass
+        else:
+            return causal_conv1d_fn(x.contiguous(), weight.squeeze(1), bias, activation="silu"), None
+    out, new_state = causal_conv1d(x, weight, bias, state)
+    return F.silu(out), new_state
