@@ -208,3 +208,18 @@ def test_the_generation_server_serves_a_mamba_model():
         server.stop()
     expected = hf.generate(torch.tensor([[3, 14, 15, 92, 65]]), max_new_tokens=9, do_sample=False, pad_token_id=0)
     assert answer["text"][0] == " ".join(str(t) for t in expected[0].tolist())
+
+
+def test_beam_search_with_the_state_cache_equals_recomputing_the_prefix():
+    """cached_next_logits reorders the Mamba states to the parent beams (swap_key_value_dict): the beams
+    and scores equal those of model_next_logits, which reruns the whole prefix at every step."""
+    from megatron.inference.beam_search import beam_search, model_next_logits
+    from megatron.inference.generation import cached_next_logits
+
+    _, ours = hf_and_ours(tiny_mamba2(), seed=6)
+    prompt = [5, 17, 33, 2, 60]
+    plain = beam_search(model_next_logits(ours), prompt, 3, 8, stop_token=1, vocab_size=96)
+    cached = beam_search(cached_next_logits(ours, len(prompt) + 8), prompt, 3, 8, stop_token=1, vocab_size=96)
+    assert cached.tokens == plain.tokens
+    torch.testing.assert_close(torch.tensor(cached.scores), torch.tensor(plain.scores), rtol=1e-5, atol=1e-5)
+    assert len({tuple(t) for t in plain.tokens}) == 3  # the beams differ: the reordering matters
