@@ -439,7 +439,13 @@ def _validate_hybrid(args: Namespace) -> None:
     from megatron.training.config_builders import hybrid_pattern_from_args
 
     pattern = hybrid_pattern_from_args(args)
-    if pattern is None or "M" not in pattern:
+    if pattern is None:
+        return
+    if args.num_experts is not None:
+        raise ArgsError("--num-experts: MoE layers in a hybrid model (the pattern's E) are not supported yet")
+    if args.spec is not None:
+        raise ArgsError("--spec: a hybrid model builds its layers from --hybrid-override-pattern, not a layer spec")
+    if "M" not in pattern:
         return
     try:
         mamba_dims(core_transformer_config_from_args(args))

@@ -61,6 +61,11 @@ def allocate_layers(num_layers: int, attention_ratio: float = 0.0, mlp_ratio: fl
     if override_pattern is None:
         return auto
     bad = sorted(set(override_pattern) - set(SYMBOLS))
+    if "E" in bad:
+        raise HybridPatternError("--hybrid-override-pattern: E (MoE) layers in a hybrid model are not supported yet")
+    if any(symbol in bad for symbol in "|/"):
+        raise HybridPatternError("--hybrid-override-pattern: pipeline ('|') and MTP ('/') sections are not "
+                                 "supported; the pipeline splits the pattern evenly")
     if bad:
         raise HybridPatternError(f"--hybrid-override-pattern: {bad[0]!r} is not a layer symbol (M Mamba, "
                                  "* attention, - MLP)")
