@@ -1,5 +1,7 @@
 """pretrain_mamba.py at TP / SP / PP / DP / distributed-optimizer / recompute layouts on the shared 4-rank gloo
-pool: every layout logs the serial run's losses and gradient norms (rel 1e-5).
+pool: every layout logs the serial run's losses and gradient norms (rel 1e-5); a torch_dist checkpoint the
+TP2 x PP2 run saves at iteration 2 resumes at DP4 with the distributed optimizer (the Mamba mixer's explicit
+in_proj / conv1d rows resharded) and iterations 3-4 again log the serial run's.
 
 The model: the hybrid pattern M*M- (the pipeline splits it M* | M-), hidden 32, 8 Mamba heads of 8 in 2
 groups (TP 2: 4 heads and 1 group per rank), state 8, chunk 128 > s (one chunk), 4 iterations of a global
@@ -9,6 +11,8 @@ in_proj, conv1d, dt_bias, A_log, D and gated-norm slices included).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -50,11 +54,23 @@ def serial():
     return _pretrain(MODEL)
 
 
-def test_layouts_log_the_serial_runs_losses(dist_pool, serial):
+def _same(run, serial, name, iterations=(1, 2, 3, 4)):
+    assert sorted(run) == list(iterations), name
+    for iteration in iterations:
+        loss, grad_norm = serial[iteration]
+        assert run[iteration][0] == pytest.approx(loss, rel=1e-5), (name, iteration, "loss")
+        assert run[iteration][1] == pytest.approx(grad_norm, rel=1e-5), (name, iteration, "grad norm")
+
+
+def test_layouts_log_the_serial_runs_losses(dist_pool, serial, tmp_path):
     assert sorted(serial) == [1, 2, 3, 4]
+    ckpt = str(tmp_path / "ckpt")
+    saving = ["--save", ckpt, "--save-interval", "2", "--ckpt-format", "torch_dist"]
     for name, flags in LAYOUTS.items():
-        run = dist_pool.run(_pretrain, [*MODEL, *flags])[-1]  # the last rank: the last pipeline stage
-        assert sorted(run) == sorted(serial), name
-        for iteration, (loss, grad_norm) in serial.items():
-            assert run[iteration][0] == pytest.approx(loss, rel=1e-5), (name, iteration, "loss")
-            assert run[iteration][1] == pytest.approx(grad_norm, rel=1e-5), (name, iteration, "grad norm")
+        extra = saving if name == "tp2-sp-pp2" else []
+        run = dist_pool.run(_pretrain, [*MODEL, *flags, *extra])[-1]  # the last rank: the last pipeline stage
+        _same(run, serial, name)
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as tracker:
+        tracker.write("2")
+    resumed = dist_pool.run(_pretrain, [*MODEL, *DISTOPT, "--load", ckpt, "--ckpt-format", "torch_dist"])[-1]
+    _same(resumed, serial, "tp2-pp2 checkpoint resumed at dp4-distopt", (3, 4))
