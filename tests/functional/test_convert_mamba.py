@@ -59,3 +59,25 @@ def test_megatron_lm_names_round_trip(converted):
     run_convert(converted / "core", converted / "core-back", "core", "hf", "--true-vocab-size", "200")
     source, back = _safetensors(converted / "hf"), _safetensors(converted / "core-back")
     assert sorted(source) == sorted(back) and all(torch.equal(source[k], back[k]) for k in source)
+
+
+def test_pretrain_mamba_load_hf_starts_from_the_hf_weights(converted, tmp_path):
+    """pretrain_mamba.py --load-hf: after one step at lr 0 the saved checkpoint holds HF's tensors exactly."""
+    import pretrain_mamba
+    from megatron.convert.huggingface import state_dict_from_hf
+    from megatron.training.initialize import reset_megatron
+
+    ckpt = str(tmp_path / "ckpt")
+    try:
+        pretrain_mamba.main(["--load-hf", str(converted / "hf"), "--micro-batch-size", "2", "--global-batch-size", "2",
+                             "--train-iters", "1", "--lr", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                             "--vocab-size", "199", "--seq-length", "16", "--eval-iters", "0", "--save", ckpt,
+                             "--save-interval", "1", "--ckpt-format", "torch"])
+    finally:
+        reset_megatron()
+    saved = load_file(get_checkpoint_name(ckpt, 1))["model"]
+    hf = _safetensors(converted / "hf")
+    expected = state_dict_from_hf(hf, transformers.AutoConfig.from_pretrained(str(converted / "hf")))
+    assert sorted(k for k in saved if not k.endswith("_extra_state")) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(saved[name][:tensor.shape[0]], tensor), name  # (the vocabulary padded to 256 rows)
