@@ -64,3 +64,20 @@ def test_mamba_state_bytes_are_the_inference_contexts(capsys):
         model(torch.zeros(3, 4, dtype=torch.long), None, inference_context=context)
     held = sum(t.numel() * t.element_size() for states in context.mamba_state_dict.values() for t in states)
     assert held == 3 * m.hybrid.pattern.count("M") * mamba_state_bytes(m.hybrid, 1, 4)
+
+
+def test_the_logged_flops_of_a_hybrid_model_are_megatrons(capsys):
+    """num_floating_point_operations (the log's TFLOP/s) of M*-MM: Megatron-LM core_v0.13's hybrid_flops,
+    written out: 3 x per sequence (Mamba: in_proj with d_in = 2h, scan 7 s d_in n, out_proj; attention;
+    MLP; logits)."""
+    from megatron.training.training_log import num_floating_point_operations
+
+    args = _args(["--swiglu"], 64, capsys)
+    args.is_hybrid_model = True
+    s, h, v = 64, 32, 128
+    d_in, nh = 64, 8
+    mamba = 2 * s * h * (2 * d_in + 2 * 2 * 8 + nh) + 7 * s * d_in * 8 + 2 * s * d_in * h
+    attention = 4 * s * h * 1 * (h + h + s / 2)
+    mlp = 4 * s * h * args.ffn_hidden_size * 1.5
+    expected = 3 * 2 * (3 * mamba + attention + mlp + 2 * s * h * v)
+    assert num_floating_point_operations(args, 2) == pytest.approx(expected, rel=1e-12)
