@@ -1,5 +1,6 @@
 """pretrain_mamba.py at TP / SP / PP / DP / distributed-optimizer / recompute layouts on the shared 4-rank gloo
-pool: every layout logs the serial run's losses and gradient norms (rel 1e-5); a torch_dist checkpoint the
+pool (TP2+SP x DP2, PP2 x DP2, PP2 x 2 virtual stages x DP2, TP2+SP x PP2, PP2 x DP2 distopt, DP4 distopt with
+full recompute): every layout logs the serial run's losses and gradient norms (rel 1e-5); a torch_dist checkpoint the
 TP2 x PP2 run saves at iteration 2 resumes at DP4 with the distributed optimizer (the Mamba mixer's explicit
 in_proj / conv1d rows resharded) and iterations 3-4 again log the serial run's.
 
@@ -32,6 +33,7 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform",
 LAYOUTS = {
     "tp2-sp-dp2": TP2,
     "pp2-dp2": PP2,
+    "pp2-vpp2-dp2": [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"],  # chunks M | * | M | - round-robin
     "tp2-sp-pp2": [*TP2, *PP2],
     "pp2-dp2-distopt": [*PP2, *DISTOPT],
     "dp4-distopt-recompute": [*DISTOPT, *RECOMPUTE],
