@@ -6,9 +6,10 @@ torch_forward runs when mamba_ssm is not installed).
 The three get the same fp32 inputs (x [b, s, nh, hd], dt, A, B and C [b, s, ng, n], D); each case runs
 the forward (and with --backward the forward and the backward of sum(y)) `--repeat` times after one
 warm-up, and the median is printed as microseconds per token (b x s tokens), with the largest |difference|
-of the outputs against ours; "/ ours" is the time of the column before divided by ours (above 1: ours
-is faster). The three take turns run by run (a loaded machine slows them alike). The recurrence is skipped above --max-recurrence-length tokens (it is
-linear in s with a large constant: one Python step per position).
+of the outputs against ours; "/ ours" is the time of the column before divided by ours (above 1:
+ours is faster). The three take turns run by run (a loaded machine slows them alike). The recurrence
+is skipped above --max-recurrence-length tokens (it is linear in s with a large constant: one Python
+step per position).
 
     python bench/mamba_scan.py [--heads 8] [--head-dim 64] [--groups 1] [--state 64] [--batch 2]
                                [--lengths 128 512 2048] [--chunk-size 128] [--threads 1] [--backward]

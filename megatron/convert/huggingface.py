@@ -147,7 +147,8 @@ ARCHITECTURES.update({
     "mamba2": _Architecture(_mamba2.ARCHITECTURE, _mamba2.mamba2_config, _mamba2.mamba2_rules, _mamba2.EMBEDDING,
                             family="MAMBA"),
 })
-MODEL_CLASSES = {"GPT": "GPTModel", "BERT": "BertModel", "T5": "T5Model", "MAMBA": "MambaModel"}  # our model of each family
+MODEL_CLASSES = {"GPT": "GPTModel", "BERT": "BertModel", "T5": "T5Model",
+                 "MAMBA": "MambaModel"}  # our model of each family
 
 
 def _architecture(hf_config: Any) -> _Architecture:

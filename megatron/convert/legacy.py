@@ -79,7 +79,8 @@ OUTPUT = "output_layer.weight"
 # ----------------------------------------------------------------------------- args
 
 # Megatron-LM args that describe something these converters cannot represent (truthy -> refused).
-_UNSUPPORTED = ("multi_latent_attention", "mtp_num_layers", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+_UNSUPPORTED = ("multi_latent_attention", "mtp_num_layers", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers",
                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                 "pipeline_model_parallel_layout", "heterogeneous_layers_config_path",
                 "heterogeneous_layers_config_encoded_json", "retro_add_retriever", "spec")

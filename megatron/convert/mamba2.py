@@ -15,8 +15,9 @@ Refused: linear biases (use_bias; Megatron's mixer has none), a conv without bia
 than silu, a time_step_limit other than (0, inf) (HF would clamp dt; Megatron does not), and
 rescale_prenorm_residual (an init setting HF applies when it initialises, not a model difference: accepted).
 HF's residual_in_fp32 keeps the residual stream in fp32: the same model in an fp32 run (in half
-precision, --fp32-residual-connection is ours). The hybrid HF families (Bamba, NemotronH, FalconH1, Zamba2, GraniteMoeHybrid) are
-not mapped: their layers differ from Megatron's hybrid stack in norms, attention or MLP details.
+precision, --fp32-residual-connection is ours). The hybrid HF families (Bamba, NemotronH, FalconH1,
+Zamba2, GraniteMoeHybrid) are not mapped: their layers differ from Megatron's hybrid stack in norms,
+attention or MLP details.
 """
 
 from __future__ import annotations
@@ -54,13 +55,15 @@ def mamba2_config(c: Any, seq_length: int | None = None) -> tuple[dict, dict]:
 
 def mamba2_arg_values(c: Any) -> dict:
     """Our args (dest -> value) of the HF config: a pure-Mamba hybrid model (pretrain_mamba.py's flags)."""
-    _refuse(int(c.conv_kernel) != 4, f"Mamba2 with conv_kernel {c.conv_kernel}", "Megatron's mixer has a fixed kernel of 4")
+    _refuse(int(c.conv_kernel) != 4, f"Mamba2 with conv_kernel {c.conv_kernel}",
+            "Megatron's mixer has a fixed kernel of 4")
     config, model = mamba2_config(c)
     return dict(num_layers=config["num_layers"], hidden_size=config["hidden_size"],
                 num_attention_heads=config["num_attention_heads"], kv_channels=config["kv_channels"],
                 ffn_hidden_size=4 * config["hidden_size"], group_query_attention=False,
                 num_query_groups=config["num_attention_heads"], max_position_embeddings=model["max_sequence_length"],
-                position_embedding_type="none", normalization="RMSNorm", norm_epsilon=float(config["layernorm_epsilon"]),
+                position_embedding_type="none", normalization="RMSNorm",
+                norm_epsilon=float(config["layernorm_epsilon"]),
                 swiglu=False, untie_embeddings_and_output_weights=not model["share_embeddings_and_output_weights"],
                 add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
                 init_method_std=float(config["init_method_std"]), is_hybrid_model=True,
@@ -95,7 +98,8 @@ def hf_mamba2_config_from_args(args: Any, vocab_size: int) -> dict:
     return dict(model_type="mamba2", architectures=[ARCHITECTURE], vocab_size=vocab_size, hidden_size=hidden,
                 num_hidden_layers=int(args.num_layers), num_heads=heads, head_dim=head_dim,
                 expand=heads * head_dim // hidden, state_size=int(args.mamba_state_dim),
-                n_groups=int(args.mamba_num_groups), conv_kernel=4, chunk_size=128, layer_norm_epsilon=float(args.norm_epsilon),
+                n_groups=int(args.mamba_num_groups), conv_kernel=4, chunk_size=128,
+                layer_norm_epsilon=float(args.norm_epsilon),
                 use_bias=False, use_conv_bias=True, hidden_act="silu", residual_in_fp32=True,
                 tie_word_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
                 initializer_range=float(args.init_method_std), time_step_limit=[0.0, float("inf")])

@@ -2,8 +2,8 @@
 
 The text generation server, tools/generate_text.py and the lm-evaluation-harness scorer all load
 a model the same way: initialize_megatron with their own flags, then `build_model(args)` gives
-this rank's chunk of the GPT model (with --is-hybrid-model, pretrain_mamba.py's MambaModel), with the weights of --load (either checkpoint format) or
---load-hf, in eval mode.
+this rank's chunk of the GPT model (with --is-hybrid-model, pretrain_mamba.py's MambaModel), with the
+weights of --load (either checkpoint format) or --load-hf, in eval mode.
 """
 
 import argparse

@@ -100,7 +100,8 @@ class InferenceContext:
         matmul copies a strided prefix of the cache on every call; the whole buffer it reads in place,
         and at least half full that costs less than the copy. fp32's reads a strided prefix in place."""
         end = self.sequence_len_offset + s
-        if s == 1 and self.sequence_len_offset > 0 and 2 * end >= self.max_sequence_length and self.key_value_memory_dict:
+        if (s == 1 and self.sequence_len_offset > 0 and 2 * end >= self.max_sequence_length
+                and self.key_value_memory_dict):  # (a model of Mamba layers only has no key/value cache)
             key_cache, _ = next(iter(self.key_value_memory_dict.values()))  # a decode step: after a prefill
             if key_cache.dtype in (torch.float16, torch.bfloat16):
                 return self.max_sequence_length

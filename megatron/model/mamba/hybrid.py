@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.model.attention import DotProductAttention, FlashDotProductAttention, SelfAttention, SelfAttentionSubmodules
+from megatron.model.attention import (DotProductAttention, FlashDotProductAttention, SelfAttention,
+                                      SelfAttentionSubmodules)
 from megatron.model.layers import Norm
 from megatron.model.mamba.layer import MambaLayer, MambaLayerSubmodules
 from megatron.model.mamba.mixer import MambaMixer, MambaMixerSubmodules
@@ -145,7 +146,8 @@ class MambaStack(TransformerBlock):
                  layer_range: tuple[int, int] | None = None) -> None:
         pattern = spec.params.get("pattern", "")
         if len(pattern) != config.num_layers:
-            raise HybridPatternError(f"the hybrid pattern has {len(pattern)} layers, --num-layers is {config.num_layers}")
+            raise HybridPatternError(f"the hybrid pattern has {len(pattern)} layers, --num-layers is "
+                                     f"{config.num_layers}")
         super().__init__(config, spec, pre_process, post_process, init_seed, layer_range)
         norm = self._modules.pop("final_layernorm", None)  # registered by TransformerBlock: renamed
         if norm is not None:

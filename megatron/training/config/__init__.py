@@ -30,7 +30,8 @@ GROUPS = (ModelConfig, RegularizationConfig, TrainingConfig, InitializationConfi
           CheckpointConfig, MixedPrecisionConfig, DistributedConfig, ValidationConfig, DataConfig,
           TokenizerConfig, LoggingConfig, MoEConfig, HybridConfig)
 
-__all__ = ["GROUPS", "CheckpointConfig", "ConfigError", "ConfigGroup", "MegatronConfig", "DataConfig", "DistributedConfig", "HybridConfig", "InitializationConfig",
+__all__ = ["GROUPS", "CheckpointConfig", "ConfigError", "ConfigGroup", "MegatronConfig", "DataConfig",
+           "DistributedConfig", "HybridConfig", "InitializationConfig",
            "LearningRateConfig", "LoggingConfig", "MixedPrecisionConfig", "MoEConfig", "ModelConfig",
            "RegularizationConfig", "TokenizerConfig", "TrainingConfig", "ValidationConfig", "add_group",
            "flag_kwargs", "setting"]
