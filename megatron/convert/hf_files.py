@@ -38,6 +38,7 @@ import torch
 
 from megatron.training.checkpoint_safety import CheckpointError, load_file
 from megatron.convert import huggingface, mixtral
+from megatron.convert import mamba2 as mamba2_convert
 from megatron.convert import t5 as t5_convert
 from megatron.convert.layout_rules import is_vocab_tensor, padded_vocab_size
 from megatron.core.atomic_io import atomic_write
@@ -260,6 +261,9 @@ ARCHITECTURE_FLAGS = {
     "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
     "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
     "moe_ffn_hidden_size": "--moe-ffn-hidden-size", "moe_router_pre_softmax": "--moe-router-pre-softmax",
+    "is_hybrid_model": "--is-hybrid-model", "hybrid_override_pattern": "--hybrid-override-pattern",
+    "mamba_state_dim": "--mamba-state-dim", "mamba_head_dim": "--mamba-head-dim",
+    "mamba_num_groups": "--mamba-num-groups", "mamba_num_heads": "--mamba-num-heads",
 }
 # Settings of training, not of the model: taken from the HF config only when not given.
 TRAINING_FLAGS = {"hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout",
@@ -272,6 +276,8 @@ def hf_arg_values(hf_config: Any) -> Dict[str, Any]:
     """Our args (dest -> value) of the model hf_config describes (ARCHITECTURE_FLAGS and TRAINING_FLAGS;
     for T5 also t5.T5_ARGS)."""
     try:
+        if huggingface.ARCHITECTURES[hf_config.model_type].family == "MAMBA":
+            return mamba2_convert.mamba2_arg_values(hf_config)
         config, model = huggingface.config_from_hf(hf_config)
         if huggingface.ARCHITECTURES[hf_config.model_type].family == "T5":
             return dict(t5_convert.t5_arg_values(hf_config), init_method_std=float(config.get("init_method_std", 0.02)))

@@ -13,7 +13,8 @@ round trip state_dict_to_hf(state_dict_from_hf(sd, c), c) gives sd back bit for 
 Notation: np heads, ng query groups (HF num_key_value_heads), hn head dim, h hidden size,
 L. = decoder.layers.{i}. (ours); {i} the layer. MegatronBertForPreTraining <-> BertModel is in
 megatron/convert/bert.py (registered in ARCHITECTURES below, family "BERT"), T5ForConditionalGeneration
-<-> T5Model in megatron/convert/t5.py (family "T5").
+<-> T5Model in megatron/convert/t5.py (family "T5"), Mamba2ForCausalLM <-> MambaModel in
+megatron/convert/mamba2.py (family "MAMBA").
 
 GPT2LMHeadModel. HF's Conv1D stores a weight as [in, out]: transposed to our [out, in].
     transformer.wte.weight               embedding.word_embeddings.weight
@@ -106,6 +107,7 @@ from megatron.convert.hf_rules import (  # noqa: F401 (the mapping's pieces, re-
     computes_tanh_gelu,
 )
 from megatron.convert import bert as _bert
+from megatron.convert import mamba2 as _mamba2
 from megatron.convert import mixtral as _mixtral
 from megatron.convert import t5 as _t5
 
@@ -142,8 +144,11 @@ ARCHITECTURES.update({
     "t5": _Architecture(_t5.ARCHITECTURE, _t5.t5_config, _t5.t5_rules, _t5.EMBEDDING, family="T5"),
     "mixtral": _Architecture(_mixtral.ARCHITECTURE, _mixtral.mixtral_config, _mixtral.mixtral_rules,
                              "model.embed_tokens.weight"),
+    "mamba2": _Architecture(_mamba2.ARCHITECTURE, _mamba2.mamba2_config, _mamba2.mamba2_rules, _mamba2.EMBEDDING,
+                            family="MAMBA"),
 })
-MODEL_CLASSES = {"GPT": "GPTModel", "BERT": "BertModel", "T5": "T5Model"}  # our model of each family
+MODEL_CLASSES = {"GPT": "GPTModel", "BERT": "BertModel", "T5": "T5Model",
+                 "MAMBA": "MambaModel"}  # our model of each family
 
 
 def _architecture(hf_config: Any) -> _Architecture:
@@ -245,6 +250,8 @@ def hf_config_from_args(args: Any, vocab_size: int) -> dict:
         return _bert.hf_bert_config_from_args(args, vocab_size)
     if getattr(args, "model_family", "GPT") == "T5":
         return _t5.hf_t5_config_from_args(args, vocab_size)
+    if getattr(args, "is_hybrid_model", False):
+        return _mamba2.hf_mamba2_config_from_args(args, vocab_size)
     heads, hidden = int(args.num_attention_heads), int(args.hidden_size)
     groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
     head_dim = int(getattr(args, "kv_channels", None) or hidden // heads)

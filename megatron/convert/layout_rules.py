@@ -20,6 +20,11 @@ saved args (np heads, ng query groups, hn head dim, t ranks; L. = decoder.layers
     L.<linear>.adapter.linear_{in,out}.weight LoRA (megatron/core/tensor_parallel/lora.py): B of linear_qkv /
                                               linear_fc1 and A of linear_proj / linear_fc2 split as their
                                               base weight; the other piece replicated
+    L.mixer.in_proj.weight                    explicit rows (mixer.MambaDims.in_proj_rows): each rank's
+                                              [z_r, x_r, B_r, C_r, dt_r] of the heads and groups it owns
+    L.mixer.conv1d.{weight,bias}              explicit rows: [x_r, B_r, C_r]
+    L.mixer.{dt_bias,A_log,D,norm.weight}     rows, contiguous (per head; the gated norm per channel)
+    L.mixer.out_proj.weight                   columns, contiguous (row parallel)
     everything else                           replicated: norms, linear_proj / linear_fc2 biases,
                                               q/k layernorms, position embeddings
     BertModel (L. = encoder.layers.{i}.)      the same layers; output_layer.bias rows, contiguous
@@ -81,10 +86,12 @@ def tensor_layout(name: str, args: argparse.Namespace, tp: int, rank: int) -> Di
         if (piece == "out") == column:
             return tensor_layout(name[:adapter.start()] + f".{base}.weight", args, tp, rank)
         return replicated
-    if _REPLICATED.search(name):
+    if _REPLICATED.search(name) and ".mixer." not in name:
         return replicated
     if name in VOCAB_TENSORS:
         return _split(0)
+    if ".mixer." in name:  # a Mamba layer's (megatron/model/mamba/mixer.py)
+        return _mamba_layout(name, args, tp, rank)
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         rows = qkv_partition_rows(int(args.num_attention_heads), query_groups(args), head_dim(args), tp, rank)
         return {**_split(0), "partition_rows": rows}
@@ -94,6 +101,30 @@ def tensor_layout(name: str, args: argparse.Namespace, tp: int, rank: int) -> Di
     if re.search(r"\.cross_attention\.linear_(q|kv)\.(weight|bias)$", name):
         return _split(0)
     if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
+        return _split(1)
+    raise UnknownTensorError(f"no tensor-parallel layout rule for {name!r}: the converter does not know "
+                             "how this tensor is split over TP ranks")
+
+
+def mamba_dims(args: argparse.Namespace, tp: int) -> Any:
+    """The Mamba mixer's sizes (megatron.model.mamba.mixer.MambaDims) of a run's args at TP size tp."""
+    from megatron.model.mamba.mixer import MambaDims
+
+    hidden, head_dim = int(args.hidden_size), int(args.mamba_head_dim)
+    heads = int(getattr(args, "mamba_num_heads", None) or 2 * hidden // head_dim)
+    return MambaDims(hidden, heads * head_dim, heads, head_dim, int(args.mamba_num_groups), int(args.mamba_state_dim),
+                     4, tp)
+
+
+def _mamba_layout(name: str, args: argparse.Namespace, tp: int, rank: int) -> Dict[str, Any]:
+    dims = mamba_dims(args, tp)
+    if name.endswith(".mixer.in_proj.weight"):
+        return {**_split(0), "partition_rows": dims.in_proj_rows(rank)}
+    if re.search(r"\.mixer\.conv1d\.(weight|bias)$", name):
+        return {**_split(0), "partition_rows": dims.conv_rows(rank)}
+    if re.search(r"\.mixer\.(dt_bias|A_log|D|norm\.weight)$", name):
+        return _split(0)
+    if name.endswith(".mixer.out_proj.weight"):
         return _split(1)
     raise UnknownTensorError(f"no tensor-parallel layout rule for {name!r}: the converter does not know "
                              "how this tensor is split over TP ranks")

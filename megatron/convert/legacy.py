@@ -79,8 +79,8 @@ OUTPUT = "output_layer.weight"
 # ----------------------------------------------------------------------------- args
 
 # Megatron-LM args that describe something these converters cannot represent (truthy -> refused).
-_UNSUPPORTED = ("multi_latent_attention", "mtp_num_layers", "hybrid_override_pattern",
-                "is_hybrid_model", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+_UNSUPPORTED = ("multi_latent_attention", "mtp_num_layers", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers",
                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                 "pipeline_model_parallel_layout", "heterogeneous_layers_config_path",
                 "heterogeneous_layers_config_encoded_json", "retro_add_retriever", "spec")
@@ -189,6 +189,7 @@ def megatron_lm_args(raw: argparse.Namespace, path: str, family: str = "GPT") ->
     values["add_bias_linear"] = bool(bias)
     if getattr(raw, "num_experts", None):
         values.update(_moe_values(raw, path))
+    values.update(_hybrid_values(raw, path))
     args = _validated(values, path)
 
     # before version 3.0 (Megatron-LM v2.0) tensor parallelism was called model_parallel_size
@@ -296,6 +297,26 @@ def _virtual_stages(raw: argparse.Namespace, args: argparse.Namespace, path: str
         raise CheckpointError(f"{path}: {args.num_layers} layers do not split into "
                               f"{args.pipeline_model_parallel_size} x {vp} virtual stages")
     return int(vp)
+
+
+def _hybrid_values(raw: argparse.Namespace, path: str) -> Dict[str, Any]:
+    """A Mamba / hybrid model's settings (pretrain_mamba.py's MambaModel): the pattern (Megatron's newer
+    hybrid_layer_pattern, or hybrid_override_pattern, or the ratios) and the Mamba sizes."""
+    pattern = _get(raw, "hybrid_layer_pattern", "hybrid_override_pattern")
+    ratios = [float(_get(raw, "hybrid_attention_ratio", default=0.0)), float(_get(raw, "hybrid_mlp_ratio", default=0.0))]
+    if not (getattr(raw, "is_hybrid_model", False) or pattern or any(ratios)):
+        return {}
+    if pattern is not None and any(symbol in pattern for symbol in "|/"):
+        raise CheckpointError(f"{path}: the hybrid pattern {pattern!r} has pipeline ('|') or MTP ('/') sections, "
+                              "which the converter does not support")
+    values: Dict[str, Any] = dict(is_hybrid_model=True, hybrid_attention_ratio=ratios[0], hybrid_mlp_ratio=ratios[1])
+    if pattern is not None:
+        values["hybrid_override_pattern"] = str(pattern)
+    for name, default in (("mamba_state_dim", 128), ("mamba_head_dim", 64), ("mamba_num_groups", 8)):
+        values[name] = int(_get(raw, name, default=default))
+    if _get(raw, "mamba_num_heads") is not None:
+        values["mamba_num_heads"] = int(raw.mamba_num_heads)
+    return values
 
 
 def _validated(values: Dict[str, Any], path: str) -> argparse.Namespace:
@@ -555,12 +576,13 @@ class LegacyDialect(Dialect):
 
 # Transformer Engine's spec fuses each layer norm into the linear that follows it
 _TE_NORMS = (("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
-             ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."))
+             ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+             ("mixer.in_proj.layer_norm_", "norm."))  # a Mamba layer's norm, fused into its in_proj
 _LAYER_PART = re.compile(r"^((?:decoder|encoder)\.layers\.\d+\.)(.+)$")  # encoder: BERT's
 # modules whose `_extra_state` megatron-core saves: its own linears (None) and, with TE, TE's modules
 # (every linear of a layer, the experts' and shared experts' included: megatron-core's own or TE's;
 # TE's attention core_attention too; TEGroupedMLP: one per GroupedLinear, experts.linear_fc1 / fc2)
-_LINEAR = re.compile(r"^(.*linear_(?:qkv|proj|fc1|fc2|q|kv))\.")
+_LINEAR = re.compile(r"^(.*(?:linear_(?:qkv|proj|fc1|fc2|q|kv)|mixer\.(?:in|out)_proj))\.")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 
 
@@ -741,7 +763,8 @@ class CoreDialect(Dialect):
             if te:  # TE's attention modules
                 for attention in ("self_attention",) + (("cross_attention",) if cross else ()):
                     out[f"{prefix}{attention}.core_attention._extra_state"] = empty()
-        if "decoder.final_layernorm.weight" in model or "lm_head.dense.weight" in model:
+        if any(k in model for k in ("decoder.final_layernorm.weight", "decoder.final_norm.weight",
+                                    "lm_head.dense.weight")):
             out["output_layer._extra_state"] = None  # the last stage has the output layer (its weight may be tied)
         t5 = any(value for value in layers.values()) or any(k.startswith("lm_head.output_layer.") for k in model)
         if t5:  # megatron-core's T5Model: the aliases its state dict has (CORE_ALIASES), the LM head's extra state

@@ -87,6 +87,9 @@ class MegatronLMDist:
                                   "checkpoints have 3.0")
         self.raw_args = common["args"]
         self.args = megatron_lm_args(self.raw_args, path, family)
+        if getattr(self.args, "is_hybrid_model", False):  # its in_proj / conv1d are split into per-part shards
+            raise CheckpointError(f"{path}: a hybrid (Mamba) model in Megatron-LM's torch_dist format is not read "
+                                  "yet; save it with --ckpt-format torch and convert that (--loader mcore)")
         self.iteration = int(common.get("iteration", 0))
         metadata_path = os.path.join(base_dir, DCP_METADATA)
         if not os.path.isfile(metadata_path):

@@ -379,6 +379,12 @@ def check_target(args: argparse.Namespace, tp: int, pp: int, vp: int = 1, split:
             problems.append(f"{groups} query groups neither split over nor divide {tp} TP ranks")
         if ffn % tp:
             problems.append(f"ffn hidden size {ffn} does not split over {tp} TP ranks")
+        if getattr(args, "is_hybrid_model", False):
+            from megatron.convert.layout_rules import mamba_dims
+
+            dims = mamba_dims(args, 1)
+            if dims.nheads % tp or dims.ngroups % tp:
+                problems.append(f"{dims.nheads} Mamba heads and {dims.ngroups} groups do not split over {tp} TP ranks")
         if is_t5(args):
             problems += split_problems(args, pp, split, vp)
         elif split is not None:

@@ -88,6 +88,15 @@ def build_serial_model(args: argparse.Namespace, tensors: Iterable[Tuple[str, to
                           post_layernorm=bool(getattr(args, "bert_post_layernorm", False)))
         _fill(model, tensors)
         return model.eval()
+    if getattr(args, "is_hybrid_model", False):  # pretrain_mamba.py's MambaModel
+        from megatron.model.mamba import MambaModel
+        from megatron.training.config_builders import mamba_model_kwargs
+
+        model = MambaModel(config, vocab_size=int(args.padded_vocab_size),
+                           max_sequence_length=int(args.max_position_embeddings),
+                           share_embeddings_and_output_weights=tied, **mamba_model_kwargs(serial))
+        _fill(model, tensors)
+        return model.eval()
     model = GPTModel(config, vocab_size=int(args.padded_vocab_size),
                      max_sequence_length=int(args.max_position_embeddings),
                      share_embeddings_and_output_weights=tied, **gpt_model_kwargs(serial))

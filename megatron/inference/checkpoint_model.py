@@ -2,8 +2,8 @@
 
 The text generation server, tools/generate_text.py and the lm-evaluation-harness scorer all load
 a model the same way: initialize_megatron with their own flags, then `build_model(args)` gives
-this rank's chunk of the GPT model, with the weights of --load (either checkpoint format) or
---load-hf, in eval mode.
+this rank's chunk of the GPT model (with --is-hybrid-model, pretrain_mamba.py's MambaModel), with the
+weights of --load (either checkpoint format) or --load-hf, in eval mode.
 """
 
 import argparse
@@ -37,13 +37,13 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
     from megatron.training.checkpointing import CheckpointError, checkpoint_exists, load_checkpoint
     from megatron.training.global_vars import get_tokenizer
     from megatron.training.load_hf import load_hf_instead, load_hf_weights
-    from megatron.training.recipes.gpt import model_provider
+    from megatron.training.recipes import gpt, mamba
     from megatron.training.training import get_model
 
     if args.virtual_pipeline_model_parallel_size is not None:
         raise ServerFlagError("the server runs without virtual pipeline stages: drop "
                               "--num-layers-per-virtual-pipeline-stage")
-    model = get_model(model_provider)
+    model = get_model(mamba.model_provider if args.is_hybrid_model else gpt.model_provider)
     from megatron.training.lora_pointer import lora_run
 
     if lora_run(model):  # --lora-rank: a LoRA checkpoint's base (from its pointer) and adapters, or a base

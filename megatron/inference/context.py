@@ -1,5 +1,9 @@
 """InferenceContext: the key/value cache of incremental decoding (Megatron-Core's InferenceParams).
 
+Mamba layers (megatron/model/mamba/) keep instead a fixed-size state per layer, mamba_state_dict
+(mamba_states): the last k-1 inputs of the causal convolution and the SSM state, updated in place by
+every forward with the context; a one-token step costs the same at every position.
+
 Each self-attention layer keeps the keys and values of the tokens seen so far, after RoPE, in a
 preallocated buffer per layer (this rank's query groups only):
 
@@ -42,6 +46,27 @@ class InferenceContext:
         self.batch_size_offset = 0
         self.materialize_only_last_token_logits = materialize_only_last_token_logits
         self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Mamba layers: (conv state [max_b, ch/t, k-1], SSM state [max_b, nh/t, hd, n] fp32) per layer.
+        self.mamba_state_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def mamba_states(self, layer_number: int, b: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
+                     dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's rows of a Mamba layer's states (views the layer updates in place): the conv state,
+        the last k-1 inputs of its convolution [b, ch/t, k-1], and the SSM state [b, nh/t, hd, n] (fp32).
+        A forward at offset 0 starts a sequence: the rows are zeroed first. Unlike the key/value cache the
+        states do not grow with the sequence: one token per step costs the same at every position."""
+        first, last = self.batch_size_offset, self.batch_size_offset + b
+        if last > self.max_batch_size:
+            raise ValueError(f"the inference context holds {self.max_batch_size} rows; this step needs {last}")
+        if layer_number not in self.mamba_state_dict:
+            self.mamba_state_dict[layer_number] = (
+                torch.zeros(self.max_batch_size, *conv_shape, dtype=dtype, device=device),
+                torch.zeros(self.max_batch_size, *ssm_shape, dtype=torch.float32, device=device))
+        conv_state, ssm_state = (state[first:last] for state in self.mamba_state_dict[layer_number])
+        if self.sequence_len_offset == 0:
+            conv_state.zero_()
+            ssm_state.zero_()
+        return conv_state, ssm_state
 
     def append_key_value(self, layer_number: int, key: torch.Tensor,
                          value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +100,8 @@ class InferenceContext:
         matmul copies a strided prefix of the cache on every call; the whole buffer it reads in place,
         and at least half full that costs less than the copy. fp32's reads a strided prefix in place."""
         end = self.sequence_len_offset + s
-        if s == 1 and self.sequence_len_offset > 0 and 2 * end >= self.max_sequence_length:
+        if (s == 1 and self.sequence_len_offset > 0 and 2 * end >= self.max_sequence_length
+                and self.key_value_memory_dict):  # (a model of Mamba layers only has no key/value cache)
             key_cache, _ = next(iter(self.key_value_memory_dict.values()))  # a decode step: after a prefill
             if key_cache.dtype in (torch.float16, torch.bfloat16):
                 return self.max_sequence_length
@@ -104,6 +130,9 @@ class InferenceContext:
             index = batch_idx.to(key_cache.device)
             key_cache[:n, :, :, :end] = key_cache[..., :end].index_select(0, index)  # [n, ng/t, hn, offset]
             value_cache[:n, :, :end] = value_cache[:, :, :end].index_select(0, index)  # [n, ng/t, offset, hn]
+        for states in self.mamba_state_dict.values():
+            for state in states:  # [max_b, ...]
+                state[:n] = state.index_select(0, batch_idx.to(state.device))
 
     def increment(self, s: int) -> None:
         """Advance the offset past the s tokens just run."""

@@ -65,6 +65,8 @@ class GPTModel(LanguageModule):
     vocab_size ids, so the loss depends on t. loss_vocab_size says which of the two is in use.
     """
 
+    decoder_class = TransformerBlock  # the stack of layers (MambaModel's: the hybrid MambaStack)
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -119,7 +121,7 @@ class GPTModel(LanguageModule):
             heads = config.num_attention_heads // config.tensor_model_parallel_size
             rank = parallel_state.get_tensor_model_parallel_rank() if config.tensor_model_parallel_size > 1 else 0
             self.alibi = ALiBi(config.num_attention_heads, first_head=rank * heads, local_heads=heads)
-        self.decoder = TransformerBlock(config, transformer_layer_spec, pre_process=pre_process,
+        self.decoder = self.decoder_class(config, transformer_layer_spec, pre_process=pre_process,
                                         post_process=post_process, init_seed=init_seed)
         self.output_layer: ColumnParallelLinear | None = None
         if post_process:

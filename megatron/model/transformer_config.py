@@ -187,6 +187,16 @@ class TransformerConfig:
     moe_per_layer_logging: bool = False
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
+    # Mamba-2 layers (megatron/model/mamba/, docs/model.md): Megatron-Core's fields; mamba_num_heads None
+    # is 2 x hidden_size / mamba_head_dim. mamba_d_conv and mamba_chunk_size are Megatron's fixed 4 and 128
+    # (HF's conv_kernel and chunk_size); use_mamba_mem_eff_path is --disable-mamba-mem-eff-path's negation.
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int | None = None
+    mamba_d_conv: int = 4
+    mamba_chunk_size: int = 128
+    use_mamba_mem_eff_path: bool = True
     init_method: InitMethod | None = None
     output_layer_init_method: InitMethod | None = None
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from megatron.training.config.architecture import ModelArchitecture
+from megatron.planner.mamba import (HybridShape, hybrid_shape_from_args, mamba_layer_activation_bytes,
+                                    mamba_layer_parameters)
 
 
 class PlanError(ValueError):
@@ -70,6 +72,7 @@ class ModelShape:
     grads_fp32: bool = True
     moe: Optional[MoEShape] = None
     fast_loss: bool = True  # t = 1 takes the cross entropy's one-rank path (fp32 softmax, native kernels)
+    hybrid: Optional[HybridShape] = None  # pretrain_mamba.py: the layer pattern and Mamba sizes (planner/mamba.py)
 
     def is_moe_layer(self, number: int) -> bool:
         """Whether the 1-based layer `number` has an MoE MLP."""
@@ -153,7 +156,8 @@ def shape_from_args(args: argparse.Namespace, vocab_size: Optional[int] = None) 
         grads_fp32=bool(args.accumulate_allreduce_grads_in_fp32) or not
         (args.bf16 or args.fp16), moe=_moe_from_args(args, arch),
         fast_loss=(not args.fp16_lm_cross_entropy or not (args.bf16 or args.fp16))
-        and args.fused_kernels_cpu_impl != "reference")
+        and args.fused_kernels_cpu_impl != "reference",
+        hybrid=hybrid_shape_from_args(args))
 
 
 def _moe_from_args(args: argparse.Namespace, arch: ModelArchitecture) -> Optional[MoEShape]:
@@ -242,6 +246,17 @@ def layer_parameters(m: ModelShape, tp: int, number: int = 0, lay: Optional[Layo
     return attention + router + shared
 
 
+def hybrid_layer_parameters(m: ModelShape, tp: int, number: int) -> int:
+    """A hybrid model's layer `number` on one TP rank: Mamba (planner/mamba.py), attention only (the GPT
+    layer without its MLP and second norm) or MLP only (its norm and MLP)."""
+    kind, h = m.hybrid.kind(number), m.hidden_size
+    norm = 2 * h if m.layernorm else h
+    if kind == "M":
+        return mamba_layer_parameters(h, m.hybrid, tp, m.layernorm)
+    mlp = norm + _mlp_parameters(m, m.ffn_hidden_size, tp)
+    return mlp if kind == "-" else layer_parameters(m, tp) - mlp
+
+
 def chunk_layer_numbers(m: ModelShape, lay: Layout, stage: int, chunk: int) -> range:
     """The 1-based layer numbers of model chunk `chunk` of pipeline rank `stage` (chunk v of rank
     p is the model's chunk v p_size + p)."""
@@ -265,6 +280,8 @@ def chunk_parameters(m: ModelShape, lay: Layout, stage: int, chunk: int) -> int:
     numbers = chunk_layer_numbers(m, lay, stage, chunk)
     moe = _moe_count(m, numbers)
     total = (len(numbers) - moe) * layer_parameters(m, tp)
+    if m.hybrid is not None:
+        total = sum(hybrid_layer_parameters(m, tp, n) for n in numbers)
     if moe:
         total += moe * (layer_parameters(m, tp, m.moe.layers[0], lay) + expert_layer_parameters(m, lay))
     if first:
@@ -358,6 +375,29 @@ def layer_activation_bytes(m: ModelShape, lay: Layout, recompute: Optional[str] 
     return replicated + core + projection + mlp
 
 
+def hybrid_layer_activation_bytes(m: ModelShape, lay: Layout, number: int, recompute: Optional[str] = None) -> int:
+    """A hybrid model's layer `number` (no full recompute): a Mamba layer's (planner/mamba.py), an
+    attention-only layer's (the GPT layer's terms without the MLP half) or an MLP-only layer's."""
+    kind = m.hybrid.kind(number)
+    if kind == "M":
+        return mamba_layer_activation_bytes(m, lay, _e(m))
+    e, b, h = _e(m), lay.micro_batch_size, m.hidden_size
+    local = m.seq_length // lay.tp if lay.sequence_parallel else m.seq_length
+    stats = 8 if m.layernorm else 4
+    mlp_half = local * b * (2 * e * h + stats + (h if m.hidden_dropout else 0))
+    mlp_half += _dense_mlp_bytes(m, m.seq_length * b, m.ffn_hidden_size // lay.tp)
+    return mlp_half if kind == "-" else layer_activation_bytes(m, lay, recompute) - mlp_half
+
+
+def _layers_activation_bytes(m: ModelShape, lay: Layout, numbers, recompute: Optional[str]) -> int:
+    """The layers `numbers` of a chunk without full recompute (dense, MoE or hybrid)."""
+    if m.hybrid is not None:
+        return sum(hybrid_layer_activation_bytes(m, lay, n, recompute) for n in numbers)
+    moe = _moe_count(m, numbers)
+    total = (len(numbers) - moe) * layer_activation_bytes(m, lay, recompute)
+    return total + (moe * layer_activation_bytes(m, lay, recompute, True) if moe else 0)
+
+
 def _dense_mlp_bytes(m: ModelShape, rows: int, fl: int) -> int:
     """What a dense MLP of fl columns per rank keeps on `rows` tokens beyond its input: fc1's
     output and the activation's (SwiGLU: gate and up, silu(gate) unless fused, the product)."""
@@ -447,16 +487,11 @@ def chunk_activation_bytes(m: ModelShape, lay: Layout, stage: int, chunk: int) -
         kept_input = e * s * b * h // (t if split else 1)
         n = lay.recompute_num_layers
         if lay.recompute_method == "block":
-            rest = numbers[n:]
-            moe = _moe_count(m, rest)
-            total = n * kept_input + (len(rest) - moe) * layer_activation_bytes(m, lay)
-            total += moe * layer_activation_bytes(m, lay, moe=True) if moe else 0
+            total = n * kept_input + _layers_activation_bytes(m, lay, numbers[n:], None)
         else:
             total = (len(numbers) // n) * kept_input
     else:
-        moe = _moe_count(m, numbers)
-        total = (len(numbers) - moe) * layer_activation_bytes(m, lay, lay.recompute)
-        total += moe * layer_activation_bytes(m, lay, lay.recompute, True) if moe else 0
+        total = _layers_activation_bytes(m, lay, numbers, lay.recompute)
     # Made once per forward and shared by the chunk's layers: RoPE's fp32 angles [s, 1, 1, hn],
     # and the [1, 1, s, s] bool causal mask, which the recompute checkpoints keep as an input.
     total += 4 * s * m.kv_channels if m.rope else 0
@@ -481,7 +516,10 @@ def recompute_working_bytes(m: ModelShape, lay: Layout) -> int:
     saved-tensor measurement, but part of the peak."""
     if lay.recompute != "full":
         return 0
-    widest = max(layer_activation_bytes(m, lay, moe=moe) for moe in ({False, m.moe is not None}))
+    if m.hybrid is not None:
+        widest = max(hybrid_layer_activation_bytes(m, lay, n) for n in range(1, m.num_layers + 1))
+    else:
+        widest = max(layer_activation_bytes(m, lay, moe=moe) for moe in ({False, m.moe is not None}))
     return lay.recompute_num_layers * widest
 
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Optional
 from megatron.core.enums import ModelType
 from megatron.training.config import MegatronConfig
 
-RECIPES = ("gpt", "bert", "t5")
+RECIPES = ("gpt", "bert", "t5", "mamba")
 
 
 def _recipe(name: str) -> Dict[str, Any]:

@@ -217,11 +217,6 @@ NO_EFFECT = (
     _true("--moe-permute-fusion", MOE_PERF),
     # experimental
     _true("--enable-experimental", "no experimental code paths here"),
-    _value("--mamba-state-dim", int, 128, "only used with --is-hybrid-model, which is not supported yet"),
-    _value("--mamba-head-dim", int, 64, "only used with --is-hybrid-model, which is not supported yet"),
-    _value("--mamba-num-groups", int, 8, "only used with --is-hybrid-model, which is not supported yet"),
-    _value("--mamba-num-heads", int, None, "only used with --is-hybrid-model, which is not supported yet"),
-    _true("--disable-mamba-mem-eff-path", "only used with --is-hybrid-model, which is not supported yet"),
 )
 
 REFUSED = (
@@ -276,10 +271,6 @@ REFUSED = (
     _value("--per-split-data-args-path", str, None, "reading the per-split data paths from a file"),
     _value("--mid-level-dataset-surplus", float, 0.005, "a blend surplus other than 0.005"),
     _value("--yaml-cfg", str, None, "YAML configuration files"),
-    _true("--is-hybrid-model", "hybrid Mamba models"),
-    _value("--hybrid-attention-ratio", float, 0.0, "hybrid Mamba models"),
-    _value("--hybrid-mlp-ratio", float, 0.0, "hybrid Mamba models"),
-    _value("--hybrid-override-pattern", str, None, "hybrid Mamba models"),
     _true("--use-precision-aware-optimizer", "the precision-aware optimizer"),
     _value("--main-grads-dtype", str, "fp32", "main gradients other than fp32", choices=["fp32", "bf16"]),
     _value("--main-params-dtype", str, "fp32", "main parameters other than fp32", choices=["fp32", "fp16"]),

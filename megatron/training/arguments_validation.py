@@ -472,6 +472,29 @@ def _validate_model_config(args: Namespace) -> None:
         raise ArgsError("--moe-token-dispatcher-type flex: the DeepEP dispatcher is not supported yet; "
                         "use allgather or alltoall")
     _check_config_rules(args)
+    _validate_hybrid(args)
+
+
+def _validate_hybrid(args: Namespace) -> None:
+    """A hybrid model's pattern (its length, symbols and the ratios) and its Mamba sizes (heads and
+    groups divisible by each other and by the tensor-parallel size), named by their flags."""
+    from megatron.model.mamba.mixer import mamba_dims
+    from megatron.model.transformer_config import ConfigRuleError
+    from megatron.training.config_builders import hybrid_pattern_from_args
+
+    pattern = hybrid_pattern_from_args(args)
+    if pattern is None:
+        return
+    if args.num_experts is not None:
+        raise ArgsError("--num-experts: MoE layers in a hybrid model (the pattern's E) are not supported yet")
+    if args.spec is not None:
+        raise ArgsError("--spec: a hybrid model builds its layers from --hybrid-override-pattern, not a layer spec")
+    if "M" not in pattern:
+        return
+    try:
+        mamba_dims(core_transformer_config_from_args(args))
+    except ConfigRuleError as error:
+        raise ArgsError(error.render(config_flag)) from None
 
 
 def _validate_train_length(args: Namespace) -> None:

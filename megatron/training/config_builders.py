@@ -5,6 +5,7 @@ flag -> config translations (megatron.training.arguments re-exports them, Megatr
 |---|---|
 | core_transformer_config_from_args(args) | megatron.model.TransformerConfig |
 | gpt_model_kwargs(args) | GPTModel's position-embedding keywords (rope, alibi, none, ...) |
+| mamba_model_kwargs(args) | MambaModel's: those and the hybrid layer pattern (hybrid_pattern_from_args) |
 | optimizer_config_from_args(args) | megatron.core.optimizer.OptimizerConfig |
 | lora_config_from_args(args) | megatron.core.tensor_parallel.lora.LoRAConfig, or None without --lora-rank |
 | gpt_dataset_config_from_args(args, tokenizer) | megatron.data.dataset_config.GPTDatasetConfig |
@@ -75,6 +76,7 @@ def core_transformer_config_from_args(args: Namespace, config_class: type | None
         distribute_saved_activations=args.distribute_saved_activations,
         use_flash_attn=args.use_flash_attn,
         **_moe_kwargs(args),
+        **_mamba_kwargs(args),
     )
 
 
@@ -82,6 +84,36 @@ def _cp_comm_type(args: Namespace) -> Any:
     """--cp-comm-type as Megatron hands it on: one value as a string, several as the per-layer list."""
     kinds = args.cp_comm_type
     return kinds[0] if isinstance(kinds, (list, tuple)) and len(kinds) == 1 else kinds
+
+
+def _mamba_kwargs(args: Namespace) -> dict[str, Any]:
+    """The Mamba fields of TransformerConfig (--disable-mamba-mem-eff-path is use_mamba_mem_eff_path=False)."""
+    return dict(mamba_state_dim=args.mamba_state_dim, mamba_head_dim=args.mamba_head_dim,
+                mamba_num_groups=args.mamba_num_groups, mamba_num_heads=args.mamba_num_heads,
+                use_mamba_mem_eff_path=not args.disable_mamba_mem_eff_path)
+
+
+def hybrid_pattern_from_args(args: Namespace) -> str | None:
+    """The layer pattern of a hybrid model (--hybrid-override-pattern or the ratios' allocation), or
+    None for a model that is not one (no hybrid flag given)."""
+    if not (args.is_hybrid_model or args.hybrid_override_pattern or args.hybrid_attention_ratio
+            or args.hybrid_mlp_ratio):
+        return None
+    from megatron.model.mamba.hybrid import HybridPatternError, allocate_layers
+
+    try:
+        return allocate_layers(args.num_layers, args.hybrid_attention_ratio, args.hybrid_mlp_ratio,
+                               args.hybrid_override_pattern)
+    except HybridPatternError as error:
+        raise ArgsError(str(error)) from None
+
+
+def mamba_model_kwargs(args: Namespace) -> dict[str, Any]:
+    """MambaModel's keywords from validated args: gpt_model_kwargs' positions and the hybrid pattern."""
+    kwargs = gpt_model_kwargs(args)
+    if kwargs.pop("transformer_layer_spec") is not None:
+        raise ArgsError("--spec: a hybrid model builds its layers from --hybrid-override-pattern")
+    return dict(kwargs, hybrid_override_pattern=hybrid_pattern_from_args(args) or "M" * args.num_layers)
 
 
 def _moe_kwargs(args: Namespace) -> dict[str, Any]:

@@ -27,6 +27,10 @@ def gpt_builder(args: argparse.Namespace, pre_process: bool, post_process: bool,
     from megatron.model import GPTModel
     from megatron.training.arguments import core_transformer_config_from_args, gpt_model_kwargs
 
+    if args.is_hybrid_model:
+        from megatron.training.argument_utils import ArgsError
+
+        raise ArgsError("--is-hybrid-model: a hybrid (Mamba) model trains with pretrain_mamba.py")
     print_rank_0("building GPT model ...")
     if config is None:
         config = core_transformer_config_from_args(args)

@@ -76,7 +76,10 @@ def apply_hf_args(args: argparse.Namespace, argv: Optional[List[str]] = None,
     """Before validate_args: the model's args from --load-hf's config (CheckpointError on a conflict)."""
     checkpoint = HFCheckpoint(args.load_hf)
     family = huggingface.ARCHITECTURES[checkpoint.config.model_type].family
-    if family != "GPT":
+    if family == "MAMBA" and not args.is_hybrid_model:
+        raise CheckpointError(f"--load-hf {args.load_hf}: a {checkpoint.config.model_type} model is a MambaModel: "
+                              "train it with pretrain_mamba.py")
+    if family not in ("GPT", "MAMBA"):
         raise CheckpointError(f"--load-hf {args.load_hf}: a {checkpoint.config.model_type} model is not a GPTModel; "
                               f"convert it with tools/checkpoint/convert.py --model-type {family} --loader hf")
     checkpoint.rules()  # missing or unknown tensors: refused before any process builds a model

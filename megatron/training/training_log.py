@@ -49,8 +49,37 @@ from megatron.training.utils import print_rank_last, report_memory, timestamp
 
 def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> float:
     """Model FLOPs of one training iteration (forward + backward) on batch_size sequences: Megatron-LM
-    core_v0.13's count (ModelArchitecture.num_floating_point_operations says how it is made up)."""
+    core_v0.13's count (ModelArchitecture.num_floating_point_operations says how it is made up); a
+    hybrid model (pretrain_mamba.py) by hybrid_flops, Megatron's count per layer kind."""
+    if args.is_hybrid_model:
+        return hybrid_flops(args, batch_size)
     return ModelArchitecture.from_args(args).num_floating_point_operations(batch_size)
+
+
+def hybrid_flops(args: argparse.Namespace, batch_size: int) -> float:
+    """Model FLOPs of one training iteration of a hybrid model, as Megatron-LM core_v0.13 counts them
+    (3 x the forward; per sequence of s tokens, d_in = 2h, nh = --mamba-num-heads or d_in / hd):
+
+        Mamba layer      2 s h (2 d_in + 2 ng n + nh)  in_proj,  7 s d_in n  the scan,  2 s d_in h  out_proj
+        attention layer  4 s h p (h + h g / a + s / 2), p = kv channels x a / h, g groups (a without GQA)
+        MLP layer        4 s h^2 (f / h) m, m = 3/2 with --swiglu
+        logits           2 s h V
+    """
+    from megatron.training.config_builders import hybrid_pattern_from_args
+
+    pattern = hybrid_pattern_from_args(args) or "M" * args.num_layers
+    s, h = args.seq_length, args.hidden_size
+    d_in, n, ng = 2 * h, args.mamba_state_dim, args.mamba_num_groups
+    nh = args.mamba_num_heads or d_in // args.mamba_head_dim
+    mamba = 2 * s * h * (2 * d_in + 2 * ng * n + nh) + 7 * s * d_in * n + 2 * s * d_in * h
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    p = args.kv_channels * heads / h if args.kv_channels else 1
+    attention = 4 * s * h * p * (h + h * groups / heads + s / 2)
+    mlp = 4 * s * h * args.ffn_hidden_size * (1.5 if args.swiglu else 1.0)
+    forward = (pattern.count("M") * mamba + pattern.count("*") * attention + pattern.count("-") * mlp
+               + 2 * s * h * args.padded_vocab_size)
+    return 3 * batch_size * forward
 
 
 def _is_bad(value: float) -> bool:

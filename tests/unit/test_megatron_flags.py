@@ -224,7 +224,11 @@ REFUSED_GROUPS = [
     ("data-file", "--data-args-path paths.txt", "--data-args-path paths.txt: reading --data-path from a file"),
     ("blend-surplus", "--mid-level-dataset-surplus 0.01",
      "--mid-level-dataset-surplus 0.01: a blend surplus other than 0.005"),
-    ("hybrid", "--is-hybrid-model", "--is-hybrid-model: hybrid Mamba models is not supported yet"),
+    ("hybrid-groups", "--is-hybrid-model", "the Mamba heads (2, --mamba-num-heads or 2 x hidden / head dim) must "
+     "be divisible by --mamba-num-groups (8)"),
+    ("hybrid-pattern", "--hybrid-override-pattern M*M", "--hybrid-override-pattern has 3 layers, --num-layers is 2"),
+    ("hybrid-moe", "--hybrid-override-pattern ME", "--hybrid-override-pattern: E (MoE) layers in a hybrid model"),
+    ("hybrid-experts", "--hybrid-override-pattern M- --num-experts 2", "--num-experts: MoE layers in a hybrid"),
     ("spec", "--spec local", "--spec takes two values, MODULE NAME"),
     ("spec-import", "--spec no_such_module_here spec", "--spec no_such_module_here spec: cannot import"),
     ("spec-name", "--spec megatron.model.layer_specs no_such_spec",

@@ -57,7 +57,7 @@ def partition_indices(attrs: Any, local_size: int, tp: int, rank: int) -> list[i
             raise ValueError("partition_rows needs partition_dim 0")
         if len(rows) != local_size:
             raise ValueError(f"partition_rows lists {len(rows)} rows, the local tensor has {local_size}")
-        return list(rows)
+        return [int(row) for row in rows]  # plain ints (a tensor of rows gives 0-d tensors: unhashable offsets)
     return strided_partition_indices(local_size, tp, rank, int(_attribute(attrs, "partition_stride", 1)))
 
 

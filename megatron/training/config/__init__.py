@@ -13,6 +13,7 @@ from megatron.training.config.groups import (
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
+    HybridConfig,
     InitializationConfig,
     LearningRateConfig,
     LoggingConfig,
@@ -28,9 +29,10 @@ from megatron.training.config.groups import (
 
 GROUPS = (ModelConfig, RegularizationConfig, TrainingConfig, InitializationConfig, LearningRateConfig,
           CheckpointConfig, MixedPrecisionConfig, DistributedConfig, ValidationConfig, DataConfig,
-          TokenizerConfig, LoggingConfig, MoEConfig, LoRAConfig)
+          TokenizerConfig, LoggingConfig, MoEConfig, LoRAConfig, HybridConfig)
 
-__all__ = ["GROUPS", "CheckpointConfig", "ConfigError", "ConfigGroup", "MegatronConfig", "DataConfig", "DistributedConfig", "InitializationConfig",
-           "LearningRateConfig", "LoggingConfig", "LoRAConfig", "MixedPrecisionConfig", "MoEConfig", "ModelConfig",
+__all__ = ["GROUPS", "CheckpointConfig", "ConfigError", "ConfigGroup", "MegatronConfig", "DataConfig",
+           "DistributedConfig", "HybridConfig", "InitializationConfig", "LearningRateConfig", "LoggingConfig",
+           "LoRAConfig", "MixedPrecisionConfig", "MoEConfig", "ModelConfig",
            "RegularizationConfig", "TokenizerConfig", "TrainingConfig", "ValidationConfig", "add_group",
            "flag_kwargs", "setting"]

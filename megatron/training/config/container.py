@@ -25,6 +25,7 @@ from megatron.training.config.groups import (
     CheckpointConfig,
     DataConfig,
     DistributedConfig,
+    HybridConfig,
     InitializationConfig,
     LearningRateConfig,
     LoggingConfig,
@@ -82,6 +83,7 @@ class MegatronConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings of no group (see the module docstring), by dest."""
 

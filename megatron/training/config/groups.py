@@ -17,6 +17,7 @@ command-line flag is declared (megatron/training/config/fields.py says how a fie
 | LoggingConfig | logging |
 | MoEConfig | moe |
 | LoRAConfig | lora |
+| HybridConfig | hybrid models |
 
 To add a setting: add a field to the group it belongs to, with its default and, under it, the help
 string; its flag, dest and type follow from the name and annotation (setting(...) for anything
@@ -668,3 +669,31 @@ class LoRAConfig(ConfigGroup, title="lora"):
                                              nargs="+", choices=("linear_qkv", "linear_proj", "linear_fc1",
                                                                  "linear_fc2"))
     """The linear layers of each transformer layer that get an adapter."""
+
+
+@dataclass
+class HybridConfig(ConfigGroup, title="hybrid models"):
+    """Mamba-2 and hybrid Mamba / attention / MLP models (pretrain_mamba.py; docs/model.md)."""
+
+    is_hybrid_model: bool = False
+    """The model is a hybrid (Mamba) model: pretrain_mamba.py's MambaModel, and what tools that load a
+    checkpoint (conversion, generation) build.
+    """
+    hybrid_attention_ratio: float = 0.0
+    """Ratio of attention layers to total layers, in [0, 1] (spread evenly among the Mamba layers)."""
+    hybrid_mlp_ratio: float = 0.0
+    """Ratio of MLP layers to total layers, in [0, 1]."""
+    hybrid_override_pattern: str | None = None
+    """The layer pattern, one symbol per layer: M Mamba, * attention, - MLP (e.g. M-M*M-M-); with a
+    ratio given its layer counts must match the ratio's.
+    """
+    mamba_state_dim: int = 128
+    """State dimension of the Mamba layers."""
+    mamba_head_dim: int = 64
+    """Head dimension of the Mamba layers."""
+    mamba_num_groups: int = 8
+    """Number of B/C groups of the Mamba layers."""
+    mamba_num_heads: int | None = None
+    """Number of heads of the Mamba layers (default: 2 x --hidden-size / --mamba-head-dim)."""
+    disable_mamba_mem_eff_path: bool = False
+    """Megatron's switch off its fused conv + scan + norm CUDA kernel; the PyTorch scan is the same either way."""

@@ -1,0 +1,34 @@
+"""pretrain_mamba.py end to end: a hybrid M*M- model trains from the command line, logs Megatron's
+lines, saves torch_dist checkpoints and resumes from one exactly."""
+
+from __future__ import annotations
+
+import math
+
+import pretrain_mamba
+from megatron.training.checkpointing import get_checkpoint_tracker_filename
+from tests.helpers.launch import run_cli
+from tests.helpers.training import MOCK, TINY, logged_losses, losses
+
+HYBRID = [*TINY, *MOCK, "--num-layers", "4", "--hybrid-override-pattern", "M*M-", "--mamba-state-dim", "8",
+          "--mamba-head-dim", "8", "--mamba-num-groups", "2", "--normalization", "RMSNorm", "--disable-bias-linear",
+          "--swiglu", "--position-embedding-type", "none", "--untie-embeddings-and-output-weights",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0", "--train-iters", "4",
+          "--lr-warmup-iters", "1"]
+
+
+def test_cli_trains_a_hybrid_model_and_resumes_from_torch_dist(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = run_cli(["pretrain_mamba.py", *HYBRID, "--save", ckpt, "--save-interval", "2", "--ckpt-format",
+                     "torch_dist"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert " > hybrid layer pattern M*M- (M Mamba, * attention, - MLP)" in first.stdout
+    straight = logged_losses(first.stdout)
+    assert sorted(straight) == [1, 2, 3, 4] and all(math.isfinite(v) for v in straight.values())
+    with open(get_checkpoint_tracker_filename(ckpt), "w") as tracker:  # resume from iteration 2
+        tracker.write("2")
+    # In-process (the same entry point's main), the run's own log precision: iterations 3 and 4 again.
+    resumed = pretrain_mamba.main([*HYBRID, "--load", ckpt, "--ckpt-format", "torch_dist"], record_history=True)
+    assert [i for i, _ in losses(resumed)] == [3, 4]
+    for iteration, loss in losses(resumed):
+        assert float(f"{loss:.6E}") == straight[iteration]  # the log line's {:.6E}

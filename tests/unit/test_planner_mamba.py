@@ -1,0 +1,83 @@
+"""The planner's hybrid Mamba models (megatron/planner/mamba.py): parameters equal the model's, the
+activation bytes of a whole hybrid chunk (Mamba, attention-only and MLP-only layers, embedding, loss)
+equal what autograd saves in an fp32 training forward, the inference state equals InferenceContext's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron.planner.mamba import mamba_state_bytes
+from megatron.planner.model import Layout, chunk_activation_bytes, chunk_parameters, shape_from_args
+from megatron.training.arguments import parse_args, validate_args
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _args(extra, seq, capsys):
+    argv = ["--num-layers", "5", "--hybrid-override-pattern", "M*-MM", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--mamba-state-dim", "8", "--mamba-head-dim", "8", "--mamba-num-groups",
+            "2", "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--lr", "1", "--train-iters", "1", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "100", "--normalization", "RMSNorm", "--disable-bias-linear",
+            "--position-embedding-type", "none", "--untie-embeddings-and-output-weights", *extra]
+    args = parse_args(argv=argv)
+    args.world_size, args.rank = 1, 0
+    validate_args(args, {})
+    capsys.readouterr()
+    args.padded_vocab_size = 128
+    return args
+
+
+def _model(args):
+    from megatron.model.mamba import MambaModel
+    from megatron.training.config_builders import core_transformer_config_from_args, mamba_model_kwargs
+
+    return MambaModel(core_transformer_config_from_args(args), vocab_size=128, max_sequence_length=args.seq_length,
+                      share_embeddings_and_output_weights=False, **mamba_model_kwargs(args))
+
+
+@pytest.mark.parametrize("seq, extra", [(200, []), (64, ["--swiglu", "--hidden-dropout", "0.1"])],
+                         ids=["two-chunks", "one-chunk-swiglu-dropout"])
+def test_hybrid_chunk_parameters_and_activations_are_the_models(seq, extra, capsys):
+    from megatron.model.activation_memory import saved_tensor_bytes
+
+    args = _args(extra, seq, capsys)
+    m, lay = shape_from_args(args), Layout(micro_batch_size=2, global_batch_size=2)
+    model = _model(args).train()
+    assert chunk_parameters(m, lay, 0, 0) == sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq).repeat(2, 1)
+    measured = saved_tensor_bytes(lambda: model(tokens, positions, None, labels=tokens),
+                                  exclude=list(model.parameters()))
+    assert chunk_activation_bytes(m, lay, 0, 0) == measured
+
+
+def test_mamba_state_bytes_are_the_inference_contexts(capsys):
+    from megatron.inference.context import InferenceContext
+
+    args = _args([], 16, capsys)
+    m = shape_from_args(args)
+    model = _model(args).eval()
+    context = InferenceContext(3, 16)
+    with torch.no_grad():
+        model(torch.zeros(3, 4, dtype=torch.long), None, inference_context=context)
+    held = sum(t.numel() * t.element_size() for states in context.mamba_state_dict.values() for t in states)
+    assert held == 3 * m.hybrid.pattern.count("M") * mamba_state_bytes(m.hybrid, 1, 4)
+
+
+def test_the_logged_flops_of_a_hybrid_model_are_megatrons(capsys):
+    """num_floating_point_operations (the log's TFLOP/s) of M*-MM: Megatron-LM core_v0.13's hybrid_flops,
+    written out: 3 x per sequence (Mamba: in_proj with d_in = 2h, scan 7 s d_in n, out_proj; attention;
+    MLP; logits)."""
+    from megatron.training.training_log import num_floating_point_operations
+
+    args = _args(["--swiglu"], 64, capsys)
+    args.is_hybrid_model = True
+    s, h, v = 64, 32, 128
+    d_in, nh = 64, 8
+    mamba = 2 * s * h * (2 * d_in + 2 * 2 * 8 + nh) + 7 * s * d_in * 8 + 2 * s * d_in * h
+    attention = 4 * s * h * 1 * (h + h + s / 2)
+    mlp = 4 * s * h * args.ffn_hidden_size * 1.5
+    expected = 3 * 2 * (3 * mamba + attention + mlp + 2 * s * h * v)
+    assert num_floating_point_operations(args, 2) == pytest.approx(expected, rel=1e-12)
