@@ -1,5 +1,5 @@
 #!/bin/bash
-# Supervised fine-tuning (FULL fine-tuning) of a Llama chat model, end to end:
+# Supervised fine-tuning (full, or LoRA with LORA_RANK) of a Llama chat model, end to end:
 #   HF Llama directory -> pretrain_gpt.py --sft --load-hf (chat JSON lines tokenized on the fly,
 #   conversations packed, loss on assistant tokens) -> Megatron checkpoint -> HF directory
 #   (tools/checkpoint/convert.py --saver hf) -> generation through the chat template.
@@ -20,11 +20,11 @@
 # PROMPT_FORMAT: default (the directory's tokenizer_config.json chat_template), llama2-chat, chatml
 # or nemotron-h-aligned. EXTRA_ARGS passes more flags to pretrain_gpt.py (last, so they override).
 #
-# ---- LoRA ---------------------------------------------------------------------------------------
-# A parameter-efficient variant plugs in at the marked LORA step below: LORA_ARGS (--lora-rank,
-# --lora-alpha, --lora-dropout, --lora-target-modules) added to the SFT run, and the export step
-# writing a PEFT adapter instead of a full HF directory. Not in this branch: LORA_ARGS must stay empty.
-# --------------------------------------------------------------------------------------------------
+# LoRA instead of full fine-tuning (docs/sft.md, docs/lora.md): LORA_RANK=8 [LORA_ALPHA=16] trains
+# adapters on linear_qkv / linear_proj / linear_fc1 / linear_fc2 with the HF weights frozen (the
+# checkpoints hold the adapters alone and point to $HF_DIR), exports them as an HF PEFT adapter
+# (tools/checkpoint/convert.py --loader lora --saver peft) and chats through peft on the HF base:
+#   LORA_RANK=8 examples/finetune_llama_chat.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
@@ -45,10 +45,12 @@ TP=${TP:-1}
 PP=${PP:-1}
 CHECKPOINT_PATH=$WORK_DIR/checkpoints
 HF_OUT=$WORK_DIR/hf-finetuned
-LORA_ARGS=${LORA_ARGS:-}
-if [ -n "$LORA_ARGS" ]; then
-    echo "finetune_llama_chat.sh: LoRA is not part of this version (leave LORA_ARGS empty)" >&2
-    exit 1
+LORA_RANK=${LORA_RANK:-0}
+LORA_ARGS=()
+if [ "$LORA_RANK" -gt 0 ]; then
+    LORA_ARGS=(--lora-rank "$LORA_RANK" --lora-alpha "${LORA_ALPHA:-$(( 2 * LORA_RANK ))}")
+    CHECKPOINT_PATH=$WORK_DIR/lora-checkpoints
+    PEFT_OUT=$WORK_DIR/peft-adapter
 fi
 
 # 1. The inputs: an HF Llama directory and a chat file (made here only when not given).
@@ -100,21 +102,29 @@ SFT_ARGS=(
     --save "$CHECKPOINT_PATH"
     --load "$CHECKPOINT_PATH"
 )
-# LORA: the LoRA variant adds "${LORA_ARGS[@]}" here.
+SFT_ARGS+=("${LORA_ARGS[@]}")  # (LoRA: adapters on the frozen $HF_DIR weights)
 if [ "$(cat "$CHECKPOINT_PATH/latest_checkpointed_iteration.txt" 2>/dev/null)" != "$TRAIN_ITERS" ]; then
     "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" --nnodes 1 --master-addr localhost \
         --master-port "${MASTER_PORT:-29528}" pretrain_gpt.py \
         "${SFT_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${PRECISION_ARGS[@]}" ${EXTRA_ARGS:-}
 fi
 
-# 3. Back to an HF directory (any TP / PP the run used), the tokenizer and its chat template copied.
-#    LORA: the LoRA variant exports the adapter (PEFT format) here instead.
-#    The true vocabulary (the checkpoint holds it padded) is the HF model's.
-VOCAB_SIZE=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$HF_DIR/config.json")
-rm -rf "$HF_OUT"
-"$PYTHON" tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf \
-    --load-dir "$CHECKPOINT_PATH" --save-dir "$HF_OUT" --tokenizer-dir "$HF_DIR" --true-vocab-size "$VOCAB_SIZE"
+# 3. Back to HF: a full HF directory (any TP / PP the run used; the tokenizer and its chat template
+#    copied; the true vocabulary, the checkpoint holds it padded, is the HF model's), or with LoRA the
+#    adapter in HF PEFT's format for the base $HF_DIR.
+if [ "$LORA_RANK" -gt 0 ]; then
+    rm -rf "$PEFT_OUT"
+    "$PYTHON" tools/checkpoint/convert.py --model-type GPT --loader lora --saver peft \
+        --load-dir "$CHECKPOINT_PATH" --save-dir "$PEFT_OUT"
+    CHAT_MODEL=(--model-dir "$HF_DIR" --adapter-dir "$PEFT_OUT")
+else
+    VOCAB_SIZE=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$HF_DIR/config.json")
+    rm -rf "$HF_OUT"
+    "$PYTHON" tools/checkpoint/convert.py --model-type GPT --loader megatron --saver hf \
+        --load-dir "$CHECKPOINT_PATH" --save-dir "$HF_OUT" --tokenizer-dir "$HF_DIR" --true-vocab-size "$VOCAB_SIZE"
+    CHAT_MODEL=(--model-dir "$HF_OUT")
+fi
 
-# 4. Generation with the chat template (transformers, greedy).
-"$PYTHON" tools/make_chat_example.py chat --model-dir "$HF_OUT" \
+# 4. Generation with the chat template (transformers, greedy; peft on the base with LoRA).
+"$PYTHON" tools/make_chat_example.py chat "${CHAT_MODEL[@]}" \
     --prompt "${PROMPT:-What is the Python topic 'for' about?}"

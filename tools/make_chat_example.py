@@ -149,7 +149,14 @@ def chat(args: argparse.Namespace) -> None:
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_dir)
     if tokenizer.chat_template is None:
         raise ChatExampleError(f"--model-dir {args.model_dir}: its tokenizer_config.json has no chat_template")
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir)
+    if args.adapter_dir is not None:  # a LoRA adapter in HF PEFT's format on this base
+        import peft
+
+        if not os.path.isfile(os.path.join(args.adapter_dir, "adapter_config.json")):
+            raise ChatExampleError(f"--adapter-dir {args.adapter_dir}: no adapter_config.json there")
+        model = peft.PeftModel.from_pretrained(model, args.adapter_dir)
+    model.eval()
     messages = [{"role": "system", "content": args.system}, {"role": "user", "content": args.prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     if not isinstance(ids, torch.Tensor):  # newer transformers return a BatchEncoding
@@ -179,6 +186,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     tiny.add_argument("--seed", type=int, default=1234)
     talk = commands.add_parser("chat", help="generate with transformers through the chat template")
     talk.add_argument("--model-dir", required=True, help="an HF directory (tools/checkpoint/convert.py --saver hf)")
+    talk.add_argument("--adapter-dir", default=None,
+                      help="an HF PEFT adapter for --model-dir (convert.py --loader lora --saver peft)")
     talk.add_argument("--prompt", required=True)
     talk.add_argument("--system", default=SYSTEM)
     talk.add_argument("--max-new-tokens", type=int, default=32)

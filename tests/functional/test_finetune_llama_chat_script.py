@@ -1,6 +1,7 @@
 """examples/finetune_llama_chat.sh end to end on CPU: the default corpus (80 documents) -> a tiny random
 HF Llama with a ChatML tokenizer and a packed chat file -> pretrain_gpt.py --sft --load-hf -> an HF
-directory (tools/checkpoint/convert.py --saver hf, verified) -> generation through its chat template."""
+directory (tools/checkpoint/convert.py --saver hf, verified) -> generation through its chat template;
+then the LoRA variant (LORA_RANK) on the same inputs -> an HF PEFT adapter -> generation through peft."""
 import json
 import os
 import subprocess
@@ -41,3 +42,16 @@ def test_finetune_llama_chat_script_trains_exports_and_chats(tmp_path):
     base = transformers.AutoModelForCausalLM.from_pretrained(str(work / "tiny-llama-chat"))
     assert not all(a.equal(b) for a, b in zip(tuned.parameters(), base.parameters()))  # it was fine-tuned
     assert "> prompt: What is the Python topic 'for' about?" in out and "> answer: " in out
+
+    # LoRA on the same model and chat file (the script reuses them): adapters only, exported for PEFT
+    lora = subprocess.run(["bash", SCRIPT, "", "", str(work)], env=dict(env, LORA_RANK="4"), capture_output=True,
+                          text=True, timeout=300)
+    out = lora.stdout + lora.stderr
+    assert lora.returncode == 0, out[-3000:]
+    rows = log_lines(out)
+    assert [r["iteration"] for r in rows] == list(range(1, ITERS + 1)) and all(r["loss"] > 0 for r in rows)
+    adapter = work / "peft-adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8)
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert "> answer: " in out.split("> prompt: What is the Python topic 'for' about?")[-1]
