@@ -55,7 +55,9 @@ class EngineConfig:
     num_blocks: the pool size; None: buffer_size_gb worth of blocks (Megatron's
     --inference-dynamic-batching-buffer-size-gb), at most what max_requests requests of
     max_sequence_length tokens can ever hold. max_tokens: tokens per step (the chunked-prefill
-    budget), at least max_requests. max_queue: waiting requests beyond which add_request answers 429."""
+    budget), at least max_requests; default max(512, max_requests), or without chunked_prefill
+    max_sequence_length (a prompt is prefilled whole, in one step: at most max_tokens tokens).
+    max_queue: waiting requests beyond which add_request answers 429."""
 
     block_size: int = 256
     buffer_size_gb: float = 40.0
@@ -63,6 +65,7 @@ class EngineConfig:
     max_requests: int = 8
     max_tokens: int | None = None
     max_sequence_length: int = 2560
+    chunked_prefill: bool = True
     prefix_caching: bool = False
     eviction_policy: str = "ref_zero"
     max_queue: int = 1024
@@ -141,7 +144,8 @@ class DynamicEngine:
             self.max_sequence_length = min(config.max_sequence_length, gpt.max_sequence_length)
         else:
             self.max_sequence_length = config.max_sequence_length
-        self.max_tokens = config.max_tokens or max(config.max_requests, 512)
+        default_tokens = max(config.max_requests, 512) if config.chunked_prefill else self.max_sequence_length
+        self.max_tokens = config.max_tokens or max(default_tokens, config.max_requests)
         if self.max_tokens < config.max_requests:
             raise ValueError(f"max_tokens per step ({self.max_tokens}) must be at least max_requests "
                              f"({config.max_requests}): every running request decodes each step")
@@ -174,6 +178,9 @@ class DynamicEngine:
         if total > self.max_sequence_length:
             raise RequestRejected(413, f"prompt ({prompt_length} tokens) + max_tokens ({params.max_tokens}) = "
                                        f"{total} tokens, more than the engine's {self.max_sequence_length}")
+        if not self.config.chunked_prefill and prompt_length > self.max_tokens:
+            raise RequestRejected(413, f"the prompt ({prompt_length} tokens) is longer than a step's "
+                                       f"{self.max_tokens} tokens and chunked prefill is off")
         if self.blocks_for(total) > self.pool.num_blocks:
             raise RequestRejected(503, f"{total} tokens need {self.blocks_for(total)} KV blocks, more than the "
                                        f"whole cache ({self.pool.num_blocks} blocks of {self.config.block_size})")
@@ -237,16 +244,23 @@ class DynamicEngine:
         self.max_blocks_in_use = max(self.max_blocks_in_use, self.pool.in_use())
 
     def _plan(self) -> list[tuple[Request, int]]:
-        """(request, tokens) of this step: decoders first, then prefill chunks within max_tokens."""
-        budget, plan = self.max_tokens, []
-        decoding = [r for r in self.running if len(r.tokens) - r.computed == 1]
-        prefilling = [r for r in self.running if len(r.tokens) - r.computed > 1]
-        for request in decoding + prefilling:
-            if budget == 0:
+        """(request, tokens) of this step: decoders first, then prefill chunks within max_tokens.
+        Without chunked prefill a prompt runs whole, when it fits the rest of the budget (the oldest
+        one always: a long prompt is not starved by decoders)."""
+        budget = self.max_tokens
+        plan = [(r, 1) for r in self.running if len(r.tokens) - r.computed == 1]
+        budget -= len(plan)
+        for index, request in enumerate([r for r in self.running if len(r.tokens) - r.computed > 1]):
+            pending = len(request.tokens) - request.computed
+            if self.config.chunked_prefill:
+                n = min(pending, budget)
+            else:
+                n = pending if pending <= budget or index == 0 else 0
+            if n > 0:
+                plan.append((request, n))
+                budget -= n
+            if budget <= 0:
                 break
-            n = min(len(request.tokens) - request.computed, budget)
-            plan.append((request, n))
-            budget -= n
         return plan
 
     @torch.no_grad()

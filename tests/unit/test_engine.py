@@ -56,6 +56,8 @@ def test_32_concurrent_greedy_requests_equal_each_alone_and_hf_generate(models):
     together = engine.generate(prompts, params)
     assert engine.stats()["blocks_in_use"] == 0  # every finished request gave its blocks back
     assert engine.steps < sum(news)  # the requests shared steps
+    whole_prompts = _engine(ours, chunked_prefill=False, max_tokens=40).generate(prompts, params)  # no chunks
+    assert [r.generated for r in whole_prompts] == [r.generated for r in together]
     for prompt, param, request in zip(prompts, params, together):
         alone = _engine(ours).generate([prompt], param)[0]
         expected, expected_log_probs = _hf_greedy(hf, prompt, param.max_tokens)

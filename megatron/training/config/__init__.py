@@ -19,6 +19,7 @@ from megatron.training.config.groups import (
     MixedPrecisionConfig,
     ModelConfig,
     MoEConfig,
+    InferenceConfig,
     RegularizationConfig,
     TokenizerConfig,
     TrainingConfig,
@@ -27,9 +28,9 @@ from megatron.training.config.groups import (
 
 GROUPS = (ModelConfig, RegularizationConfig, TrainingConfig, InitializationConfig, LearningRateConfig,
           CheckpointConfig, MixedPrecisionConfig, DistributedConfig, ValidationConfig, DataConfig,
-          TokenizerConfig, LoggingConfig, MoEConfig)
+          TokenizerConfig, LoggingConfig, MoEConfig, InferenceConfig)
 
 __all__ = ["GROUPS", "CheckpointConfig", "ConfigError", "ConfigGroup", "MegatronConfig", "DataConfig", "DistributedConfig", "InitializationConfig",
-           "LearningRateConfig", "LoggingConfig", "MixedPrecisionConfig", "MoEConfig", "ModelConfig",
+           "LearningRateConfig", "LoggingConfig", "MixedPrecisionConfig", "MoEConfig", "InferenceConfig", "ModelConfig",
            "RegularizationConfig", "TokenizerConfig", "TrainingConfig", "ValidationConfig", "add_group",
            "flag_kwargs", "setting"]

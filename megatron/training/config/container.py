@@ -31,6 +31,7 @@ from megatron.training.config.groups import (
     MixedPrecisionConfig,
     ModelConfig,
     MoEConfig,
+    InferenceConfig,
     RegularizationConfig,
     TokenizerConfig,
     TrainingConfig,
@@ -59,6 +60,7 @@ class MegatronConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings of no group (see the module docstring), by dest."""
 
