@@ -154,11 +154,12 @@ class GPTModel(LanguageModule):
         labels: torch.Tensor | None = None,
         inference_context: InferenceContext | None = None,
     ) -> torch.Tensor:
-        decoder_input = self.embedding(input_ids, position_ids) if self.embedding is not None else None  # [s, b, h]
+        paged = getattr(inference_context, "paged", False)  # the engine's packed step [1, T] (kv_cache.py)
+        decoder_input = (self.embedding(input_ids, position_ids, **({"packed": True} if paged else {}))
+                         if self.embedding is not None else None)  # [s, b, h]
         rotary_pos_emb = attention_bias = None
         # With an inference context the s tokens sit at positions offset .. offset + s - 1 (position_ids
         # say so to the learned table) and attend over the offset + s cached ones.
-        paged = getattr(inference_context, "paged", False)  # the engine's packed step [1, T] (kv_cache.py)
         offset = inference_context.sequence_len_offset if inference_context is not None and not paged else 0
         if paged and self.alibi is not None:
             raise ValueError("the inference engine does not support ALiBi (--position-embedding-type alibi): "
