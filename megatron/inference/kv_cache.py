@@ -3,7 +3,7 @@
 | object | holds |
 |---|---|
 | BlockPool | num_blocks block ids, a reference count each, the free list, the prefix cache (chain key -> block) |
-| PagedContext | per self-attention layer two tensors [num_blocks * block_size, ng/t, hn] (K and V, one row per token slot), and the current step's layout |
+| PagedContext | per self-attention layer two tensors [ng/t, num_blocks * block_size, hn] (K and V, one row per token slot and group), and the current step's layout |
 
 A request owns a list of blocks (its block table): token position p of the request lives in slot
 table[p // block_size] * block_size + p % block_size of every layer's K and V. Long and short
@@ -12,10 +12,12 @@ requests share one pool without padding to the longest; a block is the unit of a
 A step runs T tokens packed into one sequence [1, T] (Megatron-Core's dynamic engine packs them
 the same way): for each of the step's B requests its next chunk (one token when it decodes, up to
 the step's token budget when it prefills). Every self-attention layer writes the chunk's K/V into
-the request's slots, gathers each request's blocks into [B, nb * block_size, ng/t, hn] and runs the
-layer's own core attention over it, the queries laid out [max_q, B, np/t, hn] and a mask that hides
-the positions after each query (causal) and past each request's length. The output goes back to
-the packed order [T, 1, np/t * hn]. The model code is the one generate_tokens runs: the context
+the request's slots and runs the layer's own core attention in groups: the decoding requests
+together (queries [1, B_d, np/t, hn] over their blocks gathered, in one index_select, into
+[B_d, ng/t, nb * block_size, hn], padded to the longest: the layout the core attention reads in
+place), each prefill chunk alone (queries [q, 1, np/t, hn]), with a mask
+that hides the positions after each query (causal) and past each request's length. The outputs
+go back to the packed order [T, 1, np/t * hn]. The model code is the one generate_tokens runs: the context
 takes the place of InferenceContext (its `paged` attribute tells the layers which one they hold).
 
 Prefix caching: a block filled entirely with prompt tokens is registered under a chain key, the
@@ -135,34 +137,44 @@ class PagedContext:
         self.max_sequence_length = max_sequence_length
         self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.token_positions: torch.Tensor | None = None
+        self._indices: dict = {}
 
     def set_step(self, chunks: Sequence[tuple[int, int, Sequence[int]]], device: torch.device) -> None:
         """chunks: per request of the step (start, length, block table): the step runs its positions
-        [start, start + length), and attends over [0, start + length)."""
+        [start, start + length), and attends over [0, start + length).
+
+        The attention runs in groups: the one-token chunks (decoding requests) together, one query
+        each, their keys padded to the longest of them; each longer chunk (a prefill) alone, so a
+        prefill's queries are not padded out to the whole batch and no decoder's to the prefill's."""
         bs = self.block_size
         starts = torch.tensor([c[0] for c in chunks], dtype=torch.int64)
         lengths = torch.tensor([c[1] for c in chunks], dtype=torch.int64)
-        b, max_q = len(chunks), int(lengths.max())
-        request = torch.repeat_interleave(torch.arange(b), lengths)  # [T]: the request of each token
-        row = torch.arange(int(lengths.sum())) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)  # [T]
+        request = torch.repeat_interleave(torch.arange(len(chunks)), lengths)  # [T]: the request of each token
+        first = lengths.cumsum(0) - lengths  # [B]: each chunk's first token in the packed step
+        row = torch.arange(int(lengths.sum())) - first[request]  # [T]: its place in the chunk
         positions = starts[request] + row  # [T]
-        kv_lengths = starts + lengths  # [B]
-        nb = int((kv_lengths.max() + bs - 1) // bs)
-        tables = torch.zeros(b, nb, dtype=torch.int64)  # padding points at block 0, masked out
-        for i, (_, _, table) in enumerate(chunks):
-            used = min(len(table), nb)
-            tables[i, :used] = torch.tensor(list(table[:used]), dtype=torch.int64)
-        slots = tables[request, positions // bs] * bs + positions % bs  # [T]
-        key = torch.arange(nb * bs)  # [sk]
-        query_position = starts[:, None] + torch.arange(max_q)[None, :]  # [B, max_q]; padded rows see their prefix
-        mask = (key[None, None, :] > query_position[:, :, None]) | (key[None, None, :] >= kv_lengths[:, None, None])
-        self.decode_only = max_q == 1
+        tables = [torch.tensor(list(c[2][:(c[0] + c[1] + bs - 1) // bs]), dtype=torch.int64) for c in chunks]
+        slots = torch.cat([tables[i][torch.arange(c[0], c[0] + c[1]) // bs] for i, c in enumerate(chunks)]) * bs \
+            + positions % bs  # [T]: chunks are consecutive in the packed order
+        decoding = [i for i, c in enumerate(chunks) if c[1] == 1]
+        groups = [decoding] if decoding else []
+        groups += [[i] for i, c in enumerate(chunks) if c[1] > 1]
+        self.groups = []
+        for members in groups:
+            nb = max(len(tables[i]) for i in members)
+            table = torch.zeros(len(members), nb, dtype=torch.int64)  # padding points at block 0, masked out
+            for j, i in enumerate(members):
+                table[j, :len(tables[i])] = tables[i]
+            q = int(lengths[members[0]])  # 1 for the decoders' group
+            kv_lengths = (starts + lengths)[members]  # [Bg]
+            key = torch.arange(nb * bs)  # [sk]
+            query_position = starts[members][:, None] + torch.arange(q)[None, :]  # [Bg, q]
+            mask = (key[None, None, :] > query_position[:, :, None]) | (key[None, None, :] >= kv_lengths[:, None, None])
+            tokens = first[members] if q == 1 else torch.arange(int(first[members[0]]), int(first[members[0]]) + q)
+            self.groups.append((tokens.to(device), table.to(device), mask[:, None].to(device)))  # mask [Bg, 1, q, sk]
+        self._indices: dict = {}  # the groups' gather indices, made by the first layer
         self.token_positions = positions.to(device)
         self.slots = slots.to(device)
-        self.tables = tables.to(device)
-        self.request, self.row = request.to(device), row.to(device)
-        self.max_q, self.batch = max_q, b
-        self.mask = mask[:, None].to(device)  # [B, 1, max_q, sk], True = masked out
         self.last_token_index = (lengths.cumsum(0) - 1).to(device)  # [B]
 
     def attention(self, layer_number: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -171,26 +183,48 @@ class PagedContext:
         t, _, heads, hn = query.shape
         groups = key.shape[2]
         if layer_number not in self.key_value_memory_dict:
-            # Zeros: a padding slot read under the mask multiplies a probability of 0 (never a NaN).
-            shape = (self.num_blocks * self.block_size, groups, hn)
+            # [ng/t, slots, hn]: a gather of each head group's slots in (request, group, position)
+            # order is the [b, ng, sk, hn] the core attention reads in place. Zeros: a padding slot
+            # read under the mask multiplies a probability of 0 (never a NaN).
+            shape = (groups, self.num_blocks * self.block_size, hn)
             self.key_value_memory_dict[layer_number] = (key.new_zeros(shape), value.new_zeros(shape))
         key_cache, value_cache = self.key_value_memory_dict[layer_number]
-        key_cache.index_copy_(0, self.slots, key[:, 0])  # [T, ng/t, hn] into their slots
-        value_cache.index_copy_(0, self.slots, value[:, 0])
-        b, nb, bs = self.batch, self.tables.shape[1], self.block_size
-        keys = key_cache.view(self.num_blocks, bs, groups, hn)[self.tables]  # [B, nb, bs, ng/t, hn]
-        values = value_cache.view(self.num_blocks, bs, groups, hn)[self.tables]
-        keys = keys.view(b, nb * bs, groups, hn).transpose(0, 1)  # [sk, B, ng/t, hn]
-        values = values.view(b, nb * bs, groups, hn).transpose(0, 1)
-        if self.decode_only:  # T == B: one query per request
-            queries = query.transpose(0, 1)  # [T, 1, np/t, hn] -> [1, B, np/t, hn]
-        else:
-            queries = query.new_zeros(self.max_q, b, heads, hn)  # [max_q, B, np/t, hn]
-            queries[self.row, self.request] = query[:, 0]
-        context = core_attention(queries, keys, values, self.mask, False, None)  # [max_q, B, np/t * hn]
-        if self.decode_only:
-            return context.transpose(0, 1)  # [1, B, np/t hn] -> [T, 1, np/t hn]
-        return context[self.row, self.request].unsqueeze(1)  # [T, 1, np/t * hn]
+        key_cache.index_copy_(1, self.slots, key[:, 0].transpose(0, 1))  # [ng/t, T, hn] into their slots
+        value_cache.index_copy_(1, self.slots, value[:, 0].transpose(0, 1))
+        if len(self.groups) == 1 and len(self.groups[0][0]) == t and self.groups[0][2].shape[2] == 1:
+            return self._group(query.transpose(0, 1), key_cache, value_cache, self.groups[0], core_attention
+                               ).transpose(0, 1)  # decoders only: [1, T, np/t hn] -> [T, 1, np/t hn]
+        output = query.new_empty(t, 1, heads * hn)
+        for group in self.groups:
+            tokens, _, mask = group
+            q = query[tokens]  # [Bg, 1, np/t, hn] (decoders) or [q, 1, np/t, hn] (one prefill)
+            if mask.shape[2] == 1:
+                q = q.transpose(0, 1)  # [1, Bg, np/t, hn]
+            context = self._group(q, key_cache, value_cache, group, core_attention)  # [q, Bg, np/t hn]
+            output[tokens] = context.transpose(0, 1) if mask.shape[2] == 1 else context
+        return output  # [T, 1, np/t * hn]
+
+    def _group(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: tuple,
+               core_attention: torch.nn.Module) -> torch.Tensor:
+        """One group's attention: query [q, Bg, np/t, hn] over its requests' blocks -> [q, Bg, np/t * hn]."""
+        _, table, mask = group
+        groups, slots, hn = key_cache.shape
+        b, sk = table.shape[0], table.shape[1] * self.block_size
+        index = self._gather_index(table, groups, slots)  # [Bg ng sk]
+        keys = key_cache.view(-1, hn).index_select(0, index).view(b, groups, sk, hn)  # [Bg, ng/t, sk, hn]
+        values = value_cache.view(-1, hn).index_select(0, index).view(b, groups, sk, hn)
+        # [sk, Bg, ng/t, hn] views of them, as the core attention takes keys and values
+        return core_attention(query, keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3), mask, False, None)
+
+    def _gather_index(self, table: torch.Tensor, groups: int, slots: int) -> torch.Tensor:
+        """Rows of the [ng/t x slots, hn] cache of a group's requests, in [Bg, ng/t, sk] order (kept per step)."""
+        cached = self._indices.get(id(table))
+        if cached is None:
+            bs = self.block_size
+            positions = (table[:, :, None] * bs + torch.arange(bs, device=table.device)).flatten(1)  # [Bg, sk]
+            cached = (torch.arange(groups, device=table.device)[None, :, None] * slots + positions[:, None, :]).flatten()
+            self._indices[id(table)] = cached
+        return cached
 
     def last_token_hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, 1, h] -> [1, B, h]: each request's last token of the step."""

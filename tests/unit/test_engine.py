@@ -100,7 +100,7 @@ def test_kv_budget_is_never_exceeded_and_requests_beyond_it_wait(models):
         assert len(held) == len(set(held)) == engine.pool.in_use() <= 10  # no block twice, none beyond the pool
         waited |= bool(engine.waiting and engine.running)
     assert waited and engine.stats()["max_blocks_in_use"] <= 10
-    assert engine.context.key_value_memory_dict[1][0].shape[0] == 10 * 4  # one slot per block token, no more
+    assert engine.context.key_value_memory_dict[1][0].shape[1] == 10 * 4  # one slot per block token, no more
     for prompt, request in zip(prompts, requests):
         assert request.generated == _engine(ours).generate([prompt], params)[0].generated
     with pytest.raises(RequestRejected) as over_budget:
