@@ -15,8 +15,8 @@ lengths uniform in --prompt-lengths, answer lengths in --answer-lengths, greedy)
 * HF static: transformers' generate on the requests in arrival order, in static batches of C
   (left-padded; each batch runs to its longest answer), no HTTP.
 
-The clients are threads in this process (C of them, each sending its next request when the
-previous one ended). Printed per case: requests/s, generated tokens/s (each request's own answer
+The clients are C threads of a child process (each sending its next request when the previous
+one ended), so their work does not compete with the server's threads for its interpreter lock. Printed per case: requests/s, generated tokens/s (each request's own answer
 tokens), time to first token (TTFT, from sending to the first streamed token) and per-token latency
 (the mean gap between a request's later tokens), p50 and p99. Then a prefix-caching run: C
 clients whose prompts share a --shared-prefix-token prefix, the engine with and without
@@ -83,6 +83,27 @@ def _stream_request(port: int, prompt: List[int], max_tokens: int) -> Tuple[floa
 
 
 def run_clients(port: int, requests: List[Tuple[List[int], int]], clients: int) -> Dict[str, float]:
+    """run_clients_here in a child process (the clients' Python work must not compete with the
+    server's threads for this process's interpreter lock, as real clients would not)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump({"port": port, "requests": requests, "clients": clients}, handle)
+    try:
+        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--client-run", handle.name],
+                               capture_output=True, text=True, timeout=7200)
+    finally:
+        os.unlink(handle.name)
+    if child.returncode != 0:
+        raise RuntimeError(f"the client process failed: {child.stderr[-2000:]}")
+    lines = child.stdout.strip().splitlines()
+    for line in lines[:-1]:
+        print(line, flush=True)
+    return json.loads(lines[-1])
+
+
+def run_clients_here(port: int, requests: List[Tuple[List[int], int]], clients: int) -> Dict[str, float]:
     """Closed loop: `clients` threads take the next request when theirs ended; the figures."""
     pending = list(reversed(requests))
     lock = threading.Lock()
@@ -169,6 +190,12 @@ def _line(name: str, r: Dict[str, float]) -> str:
 
 
 def main(argv: List[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--client-run"]:  # the child process of run_clients
+        with open(argv[1]) as handle:
+            job = json.load(handle)
+        print(json.dumps(run_clients_here(job["port"], [tuple(r) for r in job["requests"]], job["clients"])))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)
