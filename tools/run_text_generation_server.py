@@ -111,11 +111,14 @@ def main(argv: List[str] = None) -> None:
     args = initialize_for_inference(sys.argv[1:] if argv is None else argv, add_server_args)
     _check_server_flags(args)
     config = engine_config(args)
+    try:
+        template = load_chat_template(args.chat_template, _tokenizer_dir(args))
+    except ValueError as error:
+        raise ServerFlagError(str(error)) from None
     serving = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     server = _listen(args) if serving else None  # before the model loads: a taken port fails at once
     model, tokenizer = build_model(args), get_tokenizer()
     try:
-        template = load_chat_template(args.chat_template, _tokenizer_dir(args))
         engine = DynamicEngine(model, config)
     except ValueError as error:
         raise ServerFlagError(str(error)) from None

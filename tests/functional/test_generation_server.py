@@ -329,7 +329,8 @@ SERVER_SCRIPT = os.path.join(REPO, "tools", "run_text_generation_server.py")
 @pytest.mark.parametrize("flags,message", [
     (["--load", "/nonexistent", "--port", "70000"], "--port must be between 0 and 65535, got 70000"),
     ([], "a checkpoint is required: --load CKPT or --load-hf HF_DIR"),
-], ids=["port", "no-checkpoint"])
+    (["--load", "/nonexistent", "--chat-template", "nosuch"], "--chat-template nosuch: not a named format (chatml, llama2-chat) nor a file"),
+], ids=["port", "no-checkpoint", "chat-template"])
 def test_server_tool_bad_flags_are_one_line(flags, message):
     _assert_tool_error(flags, message)
 
