@@ -35,6 +35,8 @@ import torch
 class InferenceContext:
     """KV cache and sequence offset of one generation (Megatron-Core's InferenceParams names)."""
 
+    paged = False  # the engine's PagedContext (kv_cache.py) says True: the layers then let it attend
+
     def __init__(self, max_batch_size: int, max_sequence_length: int,
                  materialize_only_last_token_logits: bool = False) -> None:
         if max_batch_size < 1 or max_sequence_length < 1:

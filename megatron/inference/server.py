@@ -40,7 +40,8 @@ from megatron.inference.server_stream import IncrementalText, event, step_hook
 
 API_PATH = "/api"
 COMPLETIONS_PATHS = ("/v1/completions", "/completions")  # OpenAI's path, and Megatron's
-_ROUTES = {API_PATH: "PUT", **{path: "POST" for path in COMPLETIONS_PATHS}}
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+_ROUTES = {API_PATH: "PUT", **{path: "POST" for path in COMPLETIONS_PATHS + CHAT_PATHS}}
 # An oversized body is read and dropped up to this size so the client sees the 413 (closing a
 # socket with unread data resets the connection, and the answer may be lost); larger: closed.
 _DRAIN_LIMIT = 64 << 20
@@ -59,6 +60,7 @@ class GenerationBackend:
     """
 
     streams = False
+    concurrent = False  # True: generate / submit may be called from many threads at once (EngineBackend)
 
     def generate(self, request: GenerationRequest) -> Dict[str, Any]:
         """Megatron's response body: text, segments, logprobs (or None), tokens (one per prompt)."""
@@ -130,8 +132,10 @@ class GenerationServer(ThreadingHTTPServer):
     request_queue_size = 128  # concurrent clients wait in the accept queue, not refused
 
     def __init__(self, backend: GenerationBackend, host: str = "127.0.0.1", port: int = 5000,
-                 limits: Limits = Limits(), model_name: str = "megatron", log_requests: bool = True):
+                 limits: Limits = Limits(), model_name: str = "megatron", log_requests: bool = True,
+                 chat_template: Any = None):
         self.backend, self.limits, self.model_name = backend, limits, model_name
+        self.chat_template = chat_template  # server_chat.ChatTemplate, or None: chat requests answer 400
         self.log_requests = log_requests
         self.generation_lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
@@ -154,7 +158,10 @@ class GenerationServer(ThreadingHTTPServer):
             self._thread.join()
 
     def run_generation(self, request: GenerationRequest, on_step: Any = None) -> Dict[str, Any]:
-        """backend.generate under the lock: one request at a time, in arrival order of the lock."""
+        """backend.generate under the lock: one request at a time, in arrival order of the lock (a
+        concurrent backend, the engine's, orders its work itself)."""
+        if self.backend.concurrent:
+            return self.backend.generate(request) if on_step is None else self.backend.generate(request, on_step=on_step)
         with self.generation_lock:
             if on_step is None:
                 return self.backend.generate(request)
@@ -195,7 +202,7 @@ class _Handler(BaseHTTPRequestHandler):
             if path == API_PATH:
                 self._serve_api(body)
             else:
-                self._serve_completions(body)
+                self._serve_completions(body, chat=path in CHAT_PATHS)
         except RequestError as error:
             self._send_error(error)
         except Exception as error:  # noqa: BLE001 - a bug answers 500 and the server keeps serving
@@ -242,9 +249,21 @@ class _Handler(BaseHTTPRequestHandler):
         self._log_request(body, request)
         self._send_json(HTTPStatus.OK, _engine_call(self.server, request))
 
-    def _serve_completions(self, body: Dict[str, Any]) -> None:
-        request, options = parse_completions_request(body, self.server.limits, self.server.model_name)
+    def _serve_completions(self, body: Dict[str, Any], chat: bool = False) -> None:
+        if chat:
+            from megatron.inference.server_chat import parse_chat_request
+
+            request, options = parse_chat_request(body, self.server.chat_template, self.server.limits,
+                                                  self.server.model_name)
+        else:
+            request, options = parse_completions_request(body, self.server.limits, self.server.model_name)
         self._log_request(body, request)
+        if hasattr(self.server.backend, "serve_completion"):  # the engine's backend: every request at once
+            self.server.backend.serve_completion(self, request, options)
+            return
+        if options.chat:
+            self._answer_chat(request, options, _engine_call(self.server, request))
+            return
         if options.stream and _streams_incrementally(self.server.backend, request, options):
             self._stream_completions(request, options)
             return
@@ -252,13 +271,8 @@ class _Handler(BaseHTTPRequestHandler):
         choices = completion_choices(self.server.backend, request, options, result)
         completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if not options.stream:
-            prompt_tokens = sum(len(self.server.backend.tokenize(text)) for text in options.prompts)
-            completion_tokens = sum(len(choice["_tokens"]) for choice in choices)
-            choices = [{key: value for key, value in choice.items() if not key.startswith("_")} for choice in choices]
-            self._send_json(HTTPStatus.OK, {
-                "id": completion_id, "object": "text_completion", "created": created, "model": options.model,
-                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                              "total_tokens": prompt_tokens + completion_tokens}})
+            counts = usage(self.server.backend, options, choices)
+            self._send_json(HTTPStatus.OK, completion_answer(choices, options, completion_id, created, counts))
             return
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream")
@@ -270,6 +284,46 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
         self.close_connection = True
+
+    def _answer_chat(self, request: GenerationRequest, options: CompletionOptions, result: Dict[str, Any]) -> None:
+        """A chat answer from a lock-step backend's result (streamed: after the whole generation)."""
+        from megatron.inference.server_chat import chat_chunks, chat_completion
+
+        choices = completion_choices(self.server.backend, request, options, result)
+        fields = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": options.model}
+        if not options.stream:
+            answer = chat_completion(choices, options, fields["id"], fields["created"],
+                                     usage(self.server.backend, options, choices))
+            self._send_json(HTTPStatus.OK, answer)
+            return
+        self.start_stream()
+        for chunk in chat_chunks(choices, options):
+            self.write_event({**chunk, "object": "chat.completion.chunk", **fields})
+        self.end_stream()
+
+    def start_stream(self) -> None:
+        """The headers of a server-sent event stream."""
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.close_connection = True
+
+    def write_event(self, payload: Dict[str, Any]) -> bool:
+        """One `data:` event; False when the client is gone."""
+        try:
+            self.wfile.write(b"data: " + json.dumps(payload).encode("utf-8") + b"\n\n")
+            self.wfile.flush()
+            return True
+        except OSError:
+            return False
+
+    def end_stream(self) -> None:
+        try:
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except OSError:
+            pass
 
     def _stream_completions(self, request: GenerationRequest, options: CompletionOptions) -> None:
         """One event per token as generate_tokens produces it (server_stream), then the finishes."""
@@ -388,6 +442,22 @@ def completion_choices(backend: GenerationBackend, request: GenerationRequest, o
         choice.update(_segments=segments, _tokens=tokens, _logprobs=logprobs, _top_logprobs=top)
         choices.append(choice)
     return choices
+
+
+def completion_answer(choices: List[Dict[str, Any]], options: CompletionOptions, completion_id: str, created: int,
+                      counts: Dict[str, int]) -> Dict[str, Any]:
+    """OpenAI's text_completion answer (the choices' private _ fields dropped)."""
+    public = [{key: value for key, value in choice.items() if not key.startswith("_")} for choice in choices]
+    return {"id": completion_id, "object": "text_completion", "created": created, "model": options.model,
+            "choices": public, "usage": counts}
+
+
+def usage(backend: GenerationBackend, options: CompletionOptions, choices: List[Dict[str, Any]]) -> Dict[str, int]:
+    """OpenAI's usage: each distinct prompt's tokens once, every choice's completion tokens."""
+    prompt_tokens = sum(len(backend.tokenize(text)) for text in options.prompts)
+    completion_tokens = sum(len(choice["_tokens"]) for choice in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _tokens_within(segments: List[str], length: int) -> int:

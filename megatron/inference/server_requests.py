@@ -228,6 +228,8 @@ class CompletionOptions:
     logprobs: Optional[int] = None
     echo: bool = False
     stream: bool = False
+    chat: bool = False  # /v1/chat/completions: answered in the chat shapes (server_chat)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 COMPLETION_FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop",

@@ -247,7 +247,8 @@ class SelfAttention(MegatronModule):
         packed sequences (positions per row); attention_bias: ALiBi's, this rank's heads.
 
         inference_context (InferenceContext): this step's keys and values (after RoPE) join its cache
-        and the queries attend over the whole cached prefix, [offset + s] keys."""
+        and the queries attend over the whole cached prefix, [offset + s] keys. A paged context
+        (megatron/inference/kv_cache.PagedContext, the engine's) stores and attends itself."""
         np_, ng, hn = (self.num_attention_heads_per_partition, self.num_query_groups_per_partition,
                        self.hidden_size_per_attention_head)
         mixed_qkv, _ = self.linear_qkv(hidden_states)  # [s, b, ng/t * (np/ng + 2) * hn] (s whole, also under SP)
@@ -268,6 +269,10 @@ class SelfAttention(MegatronModule):
             query = apply_rotary_pos_emb(query, query_freqs, self.config)  # freqs [s, 1, 1, rot] or [s, b ng/t, 1, rot]
             key = apply_rotary_pos_emb(key, rotary_pos_emb, self.config)
         query = query.reshape(s, b, np_, hn)  # [s, b, np/t, hn]
+        if getattr(inference_context, "paged", False):  # the engine's packed step over its paged cache
+            context = inference_context.attention(self.layer_number, query, key, value,
+                                                  self.core_attention)  # [T, 1, np/t * hn]
+            return self.linear_proj(context)
         if inference_context is not None:
             key, value = inference_context.append_key_value(self.layer_number, key, value)  # [offset + s, b, ng/t, hn]
         core_args = (query, key, value, attention_mask, is_causal, attention_bias)

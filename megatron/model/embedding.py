@@ -57,8 +57,10 @@ class LanguageModelEmbedding(MegatronModule):
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if self.position_embeddings is not None and input_ids.shape[1] > self.max_sequence_length:
+                tokentype_ids: torch.Tensor | None = None, packed: bool = False) -> torch.Tensor:
+        """packed: input_ids [1, T] are several sequences' tokens (the inference engine's step, whose
+        position_ids stay below max_sequence_length): T itself may be longer."""
+        if self.position_embeddings is not None and input_ids.shape[1] > self.max_sequence_length and not packed:
             raise ValueError(
                 f"sequence length {input_ids.shape[1]} exceeds the model's max_sequence_length "
                 f"({self.max_sequence_length}, --max-position-embeddings)"

@@ -161,14 +161,22 @@ class GPTModel(LanguageModule):
         inference_context: InferenceContext | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
-        decoder_input = self.embedding(input_ids, position_ids) if self.embedding is not None else None  # [s, b, h]
+        paged = getattr(inference_context, "paged", False)  # the engine's packed step [1, T] (kv_cache.py)
+        decoder_input = (self.embedding(input_ids, position_ids, **({"packed": True} if paged else {}))
+                         if self.embedding is not None else None)  # [s, b, h]
         if packed_seq_params is not None:
             return self._forward_packed(decoder_input, attention_mask, labels, packed_seq_params, inference_context)
         rotary_pos_emb = attention_bias = None
         # With an inference context the s tokens sit at positions offset .. offset + s - 1 (position_ids
         # say so to the learned table) and attend over the offset + s cached ones.
-        offset = inference_context.sequence_len_offset if inference_context is not None else 0
-        if self.rotary_pos_emb is not None or self.alibi is not None:
+        offset = inference_context.sequence_len_offset if inference_context is not None and not paged else 0
+        if paged and self.alibi is not None:
+            raise ValueError("the inference engine does not support ALiBi (--position-embedding-type alibi): "
+                             "use generate_tokens")
+        if paged and self.rotary_pos_emb is not None:
+            rotary_pos_emb = inference_context.rotary_freqs(self.rotary_pos_emb,
+                                                            self._device(decoder_input))  # [T, 1, 1, rot]
+        elif self.rotary_pos_emb is not None or self.alibi is not None:
             seq_length = self._sequence_length(decoder_input)
             if self.rotary_pos_emb is not None:
                 rotary_pos_emb = self._rotary_angles(seq_length, offset).to(self._device(decoder_input))  # [s, 1, 1, rot]
@@ -209,7 +217,9 @@ class GPTModel(LanguageModule):
             return hidden_states
         if (inference_context is not None and inference_context.materialize_only_last_token_logits
                 and labels is None and not self.config.sequence_parallel):  # SP: the output layer gathers s
-            hidden_states = hidden_states[-1:]  # [1, b, h]: the last position's logits only
+            # [1, b, h]: the last position's logits only; a packed step's last token of each request
+            paged = getattr(inference_context, "paged", False)  # the engine's packed step (kv_cache.py)
+            hidden_states = inference_context.last_token_hidden(hidden_states) if paged else hidden_states[-1:]
         logits, _ = self.output_layer(hidden_states, weight=self.shared_embedding_or_output_weight())  # [s, b, vocab/t]
         if labels is None:
             if not self.parallel_output:

@@ -75,7 +75,9 @@ class TransformerBlock(MegatronModule):
             raise ValueError("TransformerBlock got no input: pass hidden_states or call set_input_tensor()")
         is_causal = attention_mask is None
         if inference_context is not None:
-            if attention_mask is None:
+            if getattr(inference_context, "paged", False):  # the engine's packed step: its context masks
+                attention_mask, is_causal = None, False
+            elif attention_mask is None:
                 attention_mask = inference_context.causal_mask(hidden_states.shape[0], hidden_states.device)
             else:  # [.., s, offset + s] -> [.., s, key_length]: the keys the cache hands the attention
                 attention_mask = inference_context.pad_to_key_length(attention_mask, hidden_states.shape[0], True)

@@ -21,6 +21,7 @@ import torch
 
 from megatron.inference.server import GenerationBackend, GenerationServer
 from megatron.inference.server_requests import GenerationRequest, Limits
+from tests.helpers.server_cases import MALFORMED
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -248,52 +249,6 @@ def test_stream_stops_before_a_stop_string(byte_server):
             assert [event["finish_reason"] for event in events if event["index"] == index][-1] == "stop"
 
 
-MALFORMED = [
-    # (name, method, path, body or raw bytes, status, field)
-    ("bad JSON", "PUT", "/api", b'{"prompts": [', 400, "body"),
-    ("not UTF-8", "PUT", "/api", b'\xff\xfe', 400, "body"),
-    ("NaN", "PUT", "/api", b'{"prompts": ["a"], "temperature": NaN}', 400, "body"),
-    ("array body", "PUT", "/api", [1, 2], 400, "body"),
-    ("nested too deeply", "PUT", "/api", b'{"prompts": ' + b"[" * 3000, 400, "body"),
-    ("no prompts", "PUT", "/api", {"tokens_to_generate": 1}, 400, "prompts"),
-    ("prompts a string", "PUT", "/api", {"prompts": "hi"}, 400, "prompts"),
-    ("prompts of ints", "PUT", "/api", {"prompts": [1, 2]}, 400, "prompts"),
-    ("no prompt in the list", "PUT", "/api", {"prompts": []}, 400, "prompts"),
-    ("too many prompts", "PUT", "/api", {"prompts": ["a"] * 9}, 400, "prompts"),
-    ("empty prompt", "PUT", "/api", {"prompts": [""], "tokens_to_generate": 1}, 400, "prompts"),
-    ("tokens a string", "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": "5"}, 400, "tokens_to_generate"),
-    ("tokens a bool", "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": True}, 400, "tokens_to_generate"),
-    ("negative tokens", "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": -1}, 400, "tokens_to_generate"),
-    ("huge tokens", "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": 10 ** 9}, 400, "tokens_to_generate"),
-    ("0 tokens without logprobs", "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": 0}, 400,
-     "tokens_to_generate"),
-    ("logprobs an int", "PUT", "/api", {"prompts": ["a"], "logprobs": 1}, 400, "logprobs"),
-    ("temperature 0", "PUT", "/api", {"prompts": ["a"], "temperature": 0}, 400, "temperature"),
-    ("top_k over 1000", "PUT", "/api", {"prompts": ["a"], "top_k": 1001}, 400, "top_k"),
-    ("top_k with top_p", "PUT", "/api", {"prompts": ["a"], "top_k": 5, "top_p": 0.5}, 400, "top_p"),
-    ("top_p over 1", "PUT", "/api", {"prompts": ["a"], "top_p": 1.5}, 400, "top_p"),
-    ("decay without top_p", "PUT", "/api", {"prompts": ["a"], "top_p_decay": 0.5}, 400, "top_p_decay"),
-    ("bound over top_p", "PUT", "/api", {"prompts": ["a"], "top_p": 0.5, "top_p_bound": 0.7}, 400, "top_p_bound"),
-    ("negative seed", "PUT", "/api", {"prompts": ["a"], "random_seed": -3}, 400, "random_seed"),
-    ("beam_width 0", "PUT", "/api", {"prompts": ["a"], "beam_width": 0}, 400, "beam_width"),
-    ("beam_width with 2 prompts", "PUT", "/api", {"prompts": ["a", "b"], "beam_width": 2}, 400, "beam_width"),
-    ("stop_token a string", "PUT", "/api", {"prompts": ["a"], "stop_token": "x"}, 400, "stop_token"),
-    ("length_penalty a string", "PUT", "/api", {"prompts": ["a"], "length_penalty": "1"}, 400, "length_penalty"),
-    ("unknown field", "PUT", "/api", {"prompts": ["a"], "top_n": 3}, 400, "top_n"),
-    ("renamed max_len", "PUT", "/api", {"prompts": ["a"], "max_len": 3}, 400, "max_len"),
-    ("oversized body", "PUT", "/api", {"prompts": ["a" * 5000]}, 413, "body"),
-    ("wrong method on /api", "POST", "/api", {"prompts": ["a"]}, 405, "method"),
-    ("GET completions", "GET", "/v1/completions", None, 405, "method"),
-    ("unknown path", "PUT", "/generate", {"prompts": ["a"]}, 404, "path"),
-    ("completion without prompt", "POST", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
-    ("completion empty prompt", "POST", "/v1/completions", {"prompt": ""}, 400, "prompt"),
-    ("completion max_tokens 0", "POST", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
-    ("completion n too big", "POST", "/v1/completions", {"prompt": "a", "n": 9}, 400, "n"),
-    ("completion stop an int", "POST", "/v1/completions", {"prompt": "a", "stop": 3}, 400, "stop"),
-    ("completion stream a string", "POST", "/v1/completions", {"prompt": "a", "stream": "yes"}, 400, "stream"),
-    ("completion unknown field", "POST", "/v1/completions", {"prompt": "a", "presence_penalty": 1}, 400,
-     "presence_penalty"),
-]
 
 
 @pytest.mark.parametrize("name,method,path,body,status,field", MALFORMED, ids=[case[0] for case in MALFORMED])
@@ -374,7 +329,8 @@ SERVER_SCRIPT = os.path.join(REPO, "tools", "run_text_generation_server.py")
 @pytest.mark.parametrize("flags,message", [
     (["--load", "/nonexistent", "--port", "70000"], "--port must be between 0 and 65535, got 70000"),
     ([], "a checkpoint is required: --load CKPT or --load-hf HF_DIR"),
-], ids=["port", "no-checkpoint"])
+    (["--load", "/nonexistent", "--chat-template", "nosuch"], "--chat-template nosuch: not a named format (chatml, llama2-chat) nor a file"),
+], ids=["port", "no-checkpoint", "chat-template"])
 def test_server_tool_bad_flags_are_one_line(flags, message):
     _assert_tool_error(flags, message)
 

@@ -69,3 +69,27 @@ def gpt2_folder(directory, gpt2_vocab_dir, n_positions: int):
     tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(gpt2_vocab_dir))
     tokenizer.save_pretrained(directory)
     return model, tokenizer, directory
+
+
+def make_sharded(hf, tp: int, pp: int = 1, seq_length: int = SEQ) -> GPTModel:
+    """Our model of this rank's pipeline stage and tensor-parallel shard, its parameters cut from the
+    whole mapped state dict of `hf` (parallel_state initialized by the caller)."""
+    import re
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layout import shard_for_rank
+    from megatron.model.transformer_layer import get_layer_offset
+
+    config_kwargs, model_kwargs = config_from_hf(hf.config, seq_length=seq_length)
+    config = TransformerConfig(**config_kwargs, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model = GPTModel(config, **model_kwargs, pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage()).eval()
+    full = state_dict_from_hf(hf.state_dict(), hf.config)
+    offset, rank = get_layer_offset(config), parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            key = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", name)
+            if key == "output_layer.weight" and key not in full:  # tied: the last stage's copy of the embedding
+                key = "embedding.word_embeddings.weight"
+            param.copy_(shard_for_rank(full[key], param, tp, rank))
+    return model

@@ -21,6 +21,7 @@ from megatron.training.config.groups import (
     MixedPrecisionConfig,
     ModelConfig,
     MoEConfig,
+    InferenceConfig,
     RegularizationConfig,
     TokenizerConfig,
     TrainingConfig,
@@ -29,10 +30,10 @@ from megatron.training.config.groups import (
 
 GROUPS = (ModelConfig, RegularizationConfig, TrainingConfig, InitializationConfig, LearningRateConfig,
           CheckpointConfig, MixedPrecisionConfig, DistributedConfig, ValidationConfig, DataConfig,
-          TokenizerConfig, LoggingConfig, MoEConfig, LoRAConfig, HybridConfig)
+          TokenizerConfig, LoggingConfig, MoEConfig, LoRAConfig, HybridConfig, InferenceConfig)
 
 __all__ = ["GROUPS", "CheckpointConfig", "ConfigError", "ConfigGroup", "MegatronConfig", "DataConfig",
-           "DistributedConfig", "HybridConfig", "InitializationConfig", "LearningRateConfig", "LoggingConfig",
-           "LoRAConfig", "MixedPrecisionConfig", "MoEConfig", "ModelConfig",
+           "DistributedConfig", "HybridConfig", "InferenceConfig", "InitializationConfig", "LearningRateConfig",
+           "LoggingConfig", "LoRAConfig", "MixedPrecisionConfig", "MoEConfig", "ModelConfig",
            "RegularizationConfig", "TokenizerConfig", "TrainingConfig", "ValidationConfig", "add_group",
            "flag_kwargs", "setting"]

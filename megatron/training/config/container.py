@@ -33,6 +33,7 @@ from megatron.training.config.groups import (
     MixedPrecisionConfig,
     ModelConfig,
     MoEConfig,
+    InferenceConfig,
     RegularizationConfig,
     TokenizerConfig,
     TrainingConfig,
@@ -84,6 +85,7 @@ class MegatronConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     hybrid: HybridConfig = field(default_factory=HybridConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
     extra: dict[str, Any] = field(default_factory=dict)
     """Settings of no group (see the module docstring), by dest."""
 

@@ -18,6 +18,7 @@ command-line flag is declared (megatron/training/config/fields.py says how a fie
 | MoEConfig | moe |
 | LoRAConfig | lora |
 | HybridConfig | hybrid models |
+| InferenceConfig | inference |
 
 To add a setting: add a field to the group it belongs to, with its default and, under it, the help
 string; its flag, dest and type follow from the name and annotation (setting(...) for anything
@@ -697,3 +698,31 @@ class HybridConfig(ConfigGroup, title="hybrid models"):
     """Number of heads of the Mamba layers (default: 2 x --hidden-size / --mamba-head-dim)."""
     disable_mamba_mem_eff_path: bool = False
     """Megatron's switch off its fused conv + scan + norm CUDA kernel; the PyTorch scan is the same either way."""
+
+
+@dataclass
+class InferenceConfig(ConfigGroup, title="inference"):
+    """The serving engine's settings (megatron/inference/engine.py; Megatron-LM's names and defaults)."""
+
+    inference_max_requests: int = 8
+    """Maximum number of requests for inference (running at once in the engine)."""
+    inference_max_seq_length: int = 2560
+    """Maximum sequence length expected for inference (prefill + decode); at most the model's positions."""
+    inference_dynamic_batching_buffer_size_gb: float = 40.0
+    """Memory of the KV cache block pool, GB (never more blocks than inference_max_requests requests
+    of inference_max_seq_length tokens can use)."""
+    inference_dynamic_batching_block_size: int = 256
+    """KV cache block size, in tokens."""
+    inference_dynamic_batching_max_requests: int | None = None
+    """Override --inference-max-requests (the engine's running requests)."""
+    inference_dynamic_batching_max_tokens: int | None = None
+    """Tokens per engine step (default: max(512, max requests))."""
+    enable_chunked_prefill: bool = False
+    """Split a long prompt's prefill over steps within the step's token budget."""
+    inference_dynamic_batching_enable_prefix_caching: bool = setting(
+        False, flags=("--inference-dynamic-batching-prefix-caching",), action="store_true", also=(
+            {"flags": ("--no-inference-dynamic-batching-prefix-caching",), "action": "store_false",
+             "help": "Disable prefix caching."},))
+    """Share the KV blocks of identical prompt prefixes between requests."""
+    inference_dynamic_batching_prefix_caching_eviction_policy: str = setting("ref_zero", choices=("ref_zero", "lru"))
+    """ref_zero: a cached block is freed when its last user ends; lru: kept until the space is needed."""
