@@ -40,7 +40,7 @@ LAYOUTS = {
     "cp4-mixed": dict(cp=4, comm=["p2p", "allgather", "a2a", "a2a+p2p"], hier=[2, 2]),
     **{f"cp2-{t}": dict(cp=2, comm=t, split_data=True) for t in TYPES},
     **{f"cp2-tp2-sp-{t}": dict(cp=2, tp=2, sp=True, comm=t) for t in TYPES},
-    "cp2-pp2": dict(cp=2, pp=2, comm="p2p"),
+    **{f"cp2-pp2-{t}": dict(cp=2, pp=2, comm=t) for t in TYPES},
     "cp2-pp2-v2": dict(cp=2, pp=2, vpp=2, comm="a2a"),
     "cp2-tp2-sp-selective": dict(cp=2, tp=2, sp=True, comm="p2p", recompute="selective"),
     "cp4-full-recompute": dict(cp=4, comm="a2a+p2p", hier=[2, 2], recompute="full"),
@@ -239,7 +239,7 @@ def _moe_compare(comm: str) -> dict:
     return errors
 
 
-@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+@pytest.mark.parametrize("comm", TYPES)
 def test_moe_cp2_ep2_gradients_equal_the_serial_run(dist_pool, comm):
     for rank, errors in enumerate(dist_pool.run(_moe_compare, comm)):
         assert any(".local_experts." in name for name in errors)
@@ -324,8 +324,9 @@ def _optimizer_step(layout: dict) -> dict:
             "num_zeros": num_zeros, "errors": errors, "shards": shards}
 
 
-def test_cp2_dp2_distributed_optimizer_step_equals_the_serial_step(dist_pool):
-    for result in dist_pool.run(_optimizer_step, dict(cp=2, comm="p2p")):
+@pytest.mark.parametrize("comm", TYPES)
+def test_cp2_dp2_distributed_optimizer_step_equals_the_serial_step(dist_pool, comm):
+    for result in dist_pool.run(_optimizer_step, dict(cp=2, comm=comm)):
         assert result["shards"] == 4  # the optimizer state is cut over DP x CP
         assert result["serial_norm"] > OPTIMIZER["clip_grad"]  # the step is clipped: it depends on the norm
         assert result["grad_norm"] == pytest.approx(result["serial_norm"], rel=1e-5)
