@@ -234,7 +234,6 @@ REFUSED_GROUPS = [
     ("spec-name", "--spec megatron.model.layer_specs no_such_spec",
      "--spec megatron.model.layer_specs no_such_spec: megatron.model.layer_specs has no attribute no_such_spec"),
     ("spec-type", "--spec megatron.model.layer_specs RMSNorm", "--spec megatron.model.layer_specs RMSNorm: expected"),
-    ("yaml", "--yaml-cfg run.yaml", "--yaml-cfg run.yaml: YAML configuration files"),
     ("optimizer-dtypes", "--exp-avg-dtype bf16", "--exp-avg-dtype bf16: Adam states other than fp32"),
     ("precision-aware", "--use-precision-aware-optimizer", "--use-precision-aware-optimizer: the precision-aware"),
     ("recompute-modules", "--recompute-activations --recompute-modules core_attn mlp",

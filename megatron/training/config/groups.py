@@ -298,6 +298,11 @@ class TrainingConfig(ConfigGroup, title="training"):
     """Stop with an error naming the iteration when the loss or the gradient norm is NaN/Inf (the
     default).
     """
+    yaml_cfg: str | None = None
+    """Megatron-LM's YAML config file (its experimental layout: settings at the top level, the model's
+    under language_model:, the layout's under model_parallel:, ${NAME} from the environment); flags
+    given on the command line override its values.
+    """
 
 
 @dataclass
