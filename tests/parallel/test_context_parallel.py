@@ -242,6 +242,7 @@ PACKED_LAYOUTS = {
     "cp4-a2a+p2p": LAYOUTS["cp4-a2a+p2p"],
     "cp2-tp2-sp-p2p": LAYOUTS["cp2-tp2-sp-p2p"],
     "cp2-tp2-sp-a2a": LAYOUTS["cp2-tp2-sp-a2a"],
+    "cp2-pp2": LAYOUTS["cp2-pp2"],
 }
 
 
@@ -263,12 +264,20 @@ def _packed_leak(comm: str, hier=None) -> dict:
             local = get_batch_on_this_cp_rank(data)
             logits.append(model(local["tokens"], local["position_ids"], None,
                                 packed_seq_params=PackedSeqParams(local["cu_seqlens"])))  # [b, s/N, v]
+        refused = {}  # masks CP cannot take: one that hides a token from itself, one of another shape
+        for case, mask in (("self", torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool)),
+                           ("shape", torch.zeros(1, 1, SEQ // 2, SEQ // 2, dtype=torch.bool))):
+            try:
+                model(local["tokens"], local["position_ids"], mask)
+                refused[case] = None
+            except ValueError as error:
+                refused[case] = str(error)
     first = PackedSeqParams(batch["cu_seqlens"]).segment_ids(SEQ) == 0  # [b, s]
     first = get_batch_on_this_cp_rank({"first": first})["first"]  # this rank's tokens
     difference = (logits[0] - logits[1]).abs().amax(dim=-1)  # [b, s/N]
     parallel_state.destroy_model_parallel()
     return {"other_documents": difference[~first].max().item() if (~first).any() else 0.0,
-            "first_document": difference[first].min().item() if first.any() else None}
+            "first_document": difference[first].min().item() if first.any() else None, "refused": refused}
 
 
 def _packed_runs(model: str, per_token: bool) -> dict:
@@ -282,20 +291,27 @@ def _packed_runs(model: str, per_token: bool) -> dict:
 @pytest.mark.parametrize("model, per_token", [("gpt", False), ("llama", True)], ids=["gpt-per-sample", "llama-per-token"])
 def test_packed_sequences_under_cp_equal_the_serial_packed_run(dist_pool, model, per_token):
     """Packed rows (per-document causal mask, positions restarting per document; other boundaries
-    in each row of the micro-batch) at CP 2 x DP 2 (p2p, a2a, allgather), CP 4 (a2a+p2p) and
-    CP 2 x TP 2 + SP (p2p, a2a): the serial packed run's losses and every gradient (rel 1e-5).
-    With llama also: no attention across documents at CP 4 (each comm type)."""
+    in each row of the micro-batch) at CP 2 x DP 2 (p2p, a2a, allgather), CP 4 (a2a+p2p),
+    CP 2 x TP 2 + SP (p2p, a2a) and CP 2 x PP 2 (p2p; each stage makes the masks from the whole
+    row's cu_seqlens): the serial packed run's losses and every gradient (rel 1e-5).
+    With llama also: no attention across documents at CP 4 (each comm type), and a mask hiding a
+    token from itself or of another shape refused in one line."""
     results = dist_pool.run(_packed_runs, model, per_token)
     for rank, result in enumerate(results):
         for name, compared in result["compared"].items():
             bad = {key: error for key, error in compared["grad_errors"].items() if error > 1e-5}
             assert not bad, (name, rank, bad)
-            assert compared["losses"] == pytest.approx(compared["serial_losses"], rel=1e-5), (name, rank)
-            assert compared["losses"], (name, rank)
+            if compared["losses"]:  # the last pipeline stage reports them
+                assert compared["losses"] == pytest.approx(compared["serial_losses"], rel=1e-5), (name, rank)
         for comm, leak in result["leaks"].items():
             assert leak["other_documents"] == 0.0, (comm, rank, leak)  # masked keys weigh exactly 0
             if leak["first_document"] is not None:
                 assert leak["first_document"] > 1e-4, (comm, rank, leak)
+            assert "attend to itself" in leak["refused"]["self"], leak["refused"]
+            assert "a mask over the whole sequence" in leak["refused"]["shape"], leak["refused"]
+    for name, layout in PACKED_LAYOUTS.items():
+        reported = [result["compared"][name]["losses"] for result in results if result["compared"][name]["losses"]]
+        assert len(reported) == dist_pool.world_size // layout.get("pp", 1), name
     if model == "llama":
         assert all(result["leaks"] for result in results)
         assert any(result["leaks"]["p2p"]["first_document"] is not None for result in results)
