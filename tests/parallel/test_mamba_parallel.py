@@ -3,7 +3,7 @@ pool (TP2+SP x DP2, PP2 x DP2, PP2 x 2 virtual stages x DP2, TP2+SP x PP2, PP2 x
 full recompute): every layout logs the serial run's losses and gradient norms (rel 1e-5); a torch_dist checkpoint the
 TP2 x PP2 run saves at iteration 2 resumes at DP4 with the distributed optimizer (the Mamba mixer's explicit
 in_proj / conv1d rows resharded) and iterations 3-4 again log the serial run's. The pattern M*-E (an MoE layer of
-4 experts, top 2, aux loss) at EP2 x DP4 and TP2+SP x EP2 x DP2 with the distributed optimizer logs its serial
+4 experts, top 2, aux loss) at EP2 x DP4, TP2+SP x EP2 x DP2 with the distributed optimizer and PP2 x EP2 x DP2 logs its serial
 run's losses, gradient norms and load-balancing losses (rel 1e-5).
 
 The model: the hybrid pattern M*M- (the pipeline splits it M* | M-), hidden 32, 8 Mamba heads of 8 in 2
@@ -61,6 +61,7 @@ EP2 = ["--expert-model-parallel-size", "2"]
 MOE_LAYOUTS = {
     "ep2-dp4": EP2,
     "tp2-sp-ep2-dp2-distopt": [*TP2, *EP2, *DISTOPT],
+    "pp2-ep2-dp2": [*PP2, *EP2],  # the stages M* | -E
 }
 
 
