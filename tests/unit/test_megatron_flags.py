@@ -227,8 +227,11 @@ REFUSED_GROUPS = [
     ("hybrid-groups", "--is-hybrid-model", "the Mamba heads (2, --mamba-num-heads or 2 x hidden / head dim) must "
      "be divisible by --mamba-num-groups (8)"),
     ("hybrid-pattern", "--hybrid-override-pattern M*M", "--hybrid-override-pattern has 3 layers, --num-layers is 2"),
-    ("hybrid-moe", "--hybrid-override-pattern ME", "--hybrid-override-pattern: E (MoE) layers in a hybrid model"),
-    ("hybrid-experts", "--hybrid-override-pattern M- --num-experts 2", "--num-experts: MoE layers in a hybrid"),
+    ("hybrid-moe", "--hybrid-override-pattern ME", "--hybrid-override-pattern ME: E (MoE) layers need --num-experts"),
+    ("hybrid-experts", "--hybrid-override-pattern M- --num-experts 2",
+     "--num-experts: the hybrid pattern M- has no E (MoE) layer"),
+    ("hybrid-moe-freq", "--hybrid-override-pattern ME --num-experts 2 --moe-layer-freq 2",
+     "--moe-layer-freq: a hybrid model's MoE layers are the pattern's E layers"),
     ("spec", "--spec local", "--spec takes two values, MODULE NAME"),
     ("spec-import", "--spec no_such_module_here spec", "--spec no_such_module_here spec: cannot import"),
     ("spec-name", "--spec megatron.model.layer_specs no_such_spec",
