@@ -242,7 +242,7 @@ PACKED_LAYOUTS = {
     "cp4-a2a+p2p": LAYOUTS["cp4-a2a+p2p"],
     "cp2-tp2-sp-p2p": LAYOUTS["cp2-tp2-sp-p2p"],
     "cp2-tp2-sp-a2a": LAYOUTS["cp2-tp2-sp-a2a"],
-    "cp2-pp2": LAYOUTS["cp2-pp2"],
+    "cp2-pp2": LAYOUTS["cp2-pp2-p2p"],
 }
 
 
