@@ -1,5 +1,6 @@
 """The planner's per-rank memory (parameters + gradients + optimizer state + activations) against
-what 4 gloo ranks allocate for the 12 dense (2 with GPT-2's vocabulary) and 4 MoE layouts of docs/planner.md (megatron/planner/measure.py:
+what 4 gloo ranks allocate for the 12 dense (2 with GPT-2's vocabulary), 4 MoE and 1 context-parallel (CP 2 x PP 2)
+layouts of docs/planner.md (megatron/planner/measure.py:
 the optimizer side measured exactly after a step, activations as the saved tensors of one
 forward per model chunk times the micro-batches the schedule keeps in flight; and the peak of the
 saved tensors during one real train_step, which checks the in-flight counts; and the peak of the
@@ -20,9 +21,9 @@ def rows(per_rank):
     return table_rows(per_rank)
 
 
-def test_sixteen_layouts_are_measured(rows):
-    assert len(LAYOUTS) == 16 and sum("moe" in name for name in LAYOUTS) == 4
-    assert sum("gpt2-vocab" in name for name in LAYOUTS) == 2
+def test_seventeen_layouts_are_measured(rows):
+    assert len(LAYOUTS) == 17 and sum("moe" in name for name in LAYOUTS) == 4
+    assert sum("gpt2-vocab" in name for name in LAYOUTS) == 2 and sum(name.startswith("cp") for name in LAYOUTS) == 1
     assert {row[0] for row in rows} == set(LAYOUTS)
 
 
