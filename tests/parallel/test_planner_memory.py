@@ -77,3 +77,49 @@ def test_a_large_vocabulary_peaks_well_above_what_is_saved(per_rank):
         for name in ("tp1-pp1-dp4 fp32 gpt2-vocab", "tp2-dp2 bf16 gpt2-vocab"):
             r = results[name]
             assert r["iteration_peak"] > 1.2 * r["measured"]["total"], (name, r["iteration_peak"], r["measured"])
+
+
+def _cp_layer_bytes_without_recompute() -> dict:
+    """At CP 2 (4 ranks: CP 2 x DP 2), no recompute: the bytes one bf16 layer saves per CP rank
+    (activation_memory.measure_layer_activation_bytes, s 64, b 2, h 64, a 8) and the planner's, for
+    allgather and a2a, the paper's layer and the Llama-style one with 2 and 8 K/V groups."""
+    import torch
+
+    from megatron.core import parallel_state
+    from megatron.model import activation_memory
+    from megatron.model.activation_memory import llama_ffn_hidden_size
+    from megatron.planner.model import Layout, ModelShape, layer_activation_bytes
+
+    original = activation_memory.layer_config
+    out = {}
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    try:
+        for kind in ("allgather", "a2a"):
+            def with_kind(*args, **kwargs):  # the measurement's config takes the default comm type
+                config = original(*args, **kwargs)
+                config.cp_comm_type = kind
+                return config
+
+            activation_memory.layer_config = with_kind
+            for groups in (None, 2, 8):
+                measured = activation_memory.measure_layer_activation_bytes(64, 2, 64, 8, dtype=torch.bfloat16,
+                                                                            llama_query_groups=groups)
+                common = dict(num_layers=1, hidden_size=64, num_attention_heads=8, kv_channels=8,
+                              padded_vocab_size=128, seq_length=64, max_position_embeddings=64, params_dtype="bf16")
+                shape = ModelShape(num_query_groups=8, ffn_hidden_size=256, **common) if groups is None else \
+                    ModelShape(num_query_groups=groups, ffn_hidden_size=llama_ffn_hidden_size(64), swiglu=True,
+                               layernorm=False, add_bias_linear=False, learned_positions=False, rope=True, **common)
+                planned = layer_activation_bytes(shape, Layout(micro_batch_size=2, cp=2, cp_comm_type=kind))
+                out[(kind, groups)] = (measured, planned)
+    finally:
+        activation_memory.layer_config = original
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_cp_layer_without_recompute_is_planned_exactly_for_allgather_and_a2a(dist_pool):
+    """The comm types' own extra tensors without recompute (planner.model._cp_core_extra_bytes: a2a's
+    permutations and values, allgather's order and all-s keys / values) against the measured layer."""
+    for per_rank in dist_pool.run(_cp_layer_bytes_without_recompute):
+        for case, (measured, planned) in per_rank.items():
+            assert planned == measured, case
