@@ -123,3 +123,48 @@ def test_cp_layer_without_recompute_is_planned_exactly_for_allgather_and_a2a(dis
     for per_rank in dist_pool.run(_cp_layer_bytes_without_recompute):
         for case, (measured, planned) in per_rank.items():
             assert planned == measured, case
+
+
+def _cp_exchange_counts() -> dict:
+    """At CP 2: the bytes communication.py counts on the CP group for one Llama-style fp32 layer's
+    forward and backward (s 64, b 2, h 64, a 8, 2 K/V groups), per comm type, without and with
+    selective recompute, next to cp_exchange_bytes (the planner's and bench/context_parallel.py's)."""
+    import torch
+
+    from megatron.core import communication, parallel_state
+    from megatron.core.context_parallel import cp_exchange_bytes, split_for_cp_rank
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.model.activation_memory import layer_config
+    from megatron.model.layer_specs import layer_spec_from_config
+    from megatron.model.positions import RotaryEmbedding
+    from megatron.model.transformer_layer import TransformerLayer
+    from megatron.model.utils import get_causal_attention_mask
+
+    out = {}
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    try:
+        rank = parallel_state.get_context_parallel_rank()
+        mask = split_for_cp_rank(get_causal_attention_mask(64), 2, 2, rank)
+        freqs = split_for_cp_rank(RotaryEmbedding(8)(64), 0, 2, rank)
+        for kind in ("p2p", "allgather", "a2a"):
+            for recompute in (None, "selective"):
+                config = layer_config(64, 8, dtype=torch.float32, recompute=recompute, dropout=0.0,
+                                      llama_query_groups=2)
+                config.cp_comm_type = kind
+                model_parallel_cuda_manual_seed(1)
+                layer = TransformerLayer(config, layer_spec_from_config(config).submodules, layer_number=1)
+                x = torch.randn(32, 2, 64, requires_grad=True)
+                with communication.count_communication() as counter:
+                    layer(x, mask, True, rotary_pos_emb=freqs).sum().backward()
+                counted = sum(nbytes for (op, group), (_, nbytes) in counter.summary().items() if group == "cp")
+                formula = cp_exchange_bytes(kind, 2, 1, 64, 2, 8, 2, 8) * (1.5 if recompute else 1.0)
+                out[(kind, recompute)] = (counted, formula)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_cp_exchange_bytes_are_the_counted_bytes(dist_pool):
+    for per_rank in dist_pool.run(_cp_exchange_counts):
+        for case, (counted, formula) in per_rank.items():
+            assert counted == formula, case
