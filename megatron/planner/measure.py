@@ -314,12 +314,11 @@ LAYOUTS.update({
 })
 
 
-# 1 context-parallel layout: CP 2 x PP 2 (a2a, no recompute: its exchange's extra indices and values are
-# modelled), the distributed optimizer sharded over DP x CP = 2, each rank's batch its s/c tokens.
+# 1 context-parallel layout: CP 2 x DP 2 (allgather, no recompute: its gathered keys and values and its
+# index are modelled), gradients reduced over DP x CP, each rank's batch its s/c tokens.
 LAYOUTS.update({
-    "cp2-pp2 bf16 llama a2a distopt": ["--bf16", "--context-parallel-size", "2", "--cp-comm-type", "a2a",
-                                       "--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
-                                       *LLAMA_FLAGS],
+    "cp2-dp2 bf16 llama allgather": ["--bf16", "--context-parallel-size", "2", "--cp-comm-type", "allgather",
+                                     *LLAMA_FLAGS],
 })
 
 

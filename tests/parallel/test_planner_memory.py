@@ -1,5 +1,5 @@
 """The planner's per-rank memory (parameters + gradients + optimizer state + activations) against
-what 4 gloo ranks allocate for the 12 dense (2 with GPT-2's vocabulary), 4 MoE and 1 context-parallel (CP 2 x PP 2)
+what 4 gloo ranks allocate for the 12 dense (2 with GPT-2's vocabulary), 4 MoE and 1 context-parallel (CP 2 x DP 2)
 layouts of docs/planner.md (megatron/planner/measure.py:
 the optimizer side measured exactly after a step, activations as the saved tensors of one
 forward per model chunk times the micro-batches the schedule keeps in flight; and the peak of the
