@@ -315,6 +315,9 @@ def test_plan_tool_prints_and_searches_cp_layouts(capsys):
     assert main(SMALL + ["--world-size", "4", "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
                          "--hierarchical-context-parallel-sizes", "2", "2"]) == 2
     assert "a2a+p2p is not modelled" in capsys.readouterr().err
+    assert main(SMALL + ["--world-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "p2p",
+                         "a2a"]) == 2
+    assert "a different type per layer is not modelled" in capsys.readouterr().err
 
 
 def test_dry_run_prints_the_cp_plan(monkeypatch, capsys):
