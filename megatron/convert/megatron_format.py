@@ -574,7 +574,7 @@ def _write_stream(writer: StageWriter, meta: Metadata, tensors: Iterator[Tuple[s
     rows = writer.args.padded_vocab_size
     tied_copy = pp > 1 and not getattr(meta.args, "untie_embeddings_and_output_weights", False)
     chunk, embedding_sent = 0, False
-    seen = _StreamCheck(int(meta.args.num_layers), _moe_layers(meta.args))
+    seen = _StreamCheck(int(meta.args.num_layers), _layer_kinds(meta.args))
     for name, tensor in tensors:
         seen.add(name)
         if is_vocab_tensor(name):
@@ -620,8 +620,15 @@ def _write_t5_stream(writer: StageWriter, meta: Metadata, tensors: Iterator[Tupl
         writer.finish_stage(stage)
 
 
-def _moe_layers(args: argparse.Namespace) -> Optional[List[bool]]:
-    """Which layers (0-based) are MoE layers (--moe-layer-freq, Megatron's pattern); None: a dense model."""
+def _layer_kinds(args: argparse.Namespace) -> Optional[List[Any]]:
+    """Each layer's kind (0-based): a hybrid model's pattern symbol (M, *, -, E: the MoE layers), else
+    whether it is an MoE layer (--moe-layer-freq, Megatron's pattern); None: a dense GPT."""
+    if getattr(args, "is_hybrid_model", False):
+        from megatron.model.mamba.hybrid import allocate_layers
+
+        return list(allocate_layers(int(args.num_layers), getattr(args, "hybrid_attention_ratio", 0.0) or 0.0,
+                                    getattr(args, "hybrid_mlp_ratio", 0.0) or 0.0,
+                                    getattr(args, "hybrid_override_pattern", None)))
     if not getattr(args, "num_experts", None):
         return None
     freq = getattr(args, "moe_layer_freq", 1) or 1
@@ -632,12 +639,13 @@ def _moe_layers(args: argparse.Namespace) -> Optional[List[bool]]:
 
 
 class _StreamCheck:
-    """Every layer 0..L-1 arrives with layer 0's keys, and no name twice; with MoE layers
-    (`moe`: per layer, from the args) each layer has its kind's keys (an MoE layer a router, a
-    dense one none), the same as the first layer of that kind."""
+    """Every layer 0..L-1 arrives with layer 0's keys, and no name twice; with layers of several
+    kinds (`kinds`: per layer, from the args: MoE or dense, a hybrid model's pattern symbols) each
+    layer has its kind's keys (an MoE layer a router, a dense one none), the same as the first
+    layer of that kind."""
 
-    def __init__(self, num_layers: int, moe: Optional[List[bool]] = None) -> None:
-        self.num_layers, self.names, self.layers, self.moe = num_layers, set(), {}, moe
+    def __init__(self, num_layers: int, kinds: Optional[List[Any]] = None) -> None:
+        self.num_layers, self.names, self.layers, self.kinds = num_layers, set(), {}, kinds
 
     def add(self, name: str) -> None:
         if name in self.names:
@@ -650,15 +658,18 @@ class _StreamCheck:
     def check(self) -> None:
         if sorted(self.layers) != list(range(self.num_layers)):
             raise CheckpointError(f"the loader sent layers {sorted(self.layers)}, not 0..{self.num_layers - 1}")
-        firsts: Dict[bool, Tuple[int, set]] = {}
+        firsts: Dict[Any, Tuple[int, set]] = {}
+        hybrid = self.kinds is not None and any(isinstance(k, str) for k in self.kinds)
         for index, keys in sorted(self.layers.items()):
-            kind = False
-            if self.moe is not None:
-                kind = self.moe[index] if index < len(self.moe) else False
+            kind: Any = False
+            if self.kinds is not None:
+                kind = self.kinds[index] if index < len(self.kinds) else False
+                moe = kind is True or kind == "E"
                 routed = any(".mlp.router." in key for key in keys)
-                if routed != kind:
-                    raise CheckpointError(f"layer {index} is {'an MoE' if routed else 'a dense'} layer, but the "
-                                          f"args' moe_layer_freq makes it {'an MoE' if kind else 'a dense'} one")
+                if routed != moe:
+                    source = f"the hybrid pattern's {kind!r}" if hybrid else "the args' moe_layer_freq"
+                    raise CheckpointError(f"layer {index} is {'an MoE' if routed else 'a dense'} layer, but "
+                                          f"{source} makes it {'an MoE' if moe else 'a dense'} one")
             first_index, first = firsts.setdefault(kind, (index, keys))
             if keys != first:
                 raise CheckpointError(f"layer {index} has keys {sorted(keys ^ first)} that layer {first_index} "

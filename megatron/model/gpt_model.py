@@ -194,16 +194,25 @@ class GPTModel(LanguageModule):
                         inference_context: InferenceContext | None) -> torch.Tensor:
         """Several documents per row (megatron/model/packed_seq.py): a per-document causal mask,
         RoPE at each token's position in its document (the learned table reads position_ids,
-        which the SFT data restarts itself; ALiBi's relative distances need nothing)."""
+        which the SFT data restarts itself; ALiBi's relative distances need nothing).
+
+        Under context parallelism the input is this rank's s/N tokens (load-balanced chunks) and
+        packed.cu_seqlens the uncut row's boundaries: the mask is the whole row's [b, 1, s, s] (the
+        CP attention cuts it by the real positions of its queries and keys) and the RoPE positions
+        in the documents are cut as the tokens are."""
         if inference_context is not None:
             raise ValueError("packed sequences (packed_seq_params) are for training; generation takes no packing")
-        seq_length = self._sequence_length(decoder_input)
+        cp = self.config.context_parallel_size
+        seq_length = self._sequence_length(decoder_input) * cp  # the whole row
         device = self._device(decoder_input)
         if attention_mask is None:
             attention_mask = packed.attention_mask(seq_length, device)  # [b, 1, s, s]
         rotary_pos_emb = attention_bias = None
         if self.rotary_pos_emb is not None:
-            rotary_pos_emb = self.rotary_pos_emb.at(packed.positions(seq_length)).to(device)  # [s, b, 1, rot]
+            positions = packed.positions(seq_length)  # [b, s]
+            if cp > 1:
+                positions = split_for_cp_rank(positions, 1, cp, parallel_state.get_context_parallel_rank())  # [b, s/N]
+            rotary_pos_emb = self.rotary_pos_emb.at(positions).to(device)  # [s(/N), b, 1, rot]
         elif self.alibi is not None:
             attention_bias = self.alibi(seq_length, seq_length).to(device)  # [1, np/t, s, s]
         hidden_states = self.decoder(decoder_input, attention_mask, rotary_pos_emb=rotary_pos_emb,

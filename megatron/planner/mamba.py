@@ -32,7 +32,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class HybridShape:
-    """A hybrid model's layer pattern (M Mamba, * attention, - MLP) and its Mamba sizes."""
+    """A hybrid model's layer pattern (M Mamba, * attention, - MLP, E MoE) and its Mamba sizes."""
 
     pattern: str
     state_dim: int

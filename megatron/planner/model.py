@@ -185,8 +185,10 @@ def _moe_from_args(args: argparse.Namespace, arch: ModelArchitecture) -> Optiona
         raise PlanError("--moe-z-loss-coeff is not modelled by the planner")
     if args.moe_grouped_gemm and args.fp16:
         raise PlanError("--moe-grouped-gemm with --fp16: the batched fallback's memory is not modelled")
+    hybrid = hybrid_shape_from_args(args)
+    layers = arch.moe_layers if hybrid is None else [i + 1 for i, kind in enumerate(hybrid.pattern) if kind == "E"]
     return MoEShape(
-        num_experts=arch.num_experts, layers=tuple(arch.moe_layers),
+        num_experts=arch.num_experts, layers=tuple(layers),
         ffn_hidden_size=arch.moe_ffn_hidden_size, topk=arch.moe_router_topk,
         shared_ffn_hidden_size=arch.moe_shared_expert_intermediate_size or 0,
         grouped_gemm=bool(args.moe_grouped_gemm), dispatcher=args.moe_token_dispatcher_type,
@@ -265,13 +267,19 @@ def layer_parameters(m: ModelShape, tp: int, number: int = 0, lay: Optional[Layo
     return attention + router + shared
 
 
-def hybrid_layer_parameters(m: ModelShape, tp: int, number: int) -> int:
+def hybrid_layer_parameters(m: ModelShape, tp: int, number: int, lay: Optional[Layout] = None) -> int:
     """A hybrid model's layer `number` on one TP rank: Mamba (planner/mamba.py), attention only (the GPT
-    layer without its MLP and second norm) or MLP only (its norm and MLP)."""
+    layer without its MLP and second norm), MLP only (its norm and MLP) or MoE only (its norm, the
+    router and shared experts as layer_parameters counts them, and the layout's experts)."""
     kind, h = m.hybrid.kind(number), m.hidden_size
     norm = 2 * h if m.layernorm else h
     if kind == "M":
         return mamba_layer_parameters(h, m.hybrid, tp, m.layernorm)
+    if kind == "E":
+        moe = m.moe
+        router = moe.num_experts * h + (moe.num_experts if m.add_bias_linear else 0)
+        shared = _mlp_parameters(m, moe.shared_ffn_hidden_size, tp) if moe.shared_ffn_hidden_size else 0
+        return norm + router + shared + expert_layer_parameters(m, lay or Layout())
     mlp = norm + _mlp_parameters(m, m.ffn_hidden_size, tp)
     return mlp if kind == "-" else layer_parameters(m, tp) - mlp
 
@@ -297,12 +305,13 @@ def chunk_parameters(m: ModelShape, lay: Layout, stage: int, chunk: int) -> int:
     first = stage == 0 and chunk == 0
     last = stage == lay.pp - 1 and chunk == lay.vpp - 1
     numbers = chunk_layer_numbers(m, lay, stage, chunk)
-    moe = _moe_count(m, numbers)
-    total = (len(numbers) - moe) * layer_parameters(m, tp)
     if m.hybrid is not None:
-        total = sum(hybrid_layer_parameters(m, tp, n) for n in numbers)
-    if moe:
-        total += moe * (layer_parameters(m, tp, m.moe.layers[0], lay) + expert_layer_parameters(m, lay))
+        total = sum(hybrid_layer_parameters(m, tp, n, lay) for n in numbers)
+    else:
+        moe = _moe_count(m, numbers)
+        total = (len(numbers) - moe) * layer_parameters(m, tp)
+        if moe:
+            total += moe * (layer_parameters(m, tp, m.moe.layers[0], lay) + expert_layer_parameters(m, lay))
     if first:
         total += m.padded_vocab_size // tp * h + (m.max_position_embeddings * h if m.learned_positions else 0)
     if last:
@@ -424,7 +433,8 @@ def _cp_core_extra_bytes(m: ModelShape, lay: Layout, heads: int, groups: int) ->
 
 def hybrid_layer_activation_bytes(m: ModelShape, lay: Layout, number: int, recompute: Optional[str] = None) -> int:
     """A hybrid model's layer `number` (no full recompute): a Mamba layer's (planner/mamba.py), an
-    attention-only layer's (the GPT layer's terms without the MLP half) or an MLP-only layer's."""
+    attention-only layer's (the GPT layer's terms without the MLP half), an MLP-only layer's or an
+    MoE-only layer's (the MLP-only layer's norm half and moe_mlp_activation_bytes)."""
     kind = m.hybrid.kind(number)
     if kind == "M":
         return mamba_layer_activation_bytes(m, lay, _e(m))
@@ -432,6 +442,8 @@ def hybrid_layer_activation_bytes(m: ModelShape, lay: Layout, number: int, recom
     local = m.seq_length // lay.tp if lay.sequence_parallel else m.seq_length
     stats = 8 if m.layernorm else 4
     mlp_half = local * b * (2 * e * h + stats + (h if m.hidden_dropout else 0))
+    if kind == "E":
+        return mlp_half + moe_mlp_activation_bytes(m, lay)
     mlp_half += _dense_mlp_bytes(m, m.seq_length * b, m.ffn_hidden_size // lay.tp)  # no CP: make_plan refuses it
     return mlp_half if kind == "-" else layer_activation_bytes(m, lay, recompute) - mlp_half
 

@@ -24,6 +24,8 @@ None (chosen by megatron.core.device), --transformer-impl to 'local' (Transforme
 from __future__ import annotations
 
 import argparse
+import copy
+import sys
 from argparse import Namespace
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +48,7 @@ from megatron.training.arguments_megatron import add_megatron_flags
 from megatron.training.config import (
     GROUPS,
     CheckpointConfig,
+    ConfigError,
     DataConfig,
     DistributedConfig,
     InitializationConfig,
@@ -136,8 +139,40 @@ def parse_args(extra_args_provider: ExtraArgsProvider | None = None, ignore_unkn
         args, _ = parser.parse_known_args(argv)
     else:
         args = parser.parse_args(argv)
+    if args.yaml_cfg is not None:
+        _apply_yaml_cfg(args, parser, argv)
     args.rank, args.world_size = env_rank_and_world_size()
     return with_run_state(args)
+
+
+def given_dests(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The dests argv sets explicitly (whatever the value, the parser's default included)."""
+    unset = object()
+    # an append / extend / count action adds to its default, so it starts from None (given: not None)
+    accumulating = {a.dest for a in parser._actions if type(a).__name__ in ("_AppendAction", "_ExtendAction",
+                                                                              "_AppendConstAction", "_CountAction")}
+    probe = copy.deepcopy(parser)
+    probe.set_defaults(**{a.dest: None if a.dest in accumulating else unset for a in probe._actions
+                          if a.dest != "help"})
+    parsed, _ = probe.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return {dest for dest, value in vars(parsed).items()
+            if (value is not None if dest in accumulating else value is not unset)}
+
+
+def _apply_yaml_cfg(args: Namespace, parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """--yaml-cfg: the file's values (megatron/training/config/megatron_yaml.py) under the flags the
+    command line gives, checked as the flags check them; one ArgsError line naming file and key."""
+    from megatron.training.config.megatron_yaml import read_megatron_yaml
+
+    try:
+        values = read_megatron_yaml(args.yaml_cfg, parser)
+        MegatronConfig.from_values(values, where=f"--yaml-cfg {args.yaml_cfg}")
+    except ConfigError as error:
+        raise ArgsError(str(error)) from None
+    given = given_dests(parser, argv)
+    for dest, value in values.items():
+        if dest not in given:
+            setattr(args, dest, value)
 
 
 def args_from_config(config: MegatronConfig, extra_args_provider: ExtraArgsProvider | None = None) -> Namespace:

@@ -270,7 +270,6 @@ REFUSED = (
     _value("--data-args-path", str, None, "reading --data-path from a file"),
     _value("--per-split-data-args-path", str, None, "reading the per-split data paths from a file"),
     _value("--mid-level-dataset-surplus", float, 0.005, "a blend surplus other than 0.005"),
-    _value("--yaml-cfg", str, None, "YAML configuration files"),
     _true("--use-precision-aware-optimizer", "the precision-aware optimizer"),
     _value("--main-grads-dtype", str, "fp32", "main gradients other than fp32", choices=["fp32", "bf16"]),
     _value("--main-params-dtype", str, "fp32", "main parameters other than fp32", choices=["fp32", "fp16"]),

@@ -485,8 +485,13 @@ def _validate_hybrid(args: Namespace) -> None:
     pattern = hybrid_pattern_from_args(args)
     if pattern is None:
         return
-    if args.num_experts is not None:
-        raise ArgsError("--num-experts: MoE layers in a hybrid model (the pattern's E) are not supported yet")
+    if "E" in pattern and args.num_experts is None:
+        raise ArgsError(f"--hybrid-override-pattern {pattern}: E (MoE) layers need --num-experts")
+    if args.num_experts is not None and "E" not in pattern:
+        raise ArgsError(f"--num-experts: the hybrid pattern {pattern} has no E (MoE) layer to give experts")
+    if args.num_experts is not None and args.moe_layer_freq != 1:
+        raise ArgsError("--moe-layer-freq: a hybrid model's MoE layers are the pattern's E layers "
+                        "(--hybrid-override-pattern)")
     if args.spec is not None:
         raise ArgsError("--spec: a hybrid model builds its layers from --hybrid-override-pattern, not a layer spec")
     if "M" not in pattern:

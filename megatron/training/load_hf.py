@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any, Callable, List, Optional, Set
 
 import torch
@@ -34,22 +33,12 @@ from megatron.convert.layout_rules import (
     expert_key, is_vocab_tensor, padded_vocab_size, renumber, renumber_expert, tensor_layout,
 )
 
-_UNSET = object()
-
 
 def given_dests(argv: Optional[List[str]], extra_args_provider: Optional[Callable] = None) -> Set[str]:
     """The dests the command line sets explicitly (whatever the value, the parser's default included)."""
-    from megatron.training.arguments import build_parser
+    from megatron.training.arguments import build_parser, given_dests as explicit
 
-    parser = build_parser(extra_args_provider)
-    # an append / extend / count action adds to its default, so it starts from None (given: not None)
-    accumulating = {a.dest for a in parser._actions if type(a).__name__ in ("_AppendAction", "_ExtendAction",
-                                                                              "_AppendConstAction", "_CountAction")}
-    parser.set_defaults(**{action.dest: None if action.dest in accumulating else _UNSET
-                           for action in parser._actions if action.dest != "help"})
-    parsed, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return {dest for dest, value in vars(parsed).items()
-            if (value is not None if dest in accumulating else value is not _UNSET)}
+    return explicit(build_parser(extra_args_provider), argv)
 
 
 def _describe(dest: str, flag: str, value: Any) -> str:

@@ -63,6 +63,8 @@ def hybrid_flops(args: argparse.Namespace, batch_size: int) -> float:
         Mamba layer      2 s h (2 d_in + 2 ng n + nh)  in_proj,  7 s d_in n  the scan,  2 s d_in h  out_proj
         attention layer  4 s h p (h + h g / a + s / 2), p = kv channels x a / h, g groups (a without GQA)
         MLP layer        4 s h^2 (f / h) m, m = 3/2 with --swiglu
+        MoE layer        4 s h m (f_moe k + f_shared), the experts a token runs (k = --moe-router-topk,
+                         f_moe = --moe-ffn-hidden-size, f_shared = --moe-shared-expert-intermediate-size)
         logits           2 s h V
     """
     from megatron.training.config_builders import hybrid_pattern_from_args
@@ -77,7 +79,12 @@ def hybrid_flops(args: argparse.Namespace, batch_size: int) -> float:
     p = args.kv_channels * heads / h if args.kv_channels else 1
     attention = 4 * s * h * p * (h + h * groups / heads + s / 2)
     mlp = 4 * s * h * args.ffn_hidden_size * (1.5 if args.swiglu else 1.0)
+    moe = 0.0
+    if "E" in pattern:
+        moe_ffn = (args.moe_ffn_hidden_size or args.ffn_hidden_size) * args.moe_router_topk
+        moe = 4 * s * h * (moe_ffn + (args.moe_shared_expert_intermediate_size or 0)) * (1.5 if args.swiglu else 1.0)
     forward = (pattern.count("M") * mamba + pattern.count("*") * attention + pattern.count("-") * mlp
+               + pattern.count("E") * moe
                + 2 * s * h * args.padded_vocab_size)
     return 3 * batch_size * forward
 
@@ -345,7 +352,13 @@ def moe_loss_names(args: argparse.Namespace) -> List[str]:
 
 
 def moe_layer_numbers(args: argparse.Namespace) -> List[int]:
-    """The 1-based numbers of the MoE layers (--moe-layer-freq), as the model places them."""
+    """The 1-based numbers of the MoE layers (--moe-layer-freq; a hybrid model's E layers), as the model
+    places them."""
+    if args.is_hybrid_model:
+        from megatron.training.config_builders import hybrid_pattern_from_args
+
+        pattern = hybrid_pattern_from_args(args) or ""
+        return [i + 1 for i, symbol in enumerate(pattern) if symbol == "E"]
     return _moe_layer_numbers(args.moe_layer_freq, args.num_layers)
 
 

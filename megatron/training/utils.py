@@ -85,14 +85,17 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Optional[torch.Tensor]]) -> Dict[
     (the sequence in 2N chunks, rank r keeping chunks r and 2N-1-r; megatron/core/context_parallel.py).
 
     Tensors are [b, s] (tokens, labels, loss_mask, position_ids) and cut along dim 1; an attention
-    mask [b, 1, s, s] keeps this rank's query rows (dim 2) and every key. None values pass through;
-    the batch is returned unchanged when the CP size is 1.
+    mask [b, 1, s, s] keeps this rank's query rows (dim 2) and every key. A packed batch's
+    cu_seqlens [b, s + 1] (the uncut row's document boundaries) is kept whole: the model cuts the
+    masks and positions it makes from them. None values pass through; the batch is returned
+    unchanged when the CP size is 1.
     """
     cp = parallel_state.get_context_parallel_world_size()
     if cp == 1:
         return batch
     rank = parallel_state.get_context_parallel_rank()
-    return {key: None if value is None else split_for_cp_rank(value, 2 if key == "attention_mask" else 1, cp, rank)
+    return {key: value if value is None or key == "cu_seqlens"
+            else split_for_cp_rank(value, 2 if key == "attention_mask" else 1, cp, rank)
             for key, value in batch.items()}
 
 

@@ -40,7 +40,7 @@ LAYOUTS = {
     "cp4-mixed": dict(cp=4, comm=["p2p", "allgather", "a2a", "a2a+p2p"], hier=[2, 2]),
     **{f"cp2-{t}": dict(cp=2, comm=t, split_data=True) for t in TYPES},
     **{f"cp2-tp2-sp-{t}": dict(cp=2, tp=2, sp=True, comm=t) for t in TYPES},
-    "cp2-pp2": dict(cp=2, pp=2, comm="p2p"),
+    **{f"cp2-pp2-{t}": dict(cp=2, pp=2, comm=t) for t in TYPES},
     "cp2-pp2-v2": dict(cp=2, pp=2, vpp=2, comm="a2a"),
     "cp2-tp2-sp-selective": dict(cp=2, tp=2, sp=True, comm="p2p", recompute="selective"),
     "cp4-full-recompute": dict(cp=4, comm="a2a+p2p", hier=[2, 2], recompute="full"),
@@ -114,20 +114,59 @@ def _forward_step(data_iterator, model):
     return losses, loss_func
 
 
-def _run(chunks, per_token: bool, serial: bool, share: slice = slice(None)):
-    batches = microbatches()[share]
+def packed_microbatches():
+    """Rows of several documents each (other boundaries in each row; documents span the CP chunks):
+    cu_seqlens [b, s + 1] padded with s, position_ids restarting at each document."""
+    batches = microbatches()
+    for index, batch in enumerate(batches):
+        cu_rows, positions = [], []
+        for row in range(MBS):
+            ends = PACKED_ENDS[(index + row) % len(PACKED_ENDS)]
+            cu = torch.full((SEQ + 1,), SEQ, dtype=torch.int32)
+            cu[:len(ends) + 1] = torch.tensor([0, *ends], dtype=torch.int32)
+            cu_rows.append(cu)
+            starts = torch.tensor([0, *ends[:-1]])
+            document = torch.searchsorted(torch.tensor(ends), torch.arange(SEQ), right=True)
+            positions.append(torch.arange(SEQ) - starts[document])
+        batch["cu_seqlens"] = torch.stack(cu_rows)  # [b, s + 1]
+        batch["position_ids"] = torch.stack(positions)  # [b, s]
+    return batches
+
+
+PACKED_ENDS = ([5, 11, 16], [3, 16], [7, 8, 14, 16], [16])  # each row's document ends (s = 16)
+
+
+def _packed_forward_step(data_iterator, model):
+    from megatron.model.packed_seq import PackedSeqParams
+
+    batch = get_batch_on_this_cp_rank(next(data_iterator))  # [b, s/N] each, cu_seqlens [b, s + 1] whole
+    losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=PackedSeqParams(batch["cu_seqlens"]))  # [b, s/N]
+    loss_mask = batch["loss_mask"]
+
+    def loss_func(output):
+        loss = (output.float() * loss_mask).sum()
+        count = loss_mask.sum().to(torch.int)
+        return loss, count, {"lm loss": torch.stack([loss.detach(), count.float()])}
+
+    return losses, loss_func
+
+
+def _run(chunks, per_token: bool, serial: bool, share: slice = slice(None), packed: bool = False):
+    batches = (packed_microbatches() if packed else microbatches())[share]
     iterators = [iter(batches) for _ in chunks]
     func = schedules.forward_backward_no_pipelining if serial else schedules.get_forward_backward_func()
-    reported = func(forward_step_func=_forward_step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
+    step = _packed_forward_step if packed else _forward_step
+    reported = func(forward_step_func=step, data_iterator=iterators if len(chunks) > 1 else iterators[0],
                     model=chunks, num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=MBS,
                     calculate_per_token_loss=per_token, finalize_model_grads_func=None if serial else finalize_model_grads)
     return [entry["lm loss"] for entry in reported]  # [sum, count] of this rank's tokens, per micro-batch
 
 
-def _serial(model: str, per_token: bool):
+def _serial(model: str, per_token: bool, packed: bool = False):
     parallel_state.initialize_model_parallel()
     (serial,), _ = build_chunks(model, per_token)
-    reported = _run([serial], per_token, serial=True)
+    reported = _run([serial], per_token, serial=True, packed=packed)
     parallel_state.destroy_model_parallel()
     losses = [(x[0] / x[1]).item() for x in reported]
     return losses, {name: p.grad for name, p in serial.named_parameters()}
@@ -144,7 +183,8 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
-def _compare(model: str, per_token: bool, layout: dict, serial_losses: list, serial_grads: dict) -> dict:
+def _compare(model: str, per_token: bool, layout: dict, serial_losses: list, serial_grads: dict,
+             packed: bool = False) -> dict:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.get("tp", 1), pipeline_model_parallel_size=layout.get("pp", 1),
         virtual_pipeline_model_parallel_size=layout.get("vpp"), context_parallel_size=layout["cp"],
@@ -155,7 +195,7 @@ def _compare(model: str, per_token: bool, layout: dict, serial_losses: list, ser
     if layout.get("split_data"):  # each DP replica its half of the micro-batches
         d, r = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         share = slice(r * MICROBATCHES // d, (r + 1) * MICROBATCHES // d)
-    reported = _run(chunks, per_token, serial=False, share=share)
+    reported = _run(chunks, per_token, serial=False, share=share, packed=packed)
     losses = []
     for entry in reported:  # the whole micro-batch's sum and count: summed over the CP ranks
         total = entry.clone()
@@ -191,6 +231,90 @@ def test_context_parallel_layouts_equal_the_serial_run(dist_pool, model, per_tok
     for name, layout in LAYOUTS.items():
         reported = [per_layout[name]["losses"] for per_layout in results if per_layout[name]["losses"]]
         assert len(reported) == dist_pool.world_size // layout.get("pp", 1), name
+
+
+# ------------------------------------------------------------------------------ packed sequences
+
+PACKED_LAYOUTS = {
+    "cp2-p2p": LAYOUTS["cp2-p2p"],
+    "cp2-a2a": LAYOUTS["cp2-a2a"],
+    "cp2-allgather": LAYOUTS["cp2-allgather"],
+    "cp4-a2a+p2p": LAYOUTS["cp4-a2a+p2p"],
+    "cp2-tp2-sp-p2p": LAYOUTS["cp2-tp2-sp-p2p"],
+    "cp2-tp2-sp-a2a": LAYOUTS["cp2-tp2-sp-a2a"],
+    "cp2-pp2": LAYOUTS["cp2-pp2"],
+}
+
+
+def _packed_leak(comm: str, hier=None) -> dict:
+    """Logits of a packed batch at CP 4 (llama, RoPE) before and after changing the first token of
+    the rows' first documents: this rank's tokens of the other documents get the same logits, the
+    first documents' later tokens other ones."""
+    parallel_state.initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=hier)
+    (model,), _ = build_chunks("llama", False, cp=4, comm=comm, hier=hier)
+    model.eval()
+    from megatron.model.packed_seq import PackedSeqParams
+
+    batch = packed_microbatches()[0]
+    changed = dict(batch, tokens=batch["tokens"].clone())
+    changed["tokens"][:, 0] = (changed["tokens"][:, 0] + 1) % VOCAB
+    logits = []
+    with torch.no_grad():
+        for data in (batch, changed):
+            local = get_batch_on_this_cp_rank(data)
+            logits.append(model(local["tokens"], local["position_ids"], None,
+                                packed_seq_params=PackedSeqParams(local["cu_seqlens"])))  # [b, s/N, v]
+        refused = {}  # masks CP cannot take: one that hides a token from itself, one of another shape
+        for case, mask in (("self", torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool)),
+                           ("shape", torch.zeros(1, 1, SEQ // 2, SEQ // 2, dtype=torch.bool))):
+            try:
+                model(local["tokens"], local["position_ids"], mask)
+                refused[case] = None
+            except ValueError as error:
+                refused[case] = str(error)
+    first = PackedSeqParams(batch["cu_seqlens"]).segment_ids(SEQ) == 0  # [b, s]
+    first = get_batch_on_this_cp_rank({"first": first})["first"]  # this rank's tokens
+    difference = (logits[0] - logits[1]).abs().amax(dim=-1)  # [b, s/N]
+    parallel_state.destroy_model_parallel()
+    return {"other_documents": difference[~first].max().item() if (~first).any() else 0.0,
+            "first_document": difference[first].min().item() if first.any() else None, "refused": refused}
+
+
+def _packed_runs(model: str, per_token: bool) -> dict:
+    serial = _serial(model, per_token, packed=True)
+    compared = {name: _compare(model, per_token, layout, *serial, packed=True) for name, layout in PACKED_LAYOUTS.items()}
+    leaks = {comm: _packed_leak(comm, hier=[2, 2] if comm == "a2a+p2p" else None)
+             for comm in ("p2p", "a2a", "allgather", "a2a+p2p")} if model == "llama" else {}
+    return {"compared": compared, "leaks": leaks}
+
+
+@pytest.mark.parametrize("model, per_token", [("gpt", False), ("llama", True)], ids=["gpt-per-sample", "llama-per-token"])
+def test_packed_sequences_under_cp_equal_the_serial_packed_run(dist_pool, model, per_token):
+    """Packed rows (per-document causal mask, positions restarting per document; other boundaries
+    in each row of the micro-batch) at CP 2 x DP 2 (p2p, a2a, allgather), CP 4 (a2a+p2p),
+    CP 2 x TP 2 + SP (p2p, a2a) and CP 2 x PP 2 (p2p; each stage makes the masks from the whole
+    row's cu_seqlens): the serial packed run's losses and every gradient (rel 1e-5).
+    With llama also: no attention across documents at CP 4 (each comm type), and a mask hiding a
+    token from itself or of another shape refused in one line."""
+    results = dist_pool.run(_packed_runs, model, per_token)
+    for rank, result in enumerate(results):
+        for name, compared in result["compared"].items():
+            bad = {key: error for key, error in compared["grad_errors"].items() if error > 1e-5}
+            assert not bad, (name, rank, bad)
+            if compared["losses"]:  # the last pipeline stage reports them
+                assert compared["losses"] == pytest.approx(compared["serial_losses"], rel=1e-5), (name, rank)
+        for comm, leak in result["leaks"].items():
+            assert leak["other_documents"] == 0.0, (comm, rank, leak)  # masked keys weigh exactly 0
+            if leak["first_document"] is not None:
+                assert leak["first_document"] > 1e-4, (comm, rank, leak)
+            assert "attend to itself" in leak["refused"]["self"], leak["refused"]
+            assert "a mask over the whole sequence" in leak["refused"]["shape"], leak["refused"]
+    for name, layout in PACKED_LAYOUTS.items():
+        reported = [result["compared"][name]["losses"] for result in results if result["compared"][name]["losses"]]
+        assert len(reported) == dist_pool.world_size // layout.get("pp", 1), name
+    if model == "llama":
+        assert all(result["leaks"] for result in results)
+        assert any(result["leaks"]["p2p"]["first_document"] is not None for result in results)
 
 
 # ------------------------------------------------------------------------------ MoE
@@ -239,7 +363,7 @@ def _moe_compare(comm: str) -> dict:
     return errors
 
 
-@pytest.mark.parametrize("comm", ["p2p", "a2a"])
+@pytest.mark.parametrize("comm", TYPES)
 def test_moe_cp2_ep2_gradients_equal_the_serial_run(dist_pool, comm):
     for rank, errors in enumerate(dist_pool.run(_moe_compare, comm)):
         assert any(".local_experts." in name for name in errors)
@@ -324,8 +448,9 @@ def _optimizer_step(layout: dict) -> dict:
             "num_zeros": num_zeros, "errors": errors, "shards": shards}
 
 
-def test_cp2_dp2_distributed_optimizer_step_equals_the_serial_step(dist_pool):
-    for result in dist_pool.run(_optimizer_step, dict(cp=2, comm="p2p")):
+@pytest.mark.parametrize("comm", TYPES)
+def test_cp2_dp2_distributed_optimizer_step_equals_the_serial_step(dist_pool, comm):
+    for result in dist_pool.run(_optimizer_step, dict(cp=2, comm=comm)):
         assert result["shards"] == 4  # the optimizer state is cut over DP x CP
         assert result["serial_norm"] > OPTIMIZER["clip_grad"]  # the step is clipped: it depends on the norm
         assert result["grad_norm"] == pytest.approx(result["serial_norm"], rel=1e-5)

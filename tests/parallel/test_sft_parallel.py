@@ -1,7 +1,8 @@
 """--sft with packed conversations at TP = 2 (x DP = 2, sequence parallel), PP = 2 (x DP = 2, the
 distributed optimizer) and TP = 2 x PP = 2 against the serial run: the same losses and grad norms
 (rel 1e-5) over two steps of pretrain_gpt.py's own loop (each pipeline stage reads the
-conversation boundaries, the second TP rank receives them by broadcast). The same with LoRA
+conversation boundaries, the second TP rank receives them by broadcast), and at CP = 2 x TP = 2 +
+SP (p2p) and CP = 2 x DP = 2 (a2a): each CP rank its chunks of the packed rows. The same with LoRA
 adapters on the frozen HF model (--lora-rank, every target module) against LoRA's serial run: the
 layouts of issue 33 (TP 2, PP 2, TP 2 x PP 2, DP 2 with the distributed optimizer)."""
 
@@ -18,6 +19,8 @@ LAYOUTS = {
     "tp2-sp-dp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2-dp2-distopt": ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"],
     "tp2-pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    "cp2-tp2-sp": ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "cp2-dp2-a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
 }
 LORA = ["--lora-rank", "4", "--lora-alpha", "8"]
 LORA_LAYOUTS = {

@@ -105,8 +105,10 @@ def test_allocation_matches_megatrons_and_refuses_bad_patterns():
     assert allocate_layers(8, 0.25, 0.25) == "MM*-M*M-"
     assert allocate_layers(48, 0.1, 0.3) == "MM-MM-M*M-MM-MM*-MM-MMM-*MM-MM-M*M-MM-MM*-MM-MM-"
     assert allocate_layers(4, 0.25, 0.25, "M*-M") == "M*-M"
+    assert allocate_layers(5, 0.0, 0.0, "ME*-E") == "ME*-E"  # E (MoE) layers only by the override
     for args, flag in (((4, 0.0, 0.0, "M*M"), "--hybrid-override-pattern has 3"),
                        ((4, 0.0, 0.0, "M*xM"), "'x' is not a layer symbol"),
+                       ((4, 0.25, 0.25, "M*-E"), "does not have the layer counts"),  # ratios place no E
                        ((4, 0.5, 0.0, "M*MM"), "does not have the layer counts"),
                        ((4, 0.7, 0.5), "at most 1")):
         with pytest.raises(HybridPatternError, match=flag):
@@ -122,29 +124,47 @@ def hybrid_config(**overrides):
 
 
 def test_hybrid_pattern_equals_a_stack_assembled_from_the_reference_layers():
-    """M*-M: our MambaModel against embedding -> HF's Mamba2Block / the attention and MLP halves of our
-    Llama-spec TransformerLayer (each half through its own norm and residual) -> final RMSNorm -> output
-    layer, with the same weights, written out here."""
+    """M*-EM: our MambaModel against embedding -> HF's Mamba2Block / the attention and MLP halves of our
+    Llama-spec TransformerLayer (each half through its own norm and residual) / our GPT MoE MLP (the
+    layer spec's MoELayer: router, experts, dispatcher) after an RMSNorm -> final RMSNorm -> output layer,
+    with the same weights, written out here. The E layer has Megatron-Core's keys and records its
+    balancing loss under its layer number; the loss reaches the router's gradient."""
     from transformers.models.mamba2.modeling_mamba2 import Mamba2Block
 
-    from megatron.model.layer_specs import get_llama_layer_spec
+    from megatron.core import aux_losses
+    from megatron.model.layer_specs import get_llama_layer_spec, get_moe_spec
+    from megatron.model.layers import Norm
     from megatron.model.spec import build_module
 
-    config = hybrid_config()
+    config = hybrid_config(num_layers=5, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+                           moe_aux_loss_coeff=0.1)
     torch.manual_seed(0)
-    model = MambaModel(config, vocab_size=64, max_sequence_length=32, hybrid_override_pattern="M*-M",
-                       share_embeddings_and_output_weights=False).eval()
+    model = MambaModel(config, vocab_size=64, max_sequence_length=32, hybrid_override_pattern="M*-EM",
+                       share_embeddings_and_output_weights=False)  # training: the router records its loss
     assert [type(layer).__name__ for layer in model.decoder.layers] == ["MambaLayer", "TransformerLayer",
-                                                                         "TransformerLayer", "MambaLayer"]
-    gpt_layers = [build_module(get_llama_layer_spec(), config, layer_number=n) for n in (2, 3)]
+                                                                         "TransformerLayer", "TransformerLayer",
+                                                                         "MambaLayer"]
     state = model.state_dict()
+    e_keys = sorted(k[len("decoder.layers.3."):] for k in state if k.startswith("decoder.layers.3."))
+    assert e_keys == ["mlp.experts.local_experts.0.linear_fc1.weight", "mlp.experts.local_experts.0.linear_fc2.weight",
+                      "mlp.experts.local_experts.1.linear_fc1.weight", "mlp.experts.local_experts.1.linear_fc2.weight",
+                      "mlp.experts.local_experts.2.linear_fc1.weight", "mlp.experts.local_experts.2.linear_fc2.weight",
+                      "mlp.experts.local_experts.3.linear_fc1.weight", "mlp.experts.local_experts.3.linear_fc2.weight",
+                      "mlp.router.weight", "pre_mlp_layernorm.weight"]
+    assert not any(k.startswith("decoder.layers.2.mlp.router") for k in state)  # '-' stays dense
+    gpt_layers = [build_module(get_llama_layer_spec(), config, layer_number=n) for n in (2, 3)]
     for layer, i in zip(gpt_layers, (1, 2)):  # the GPT layer holds both halves: load the half the pattern has
         own = {k[len(f"decoder.layers.{i}."):]: v for k, v in state.items() if k.startswith(f"decoder.layers.{i}.")}
         missing, unexpected = layer.load_state_dict(own, strict=False)
         assert not unexpected
+    moe_norm, moe = Norm(32, config), build_module(get_moe_spec(), config, layer_number=4)
+    moe.set_layer_number(4)
+    moe_norm.load_state_dict({"weight": state["decoder.layers.3.pre_mlp_layernorm.weight"]})
+    moe.load_state_dict({k[len("decoder.layers.3.mlp."):]: v for k, v in state.items()
+                         if k.startswith("decoder.layers.3.mlp.")})
     hf_config = tiny_mamba2(hidden_size=32, num_heads=8, head_dim=8, state_size=8, n_groups=2, chunk_size=8)
     mamba_blocks = []
-    for i in (0, 3):
+    for i in (0, 4):
         block = Mamba2Block(hf_config, layer_idx=0).eval()
         block.load_state_dict({k[len(f"decoder.layers.{i}."):]: v for k, v in state.items()
                                if k.startswith(f"decoder.layers.{i}.")})
@@ -158,10 +178,21 @@ def test_hybrid_pattern_equals_a_stack_assembled_from_the_reference_layers():
     x = x + out
     out, bias = mlp.mlp(mlp.pre_mlp_layernorm(x))
     x = x + out
+    aux_losses.clear()
+    out, bias = moe(moe_norm(x))
+    reference_balance = aux_losses.collect(["load_balancing_loss"], 5, 4, 1, 1).losses["load_balancing_loss"]
+    x = x + out
     x = mamba_blocks[1](x.transpose(0, 1)).transpose(0, 1)
     x = model.decoder.final_norm(x)
     logits = x @ model.output_layer.weight.t()  # [s, b, v]
-    torch.testing.assert_close(model(ids, None), logits.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    aux_losses.clear()
+    ours = model(ids, None)  # (no dropout: training gives the same outputs)
+    balance = aux_losses.collect(["load_balancing_loss"], 5, 4, 1, 1).losses["load_balancing_loss"]
+    torch.testing.assert_close(ours, logits.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    assert balance[3] > 0 and balance.count_nonzero() == 1  # layer 4 only
+    torch.testing.assert_close(balance, reference_balance)
+    model(ids, None).float().sum().backward()
+    assert model.decoder.layers[3].mlp.router.weight.grad.abs().sum() > 0
 
 
 def test_greedy_generation_equals_hf_generate_one_token_per_step():

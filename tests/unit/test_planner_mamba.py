@@ -1,5 +1,5 @@
 """The planner's hybrid Mamba models (megatron/planner/mamba.py): parameters equal the model's, the
-activation bytes of a whole hybrid chunk (Mamba, attention-only and MLP-only layers, embedding, loss)
+activation bytes of a whole hybrid chunk (Mamba, attention-only, MLP-only and MoE-only layers, embedding, loss)
 equal what autograd saves in an fp32 training forward, the inference state equals InferenceContext's."""
 
 from __future__ import annotations
@@ -37,14 +37,20 @@ def _model(args):
                       share_embeddings_and_output_weights=False, **mamba_model_kwargs(args))
 
 
-@pytest.mark.parametrize("seq, extra", [(200, []), (64, ["--swiglu", "--hidden-dropout", "0.1"])],
-                         ids=["two-chunks", "one-chunk-swiglu-dropout"])
+MOE = ["--hybrid-override-pattern", "M*-EM", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size",
+       "24", "--moe-aux-loss-coeff", "0.01", "--moe-shared-expert-intermediate-size", "16", "--swiglu"]
+
+
+@pytest.mark.parametrize("seq, extra", [(200, []), (64, ["--swiglu", "--hidden-dropout", "0.1"]), (64, MOE)],
+                         ids=["two-chunks", "one-chunk-swiglu-dropout", "moe-layer"])
 def test_hybrid_chunk_parameters_and_activations_are_the_models(seq, extra, capsys):
     from megatron.model.activation_memory import saved_tensor_bytes
 
     args = _args(extra, seq, capsys)
     m, lay = shape_from_args(args), Layout(micro_batch_size=2, global_batch_size=2)
     model = _model(args).train()
+    if "--num-experts" in extra:  # the E layer, 4th, is the planner's one MoE layer
+        assert m.moe.layers == (4,) and type(model.decoder.layers[3].mlp).__name__ == "MoELayer"
     assert chunk_parameters(m, lay, 0, 0) == sum(p.numel() for p in model.parameters())
     tokens = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(seq).repeat(2, 1)
@@ -67,9 +73,9 @@ def test_mamba_state_bytes_are_the_inference_contexts(capsys):
 
 
 def test_the_logged_flops_of_a_hybrid_model_are_megatrons(capsys):
-    """num_floating_point_operations (the log's TFLOP/s) of M*-MM: Megatron-LM core_v0.13's hybrid_flops,
+    """num_floating_point_operations (the log's TFLOP/s) of M*-MM and M*-EM: Megatron-LM's hybrid_flops,
     written out: 3 x per sequence (Mamba: in_proj with d_in = 2h, scan 7 s d_in n, out_proj; attention;
-    MLP; logits)."""
+    MLP; MoE; logits)."""
     from megatron.training.training_log import num_floating_point_operations
 
     args = _args(["--swiglu"], 64, capsys)
@@ -80,6 +86,12 @@ def test_the_logged_flops_of_a_hybrid_model_are_megatrons(capsys):
     attention = 4 * s * h * 1 * (h + h + s / 2)
     mlp = 4 * s * h * args.ffn_hidden_size * 1.5
     expected = 3 * 2 * (3 * mamba + attention + mlp + 2 * s * h * v)
+    assert num_floating_point_operations(args, 2) == pytest.approx(expected, rel=1e-12)
+    # M*-EM: the MoE layer counts the experts a token runs (top 2 of 24, the shared 16), Megatron's moe_layer_flops
+    args = _args(MOE, 64, capsys)
+    args.is_hybrid_model = True
+    moe = 4 * s * h * (24 * 2 + 16) * 1.5
+    expected = 3 * 2 * (2 * mamba + attention + mlp + moe + 2 * s * h * v)
     assert num_floating_point_operations(args, 2) == pytest.approx(expected, rel=1e-12)
 
 

@@ -5,10 +5,16 @@ MambaStack; the Nemotron-H / "An Empirical Study of Mamba-based Language Models"
     M                MambaLayer: x + mixer(norm(x))                   L.norm.weight, L.mixer.*  (mixer.py)
     *                TransformerLayer, self-attention only            L.input_layernorm.*, L.self_attention.*
     -                TransformerLayer, MLP only                       L.pre_mlp_layernorm.*, L.mlp.*
+    E                TransformerLayer, MoE MLP only (--num-experts)   L.pre_mlp_layernorm.*, L.mlp.router.*,
+                                                                      L.mlp.experts.*, L.mlp.shared_experts.*
 
 The pattern is --hybrid-override-pattern, or allocate_layers spreads round(L x --hybrid-attention-ratio)
 attention layers and then round(L x --hybrid-mlp-ratio) MLP layers evenly among the Mamba layers
-(Megatron's allocation, so a ratio gives the same pattern there and here). MambaStack is the
+(Megatron's allocation, so a ratio gives the same pattern there and here). E layers come only from the
+override pattern (as in Megatron, whose ratios place no MoE layer; with a ratio given the override must
+have the ratios' counts, so none). An E layer is GPT's MoE MLP (megatron/model/moe/: router, experts,
+token dispatcher, the balancing losses recorded under its global layer number); --moe-layer-freq does
+not apply, the pattern places the MoE layers. MambaStack is the
 TransformerBlock (pipeline split: L / pp consecutive layers per stage, the pattern's slice; recompute;
 per-layer init streams) building each layer from its symbol, with Megatron's final_norm.
 """
@@ -22,6 +28,7 @@ from torch import nn
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.model.attention import (DotProductAttention, FlashDotProductAttention, SelfAttention,
                                       SelfAttentionSubmodules)
+from megatron.model.layer_specs import get_moe_spec
 from megatron.model.layers import Norm
 from megatron.model.mamba.layer import MambaLayer, MambaLayerSubmodules
 from megatron.model.mamba.mixer import MambaMixer, MambaMixerSubmodules
@@ -31,8 +38,8 @@ from megatron.model.transformer_block import TransformerBlock
 from megatron.model.transformer_config import TransformerConfig
 from megatron.model.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-MAMBA, ATTENTION, MLP_SYMBOL = "M", "*", "-"
-SYMBOLS = (MAMBA, ATTENTION, MLP_SYMBOL)
+MAMBA, ATTENTION, MLP_SYMBOL, MOE = "M", "*", "-", "E"
+SYMBOLS = (MAMBA, ATTENTION, MLP_SYMBOL, MOE)
 
 
 class HybridPatternError(ValueError):
@@ -62,14 +69,12 @@ def allocate_layers(num_layers: int, attention_ratio: float = 0.0, mlp_ratio: fl
     if override_pattern is None:
         return auto
     bad = sorted(set(override_pattern) - set(SYMBOLS))
-    if "E" in bad:
-        raise HybridPatternError("--hybrid-override-pattern: E (MoE) layers in a hybrid model are not supported yet")
     if any(symbol in bad for symbol in "|/"):
         raise HybridPatternError("--hybrid-override-pattern: pipeline ('|') and MTP ('/') sections are not "
                                  "supported; the pipeline splits the pattern evenly")
     if bad:
         raise HybridPatternError(f"--hybrid-override-pattern: {bad[0]!r} is not a layer symbol (M Mamba, "
-                                 "* attention, - MLP)")
+                                 "* attention, - MLP, E MoE)")
     if len(override_pattern) != num_layers:
         raise HybridPatternError(f"--hybrid-override-pattern has {len(override_pattern)} layers, --num-layers "
                                  f"is {num_layers}")
@@ -106,6 +111,9 @@ class HybridLayerSubmodules:
             input_layernorm=None, pre_mlp_layernorm=Norm,
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                                 linear_fc2=RowParallelLinear)))))
+    moe_layer: ModuleSpec = field(default_factory=lambda: ModuleSpec(
+        module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=None, pre_mlp_layernorm=Norm, mlp=get_moe_spec())))
 
 
 def attention_layer_spec(use_flash_attn: bool = False) -> ModuleSpec:
@@ -126,6 +134,10 @@ def build_hybrid_layer(config: TransformerConfig, layer_number: int, pattern: st
         spec = submodules.mamba_layer
     elif symbol == ATTENTION:
         spec = submodules.attention_layer or attention_layer_spec(config.use_flash_attn)
+    elif symbol == MOE:
+        if config.num_moe_experts is None:
+            raise HybridPatternError("--hybrid-override-pattern: an E (MoE) layer needs --num-experts")
+        spec = submodules.moe_layer
     else:
         spec = submodules.mlp_layer
     return build_module(spec, config, layer_number=layer_number)

@@ -298,6 +298,11 @@ class TrainingConfig(ConfigGroup, title="training"):
     """Stop with an error naming the iteration when the loss or the gradient norm is NaN/Inf (the
     default).
     """
+    yaml_cfg: str | None = None
+    """Megatron-LM's YAML config file (its experimental layout: settings at the top level, the model's
+    under language_model:, the layout's under model_parallel:, ${NAME} from the environment); flags
+    given on the command line override its values.
+    """
 
 
 @dataclass
@@ -685,8 +690,8 @@ class HybridConfig(ConfigGroup, title="hybrid models"):
     hybrid_mlp_ratio: float = 0.0
     """Ratio of MLP layers to total layers, in [0, 1]."""
     hybrid_override_pattern: str | None = None
-    """The layer pattern, one symbol per layer: M Mamba, * attention, - MLP (e.g. M-M*M-M-); with a
-    ratio given its layer counts must match the ratio's.
+    """The layer pattern, one symbol per layer: M Mamba, * attention, - MLP, E MoE (with --num-experts)
+    (e.g. M-M*M-M-); with a ratio given its layer counts must match the ratio's.
     """
     mamba_state_dim: int = 128
     """State dimension of the Mamba layers."""

@@ -75,6 +75,8 @@ def get_sft_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]
 
     Every pipeline stage reads it (each needs the conversation boundaries for its attention
     masks and rotary positions); tensor-parallel rank 0 reads, the other TP ranks receive it.
+    Under context parallelism each CP rank keeps its load-balanced chunks of the [b, s] tensors
+    and the whole row's cu_seqlens (get_batch_on_this_cp_rank).
     """
     keys = ("tokens", "labels", "position_ids", "cu_seqlens")
     data: Optional[Dict[str, torch.Tensor]] = next(data_iterator) if data_iterator is not None else None
@@ -85,8 +87,10 @@ def get_sft_batch(data_iterator: Optional[Iterator]) -> Tuple[torch.Tensor, ...]
         received.update(tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32))
         data = received
     target = device.get_device()
-    return tuple(data[key].to(target, non_blocking=True)
-                 for key in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens"))
+    batch = {key: data[key].to(target, non_blocking=True)
+             for key in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")}
+    batch = get_batch_on_this_cp_rank(batch)  # [b, s/N] each under CP; cu_seqlens whole
+    return tuple(batch.values())
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -37,7 +37,8 @@ def mamba_builder(args, pre_process: bool, post_process: bool, vp_stage: Optiona
         config = core_transformer_config_from_args(args)
     padded = args.padded_vocab_size
     kwargs = mamba_model_kwargs(args)
-    print_rank_0(f" > hybrid layer pattern {kwargs['hybrid_override_pattern']} (M Mamba, * attention, - MLP)")
+    print_rank_0(f" > hybrid layer pattern {kwargs['hybrid_override_pattern']} "
+                 "(M Mamba, * attention, - MLP, E MoE)")
     with _virtual_stage(vp_stage):
         model = MambaModel(config, vocab_size=padded, num_tokens=_real_vocab_size(args) or padded,
                            max_sequence_length=args.max_position_embeddings,
