@@ -12,7 +12,8 @@ load-balanced s/N (get_batch_on_this_cp_rank), forward and backward, once untime
     sent MiB    what the rank's CP exchanges moved in one step, counted by communication.py
                 (cp_ring: what a rank sends; all_to_all: what leaves the rank; all_gather and
                 reduce_scatter: the whole gathered tensor, the library's convention)
-    formula     the same from the shapes (L layers, s, b, ng K/V groups, np heads, hn, 4 bytes):
+    formula     the same from the shapes (megatron/core/context_parallel.py's cp_exchange_bytes, which
+                the planner uses too; L layers, s, b, ng K/V groups, np heads, hn, 4 bytes):
                 p2p        2 L (N-1) 2 (s/N) b ng hn x 4      K/V forward, their gradients back
                 allgather  2 L 2 s b ng hn x 4                 gather forward, reduce-scatter back
                 a2a        2 L (N-1)/N (s/N) b hn (2 np + 2 ng') x 4   q, k, v, context each way
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron.core import communication, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.context_parallel import cp_exchange_bytes  # noqa: E402
 from megatron.model import GPTModel, TransformerConfig  # noqa: E402
 from megatron.model.activation_memory import saved_tensor_bytes  # noqa: E402
 from megatron.model.layer_specs import get_llama_layer_spec  # noqa: E402
@@ -58,18 +60,6 @@ def _model(args, cp: int, comm: str) -> GPTModel:
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     return GPTModel(config, vocab_size=VOCAB, max_sequence_length=args.seq, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False, transformer_layer_spec=get_llama_layer_spec())
-
-
-def formula_bytes(kind: str, n: int, layers: int, s: int, b: int, heads: int, groups: int, hn: int) -> float:
-    """Bytes one rank's CP exchanges move per step (the conventions in the module docstring)."""
-    if n == 1:
-        return 0.0
-    if kind == "p2p":
-        return 2 * layers * (n - 1) * 2 * (s / n) * b * groups * hn * 4
-    if kind == "allgather":
-        return 2 * layers * 2 * s * b * groups * hn * 4
-    kv = groups if groups % n == 0 else heads
-    return 2 * layers * (n - 1) / n * (s / n) * b * hn * (2 * heads + 2 * kv) * 4
 
 
 def _worker(rank: int, n: int, port: int, args, comm: str, results) -> None:
@@ -148,7 +138,7 @@ def main(argv=None) -> None:
             rss = max(r[2] for r in rows)
             seconds = max(r[3] for r in rows)
             sent = max(r[4] for r in rows)
-            expected = formula_bytes(comm, n, args.layers, args.seq, MBS, args.heads, args.groups, hn)
+            expected = cp_exchange_bytes(comm, n, args.layers, args.seq, MBS, args.heads, args.groups, hn)
             print(f"{n:>3} {comm:>9} {activations / mib:>9.1f} {rss / mib:>8.0f} {args.seq / seconds:>8.0f} "
                   f"{sent / mib:>9.3f} {expected / mib:>9.3f}", flush=True)
 

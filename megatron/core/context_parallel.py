@@ -177,3 +177,35 @@ def heads_to_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.T
 def sequence_to_heads(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The inverse all-to-all: [s, b, n/N, hn] -> [s/N, b, n, hn]."""
     return _SequenceToHeads.apply(tensor, group)
+
+
+CP_EXCHANGE_KINDS = ("p2p", "allgather", "a2a")
+
+
+def cp_exchange_bytes(kind: str, cp_size: int, layers: int, seq_length: int, micro_batch_size: int,
+                      heads: int, groups: int, kv_channels: int, element_bytes: int = 4,
+                      sent: bool = False) -> float:
+    """Bytes one CP rank's attention exchanges move for `layers` layers and one micro-batch, forward
+    and backward once each (heads, groups: this TP rank's query heads and K/V groups).
+
+    By default in communication.py's counting convention (what count_communication records, which
+    bench/context_parallel.py checks against the real exchanges):
+        p2p        2 L (N-1) 2 (s/N) b ng hn e        the K/V pair sent N-1 times forward, its gradient back
+        allgather  2 L 2 s b ng hn e                  the gathered K/V forward, its reduce-scatter back
+        a2a        2 L (N-1)/N (s/N) b hn (2 np + 2 ng') e   q, k, v and the context each way
+                   (ng' = ng, or np when N does not divide ng: K/V are repeated first)
+    sent=True: what the rank itself puts on its links; for allgather a ring all-gather and
+    reduce-scatter send (N-1)/N of the gathered tensor, the other two already count that.
+    Recompute (selective or full) reruns the forward exchange in backward: 3/2 of this."""
+    n = cp_size
+    if n == 1:
+        return 0.0
+    s, b, hn, e = seq_length, micro_batch_size, kv_channels, element_bytes
+    if kind == "p2p":
+        return 2 * layers * (n - 1) * 2 * (s / n) * b * groups * hn * e
+    if kind == "allgather":
+        return 2 * layers * 2 * s * b * groups * hn * e * ((n - 1) / n if sent else 1)
+    if kind == "a2a":
+        kv = groups if groups % n == 0 else heads
+        return 2 * layers * (n - 1) / n * (s / n) * b * hn * (2 * heads + 2 * kv) * e
+    raise ValueError(f"cp_exchange_bytes: no formula for cp_comm_type {kind!r} (one of {', '.join(CP_EXCHANGE_KINDS)})")

@@ -67,6 +67,11 @@ def _chunk_saved_bytes(chunk: Any, args: Any, first: bool, last: bool) -> int:
     generator = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, args.padded_vocab_size // 2, (b, s), generator=generator)  # [b, s]
     positions = torch.arange(s).repeat(b, 1)  # [b, s], its own storage as get_batch's
+    if args.context_parallel_size > 1:  # this CP rank's s/c tokens, as get_batch cuts them
+        from megatron.training.utils import get_batch_on_this_cp_rank
+
+        cut = get_batch_on_this_cp_rank({"tokens": tokens, "position_ids": positions})
+        tokens, positions, s = cut["tokens"], cut["position_ids"], s // args.context_parallel_size
     received = None
     if not first:
         local = s // tp if args.sequence_parallel else s
@@ -306,6 +311,14 @@ GPT2_VOCAB = ["--vocab-size", "50257"]
 LAYOUTS.update({
     "tp1-pp1-dp4 fp32 gpt2-vocab": GPT2_VOCAB,
     "tp2-dp2 bf16 gpt2-vocab": [*GPT2_VOCAB, "--bf16", "--tensor-model-parallel-size", "2"],
+})
+
+
+# 1 context-parallel layout: CP 2 x DP 2 (allgather, no recompute: its gathered keys and values and its
+# index are modelled), gradients reduced over DP x CP, each rank's batch its s/c tokens.
+LAYOUTS.update({
+    "cp2-dp2 bf16 llama allgather": ["--bf16", "--context-parallel-size", "2", "--cp-comm-type", "allgather",
+                                     *LLAMA_FLAGS],
 })
 
 

@@ -2,10 +2,21 @@
 activations autograd keeps per micro-batch, and how many micro-batches the schedule keeps.
 
 Notation as in docs (s sequence, b micro-batch, h hidden, a heads, g query groups, hn kv
-channels, f ffn width, V padded vocab, t TP, p PP, v virtual stages, d DP, e bytes per activation
+channels, f ffn width, V padded vocab, t TP, c CP, p PP, v virtual stages, d DP, e bytes per activation
 element: 2 for bf16/fp16, 4 for fp32; MoE: E experts, k top-k, EP, ETP, expert-DP = t d / (ETP
 EP)). Everything here is arithmetic on a ModelShape and a Layout; nothing allocates a tensor or
 needs a process group.
+
+Context parallelism (c > 1) cuts every micro-batch's sequence into c load-balanced parts of s/c
+tokens: every per-token term below takes s/c, the attention's s x s terms s/c x s (a rank's queries
+against every key), the causal mask [1, 1, s/c, s]. With selective or full recompute that is exactly
+what a CP rank keeps, for every comm type (measured: tests/parallel/test_context_parallel.py, each
+rank 1/c of the serial layer's bytes). Without recompute the comm types keep different things
+(layer_activation_bytes): a2a and allgather are modelled (exact for the paper's layer and the
+Llama-style one with 2 or 8 K/V groups at CP 2, measured); p2p is NOT: the planner counts the
+serial layer's bytes / c, and the ring keeps more (each block's fp32 copies of q, k, v, its fp32
+exponentials and the merged partial results): measured at s 64, h 64, a 8, CP 2 it keeps 1.9x
+that, so the plan under-estimates p2p without recompute; use selective recompute (or a2a).
 """
 
 from __future__ import annotations
@@ -97,10 +108,12 @@ class Layout:
     distributed_optimizer: bool = False
     ep: int = 1  # --expert-model-parallel-size
     etp: Optional[int] = None  # --expert-tensor-parallel-size (None: tp)
+    cp: int = 1  # --context-parallel-size
+    cp_comm_type: str = "p2p"  # --cp-comm-type: p2p, allgather or a2a (the same for every layer)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def expert_tp(self) -> int:
@@ -108,15 +121,16 @@ class Layout:
 
     @property
     def expert_dp(self) -> int:
-        """The expert-data-parallel size: the ranks of a stage (t d) over ETP x EP."""
-        return self.tp * self.dp // (self.expert_tp * self.ep)
+        """The expert-data-parallel size: the ranks of a stage (t c d) over ETP x EP."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
 
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.dp)
 
     def name(self) -> str:
-        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
+        cp = [f"cp{self.cp}" + ("" if self.cp_comm_type == "p2p" else f"{self.cp_comm_type}")] if self.cp > 1 else []
+        parts = [f"tp{self.tp}"] + cp + [f"pp{self.pp}", f"dp{self.dp}"] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += [f"etp{self.expert_tp}"] if self.expert_tp != self.tp else []
         parts += [f"mbs{self.micro_batch_size}"] + (["sp"] if self.sequence_parallel else [])
@@ -135,8 +149,6 @@ def _dtype_name(args: argparse.Namespace) -> str:
 def shape_from_args(args: argparse.Namespace, vocab_size: Optional[int] = None) -> ModelShape:
     """The ModelShape of validated pretrain_gpt.py args (padded_vocab_size set); vocab_size, the
     tokenizer's, lets shape_at_tp pad the vocabulary for another TP size."""
-    if args.context_parallel_size != 1:
-        raise PlanError("--context-parallel-size > 1 is not modelled by the planner")
     if args.qk_layernorm or args.squared_relu:
         raise PlanError("--qk-layernorm / --squared-relu layers are not modelled by the planner")
     arch = ModelArchitecture.from_args(args)
@@ -194,8 +206,15 @@ def shape_at_tp(m: ModelShape, tp: int) -> ModelShape:
 
 
 def layout_from_args(args: argparse.Namespace) -> Layout:
-    """The Layout of validated args."""
-    return Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+    """The Layout of validated args (--cp-comm-type: one type for every layer, not a2a+p2p)."""
+    kinds = set(args.cp_comm_type if isinstance(args.cp_comm_type, (list, tuple)) else [args.cp_comm_type])
+    cp = args.context_parallel_size
+    if cp > 1 and len(kinds) > 1:
+        raise PlanError("--cp-comm-type with a different type per layer is not modelled by the planner")
+    kind = kinds.pop() if kinds else "p2p"
+    if cp > 1 and kind not in ("p2p", "allgather", "a2a"):
+        raise PlanError(f"--cp-comm-type {kind} is not modelled by the planner (p2p, allgather, a2a are)")
+    return Layout(cp=cp, cp_comm_type=kind or "p2p", tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                   dp=args.data_parallel_size, vpp=args.virtual_pipeline_model_parallel_size or 1,
                   micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                   sequence_parallel=bool(args.sequence_parallel), recompute=args.recompute_granularity,
@@ -346,12 +365,18 @@ def _e(m: ModelShape) -> int:
     return 4 if m.params_dtype == "fp32" else 2
 
 
+def cp_tokens(m: ModelShape, lay: Layout) -> int:
+    """The tokens of a sequence one CP rank holds: s / c."""
+    return m.seq_length // lay.cp
+
+
 def layer_activation_bytes(m: ModelShape, lay: Layout, recompute: Optional[str] = None, moe: bool = False) -> int:
     """Bytes one layer keeps for backward per micro-batch on one TP rank (no full recompute):
     the Korthikanti et al. terms of megatron/model/activation_memory.py, at element size e, with
     the norms' fp32 statistics, GQA, RoPE, SwiGLU and dropouts as the flags set them; moe: an
-    MoE layer, whose MLP term is moe_mlp_activation_bytes."""
-    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    MoE layer, whose MLP term is moe_mlp_activation_bytes. Under CP (the module docstring) s is
+    the rank's s/c tokens and the scores are [b, a/t, s/c, s]."""
+    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, cp_tokens(m, lay), m.hidden_size
     hn, f = m.kv_channels, m.ffn_hidden_size
     heads, groups = m.num_attention_heads // t, max(1, m.num_query_groups // t)
     local = s // t if lay.sequence_parallel else s  # tokens of the norms, dropouts, linears' inputs
@@ -377,11 +402,33 @@ def layer_activation_bytes(m: ModelShape, lay: Layout, recompute: Optional[str] 
         # the fp32 log-sum-exp [b, np, s]; not measurable on CPU (docs/planner.md)
         core += 4 * b * heads * s
     elif recompute != "selective":
-        scores = e * heads * s * s * b  # softmax output
-        core += scores + (scores + heads * s * s * b if m.attention_dropout else 0)  # dropout out, mask
+        scores = e * heads * s * m.seq_length * b  # softmax output (a CP rank's queries x every key)
+        core += scores + (scores + heads * s * m.seq_length * b if m.attention_dropout else 0)  # dropout out, mask
+    if lay.cp > 1 and recompute != "selective":
+        core += _cp_core_extra_bytes(m, lay, heads, groups)
     projection = e * s * b * heads * hn
     mlp = moe_mlp_activation_bytes(m, lay) if moe else _dense_mlp_bytes(m, s * b, f // t)
     return replicated + core + projection + mlp
+
+
+def _cp_core_extra_bytes(m: ModelShape, lay: Layout, heads: int, groups: int) -> int:
+    """Without recompute, what a CP rank's core attention keeps beyond the serial layer's terms at
+    s/c tokens (layer_activation_bytes): a2a keeps the two int64 [s] permutations to and from position
+    order, and its values are the all-to-all's own tensor where the serial MHA + RoPE + attention
+    dropout layer's are a view of the QKV output (whose storage they keep); allgather keeps the int64 [s] order and keys and
+    values of all s positions: the gathered [2, s, b, g/t, hn] (MHA without RoPE: the local ones are
+    views of the QKV output), or the repeated [s, b, a/t, hn] pair (GQA). p2p: not modelled (module
+    docstring)."""
+    e, b, hn, s_all, s = _e(m), lay.micro_batch_size, m.kv_channels, m.seq_length, cp_tokens(m, lay)
+    view_values = m.rope and groups == heads and m.attention_dropout  # v a view of the QKV output serially
+    if lay.cp_comm_type == "a2a":
+        # values: their own [s/c, b, a/t, hn] in place of the [s/c, b, (a + 2 g)/t, hn] QKV output
+        return 16 * s_all - (2 * e * s * b * groups * hn if view_values else 0)
+    if lay.cp_comm_type != "allgather":
+        return 0
+    if groups < heads:
+        return 8 * s_all + 2 * e * (s_all - s) * b * heads * hn
+    return 8 * s_all + (0 if m.rope else 2 * e * s_all * b * groups * hn)
 
 
 def hybrid_layer_activation_bytes(m: ModelShape, lay: Layout, number: int, recompute: Optional[str] = None) -> int:
@@ -397,7 +444,7 @@ def hybrid_layer_activation_bytes(m: ModelShape, lay: Layout, number: int, recom
     mlp_half = local * b * (2 * e * h + stats + (h if m.hidden_dropout else 0))
     if kind == "E":
         return mlp_half + moe_mlp_activation_bytes(m, lay)
-    mlp_half += _dense_mlp_bytes(m, m.seq_length * b, m.ffn_hidden_size // lay.tp)
+    mlp_half += _dense_mlp_bytes(m, m.seq_length * b, m.ffn_hidden_size // lay.tp)  # no CP: make_plan refuses it
     return mlp_half if kind == "-" else layer_activation_bytes(m, lay, recompute) - mlp_half
 
 
@@ -430,7 +477,8 @@ def expert_rows(m: ModelShape, lay: Layout) -> tuple:
     import math
 
     moe, b = m.moe, lay.micro_batch_size
-    tokens = (m.seq_length // lay.tp if lay.sequence_parallel else m.seq_length) * b
+    s = cp_tokens(m, lay)
+    tokens = (s // lay.tp if lay.sequence_parallel else s) * b
     e_, k = moe.num_experts, moe.topk
     per_expert = tokens * k / e_
     if moe.capacity_factor is not None:
@@ -456,7 +504,8 @@ def moe_mlp_activation_bytes(m: ModelShape, lay: Layout) -> int:
     itself then is kept only by the shared experts)."""
     moe, e, h = m.moe, _e(m), m.hidden_size
     t, etp = lay.tp, lay.expert_tp
-    tokens = (m.seq_length // t if lay.sequence_parallel else m.seq_length) * lay.micro_batch_size
+    s = cp_tokens(m, lay)
+    tokens = (s // t if lay.sequence_parallel else s) * lay.micro_batch_size
     n_pairs, rows = expert_rows(m, lay)
     e_, k = moe.num_experts, moe.topk
     total = 4 * tokens * e_ + 8 * tokens * k if moe.pre_softmax else 12 * tokens * k
@@ -482,21 +531,28 @@ def moe_mlp_activation_bytes(m: ModelShape, lay: Layout) -> int:
         total += 8 * rows if m.add_bias_linear else 0  # the expert index of every row, for the biases
     total += e * rows * (4 * f if m.swiglu else 2 * f)  # fc1 output; silu(gate) and the product (or GeLU's)
     if moe.shared_ffn_hidden_size:
-        total += _dense_mlp_bytes(m, m.seq_length * lay.micro_batch_size, moe.shared_ffn_hidden_size // t)
+        total += _dense_mlp_bytes(m, s * lay.micro_batch_size, moe.shared_ffn_hidden_size // t)
     return total
+
+
+def full_recompute_kept_bytes(m: ModelShape, lay: Layout) -> int:
+    """Full recompute: what one checkpointed group of layers keeps per micro-batch, its input
+    [s/c, b, h] (over t with SP or --distribute-saved-activations)."""
+    split = lay.sequence_parallel or lay.distribute_saved_activations
+    return _e(m) * cp_tokens(m, lay) * lay.micro_batch_size * m.hidden_size // (lay.tp if split else 1)
 
 
 def chunk_activation_bytes(m: ModelShape, lay: Layout, stage: int, chunk: int) -> int:
     """Bytes one model chunk keeps for backward per micro-batch on one TP rank, its layers plus
-    the embedding (first) and the final norm, output layer and cross entropy (last)."""
-    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    the embedding (first) and the final norm, output layer and cross entropy (last); s is a CP
+    rank's s/c tokens."""
+    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, cp_tokens(m, lay), m.hidden_size
     local = s // t if lay.sequence_parallel else s
     numbers = chunk_layer_numbers(m, lay, stage, chunk)
     first = stage == 0 and chunk == 0
     last = stage == lay.pp - 1 and chunk == lay.vpp - 1
     if lay.recompute == "full":
-        split = lay.sequence_parallel or lay.distribute_saved_activations
-        kept_input = e * s * b * h // (t if split else 1)
+        kept_input = full_recompute_kept_bytes(m, lay)
         n = lay.recompute_num_layers
         if lay.recompute_method == "block":
             total = n * kept_input + _layers_activation_bytes(m, lay, numbers[n:], None)
@@ -505,9 +561,10 @@ def chunk_activation_bytes(m: ModelShape, lay: Layout, stage: int, chunk: int) -
     else:
         total = _layers_activation_bytes(m, lay, numbers, lay.recompute)
     # Made once per forward and shared by the chunk's layers: RoPE's fp32 angles [s, 1, 1, hn],
-    # and the [1, 1, s, s] bool causal mask, which the recompute checkpoints keep as an input.
+    # and the [1, 1, s, s] bool causal mask, which the recompute checkpoints keep as an input
+    # (under CP the rank's [s/c, 1, 1, hn] angles and [1, 1, s/c, s] rows of the mask).
     total += 4 * s * m.kv_channels if m.rope else 0
-    total += s * s if lay.recompute else 0
+    total += s * m.seq_length if lay.recompute else 0
     if first:
         total += 8 * s * b * (2 if m.learned_positions else 1)  # token (and position) ids, int64
         total += s * b if t > 1 else 0  # VocabParallelEmbedding's bool mask of ids outside its slice
@@ -582,8 +639,9 @@ def loss_transient_bytes(m: ModelShape, lay: Layout) -> int:
     """The last stage's most bytes beyond what autograd keeps, around the loss: the cross
     entropy's forward (the logits, which nothing saves, and its fp32 working copies), its backward
     (t > 1: the softmax's clone and its cast) and the output layer's backward (the logits' and its
-    input's gradients, the weight gradient). At a 128k vocabulary the logits alone are s b V e."""
-    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    input's gradients, the weight gradient). At a 128k vocabulary the logits alone are s b V e
+    (s/c under CP)."""
+    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, cp_tokens(m, lay), m.hidden_size
     vocab = m.padded_vocab_size // t
     tokens = s * b
     logits = e * tokens * vocab  # [s, b, V/t]
@@ -609,11 +667,11 @@ def layer_transient_bytes(m: ModelShape, lay: Layout) -> int:
     """A layer's most bytes beyond what autograd keeps during its backward: the MLP's first linear
     (the gradient of its output, of its input and two of the residual stream, and its weight
     gradient) or the core attention's (the gradients of the [b, np, s, s] probabilities and
-    scores, without flash attention)."""
-    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    scores, without flash attention; [b, np, s/c, s] under CP)."""
+    e, t, b, s, h = _e(m), lay.tp, lay.micro_batch_size, cp_tokens(m, lay), m.hidden_size
     rows = (2 if m.swiglu else 1) * m.ffn_hidden_size // t  # fc1's output features per rank
     mlp = 3 * e * s * b * h + e * s * b * rows + _weight_grad_bytes(m, rows * h)
-    attention = 0 if m.flash_attn else 2 * e * b * (m.num_attention_heads // t) * s * s
+    attention = 0 if m.flash_attn else 2 * e * b * (m.num_attention_heads // t) * s * m.seq_length
     return max(mlp, attention)
 
 

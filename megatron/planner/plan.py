@@ -7,7 +7,13 @@ peak x compute_efficiency; TP and PP traffic sits on the critical path; the pipe
 that by the bubble (p - 1) / (v m); the DP gradient reduction is exposed whole, or with
 --overlap-grad-reduce only what the last micro-batch's backward cannot hide. Collectives are
 ring algorithms at the link bandwidth of the group (inside a node or across nodes, ranks placed
-in Megatron's tp-dp-pp order); latency is left out.
+in Megatron's tp-cp-dp-pp order); latency is left out.
+
+Context parallelism (c): a rank computes 1/c of its DP replica's FLOPs; its attention exchanges
+(megatron/core/context_parallel.py's cp_exchange_bytes, the formula bench/context_parallel.py checks
+against the counted bytes; 3/2 of it with recompute, whose rerun forward exchanges again) sit on the
+critical path like TP's; the gradients are reduced, and the distributed optimizer sharded, over the
+d x c ranks of a stage's DP x CP group.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ import argparse
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
+from megatron.core.context_parallel import cp_exchange_bytes
 from megatron.planner.model import (
     PARAM_BYTES,
+    PlanError,
     Layout,
     ModelShape,
     bytes_per_parameter,
     chunk_layer_numbers,
+    cp_tokens,
     expert_rows,
     in_flight_units,
     pipeline_bubble,
@@ -90,7 +99,7 @@ class RankPlan:
     memory: dict  # bytes by MEMORY_KEYS, plus "recompute_working" and "transient" (which includes it)
     in_flight: list
     expert_parameters: int = 0
-    comm: dict = field(default_factory=dict)  # bytes sent per step by "tp", "pp", "dp", "ep", "edp" (expert DP)
+    comm: dict = field(default_factory=dict)  # bytes sent per step by "tp", "cp", "pp", "dp" (DP x CP), "ep", "edp" (expert DP)
     flops: float = 0.0  # this rank's FLOPs per step, recompute included
     compute_s: float = 0.0
     comm_s: dict = field(default_factory=dict)
@@ -113,7 +122,7 @@ def plan_rank(m: ModelShape, lay: Layout, stage: int) -> RankPlan:
     """Memory of pipeline rank `stage` (bytes; the optimizer table applied to its parameters)."""
     params = stage_parameters(m, lay, stage)
     experts = stage_expert_parameters(m, lay, stage)
-    per_param = bytes_per_parameter(m.params_dtype, m.grads_fp32, lay.distributed_optimizer, lay.dp)
+    per_param = bytes_per_parameter(m.params_dtype, m.grads_fp32, lay.distributed_optimizer, lay.dp * lay.cp)
     per_expert = bytes_per_parameter(m.params_dtype, m.grads_fp32, lay.distributed_optimizer, lay.expert_dp)
     memory = {key: int(round(per_param[key] * (params - experts) + per_expert[key] * experts))
               for key in MEMORY_KEYS[:5]}
@@ -174,20 +183,20 @@ def _recompute_flops_per_layer(m: ModelShape, lay: Layout, moe: bool = False) ->
 
 
 def _stage_flops(m: ModelShape, lay: Layout, stage: int) -> float:
-    """This rank's FLOPs per step, recompute included: the dense parts of its layers over t, its
-    local experts' rows, the logits on the last stage."""
+    """This rank's FLOPs per step, recompute included: the dense parts of its layers over t c, its
+    local experts' rows (of its s/c tokens), the logits on the last stage (over t c)."""
     sequences = lay.global_batch_size // lay.dp  # per DP rank and step
     numbers = [n for chunk in range(lay.vpp) for n in chunk_layer_numbers(m, lay, stage, chunk)]
     moe = sum(m.is_moe_layer(n) for n in numbers)
-    dense = (layer_flops_per_sequence(m) + _recompute_flops_per_layer(m, lay)) / lay.tp
+    dense = (layer_flops_per_sequence(m) + _recompute_flops_per_layer(m, lay)) / (lay.tp * lay.cp)
     total = sequences * (len(numbers) - moe) * dense
     if moe:
         rerun = 4 / 3 if lay.recompute == "full" else 1.0
         per_sequence = layer_flops_per_sequence(m, True) + _recompute_flops_per_layer(m, lay, True)
-        total += moe * sequences * per_sequence / lay.tp
+        total += moe * sequences * per_sequence / (lay.tp * lay.cp)
         total += moe * lay.num_microbatches * expert_flops_per_micro_batch(m, lay) * rerun
     if stage == lay.pp - 1:
-        total += sequences * 6 * m.hidden_size * m.padded_vocab_size * m.seq_length / lay.tp
+        total += sequences * 6 * m.hidden_size * m.padded_vocab_size * m.seq_length / (lay.tp * lay.cp)
     return total
 
 
@@ -202,18 +211,19 @@ def _bandwidths(lay: Layout, dev: Device) -> dict:
     gbps = lambda inside: (dev.intra_node_gbps if inside else dev.inter_node_gbps) * 1e9 / 8  # noqa: E731
     n = dev.devices_per_node
     # expert grid (etp, ep, expert-dp, pp): an EP group spans etp x ep consecutive ranks, an
-    # expert-DP group the stage's t d ranks
-    return {"tp": gbps(lay.tp <= n), "dp": gbps(lay.tp * lay.dp <= n), "pp": gbps(lay.tp * lay.dp < n),
-            "ep": gbps(lay.expert_tp * lay.ep <= n), "edp": gbps(lay.tp * lay.dp <= n)}
+    # expert-DP group the stage's t c d ranks
+    tcd = lay.tp * lay.cp * lay.dp
+    return {"tp": gbps(lay.tp <= n), "cp": gbps(lay.tp * lay.cp <= n), "dp": gbps(tcd <= n), "pp": gbps(tcd < n),
+            "ep": gbps(lay.expert_tp * lay.ep <= n), "edp": gbps(tcd <= n)}
 
 
 def _stage_comm(m: ModelShape, lay: Layout, rank: RankPlan) -> dict:
     e = 4 if m.params_dtype == "fp32" else 2
-    t, d, b, s, h = lay.tp, lay.dp, lay.micro_batch_size, m.seq_length, m.hidden_size
+    t, d, b, s, h = lay.tp, lay.dp, lay.micro_batch_size, cp_tokens(m, lay), m.hidden_size
     mbs_per_step = lay.num_microbatches
     numbers = [n for c in range(lay.vpp) for n in chunk_layer_numbers(m, lay, rank.stage, c)]
     moe_layers = sum(m.is_moe_layer(n) for n in numbers)
-    act = e * s * b * h  # one [s, b, h] activation
+    act = e * s * b * h  # one [s, b, h] activation ([s/c, b, h] under CP)
     full = lay.recompute == "full"  # the recomputed forward communicates again
     if lay.sequence_parallel:  # forward 2 AG + 2 RS, backward 2 RS + 2 AG + 2 AG of the saved inputs
         per_layer = (10 + (4 if full else 0)) * _ring("all_gather", act, t)
@@ -236,10 +246,14 @@ def _stage_comm(m: ModelShape, lay: Layout, rank: RankPlan) -> dict:
             return _ring("reduce_scatter", params * grad_bytes, n) + gather
         return _ring("all_reduce", params * grad_bytes, n)
 
-    dp = reduce(rank.parameters - rank.expert_parameters, d)
+    dp = reduce(rank.parameters - rank.expert_parameters, d * lay.cp)  # over DP x CP
     if lay.pp > 1 and m.tied_embeddings and rank.stage in (0, lay.pp - 1):
         dp += _ring("all_reduce", m.padded_vocab_size // t * h * grad_bytes, 2)  # the tied embedding's grads
-    return {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "edp": reduce(rank.expert_parameters, lay.expert_dp)}
+    # CP: every layer's exchange per micro-batch, the forward's again when recompute reruns it
+    cp = mbs_per_step * cp_exchange_bytes(lay.cp_comm_type, lay.cp, len(numbers), m.seq_length, b,
+                                          m.num_attention_heads // t, max(1, m.num_query_groups // t), m.kv_channels,
+                                          e, sent=True) * (1.5 if lay.recompute else 1.0)
+    return {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep, "edp": reduce(rank.expert_parameters, lay.expert_dp)}
 
 
 def _dispatch_bytes(m: ModelShape, lay: Layout) -> float:
@@ -257,7 +271,8 @@ def _dispatch_bytes(m: ModelShape, lay: Layout) -> float:
         sent = 4 * e * h * pairs * (lay.ep - 1) / lay.ep
         return sent + 4 * _ring("all_gather", e * rows * h, lay.expert_tp)
     group = lay.expert_tp * lay.ep
-    tokens = (m.seq_length // lay.tp if lay.sequence_parallel else m.seq_length) * lay.micro_batch_size
+    s = cp_tokens(m, lay)
+    tokens = (s // lay.tp if lay.sequence_parallel else s) * lay.micro_batch_size
     probs_e = {"fp32": 4, "fp64": 8}.get(m.moe.router_dtype, e)
     probs = probs_e * group * tokens * m.moe.num_experts
     return (4 * _ring("all_gather", e * group * tokens * h, group) + 2 * _ring("all_gather", probs, group)
@@ -289,6 +304,8 @@ class Plan:
 
 def make_plan(m: ModelShape, lay: Layout, dev: Device, overlap_grad_reduce: bool = False) -> Plan:
     """Memory, communication, time and MFU of every stage of the layout."""
+    if lay.cp > 1 and m.hybrid is not None:
+        raise PlanError("--context-parallel-size > 1 with Mamba layers is not modelled by the planner")
     bw = _bandwidths(lay, dev)
     peak = dev.peak_tflops * 1e12
     ranks, stage_times = [], []
@@ -301,7 +318,8 @@ def make_plan(m: ModelShape, lay: Layout, dev: Device, overlap_grad_reduce: bool
         dp_exposed = rank.comm_s["dp"] + rank.comm_s["edp"]
         if overlap_grad_reduce:  # hidden behind the backward of the last micro-batch (2/3 of its compute)
             dp_exposed = max(0.0, dp_exposed - rank.compute_s / lay.num_microbatches * 2 / 3)
-        stage_times.append(((rank.compute_s + rank.comm_s["tp"] + rank.comm_s["pp"] + rank.comm_s["ep"]), dp_exposed))
+        busy = rank.compute_s + rank.comm_s["tp"] + rank.comm_s["cp"] + rank.comm_s["pp"] + rank.comm_s["ep"]
+        stage_times.append((busy, dp_exposed))
         ranks.append(rank)
     bubble = pipeline_bubble(lay)
     step = max(busy for busy, _ in stage_times) * (1 + bubble) + max(dp for _, dp in stage_times)
@@ -333,42 +351,69 @@ def _expert_layouts(m: ModelShape, tp: int, dp: int) -> list:
     return pairs
 
 
+def _cp_choices(m: ModelShape, tp: int, sizes: Optional[list]) -> list:
+    """(cp, comm type) pairs at this TP: each size of `sizes` (default [1]) that the flags accept
+    (s divisible by 2 c; a hybrid model: CP 1 only), with p2p and allgather, and a2a where c divides
+    the rank's a/t heads (Ulysses' rule)."""
+    pairs = []
+    for cp in sizes or [1]:
+        if cp == 1:
+            pairs.append((1, "p2p"))
+        elif m.seq_length % (2 * cp) == 0 and m.hybrid is None:
+            pairs += [(cp, kind) for kind in ("p2p", "allgather", "a2a")
+                      if kind != "a2a" or (m.num_attention_heads // tp) % cp == 0]
+    return pairs
+
+
 def candidate_layouts(m: ModelShape, base: Layout, world_size: int, devices_per_node: int,
-                      micro_batch_sizes: Optional[list] = None) -> Iterator[Layout]:
-    """Every TP x PP x DP x VPP x recompute x SP x distributed-optimizer (x EP x ETP for an MoE
+                      micro_batch_sizes: Optional[list] = None,
+                      context_parallel_sizes: Optional[list] = None) -> Iterator[Layout]:
+    """Every TP x CP x PP x DP x VPP x recompute x SP x distributed-optimizer (x EP x ETP for an MoE
     model) layout of world_size that the flags' validation would accept: TP inside a node
     dividing heads and groups, layers even over the (virtual) stages, the batch a whole number
-    of micro-batches (a multiple of p for VPP); an MoE model with TP > 1 takes SP (Megatron's rule)."""
+    of micro-batches (a multiple of p for VPP); an MoE model with TP > 1 takes SP (Megatron's rule);
+    CP only at the sizes asked for (_cp_choices; with SP, s/c divisible by t)."""
     for tp in _divisors(world_size):
         if tp > devices_per_node or m.num_attention_heads % tp or m.num_query_groups % tp:
             continue
-        for pp in _divisors(world_size // tp):
-            if m.num_layers % pp:
+        for cp, cp_kind in _cp_choices(m, tp, context_parallel_sizes):
+            if (world_size // tp) % cp:
                 continue
-            dp = world_size // (tp * pp)
-            for mbs in micro_batch_sizes or [base.micro_batch_size]:
-                if base.global_batch_size % (mbs * dp):
-                    continue
-                micro = base.global_batch_size // (mbs * dp)
-                vpps = [v for v in _divisors(m.num_layers // pp) if v == 1 or (pp > 1 and micro % pp == 0 and v <= 8)]
-                sps = (False,) if tp == 1 else (True,) if m.moe is not None else (False, True)
-                for vpp in vpps:
-                    for recompute in (None, "selective", "full"):
-                        for sp in sps:
-                            for distopt in ((False, True) if dp > 1 else (False,)):
-                                for ep, etp in _expert_layouts(m, tp, dp):
-                                    yield replace(base, tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs,
-                                                  sequence_parallel=sp, recompute=recompute,
-                                                  recompute_method="uniform" if recompute == "full" else None,
-                                                  recompute_num_layers=1 if recompute == "full" else None,
-                                                  distribute_saved_activations=False, distributed_optimizer=distopt,
-                                                  ep=ep, etp=etp)
+            yield from _layouts_at(m, base, world_size, tp, cp, cp_kind, micro_batch_sizes)
+
+
+def _layouts_at(m: ModelShape, base: Layout, world_size: int, tp: int, cp: int, cp_kind: str,
+                micro_batch_sizes: Optional[list]) -> Iterator[Layout]:
+    """candidate_layouts at one TP size and CP size / comm type."""
+    for pp in _divisors(world_size // (tp * cp)):
+        if m.num_layers % pp:
+            continue
+        dp = world_size // (tp * cp * pp)
+        for mbs in micro_batch_sizes or [base.micro_batch_size]:
+            if base.global_batch_size % (mbs * dp):
+                continue
+            micro = base.global_batch_size // (mbs * dp)
+            vpps = [v for v in _divisors(m.num_layers // pp) if v == 1 or (pp > 1 and micro % pp == 0 and v <= 8)]
+            sps = (False,) if tp == 1 else (True,) if m.moe is not None else (False, True)
+            sps = tuple(sp for sp in sps if not sp or (m.seq_length // cp) % tp == 0)
+            for vpp in vpps:
+                for recompute in (None, "selective", "full"):
+                    for sp in sps:
+                        for distopt in ((False, True) if dp * cp > 1 else (False,)):
+                            for ep, etp in _expert_layouts(m, tp, dp * cp):
+                                yield replace(base, tp=tp, pp=pp, dp=dp, vpp=vpp, micro_batch_size=mbs,
+                                              sequence_parallel=sp, recompute=recompute,
+                                              recompute_method="uniform" if recompute == "full" else None,
+                                              recompute_num_layers=1 if recompute == "full" else None,
+                                              distribute_saved_activations=False, distributed_optimizer=distopt,
+                                              ep=ep, etp=etp, cp=cp, cp_comm_type=cp_kind)
 
 
 def search(m: ModelShape, base: Layout, dev: Device, world_size: int, top: int = 10,
-           overlap_grad_reduce: bool = False, micro_batch_sizes: Optional[list] = None) -> tuple:
+           overlap_grad_reduce: bool = False, micro_batch_sizes: Optional[list] = None,
+           context_parallel_sizes: Optional[list] = None) -> tuple:
     """(the `top` fitting plans by predicted step time, how many layouts were tried, how many fit)."""
-    plans = [make_plan(shape_at_tp(m, lay.tp), lay, dev, overlap_grad_reduce)
-             for lay in candidate_layouts(m, base, world_size, dev.devices_per_node, micro_batch_sizes)]
+    layouts = candidate_layouts(m, base, world_size, dev.devices_per_node, micro_batch_sizes, context_parallel_sizes)
+    plans = [make_plan(shape_at_tp(m, lay.tp), lay, dev, overlap_grad_reduce) for lay in layouts]
     fitting = sorted((p for p in plans if p.fits), key=lambda p: (p.step_s, p.peak_bytes))
     return fitting[:top], len(plans), len(fitting)

@@ -52,16 +52,21 @@ def format_plan(plan: Plan) -> list:
     lay, dev = plan.layout, plan.device
     lines = [f"plan: {lay.name()} on {describe_device(dev, lay.world_size)}",
              f"  {lay.num_microbatches} micro-batches per step; pipeline bubble (p-1)/(v m) = {plan.bubble:.2%}; "
-             f"model FLOPs per step {plan.flops_per_step:.4E} (the log line's)",
-             "  stage | params/rank | weights | grads | main p+g | optimizer | activations (in flight) | "
-             "recompute work | peak (with transients) | TP / PP / DP / EP sent per step | compute"]
+             f"model FLOPs per step {plan.flops_per_step:.4E} (the log line's)"]
+    if lay.cp > 1:
+        lines.append(f"  context parallel: {lay.cp} ranks ({lay.cp_comm_type}) of {plan.shape.seq_length // lay.cp} "
+                     f"tokens each; gradients reduced and the optimizer sharded over DP x CP = {lay.dp * lay.cp}")
+    cp = " / CP" if lay.cp > 1 else ""
+    lines.append(f"  stage | params/rank | weights | grads | main p+g | optimizer | activations (in flight) | "
+                 f"recompute work | peak (with transients) | TP{cp} / PP / DP / EP sent per step | compute")
     for r in plan.ranks:
         mem = r.memory
         lines.append(
             f"  {r.stage:5d} | {r.parameters / 1e6:9.1f} M | {_size(mem['model_params'])} | {_size(mem['grads'])} | "
             f"{_size(mem['main_params'] + mem['main_grads'])} | {_size(mem['optimizer_state'])} | "
             f"{_size(mem['activations'])} ({'+'.join(map(str, r.in_flight))}) | {_size(mem['recompute_working'])} | "
-            f"{_size(r.peak_bytes)} | {_size(r.comm['tp'])} / {_size(r.comm['pp'])} / "
+            f"{_size(r.peak_bytes)} | {_size(r.comm['tp'])} / " + (f"{_size(r.comm['cp'])} / " if lay.cp > 1 else "") +
+            f"{_size(r.comm['pp'])} / "
             f"{_size(r.comm['dp'] + r.comm['edp'])} / {_size(r.comm['ep'])} | "
             f"{_seconds(r.compute_s)}")
     fits = "fits" if plan.fits else "DOES NOT FIT"
@@ -81,12 +86,14 @@ def format_search(plans: list, tried: int, fitting: int, world_size: int, dev: D
     return lines
 
 
-def search_from_args(args: argparse.Namespace, top: int = 10, micro_batch_sizes: Optional[list] = None) -> list:
-    """format_search of the layouts of args.world_size devices, the model and batch of args."""
+def search_from_args(args: argparse.Namespace, top: int = 10, micro_batch_sizes: Optional[list] = None,
+                     context_parallel_sizes: Optional[list] = None) -> list:
+    """format_search of the layouts of args.world_size devices, the model and batch of args
+    (context_parallel_sizes: the CP sizes tried, each with every comm type; default CP 1 only)."""
     plan = plan_from_args(args)
     plans, tried, fitting = search(plan.shape, plan.layout, plan.device, args.world_size, top,
                                    overlap_grad_reduce=bool(args.overlap_grad_reduce),
-                                   micro_batch_sizes=micro_batch_sizes)
+                                   micro_batch_sizes=micro_batch_sizes, context_parallel_sizes=context_parallel_sizes)
     return format_search(plans, tried, fitting, args.world_size, plan.device)
 
 

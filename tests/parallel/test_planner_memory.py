@@ -1,5 +1,6 @@
 """The planner's per-rank memory (parameters + gradients + optimizer state + activations) against
-what 4 gloo ranks allocate for the 12 dense (2 with GPT-2's vocabulary) and 4 MoE layouts of docs/planner.md (megatron/planner/measure.py:
+what 4 gloo ranks allocate for the 12 dense (2 with GPT-2's vocabulary), 4 MoE and 1 context-parallel (CP 2 x DP 2)
+layouts of docs/planner.md (megatron/planner/measure.py:
 the optimizer side measured exactly after a step, activations as the saved tensors of one
 forward per model chunk times the micro-batches the schedule keeps in flight; and the peak of the
 saved tensors during one real train_step, which checks the in-flight counts; and the peak of the
@@ -20,9 +21,9 @@ def rows(per_rank):
     return table_rows(per_rank)
 
 
-def test_sixteen_layouts_are_measured(rows):
-    assert len(LAYOUTS) == 16 and sum("moe" in name for name in LAYOUTS) == 4
-    assert sum("gpt2-vocab" in name for name in LAYOUTS) == 2
+def test_seventeen_layouts_are_measured(rows):
+    assert len(LAYOUTS) == 17 and sum("moe" in name for name in LAYOUTS) == 4
+    assert sum("gpt2-vocab" in name for name in LAYOUTS) == 2 and sum(name.startswith("cp") for name in LAYOUTS) == 1
     assert {row[0] for row in rows} == set(LAYOUTS)
 
 
@@ -76,3 +77,94 @@ def test_a_large_vocabulary_peaks_well_above_what_is_saved(per_rank):
         for name in ("tp1-pp1-dp4 fp32 gpt2-vocab", "tp2-dp2 bf16 gpt2-vocab"):
             r = results[name]
             assert r["iteration_peak"] > 1.2 * r["measured"]["total"], (name, r["iteration_peak"], r["measured"])
+
+
+def _cp_layer_bytes_without_recompute() -> dict:
+    """At CP 2 (4 ranks: CP 2 x DP 2), no recompute: the bytes one bf16 layer saves per CP rank
+    (activation_memory.measure_layer_activation_bytes, s 64, b 2, h 64, a 8) and the planner's, for
+    allgather and a2a, the paper's layer and the Llama-style one with 2 and 8 K/V groups."""
+    import torch
+
+    from megatron.core import parallel_state
+    from megatron.model import activation_memory
+    from megatron.model.activation_memory import llama_ffn_hidden_size
+    from megatron.planner.model import Layout, ModelShape, layer_activation_bytes
+
+    original = activation_memory.layer_config
+    out = {}
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    try:
+        for kind in ("allgather", "a2a"):
+            def with_kind(*args, **kwargs):  # the measurement's config takes the default comm type
+                config = original(*args, **kwargs)
+                config.cp_comm_type = kind
+                return config
+
+            activation_memory.layer_config = with_kind
+            for groups in (None, 2, 8):
+                measured = activation_memory.measure_layer_activation_bytes(64, 2, 64, 8, dtype=torch.bfloat16,
+                                                                            llama_query_groups=groups)
+                common = dict(num_layers=1, hidden_size=64, num_attention_heads=8, kv_channels=8,
+                              padded_vocab_size=128, seq_length=64, max_position_embeddings=64, params_dtype="bf16")
+                shape = ModelShape(num_query_groups=8, ffn_hidden_size=256, **common) if groups is None else \
+                    ModelShape(num_query_groups=groups, ffn_hidden_size=llama_ffn_hidden_size(64), swiglu=True,
+                               layernorm=False, add_bias_linear=False, learned_positions=False, rope=True, **common)
+                planned = layer_activation_bytes(shape, Layout(micro_batch_size=2, cp=2, cp_comm_type=kind))
+                out[(kind, groups)] = (measured, planned)
+    finally:
+        activation_memory.layer_config = original
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_cp_layer_without_recompute_is_planned_exactly_for_allgather_and_a2a(dist_pool):
+    """The comm types' own extra tensors without recompute (planner.model._cp_core_extra_bytes: a2a's
+    permutations and values, allgather's order and all-s keys / values) against the measured layer."""
+    for per_rank in dist_pool.run(_cp_layer_bytes_without_recompute):
+        for case, (measured, planned) in per_rank.items():
+            assert planned == measured, case
+
+
+def _cp_exchange_counts() -> dict:
+    """At CP 2: the bytes communication.py counts on the CP group for one Llama-style fp32 layer's
+    forward and backward (s 64, b 2, h 64, a 8, 2 K/V groups), per comm type, without and with
+    selective recompute, next to cp_exchange_bytes (the planner's and bench/context_parallel.py's)."""
+    import torch
+
+    from megatron.core import communication, parallel_state
+    from megatron.core.context_parallel import cp_exchange_bytes, split_for_cp_rank
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.model.activation_memory import layer_config
+    from megatron.model.layer_specs import layer_spec_from_config
+    from megatron.model.positions import RotaryEmbedding
+    from megatron.model.transformer_layer import TransformerLayer
+    from megatron.model.utils import get_causal_attention_mask
+
+    out = {}
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    try:
+        rank = parallel_state.get_context_parallel_rank()
+        mask = split_for_cp_rank(get_causal_attention_mask(64), 2, 2, rank)
+        freqs = split_for_cp_rank(RotaryEmbedding(8)(64), 0, 2, rank)
+        for kind in ("p2p", "allgather", "a2a"):
+            for recompute in (None, "selective"):
+                config = layer_config(64, 8, dtype=torch.float32, recompute=recompute, dropout=0.0,
+                                      llama_query_groups=2)
+                config.cp_comm_type = kind
+                model_parallel_cuda_manual_seed(1)
+                layer = TransformerLayer(config, layer_spec_from_config(config).submodules, layer_number=1)
+                x = torch.randn(32, 2, 64, requires_grad=True)
+                with communication.count_communication() as counter:
+                    layer(x, mask, True, rotary_pos_emb=freqs).sum().backward()
+                counted = sum(nbytes for (op, group), (_, nbytes) in counter.summary().items() if group == "cp")
+                formula = cp_exchange_bytes(kind, 2, 1, 64, 2, 8, 2, 8) * (1.5 if recompute else 1.0)
+                out[(kind, recompute)] = (counted, formula)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_cp_exchange_bytes_are_the_counted_bytes(dist_pool):
+    for per_rank in dist_pool.run(_cp_exchange_counts):
+        for case, (counted, formula) in per_rank.items():
+            assert counted == formula, case

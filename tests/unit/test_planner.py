@@ -5,6 +5,8 @@ activations are Korthikanti et al.'s plus the norms' statistics; MoE layers' exp
 capacity rules; tools/plan.py and pretrain_gpt.py --dry-run print a plan and exit 0 without a model,
 and --search varies EP for a Mixtral-style model."""
 
+from dataclasses import replace
+
 import pytest
 
 from megatron.training.arguments import parse_args, validate_args
@@ -207,3 +209,128 @@ def test_dry_run_prints_the_plan_and_exits_before_the_model(monkeypatch, capsys)
                           argv=SMALL + ["--dry-run"])
     assert exit_info.value.code == 0
     assert "plan: tp1-pp1-dp1-mbs2" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------ context parallelism
+
+def _cp_shape(llama: bool, seq: int = 64):
+    """measure_layer_activation_bytes' layers at h 64, a 8 (bf16): the paper's, the Llama-style one (2 groups)."""
+    from megatron.model.activation_memory import llama_ffn_hidden_size
+    from megatron.planner.model import ModelShape
+
+    common = dict(num_layers=1, hidden_size=64, num_attention_heads=8, kv_channels=8, padded_vocab_size=128,
+                  seq_length=seq, max_position_embeddings=seq, params_dtype="bf16")
+    if llama:
+        return ModelShape(num_query_groups=2, ffn_hidden_size=llama_ffn_hidden_size(64), swiglu=True, layernorm=False,
+                          add_bias_linear=False, learned_positions=False, rope=True, **common)
+    return ModelShape(num_query_groups=8, ffn_hidden_size=256, **common)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_cp_layer_bytes_are_the_measured_serial_layer_over_cp(recompute):
+    """With recompute a CP rank keeps exactly 1/c of the serial layer's saved bytes, for every comm type
+    (measured: tests/parallel/test_context_parallel.py::test_activation_bytes_per_cp_rank_are_the_serial_bytes_over_n,
+    on the same layers): the planner's serial layer is the measured one here, and its CP layer 1/c of it."""
+    import torch
+
+    from megatron.model.activation_memory import measure_layer_activation_bytes
+    from megatron.planner.model import full_recompute_kept_bytes
+
+    def planned(m, lay):
+        return full_recompute_kept_bytes(m, lay) if recompute == "full" else layer_activation_bytes(m, lay, recompute)
+
+    for llama in (False, True):
+        m = _cp_shape(llama)
+        serial = planned(m, Layout(micro_batch_size=2, recompute=recompute))
+        assert serial == measure_layer_activation_bytes(64, 2, 64, 8, dtype=torch.bfloat16, recompute=recompute,
+                                                        llama_query_groups=2 if llama else None)
+        for cp, kind in [(2, "p2p"), (2, "allgather"), (2, "a2a"), (4, "p2p"), (4, "allgather"), (4, "a2a")]:
+            lay = Layout(micro_batch_size=2, recompute=recompute, cp=cp, cp_comm_type=kind)
+            assert planned(m, lay) * cp == serial, (llama, cp, kind)
+
+
+def test_cp_plan_divides_tokens_flops_and_shards_over_dp_x_cp(capsys):
+    """--context-parallel-size 2 on 4 ranks: world = t c p d, the optimizer sharded and the gradients
+    reduced over DP x CP, a rank's FLOPs 1/c of its replica's, its CP traffic the bench's formula
+    (3/2 with recompute), its activations the s/c-token terms."""
+    from megatron.core.context_parallel import cp_exchange_bytes
+    from megatron.planner.model import chunk_activation_bytes, layout_from_args
+    from megatron.planner.plan import Device, make_plan
+
+    argv = SMALL + ["--bf16", "--use-distributed-optimizer", "--context-parallel-size", "2", "--cp-comm-type", "a2a"]
+    args = _args(argv, world_size=4, capsys=capsys)
+    lay = layout_from_args(args)
+    assert (lay.cp, lay.dp, lay.cp_comm_type, lay.world_size) == (2, 2, "a2a", 4)
+    plan = plan_from_args(args)
+    m, rank = plan.shape, plan.ranks[0]
+    per_param = bytes_per_parameter("bf16", True, True, 4)  # sharded over DP x CP = 4
+    assert rank.memory["optimizer_state"] == round(per_param["optimizer_state"] * rank.parameters)
+    no_cp = make_plan(m, Layout(dp=2, micro_batch_size=2, global_batch_size=16, distributed_optimizer=True), Device())
+    assert rank.flops * 2 == pytest.approx(no_cp.ranks[0].flops, rel=1e-12)
+    grads = rank.parameters * 4  # fp32 main grads: reduce-scatter + all-gather (bf16 params) over 4 ranks
+    assert rank.comm["dp"] == pytest.approx(3 / 4 * grads + 3 / 4 * rank.parameters * 2)
+    exchange = cp_exchange_bytes("a2a", 2, 4, 32, 2, 4, 4, 16, element_bytes=2)
+    assert rank.comm["cp"] == pytest.approx(4 * exchange)  # 16 / (2 x 2) = 4 micro-batches, 4 layers
+    selective = make_plan(m, replace(lay, recompute="selective"), Device()).ranks[0]
+    assert selective.comm["cp"] == pytest.approx(1.5 * 4 * exchange)
+    # the first-and-last chunk of a CP rank: a per-token model at s/c (no s x s term without a mask: selective)
+    half = replace(m, seq_length=16, max_position_embeddings=32)
+    assert chunk_activation_bytes(m, replace(lay, recompute="selective"), 0, 0) == \
+        chunk_activation_bytes(half, replace(lay, cp=1, recompute="selective"), 0, 0) + 16 * 16
+    assert plan.flops_per_step == num_floating_point_operations(args, 16)  # the log line's, CP or not
+
+
+def test_cp_exchange_formula_by_comm_type():
+    """cp_exchange_bytes (shared by bench/context_parallel.py and the planner) by hand: L 2, s 64, b 1,
+    a 4, g 2, hn 16, fp32, CP 4."""
+    from megatron.core.context_parallel import cp_exchange_bytes
+
+    kv = 64 // 4 * 2 * 16 * 4  # one rank's K (or V) block [s/c, b, g, hn] in bytes
+    assert cp_exchange_bytes("p2p", 4, 2, 64, 1, 4, 2, 16) == 2 * 2 * 3 * 2 * kv  # 3 shifts of K and V, each way
+    assert cp_exchange_bytes("allgather", 4, 2, 64, 1, 4, 2, 16) == 2 * 2 * 2 * 4 * kv
+    assert cp_exchange_bytes("allgather", 4, 2, 64, 1, 4, 2, 16, sent=True) == 2 * 2 * 2 * 3 * kv
+    # a2a: 4 does not divide 2 groups, so K/V go as 4 heads: q, k, v, context of [s/c, b, 4, hn], 3/4 leave
+    assert cp_exchange_bytes("a2a", 4, 2, 64, 1, 4, 2, 16) == 2 * 2 * 3 / 4 * 4 * (2 * kv)
+    assert cp_exchange_bytes("a2a", 1, 2, 64, 1, 4, 2, 16) == 0.0
+
+
+def test_plan_tool_prints_and_searches_cp_layouts(capsys):
+    """tools/plan.py: a CP layout's plan names its CP group and traffic; --search-context-parallel-sizes
+    adds CP (each comm type) to the search, which by default leaves CP out; what is not modelled says so."""
+    from tools.plan import main
+
+    assert main(SMALL + ["--world-size", "4", "--context-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: tp1-cp2-pp1-dp2-mbs2" in out and "context parallel: 2 ranks (p2p) of 16 tokens each" in out
+    assert "TP / CP / PP / DP / EP sent per step" in out
+    long_seq = list(LLAMA_7B)
+    for flag in ("--seq-length", "--max-position-embeddings"):
+        long_seq[long_seq.index(flag) + 1] = "32768"
+    assert main(long_seq + ["--world-size", "64", "--search", "--top", "3"]) == 0
+    assert "-cp" not in capsys.readouterr().out
+    assert main(long_seq + ["--world-size", "64", "--search", "--top", "3", "--search-context-parallel-sizes",
+                            "1", "2", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "-cp" in lines[2], lines  # at 32k tokens CP beats spending the devices elsewhere
+    assert main(SMALL + ["--world-size", "4", "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                         "--hierarchical-context-parallel-sizes", "2", "2"]) == 2
+    assert "a2a+p2p is not modelled" in capsys.readouterr().err
+    assert main(SMALL + ["--world-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "p2p", "a2a", "p2p",
+                         "a2a"]) == 2
+    assert "a different type per layer is not modelled" in capsys.readouterr().err
+
+
+def test_dry_run_prints_the_cp_plan(monkeypatch, capsys):
+    import pretrain_gpt
+    from megatron.training import training
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(training, "initialize_megatron", lambda *a, **k: pytest.fail("--dry-run initialized"))
+    with pytest.raises(SystemExit) as exit_info:
+        training.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                          pretrain_gpt.ModelType.encoder_or_decoder, pretrain_gpt.forward_step,
+                          argv=SMALL + ["--dry-run", "--context-parallel-size", "2", "--cp-comm-type", "allgather"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "plan: tp1-cp2allgather-pp1-dp1-mbs2" in out and "context parallel: 2 ranks (allgather)" in out

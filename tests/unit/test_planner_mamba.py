@@ -93,3 +93,12 @@ def test_the_logged_flops_of_a_hybrid_model_are_megatrons(capsys):
     moe = 4 * s * h * (24 * 2 + 16) * 1.5
     expected = 3 * 2 * (2 * mamba + attention + mlp + moe + 2 * s * h * v)
     assert num_floating_point_operations(args, 2) == pytest.approx(expected, rel=1e-12)
+
+
+def test_cp_with_mamba_layers_is_refused_in_one_line(capsys):
+    from megatron.planner.model import PlanError
+    from megatron.planner.plan import Device, make_plan
+
+    m = shape_from_args(_args([], 16, capsys))
+    with pytest.raises(PlanError, match="--context-parallel-size > 1 with Mamba layers is not modelled"):
+        make_plan(m, Layout(micro_batch_size=2, global_batch_size=2, cp=2), Device())
