@@ -61,7 +61,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig, seed: int) -> int:
     for name, param in model.named_parameters():
         param.requires_grad_(is_lora_parameter(name))
     embedding = getattr(model, "embedding", None)
-    if count and isinstance(embedding, nn.Module) and getattr(model.config, "recompute_granularity", None) == "full":
+    if count and isinstance(embedding, nn.Module) and model.config.recompute_granularity == "full":
         # Full recompute reruns each layer block from its input; with the embedding frozen that input
         # needs no gradient, and a recompute whose inputs need none is cut off from backward (the
         # adapters inside would get no gradient). The embedding's output is marked as needing one.

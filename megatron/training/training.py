@@ -619,6 +619,11 @@ class _Loop:
         self.stats = IntervalStats()
         global _MOE_INTERVAL  # a new run's interval: a run that stopped between log lines left its values
         _MOE_INTERVAL = MoEInterval()
+        from megatron.core import aux_losses
+
+        # and a new run's record: forward passes outside a training step (an evaluation, generation, another
+        # run in this process) leave values that the first iteration's log line would otherwise add
+        aux_losses.clear()
 
     # -------------------------------------------------------------- train
     def train(self, train_iter: Iterator, valid_iter: Optional[Iterator]) -> None:

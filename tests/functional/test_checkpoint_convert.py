@@ -231,7 +231,7 @@ def test_swapped_query_and_key_rows_are_refused(source, monkeypatch, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--model-type", "GPT", "--save-dir", "x"], "convert.py: error: --load-dir is required"),
     (["--model-type", "GPT", "--loader", "nosuch", "--load-dir", "a", "--save-dir", "b"],
-     "convert.py: error: --loader nosuch: no such loader (available: core, hf, legacy, megatron)"),
+     "convert.py: error: --loader nosuch: no such loader (available: core, hf, legacy, lora, megatron, peft)"),
     (["--model-type", "RETRO", "--load-dir", "a", "--save-dir", "b"],
      "convert.py: error: --model-type RETRO: not supported (supported: GPT, BERT, T5)"),
     (["--model-type", "GPT", "--saver", "os", "--load-dir", "a", "--save-dir", "b"],
@@ -252,7 +252,7 @@ def test_the_script_reports_bad_input_in_one_line(tmp_path):
                          cwd=tmp_path, timeout=120)
     assert run.returncode == 1
     assert run.stderr.strip() == ("convert.py: error: --loader nosuch: no such loader "
-                                  "(available: core, hf, legacy, megatron)")
+                                  "(available: core, hf, legacy, lora, megatron, peft)")
 
 
 def test_a_target_size_that_does_not_split_is_refused(source, capsys):

@@ -5,7 +5,6 @@ initial weights, the same losses (lm + sop, with padding) and the same gradients
 forward step are tests/parallel/test_bert_parallel.py's (tests/helpers/tp_pp_bert.py; Accelerate's
 BertTrainStep call)."""
 
-from argparse import Namespace
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.legacy.model import BertModel
 from megatron.model import TransformerConfig
 from megatron.training.global_vars import set_args
+from tests.helpers.args import run_args
 from tests.helpers import tp_gpt, tp_pp_bert
 from tests.helpers.tp_pp_bert import HIDDEN, SEED, SEQ, VOCAB
 
@@ -26,8 +26,8 @@ def _legacy_bert(tp: int, pp: int) -> BertModel:
     config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4,
                                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                hidden_dropout=0.0, attention_dropout=0.0)
-    set_args(Namespace(padded_vocab_size=tp_gpt.padded(tp), orig_vocab_size=VOCAB, max_position_embeddings=SEQ,
-                       untie_embeddings_and_output_weights=False))
+    set_args(run_args(padded_vocab_size=tp_gpt.padded(tp), orig_vocab_size=VOCAB, max_position_embeddings=SEQ,
+                      untie_embeddings_and_output_weights=False))
     try:
         return BertModel(config=config, num_tokentypes=2, add_binary_head=True, parallel_output=True,
                          pre_process=parallel_state.is_pipeline_first_stage(),
