@@ -9,20 +9,15 @@ takes its layers), with a batch of prompts of different lengths, with and withou
 seeded top-k sampling, api.score's log-probs and api.beam_search's beams and scores. The world has 4 ranks (TP = 2 or PP = 2 alone: two replicas side by side).
 """
 
-import re
-
 import pytest
 import torch
 
-from megatron.convert.huggingface import config_from_hf, state_dict_from_hf
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layout import shard_for_rank
 from megatron.inference.api import beam_search, score
 from megatron.inference.generation import generate_tokens
-from megatron.model import GPTModel, TransformerConfig
-from megatron.model.transformer_layer import get_layer_offset
+from megatron.model import GPTModel
 from megatron.training.tokenizer.null_tokenizer import NullTokenizer
-from tests.helpers.hf_models import VOCAB, gpt2, llama_family, make_hf
+from tests.helpers.hf_models import VOCAB, gpt2, llama_family, make_hf, make_sharded
 from tests.parallel.harness import init_parallel
 
 transformers = pytest.importorskip("transformers")
@@ -35,19 +30,7 @@ MODELS = {"gpt2": gpt2, "llama-gqa": lambda: llama_family("llama"),
 
 def _build(hf, tp: int, pp: int = 1) -> GPTModel:
     """Our model of this rank's stage and TP shard, its parameters cut from the whole mapped state dict."""
-    config_kwargs, model_kwargs = config_from_hf(hf.config, seq_length=32)
-    config = TransformerConfig(**config_kwargs, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    model = GPTModel(config, **model_kwargs, pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage()).eval()
-    full = state_dict_from_hf(hf.state_dict(), hf.config)
-    offset, rank = get_layer_offset(config), parallel_state.get_tensor_model_parallel_rank()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            key = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m[1]) + offset}.", name)
-            if key == "output_layer.weight" and key not in full:  # tied: the last stage's copy of the embedding
-                key = "embedding.word_embeddings.weight"
-            param.copy_(shard_for_rank(full[key], param, tp, rank))
-    return model
+    return make_sharded(hf, tp, pp, seq_length=32)
 
 
 def _generate(model: GPTModel) -> dict:
