@@ -58,8 +58,13 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[tor
     """
     excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
     storages: dict[int, int] = {}
+    # Every saved tensor is held until fn returns: a storage that autograd saved and then released
+    # (a transient node's) must not hand its address to a later saved storage, which the dedup by
+    # address would then skip (what the allocator reuses depends on what ran before in the process)
+    held: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
+        held.append(tensor)
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer not in excluded and pointer not in storages:
@@ -70,6 +75,7 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[tor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         fn(*args)
+    held.clear()
     return sum(storages.values())
 
 

@@ -39,6 +39,19 @@ def test_saved_bytes_count_each_storage_once_and_skip_excluded_tensors():
     assert saved_tensor_bytes(fn, x) == (x.numel() + weight.numel()) * 4
 
 
+def test_a_released_saved_storage_does_not_hide_a_later_one_at_its_address():
+    """A node's saved storage freed during fn (its output dropped) and a later saved storage the
+    allocator puts at the same address are two storages: the count must not depend on the reuse."""
+    x = torch.randn(1024, requires_grad=True)
+
+    def fn():
+        for _ in range(4):
+            y = x.exp()  # exp saves its output; dropping y frees the node and its storage
+            del y
+
+    assert saved_tensor_bytes(fn, exclude=[x]) == 4 * 1024 * 4
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dropout_matches_torch_bit_for_bit_and_keeps_a_one_byte_mask(dtype):
     x = torch.randn(32, 48, dtype=dtype, requires_grad=True)
