@@ -8,16 +8,23 @@
 Every step:
   1. cancelled requests leave (their blocks return to the pool);
   2. waiting requests are admitted in arrival order while fewer than max_requests run and the pool
-     has the blocks of their whole length (prompt + max_tokens, less the blocks shared from the
-     prefix cache): a running request never waits for memory, so the budget cannot be exceeded;
-     the first request that does not fit waits at the head of the queue;
-  3. the step's tokens: one for every decoding request, then the prefilling requests' next chunks
+     has the blocks of their known tokens (the prompt, less the blocks shared from the prefix
+     cache); the first request that does not fit waits at the head of the queue;
+  3. every decoding request gets the block its next token's K/V goes to, when it starts a new one
+     (blocks are taken as a request grows, not for max_tokens up front). When the pool has none
+     left, the most recently admitted running request is preempted: its blocks return to the pool
+     and it goes back to the head of the queue with the tokens it has generated, to be prefilled
+     again (prompt and generated tokens) when it is readmitted (vLLM's recompute preemption;
+     greedy answers and seeded draws are unchanged: a recomputed prefill draws nothing). With
+     reserve_whole the old rule: a request is admitted only with the blocks of prompt + max_tokens
+     and never preempted. Either way the pool is never exceeded;
+  4. the step's tokens: one for every decoding request, then the prefilling requests' next chunks
      (chunked prefill) until max_tokens tokens: a long prompt takes several steps and never
      holds the decoding requests back;
-  4. one forward of the packed tokens (stage_forward: under PP the stages pass [T, 1, h]), the
+  5. one forward of the packed tokens (stage_forward: under PP the stages pass [T, 1, h]), the
      last stage choosing each finished chunk's next token with the request's own sampling
      parameters and generator (its seed), the tokens and log-probs broadcast as generate_tokens does;
-  5. requests that produced a stop token or max_tokens leave, full prompt blocks join the prefix cache.
+  6. requests that produced a stop token or max_tokens leave, full prompt blocks join the prefix cache.
 
 Every rank runs the same steps: the scheduling depends only on the requests added and cancelled
 (in the same order on every rank) and on the chosen tokens, which are broadcast.
@@ -57,7 +64,10 @@ class EngineConfig:
     max_sequence_length tokens can ever hold. max_tokens: tokens per step (the chunked-prefill
     budget), at least max_requests; default max(512, max_requests), or without chunked_prefill
     max_sequence_length (a prompt is prefilled whole, in one step: at most max_tokens tokens).
-    max_queue: waiting requests beyond which add_request answers 429."""
+    max_queue: waiting requests beyond which add_request answers 429. reserve_whole: admit a request
+    only with the blocks of prompt + max_tokens (no preemption; long max_tokens hold memory they may
+    never use); by default blocks are taken as requests grow and the youngest is preempted when none
+    is left."""
 
     block_size: int = 256
     buffer_size_gb: float = 40.0
@@ -69,6 +79,7 @@ class EngineConfig:
     prefix_caching: bool = False
     eviction_policy: str = "ref_zero"
     max_queue: int = 1024
+    reserve_whole: bool = False
 
 
 @dataclass
@@ -102,6 +113,7 @@ class Request:
     finish_reason: str | None = None  # "stop", "length", "cancelled"
     blocks: list = field(default_factory=list)
     computed: int = 0  # positions whose K/V are in the cache
+    preempted: int = 0  # times its blocks were taken back (and its tokens prefilled again)
     cached_tokens: int = 0  # of the prompt, found in the prefix cache
     registered: int = 0  # leading blocks offered to the prefix cache
     arrival: float = field(default_factory=time.perf_counter)
@@ -162,6 +174,7 @@ class DynamicEngine:
         self.next_id = 0
         self.steps = 0
         self.max_blocks_in_use = 0
+        self.preemptions = 0
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -230,7 +243,10 @@ class DynamicEngine:
             request = self.waiting[0]
             keys = chain_keys(request.prompt, bs, (len(request.prompt) - 1) // bs) if self.config.prefix_caching else []
             shared = self.pool.lookup(keys)
-            needed = self.blocks_for(len(request.prompt) + request.params.max_tokens) - len(shared)
+            if self.config.reserve_whole:
+                needed = self.blocks_for(len(request.prompt) + request.params.max_tokens) - len(shared)
+            else:  # the known tokens (a preempted request's generated ones too); decoding takes more
+                needed = self.blocks_for(len(request.tokens)) - len(shared)
             if needed > self.pool.available():  # waits at the head of the queue
                 self.pool.release(shared)
                 break
@@ -242,6 +258,29 @@ class DynamicEngine:
             request.registered = len(shared)
             self.running.append(request)
         self.max_blocks_in_use = max(self.max_blocks_in_use, self.pool.in_use())
+
+    def _grow(self) -> None:
+        """Give every decoding request the block of the position it writes this step (oldest first);
+        with none left, preempt the youngest running request (possibly the one that asked)."""
+        for request in list(self.running):
+            if request not in self.running:  # preempted for an older one in this loop
+                continue
+            needed = self.blocks_for(len(request.tokens)) - len(request.blocks)
+            while needed > 0 and request in self.running:
+                if self.pool.available() >= needed:
+                    request.blocks += self.pool.allocate(needed)
+                    break
+                self._preempt(self.running[-1])
+        self.max_blocks_in_use = max(self.max_blocks_in_use, self.pool.in_use())
+
+    def _preempt(self, request: Request) -> None:
+        """Take a running request's blocks back; it waits at the head of the queue with its tokens."""
+        self.running.remove(request)
+        self.pool.release(request.blocks)
+        request.blocks, request.computed, request.cached_tokens, request.registered = [], 0, 0, 0
+        request.preempted += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
 
     def _plan(self) -> list[tuple[Request, int]]:
         """(request, tokens) of this step: decoders first, then prefill chunks within max_tokens.
@@ -267,6 +306,8 @@ class DynamicEngine:
     def step(self) -> list[Request]:
         """One forward of the running batch; the requests that got a token (or finished)."""
         self._admit()
+        if not self.config.reserve_whole:
+            self._grow()
         plan = self._plan()
         if not plan:
             return []
@@ -360,8 +401,10 @@ class DynamicEngine:
         return requests
 
     def stats(self) -> dict:
-        """Counters: steps, blocks (total, in use, the most ever in use), prefix-cache lookups and hits."""
+        """Counters: steps, blocks (total, in use, the most ever in use), preemptions, prefix-cache lookups
+        and hits."""
         return {"steps": self.steps, "num_blocks": self.pool.num_blocks, "blocks_in_use": self.pool.in_use(),
-                "max_blocks_in_use": self.max_blocks_in_use, "prefix_lookups": self.pool.lookups,
+                "max_blocks_in_use": self.max_blocks_in_use, "preemptions": self.preemptions,
+                "prefix_lookups": self.pool.lookups,
                 "prefix_hits": self.pool.hits,
                 "prefix_hit_rate": self.pool.hits / self.pool.lookups if self.pool.lookups else 0.0}

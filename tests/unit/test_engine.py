@@ -123,6 +123,37 @@ def test_kv_budget_is_never_exceeded_and_requests_beyond_it_wait(models):
     assert running.finish_reason == "cancelled" and queue.pool.in_use() == 0 and not queue.has_work()
 
 
+def test_blocks_are_taken_as_requests_grow_and_the_youngest_is_preempted_when_none_is_left(models):
+    _, ours = models
+    prompts = _prompts([6, 3, 9, 5, 2, 7], seed=5)
+    params = [SamplingParams(max_tokens=14, top_k=1)] * 3 + \
+        [SamplingParams(max_tokens=14, temperature=0.9, top_k=6, seed=7 + i) for i in range(3)]
+    alone = [_engine(ours).generate([p], q)[0].generated for p, q in zip(prompts, params)]
+
+    def serve(**overrides):
+        engine = _engine(ours, num_blocks=12, prefix_caching=True, **overrides)  # 12 blocks of 4: 48 slots
+        requests = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+        most_running = 0
+        while engine.has_work():
+            engine.step()
+            held = [b for r in engine.running for b in r.blocks]
+            assert len(held) == len(set(held)) == engine.pool.in_use() <= 12
+            most_running = max(most_running, len(engine.running))
+        assert [r.generated for r in requests] == alone  # recomputed prefills change no answer, no draw
+        assert engine.pool.in_use() == 0
+        return engine, requests, most_running
+
+    # On demand: all six start (their prompts need 1 - 3 blocks), and growing to 20 - 23 tokens
+    # (5 - 6 blocks each) preempts the youngest, which are prefilled again later.
+    engine, requests, most_running = serve()
+    assert most_running == 6 and engine.stats()["preemptions"] > 0
+    assert any(r.preempted for r in requests) and not requests[0].preempted  # the oldest is never the victim
+    # reserve_whole: each request holds the blocks of prompt + max_tokens from the start: two at a time.
+    whole, whole_requests, whole_running = serve(reserve_whole=True)
+    assert whole_running == 2 and whole.stats()["preemptions"] == 0
+    assert engine.steps < whole.steps
+
+
 def test_prefix_cache_shares_a_common_prompt_prefix(models):
     _, ours = models
     prefix = _prompts([16], seed=3)[0]  # 4 full blocks of 4
