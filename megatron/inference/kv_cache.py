@@ -16,7 +16,8 @@ the request's slots and runs the layer's own core attention in groups: the decod
 together (queries [1, B_d, np/t, hn] over their blocks gathered, in one index_select, into
 [B_d, ng/t, nb * block_size, hn], padded to the longest: the layout the core attention reads in
 place), each prefill chunk alone (queries [q, 1, np/t, hn]), with a mask
-that hides the positions after each query (causal) and past each request's length. The outputs
+that hides the positions after each query (causal) and past each request's length (and, for an
+ALiBi model, the bias -slope x (query position - key position) of each request's own positions). The outputs
 go back to the packed order [T, 1, np/t * hn]. The model code is the one generate_tokens runs: the context
 takes the place of InferenceContext (its `paged` attribute tells the layers which one they hold).
 
@@ -138,6 +139,7 @@ class PagedContext:
         self.key_value_memory_dict: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.token_positions: torch.Tensor | None = None
         self._indices: dict = {}
+        self.alibi_slopes: torch.Tensor | None = None  # [np/t]: set by an ALiBi model's forward
 
     def set_step(self, chunks: Sequence[tuple[int, int, Sequence[int]]], device: torch.device) -> None:
         """chunks: per request of the step (start, length, block table): the step runs its positions
@@ -159,7 +161,7 @@ class PagedContext:
         decoding = [i for i, c in enumerate(chunks) if c[1] == 1]
         groups = [decoding] if decoding else []
         groups += [[i] for i, c in enumerate(chunks) if c[1] > 1]
-        self.groups = []
+        self.groups, self._query_positions = [], []
         for members in groups:
             nb = max(len(tables[i]) for i in members)
             table = torch.zeros(len(members), nb, dtype=torch.int64)  # padding points at block 0, masked out
@@ -172,7 +174,8 @@ class PagedContext:
             mask = (key[None, None, :] > query_position[:, :, None]) | (key[None, None, :] >= kv_lengths[:, None, None])
             tokens = first[members] if q == 1 else torch.arange(int(first[members[0]]), int(first[members[0]]) + q)
             self.groups.append((tokens.to(device), table.to(device), mask[:, None].to(device)))  # mask [Bg, 1, q, sk]
-        self._indices: dict = {}  # the groups' gather indices, made by the first layer
+            self._query_positions.append(query_position.to(device))
+        self._indices: dict = {}  # the groups' gather indices and ALiBi biases, made by the first layer
         self.token_positions = positions.to(device)
         self.slots = slots.to(device)
         self.last_token_index = (lengths.cumsum(0) - 1).to(device)  # [B]
@@ -192,29 +195,44 @@ class PagedContext:
         key_cache.index_copy_(1, self.slots, key[:, 0].transpose(0, 1))  # [ng/t, T, hn] into their slots
         value_cache.index_copy_(1, self.slots, value[:, 0].transpose(0, 1))
         if len(self.groups) == 1 and len(self.groups[0][0]) == t and self.groups[0][2].shape[2] == 1:
-            return self._group(query.transpose(0, 1), key_cache, value_cache, self.groups[0], core_attention
+            return self._group(query.transpose(0, 1), key_cache, value_cache, 0, core_attention
                                ).transpose(0, 1)  # decoders only: [1, T, np/t hn] -> [T, 1, np/t hn]
         output = query.new_empty(t, 1, heads * hn)
-        for group in self.groups:
-            tokens, _, mask = group
+        for index, (tokens, _, mask) in enumerate(self.groups):
             q = query[tokens]  # [Bg, 1, np/t, hn] (decoders) or [q, 1, np/t, hn] (one prefill)
             if mask.shape[2] == 1:
                 q = q.transpose(0, 1)  # [1, Bg, np/t, hn]
-            context = self._group(q, key_cache, value_cache, group, core_attention)  # [q, Bg, np/t hn]
+            context = self._group(q, key_cache, value_cache, index, core_attention)  # [q, Bg, np/t hn]
             output[tokens] = context.transpose(0, 1) if mask.shape[2] == 1 else context
         return output  # [T, 1, np/t * hn]
 
-    def _group(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: tuple,
+    def _group(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, index: int,
                core_attention: torch.nn.Module) -> torch.Tensor:
-        """One group's attention: query [q, Bg, np/t, hn] over its requests' blocks -> [q, Bg, np/t * hn]."""
-        _, table, mask = group
+        """Group `index`'s attention: query [q, Bg, np/t, hn] over its requests' blocks -> [q, Bg, np/t * hn]."""
+        _, table, mask = self.groups[index]
         groups, slots, hn = key_cache.shape
         b, sk = table.shape[0], table.shape[1] * self.block_size
-        index = self._gather_index(table, groups, slots)  # [Bg ng sk]
-        keys = key_cache.view(-1, hn).index_select(0, index).view(b, groups, sk, hn)  # [Bg, ng/t, sk, hn]
-        values = value_cache.view(-1, hn).index_select(0, index).view(b, groups, sk, hn)
+        rows = self._gather_index(table, groups, slots)  # [Bg ng sk]
+        keys = key_cache.view(-1, hn).index_select(0, rows).view(b, groups, sk, hn)  # [Bg, ng/t, sk, hn]
+        values = value_cache.view(-1, hn).index_select(0, rows).view(b, groups, sk, hn)
         # [sk, Bg, ng/t, hn] views of them, as the core attention takes keys and values
-        return core_attention(query, keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3), mask, False, None)
+        return core_attention(query, keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3), mask, False,
+                              self._alibi_bias(index, sk))
+
+    def _alibi_bias(self, index: int, sk: int) -> torch.Tensor | None:
+        """Group `index`'s ALiBi bias (None without ALiBi), fp32 [Bg, np/t, 1, sk] for the decoders
+        (one query per request) or [1, np/t, q, sk] for a prefill chunk: -slope x (query position - key
+        position), 0 for keys after the query (masked anyway); kept for the step's other layers."""
+        if self.alibi_slopes is None:
+            return None
+        bias = self._indices.get(("alibi", index))
+        if bias is None:
+            positions = self._query_positions[index]  # [Bg, q]
+            key = torch.arange(sk, device=positions.device)
+            distance = (positions[:, :, None] - key[None, None, :]).clamp(min=0).float()  # [Bg, q, sk]
+            bias = -self.alibi_slopes.to(positions.device)[None, :, None, None] * distance[:, None]  # [Bg, np/t, q, sk]
+            self._indices[("alibi", index)] = bias
+        return bias
 
     def _gather_index(self, table: torch.Tensor, groups: int, slots: int) -> torch.Tensor:
         """Rows of the [ng/t x slots, hn] cache of a group's requests, in [Bg, ng/t, sk] order (kept per step)."""

@@ -170,13 +170,12 @@ class GPTModel(LanguageModule):
         # With an inference context the s tokens sit at positions offset .. offset + s - 1 (position_ids
         # say so to the learned table) and attend over the offset + s cached ones.
         offset = inference_context.sequence_len_offset if inference_context is not None and not paged else 0
-        if paged and self.alibi is not None:
-            raise ValueError("the inference engine does not support ALiBi (--position-embedding-type alibi): "
-                             "use generate_tokens")
+        if paged and self.alibi is not None:  # the paged context biases each request's own positions
+            inference_context.alibi_slopes = self.alibi.slopes  # [np/t]
         if paged and self.rotary_pos_emb is not None:
             rotary_pos_emb = inference_context.rotary_freqs(self.rotary_pos_emb,
                                                             self._device(decoder_input))  # [T, 1, 1, rot]
-        elif self.rotary_pos_emb is not None or self.alibi is not None:
+        elif not paged and (self.rotary_pos_emb is not None or self.alibi is not None):
             seq_length = self._sequence_length(decoder_input)
             if self.rotary_pos_emb is not None:
                 rotary_pos_emb = self._rotary_angles(seq_length, offset).to(self._device(decoder_input))  # [s, 1, 1, rot]

@@ -154,6 +154,24 @@ def test_blocks_are_taken_as_requests_grow_and_the_youngest_is_preempted_when_no
     assert engine.steps < whole.steps
 
 
+def test_an_alibi_model_answers_as_generate_tokens_does():
+    """ALiBi (no HF counterpart among the test models): each request's bias over its own positions, in
+    the decoders' group and in prefill chunks, gives each prompt's generate_tokens answer."""
+    from megatron.inference.generation import generate_tokens
+    from megatron.model import GPTModel, TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.1)
+    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="alibi").eval()
+    prompts = _prompts([3, 17, 9, 26, 1, 12], seed=6)
+    params = SamplingParams(max_tokens=8, top_k=1)
+    served = _engine(model, max_requests=6, max_tokens=20).generate(prompts, params)  # 26, 17: chunked
+    for prompt, request in zip(prompts, served):
+        alone = generate_tokens(model, torch.tensor([prompt]), torch.tensor([len(prompt)]), 8, top_k=1)
+        assert request.generated == alone.tokens[0, len(prompt):].tolist(), len(prompt)
+
+
 def test_prefix_cache_shares_a_common_prompt_prefix(models):
     _, ours = models
     prefix = _prompts([16], seed=3)[0]  # 4 full blocks of 4
