@@ -22,7 +22,9 @@ command-line flag is declared (megatron/training/config/fields.py says how a fie
 
 To add a setting: add a field to the group it belongs to, with its default and, under it, the help
 string; its flag, dest and type follow from the name and annotation (setting(...) for anything
-else). The Namespace a command line parses to carries it under the field's name.
+else). The Namespace a command line parses to carries it under the field's name. A rule between a
+group's values goes in the group's rules() (one line per problem, naming the flags): validate_args
+refuses a command line with it, MegatronConfig.check a config built in Python.
 """
 
 from __future__ import annotations
