@@ -166,7 +166,8 @@ def _apply_yaml_cfg(args: Namespace, parser: argparse.ArgumentParser, argv: list
 
     try:
         values = read_megatron_yaml(args.yaml_cfg, parser)
-        MegatronConfig.from_values(values, where=f"--yaml-cfg {args.yaml_cfg}")
+        # each value alone: the rules between values are validate_args', on the file and the command line
+        MegatronConfig.from_values(values, where=f"--yaml-cfg {args.yaml_cfg}", partial=True)
     except ConfigError as error:
         raise ArgsError(str(error)) from None
     given = given_dests(parser, argv)

@@ -31,13 +31,16 @@ Order (each step may rely on the values the earlier ones derived):
 
 Every error is an ArgsError naming the flag(s) and what to do. validate_megatron_flags is in
 megatron/training/arguments_megatron.py, beside its tables of Megatron-LM's flags; validate_model_architecture
-in megatron/training/arguments_model.py.
+in megatron/training/arguments_model.py. The rules between the values of one config group (precision,
+batch sizes, data sources) are written on the group (rules() in megatron/training/config/groups.py):
+the steps above apply them (_refuse_broken_rules), and MegatronConfig.check gives a config built in
+Python the same line; what needs the run (the world size, the files) stays here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
-import math
 import os
 import sys
 import tempfile
@@ -50,9 +53,17 @@ from megatron.training.argument_utils import ArgsError, flag
 from megatron.training.arguments_megatron import refusal_rows, validate_megatron_flags
 from megatron.training.arguments_model import default_ffn_hidden_size, validate_model_architecture
 from megatron.training.config.container import RUN_STATE
+from megatron.training.config.fields import not_positive
+from megatron.training.config.groups import (
+    PER_SPLIT_DATA_PATHS,
+    DataConfig,
+    MixedPrecisionConfig,
+    TrainingConfig,
+    rampup_batch_sizes,
+)
 from megatron.training.config_builders import config_flag, core_transformer_config_from_args
 from megatron.core import device
-from megatron.data.utils import parse_and_normalize_split, parse_data_path
+from megatron.data.utils import parse_data_path
 from megatron.training.utils import print_line
 
 
@@ -122,14 +133,19 @@ def with_run_state(args: Namespace) -> Namespace:
 def _require_positive(args: Namespace, dests: tuple, allow_zero: bool = False) -> None:
     """Each given (non-None) value must be a finite number > 0 (>= 0 with allow_zero)."""
     for dest in dests:
-        value = getattr(args, dest)
-        if value is None:
-            continue
-        if not math.isfinite(value):
-            raise ArgsError(f"{flag(dest)} must be a finite number, got {value}")
-        if value < 0 or (value == 0 and not allow_zero):
-            bound = ">= 0" if allow_zero else "> 0"
-            raise ArgsError(f"{flag(dest)} must be {bound}, got {value}")
+        problem = not_positive(flag(dest), getattr(args, dest), allow_zero)
+        if problem:
+            raise ArgsError(problem)
+
+
+def _refuse_broken_rules(group: type, args: Namespace) -> None:
+    """The rules written on a config group (its rules(): megatron/training/config/groups.py) applied to
+    args' values: the first broken one is the ArgsError, the line MegatronConfig.check gives a config
+    built in Python. (The dead alias flags, removed from args, are at their defaults.)"""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(group) if f.name not in FLAG_ALIASES}
+    problems = group(**values).rules()
+    if problems:
+        raise ArgsError(problems[0])
 
 
 # ----------------------------------------------------------------------------- steps 1-4
@@ -284,9 +300,9 @@ def _validate_tensor_parallel(args: Namespace) -> None:
 
 
 def _validate_precision(args: Namespace) -> None:
-    """params_dtype from --fp16/--bf16, softmax in fp32 with query-key scaling, loss-scale values."""
-    if args.fp16 and args.bf16:
-        raise ArgsError("--fp16 and --bf16 cannot both be given; choose one")
+    """params_dtype from --fp16/--bf16, softmax in fp32 with query-key scaling; the precision rules
+    (fp16 or bf16, loss scales) are MixedPrecisionConfig's."""
+    _refuse_broken_rules(MixedPrecisionConfig, args)
     args.params_dtype = torch.float32
     if args.fp16:
         args.params_dtype = torch.half
@@ -299,55 +315,29 @@ def _validate_precision(args: Namespace) -> None:
     _print_rank_0(args, f"using {args.params_dtype} for parameters ...")
     if args.apply_query_key_layer_scaling:
         args.attention_softmax_in_fp32 = True
-    if args.fp16_lm_cross_entropy and not args.fp16:
-        raise ArgsError("--fp16-lm-cross-entropy needs --fp16 (lm cross entropy in fp16 is only for fp16 runs)")
-    if args.fp32_residual_connection and not (args.fp16 or args.bf16):
-        raise ArgsError("--fp32-residual-connection needs --fp16 or --bf16 (the residual is already fp32)")
-    _require_positive(args, ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-                             "hysteresis"))
-    if args.min_loss_scale > args.initial_loss_scale:
-        raise ArgsError(f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale "
-                        f"({args.initial_loss_scale})")
 
 
 # ----------------------------------------------------------------------------- steps 7-9
 
 
-def _parse_rampup(values: Any) -> list:
-    if not isinstance(values, (list, tuple)) or len(values) != 3:
-        raise ArgsError(f"--rampup-batch-size needs three values <start> <increment> <ramp-samples>, "
-                        f"got {values!r}; e.g. --rampup-batch-size 16 8 300000")
-    try:
-        start, incr, samples = (int(v) for v in values)
-    except ValueError:
-        raise ArgsError(f"--rampup-batch-size values must be integers, got {list(values)}") from None
-    if start <= 0 or incr <= 0 or samples < 0:
-        raise ArgsError(f"--rampup-batch-size start ({start}) and increment ({incr}) must be > 0 and "
-                        f"ramp-samples ({samples}) >= 0")
-    return [start, incr, samples]
-
-
 def _validate_batch(args: Namespace) -> None:
-    """Micro/global batch sizes (gbs defaults to mbs x dp) and the batch-size ramp-up."""
+    """The global batch size (mbs x dp when not given), the ramp-up's values as ints, and what the
+    data-parallel size asks of them; the batch rules of the values themselves are TrainingConfig's."""
     if args.micro_batch_size is None:
         raise ArgsError("--micro-batch-size is required")
-    _require_positive(args, ("micro_batch_size", "global_batch_size"))
     per_step = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size is None:
+    derived = args.global_batch_size is None
+    if derived:
         args.global_batch_size = per_step
+    _refuse_broken_rules(TrainingConfig, args)  # (the ramp-up against a derived global batch size too)
+    if derived:
         _print_rank_0(args, f"setting global batch size to {args.global_batch_size}")
     if args.global_batch_size % per_step:
         raise ArgsError(f"--global-batch-size ({args.global_batch_size}) must be divisible by --micro-batch-size "
                         f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
     if args.rampup_batch_size is None:
         return
-    start, incr, _ = args.rampup_batch_size = _parse_rampup(args.rampup_batch_size)
-    if start > args.global_batch_size:
-        raise ArgsError(f"--rampup-batch-size start ({start}) must be <= --global-batch-size "
-                        f"({args.global_batch_size})")
-    if (args.global_batch_size - start) % incr:
-        raise ArgsError(f"--global-batch-size ({args.global_batch_size}) minus the --rampup-batch-size start "
-                        f"({start}) must be divisible by its increment ({incr})")
+    start, incr, _ = args.rampup_batch_size = rampup_batch_sizes(args.rampup_batch_size)
     if start % per_step or incr % per_step:
         raise ArgsError(f"--rampup-batch-size start ({start}) and increment ({incr}) must be divisible by "
                         f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
@@ -677,40 +667,20 @@ def _check_config_rules(args: Namespace) -> None:
 
 
 def _validate_data(args: Namespace) -> None:
-    """At most one data source (--data-path, --train/valid/test-data-path or --mock-data), split, seq length."""
-    per_split = [d for d in ("train_data_path", "valid_data_path", "test_data_path") if getattr(args, d) is not None]
-    for dest in ["data_path"] + per_split:
+    """The data rules (one source, blends, split, --sft's options) are DataConfig's; here the dataset
+    files, the legacy default split, the sequence length and the data loader's type."""
+    _refuse_broken_rules(DataConfig, args)
+    for dest in ("data_path",) + PER_SPLIT_DATA_PATHS:
         if getattr(args, dest) is not None:
-            if not getattr(args, dest):
-                raise ArgsError(f"{flag(dest)} needs at least one dataset prefix")
-            try:
-                prefixes, _ = parse_data_path(getattr(args, dest))
-            except ValueError as error:
-                raise ArgsError(str(error).replace("--data-path", flag(dest))) from None
-            _check_dataset_files(flag(dest), prefixes, jsonl=args.sft)
-    given = (["--data-path"] if args.data_path is not None else []) + [flag(d) for d in per_split]
-    if args.data_path is not None and per_split:
-        raise ArgsError(f"--data-path cannot be combined with {', '.join(flag(d) for d in per_split)}; "
-                        "give one blend split by --split, or one path per split")
-    if args.mock_data and given:
-        raise ArgsError(f"--mock-data cannot be combined with {', '.join(given)}; drop one of them")
-    if per_split and args.split is not None:
-        raise ArgsError("--split cannot be used with --train-data-path/--valid-data-path/--test-data-path; "
-                        "each split already has its own data")
+            _check_dataset_files(flag(dest), parse_data_path(getattr(args, dest))[0], jsonl=args.sft)
     if args.data_path is not None and args.split is None:
         args.split = "969, 30, 1"
         _print_rank_0(args, 'WARNING: Please specify --split when using --data-path. '
                             'Using legacy default value of "969, 30, 1"')
-    if args.split is not None:
-        try:
-            parse_and_normalize_split(args.split)
-        except ValueError as error:
-            raise ArgsError(str(error)) from None
     if args.seq_length is None:
         raise ArgsError("--seq-length is required (tokens per training sample)")
     if args.sft:
-        _validate_sft(args)
-    _require_positive(args, ("num_workers",), allow_zero=True)
+        _check_sft_files(args)
     if args.dataloader_type is None:
         args.dataloader_type = "single"
 
@@ -728,29 +698,12 @@ def require_training_data(args: Namespace) -> None:
                         "--valid-data-path/--test-data-path, or --mock-data")
 
 
-def _validate_sft(args: Namespace) -> None:
-    """--sft: JSON-lines data through a known prompt format; the masks and positions are its own."""
-    from megatron.data.sft_conversation import DEFAULT_FORMAT, PROMPT_FORMATS
-
-    formats = (*PROMPT_FORMATS, DEFAULT_FORMAT)
-    if args.sft_tokenizer_prompt_format not in formats:
-        raise ArgsError(f"--sft-tokenizer-prompt-format {args.sft_tokenizer_prompt_format!r} is not one of "
-                        f"{', '.join(formats)}")
-    if args.mock_data:
-        raise ArgsError("--sft cannot be combined with --mock-data: give --data-path with JSON-lines files")
-    for dest in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
-        if getattr(args, dest):
-            raise ArgsError(f"{flag(dest)} cannot be combined with --sft: SFT samples restart positions and "
-                            "attention at each conversation and train on assistant tokens only")
-    _check_sft_files(args)
-
-
 def _check_sft_files(args: Namespace) -> None:
     """Every line of every --sft file parses (FILE:LINE: reason), before the model is built; the
     dataset builder reuses the line index (megatron.data.sft_dataset.open_sft_file)."""
     from megatron.data.sft_dataset import open_sft_file
 
-    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+    for dest in ("data_path",) + PER_SPLIT_DATA_PATHS:
         if getattr(args, dest) is not None:
             for path in parse_data_path(getattr(args, dest))[0]:
                 open_sft_file(path)

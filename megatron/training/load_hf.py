@@ -5,8 +5,10 @@
 
 apply_hf_args fills every architecture flag the command line did not give from the HF config (as
 --use-checkpoint-args does from a checkpoint) and refuses, in one line naming the flag and both
-values, one that it gave differently. Dropout and the init std are the run's choice: taken from
-the HF config only when not given. The vocabulary is HF's vocab_size, padded as Megatron pads it
+values, one that it gave differently: the two are compared as ModelArchitecture descriptions
+(megatron/training/config/architecture.py), so a flag that shapes nothing in this model (a rotary
+setting without RoPE) is not. Dropout and the init std are the run's choice: taken from the HF
+config only when not given. The vocabulary is HF's vocab_size, padded as Megatron pads it
 for this TP size; without tokenizer flags the directory's tokenizer.json is the tokenizer.
 
 load_hf_weights: for every tensor of this rank's model chunks, the HF tensors its mapping rule
@@ -19,6 +21,7 @@ With --load as well, a checkpoint there wins (a restarted run resumes from its o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from typing import Any, Callable, List, Optional, Set
 
@@ -26,12 +29,11 @@ import torch
 
 from megatron.training.checkpointing import CheckpointError  # (imported there, so run_cli reports it in one line)
 from megatron.convert import huggingface
-from megatron.convert.hf_files import (
-    ARCHITECTURE_FLAGS, TRAINING_FLAGS, HFCheckpoint, hf_arg_values, hf_seq_length, pad_rows,
-)
+from megatron.convert.hf_files import ARCHITECTURE_FLAGS, HFCheckpoint, hf_arg_values, hf_seq_length, pad_rows
 from megatron.convert.layout_rules import (
     expert_key, is_vocab_tensor, padded_vocab_size, renumber, renumber_expert, tensor_layout,
 )
+from megatron.training.config.architecture import ModelArchitecture
 
 
 def given_dests(argv: Optional[List[str]], extra_args_provider: Optional[Callable] = None) -> Set[str]:
@@ -41,7 +43,13 @@ def given_dests(argv: Optional[List[str]], extra_args_provider: Optional[Callabl
     return explicit(build_parser(extra_args_provider), argv)
 
 
-def _describe(dest: str, flag: str, value: Any) -> str:
+def _describe(dest: str, value: Any, gqa: bool, other_gqa: bool) -> str:
+    """How a message names one side's value of dest (gqa: whether that side has grouped-query attention)."""
+    flag = ARCHITECTURE_FLAGS[dest]
+    if dest == "num_query_groups":
+        if not gqa:
+            return "no --group-query-attention"
+        return f"{flag} {value}" if other_gqa else f"--group-query-attention {flag} {value}"
     if dest == "add_bias_linear":
         return f"no {flag}" if value else flag
     if isinstance(value, bool):
@@ -49,15 +57,21 @@ def _describe(dest: str, flag: str, value: Any) -> str:
     return f"{flag} {value}"
 
 
-def _compared(dest: str, values: dict, args: argparse.Namespace) -> bool:
-    """Whether dest shapes the model here (rotary flags without RoPE, groups without GQA do not)."""
-    if dest == "rope_scaling_factor":
-        return values["position_embedding_type"] == "rope" and values["use_rope_scaling"]
-    if dest.startswith("rotary_") or dest == "use_rope_scaling":
-        return values["position_embedding_type"] == "rope"
-    if dest == "num_query_groups":
-        return values["group_query_attention"] or bool(args.group_query_attention)
-    return True
+def _architecture_conflicts(values: dict, args: argparse.Namespace) -> List[str]:
+    """The architecture flags where the run (args: the command line's values, the HF config's where it
+    gave none) describes another model than the HF config (values), in the HF config's order."""
+    theirs = ModelArchitecture.from_checkpoint_args(argparse.Namespace(**values))  # unknown: None
+    ours = ModelArchitecture.from_args(args)
+    fields = {field.name for field in dataclasses.fields(ModelArchitecture)}  # (GQA: in num_query_groups)
+    names = [dest for dest in values if dest in ARCHITECTURE_FLAGS and dest in fields]
+    gqa = (bool(values.get("group_query_attention")), bool(args.group_query_attention))
+    problems = []
+    for dest, their_value, our_value in theirs.differences(ours, names):
+        if dest == "num_query_groups" and not any(gqa):
+            continue  # one group per head on both sides: the heads differ, and are named
+        problems.append(f"the HF config gives {_describe(dest, their_value, gqa[0], gqa[1])} but the command "
+                        f"line has {_describe(dest, our_value, gqa[1], gqa[0])}")
+    return problems
 
 
 def apply_hf_args(args: argparse.Namespace, argv: Optional[List[str]] = None,
@@ -74,14 +88,10 @@ def apply_hf_args(args: argparse.Namespace, argv: Optional[List[str]] = None,
     checkpoint.rules()  # missing or unknown tensors: refused before any process builds a model
     given = given_dests(argv, extra_args_provider)
     values = hf_arg_values(checkpoint.config)
-    problems = []
     for dest, value in values.items():
         if dest not in given:
             setattr(args, dest, value)
-        elif dest in ARCHITECTURE_FLAGS and _compared(dest, values, args) and getattr(args, dest) != value:
-            flag = ARCHITECTURE_FLAGS[dest]
-            problems.append(f"the HF config gives {_describe(dest, flag, value)} but the command line has "
-                            f"{_describe(dest, flag, getattr(args, dest))}")
+    problems = _architecture_conflicts(values, args)
     if problems:
         raise CheckpointError(f"--load-hf {args.load_hf}: " + "; ".join(problems)
                               + " (leave the flag out to take the HF config's)")

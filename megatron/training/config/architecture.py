@@ -4,13 +4,20 @@ trains or stores them.
     arch = ModelArchitecture.from_args(args)                 # a validated run (or the converter's args)
     saved = ModelArchitecture.from_checkpoint_args(ckpt_ns)  # the args a checkpoint stored
     saved.differences(arch)                                  # [(field, saved value, this value)]
+    theirs.differences(arch, names=...)                      # the same over other fields (--load-hf)
     arch.num_floating_point_operations(batch_size)           # the FLOPs of the log line
 
 It is frozen, and its values are the effective ones: the key/value groups are one per head without
 --group-query-attention, the experts' width is --ffn-hidden-size without --moe-ffn-hidden-size, and a
-value that shapes nothing in this model is None (the rotary settings without RoPE, the MoE settings of
-a dense model, the QKV bias flag where every linear layer has a bias), so two descriptions of the same
-weights compare equal whatever the unused flags say.
+value that shapes nothing in this model is None (the rotary settings without RoPE, the rope scaling
+factor without --use-rope-scaling, the MoE settings of a dense model, the QKV bias flag where every
+linear layer has a bias, the Mamba settings of a model that is no hybrid), so two descriptions of the
+same weights compare equal whatever the unused flags say.
+
+LABELS' fields are what a checkpoint's weights must match (checkpoint fitting compares them). The
+other fields say what the same weights compute (rotary base and scaling, norm epsilon, the GeLU
+approximation, the router's softmax order) or describe a hybrid model's layers; --load-hf compares
+every field an HF config gives (megatron/training/load_hf.py).
 
 `from_args` reads attributes a validated Namespace always has. `from_checkpoint_args` is the one reader
 of args saved by another release (Megatron-LM's, ours from before a flag existed): a missing arg is
@@ -22,7 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from megatron.model.transformer_config import moe_layer_numbers
 
@@ -54,8 +61,10 @@ LABELS: dict[str, str] = {
     "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
     "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
 }
-_ROTARY = ("rotary_percent", "rotary_interleaved")
-_MOE = ("moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk")
+_ROTARY = ("rotary_percent", "rotary_interleaved", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
+_MOE = ("moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk",
+        "moe_router_pre_softmax")
+_HYBRID = ("hybrid_override_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,19 @@ class ModelArchitecture:
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_router_topk: Optional[int] = None
     seq_length: Optional[int] = None  # the training sequence (FLOPs); not part of the weights
+    # what the weights compute, not in LABELS (see the module docstring)
+    rotary_base: Optional[int] = None
+    use_rope_scaling: Optional[bool] = None
+    rope_scaling_factor: Optional[float] = None
+    norm_epsilon: Optional[float] = None
+    openai_gelu: Optional[bool] = None
+    moe_router_pre_softmax: Optional[bool] = None
+    is_hybrid_model: Optional[bool] = None
+    hybrid_override_pattern: Optional[str] = None
+    mamba_state_dim: Optional[int] = None
+    mamba_head_dim: Optional[int] = None
+    mamba_num_groups: Optional[int] = None
+    mamba_num_heads: Optional[int] = None  # None: 2 x hidden size / head dim
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ModelArchitecture":
@@ -110,16 +132,21 @@ class ModelArchitecture:
             values["add_qkv_bias"] = None  # the QKV projection has its bias either way
         if values["position_embedding_type"] != "rope":
             values.update(dict.fromkeys(_ROTARY))
+        elif not values["use_rope_scaling"]:
+            values["rope_scaling_factor"] = None
         if values["num_experts"] is None:
             values.update(dict.fromkeys(_MOE))  # a dense model: the MoE settings shape nothing
         elif values["moe_ffn_hidden_size"] is None:
             values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]  # the experts' default width
+        if not values["is_hybrid_model"]:
+            values.update(dict.fromkeys(_HYBRID))
         return cls(**values)
 
-    def differences(self, other: "ModelArchitecture") -> list[tuple[str, Any, Any]]:
-        """(field, self's value, other's value) for each weight-shaping field where both are known and
-        differ, in LABELS' order."""
-        return [(name, getattr(self, name), getattr(other, name)) for name in LABELS
+    def differences(self, other: "ModelArchitecture", names: Iterable[str] = tuple(LABELS)
+                    ) -> list[tuple[str, Any, Any]]:
+        """(field, self's value, other's value) for each of `names` (default: the weight-shaping fields,
+        LABELS) where both are known and differ, in the order of `names`."""
+        return [(name, getattr(self, name), getattr(other, name)) for name in names
                 if getattr(self, name) is not None and getattr(other, name) is not None
                 and getattr(self, name) != getattr(other, name)]
 

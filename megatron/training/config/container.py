@@ -105,17 +105,22 @@ class MegatronConfig:
         return cls(**groups, extra=values)
 
     @classmethod
-    def from_values(cls, values: dict[str, Any], where: str = "config") -> "MegatronConfig":
-        """The config of {dest: value} (any setting left out keeps its default), its values checked
-        as the command line checks them (ConfigError naming the first wrong flag)."""
+    def from_values(cls, values: dict[str, Any], where: str = "config", partial: bool = False) -> "MegatronConfig":
+        """The config of {dest: value} (any setting left out keeps its default), checked as validate_args
+        checks a command line (ConfigError naming the first wrong flag). partial: the values are only
+        part of a run's (a --yaml-cfg file, under the command line's flags): each is checked alone, and
+        the rules between values are left to the whole run's validation."""
         config = cls.from_namespace(argparse.Namespace(**values))
-        config.check(where)
+        config.check(where, rules=not partial)
         return config
 
-    def check(self, where: str = "config") -> None:
-        """ConfigError (one line: where, if given, the flag, the value) for a value the flag would refuse."""
+    def check(self, where: str = "config", rules: bool = True) -> None:
+        """ConfigError (one line: where, if given, then the problem naming the flag) for a value the flag
+        would refuse, or (rules) a broken rule of a group (ConfigGroup.rules: the line validate_args
+        gives the same values on a command line)."""
         for name in self.groups():
-            problems = getattr(self, name).problems()
+            group = getattr(self, name)
+            problems = group.problems() if rules else group.value_problems()
             if problems:
                 raise ConfigError(f"{where}: {problems[0]}" if where else problems[0])
 

@@ -31,6 +31,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import math
 import types
 import typing
 from functools import lru_cache
@@ -65,17 +66,27 @@ class ConfigGroup:
         """The group's fields read from a Namespace that has them (a parsed command line)."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
+    @classmethod
+    def flag(cls, name: str) -> str:
+        """The flag a field is given by (its first one): what a message about its value names."""
+        spelt = {f.name: f.metadata.get("flags") for f in dataclasses.fields(cls)}[name]
+        return (spelt or ("--" + name.replace("_", "-"),))[0]
+
     def problems(self) -> list[str]:
-        """What the command line would refuse in these values, one line each naming the flag: a value
-        of another type than the field's (an int is a float; None is allowed, as the flag's default
-        can be), or not one of the flag's choices."""
+        """What the command line would refuse in these values, one line each naming the flag: first
+        each value alone (value_problems); when every value is of its field's type, the group's rules."""
+        return self.value_problems() or self.rules()
+
+    def value_problems(self) -> list[str]:
+        """Each value alone: of another type than the field's (an int is a float; None is allowed, as
+        the flag's default can be), or not one of the flag's choices."""
         out = []
         hints = typing.get_type_hints(type(self))
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if value is None:
                 continue
-            flag = (field.metadata.get("flags") or ("--" + field.name.replace("_", "-"),))[0]
+            flag = self.flag(field.name)
             base, is_list = _base_type(hints[field.name])
             kind = field.metadata.get("type", _MISSING)
             items = list(value) if is_list and isinstance(value, (list, tuple)) else [value]
@@ -89,6 +100,33 @@ class ConfigGroup:
             if wrong:
                 out.append(f"{flag}: {wrong[0]!r} is not one of {', '.join(map(str, choices))}")
         return out
+
+    def rules(self) -> list[str]:
+        """The group's rules between its values (each value of its field's type), the first broken one
+        first, each a line naming the flag. Written here once: validate_args refuses a command line
+        with the same line (megatron/training/arguments_validation.py), check() a config."""
+        return []
+
+    def not_positive(self, names: tuple[str, ...], allow_zero: bool = False) -> list[str]:
+        """The first of these fields whose value (unless None) is not a finite number > 0 (>= 0 with
+        allow_zero), as a problem naming its flag."""
+        for name in names:
+            problem = not_positive(self.flag(name), getattr(self, name), allow_zero)
+            if problem:
+                return [problem]
+        return []
+
+
+def not_positive(flag: str, value: Any, allow_zero: bool = False) -> str | None:
+    """What is wrong with a value that must be a finite number > 0 (>= 0 with allow_zero); None when
+    nothing is (None, the flag left out, included)."""
+    if value is None:
+        return None
+    if not math.isfinite(value):
+        return f"{flag} must be a finite number, got {value}"
+    if value < 0 or (value == 0 and not allow_zero):
+        return f"{flag} must be {'>= 0' if allow_zero else '> 0'}, got {value}"
+    return None
 
 
 @lru_cache(maxsize=None)

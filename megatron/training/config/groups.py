@@ -22,7 +22,9 @@ command-line flag is declared (megatron/training/config/fields.py says how a fie
 
 To add a setting: add a field to the group it belongs to, with its default and, under it, the help
 string; its flag, dest and type follow from the name and annotation (setting(...) for anything
-else). The Namespace a command line parses to carries it under the field's name.
+else). The Namespace a command line parses to carries it under the field's name. A rule between a
+group's values goes in the group's rules() (one line per problem, naming the flags): validate_args
+refuses a command line with it, MegatronConfig.check a config built in Python.
 """
 
 from __future__ import annotations
@@ -304,6 +306,41 @@ class TrainingConfig(ConfigGroup, title="training"):
     given on the command line override its values.
     """
 
+    def rules(self) -> list[str]:
+        """The batch sizes: micro and global batch positive; the ramp-up's three values (rampup_batch_sizes)
+        within the global batch size, which it reaches in whole increments. (Divisibility by the
+        data-parallel size is the run's: validate_args, which knows the world size.)"""
+        sizes = self.not_positive(("micro_batch_size", "global_batch_size"))
+        if sizes or self.rampup_batch_size is None:
+            return sizes
+        try:
+            start, incr, _ = rampup_batch_sizes(self.rampup_batch_size)
+        except ValueError as error:
+            return [str(error)]
+        gbs = self.global_batch_size
+        if gbs is not None and start > gbs:
+            return [f"--rampup-batch-size start ({start}) must be <= --global-batch-size ({gbs})"]
+        if gbs is not None and (gbs - start) % incr:
+            return [f"--global-batch-size ({gbs}) minus the --rampup-batch-size start ({start}) must be divisible "
+                    f"by its increment ({incr})"]
+        return []
+
+
+def rampup_batch_sizes(values: Any) -> list[int]:
+    """--rampup-batch-size's <start> <increment> <ramp-samples> as ints (the flag keeps strings), or a
+    ValueError naming the flag."""
+    if not isinstance(values, (list, tuple)) or len(values) != 3:
+        raise ValueError(f"--rampup-batch-size needs three values <start> <increment> <ramp-samples>, "
+                         f"got {values!r}; e.g. --rampup-batch-size 16 8 300000")
+    try:
+        start, incr, samples = (int(v) for v in values)
+    except ValueError:
+        raise ValueError(f"--rampup-batch-size values must be integers, got {list(values)}") from None
+    if start <= 0 or incr <= 0 or samples < 0:
+        raise ValueError(f"--rampup-batch-size start ({start}) and increment ({incr}) must be > 0 and "
+                         f"ramp-samples ({samples}) >= 0")
+    return [start, incr, samples]
+
 
 @dataclass
 class InitializationConfig(ConfigGroup, title="initialization"):
@@ -432,6 +469,24 @@ class MixedPrecisionConfig(ConfigGroup, title="mixed precision"):
     """Compute the unreduced cross entropy in fp16."""
     fp8: str | None = setting(None, flags=("--fp8-format",), type=None, choices=("e4m3", "hybrid"))
 
+    def rules(self) -> list[str]:
+        """One of fp16 and bf16; the options that only mean something under one of them; the loss scales
+        positive, the minimum at most the initial one."""
+        if self.fp16 and self.bf16:
+            return ["--fp16 and --bf16 cannot both be given; choose one"]
+        if self.fp16_lm_cross_entropy and not self.fp16:
+            return ["--fp16-lm-cross-entropy needs --fp16 (lm cross entropy in fp16 is only for fp16 runs)"]
+        if self.fp32_residual_connection and not (self.fp16 or self.bf16):
+            return ["--fp32-residual-connection needs --fp16 or --bf16 (the residual is already fp32)"]
+        scales = self.not_positive(("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+                                    "hysteresis"))
+        if scales:
+            return scales
+        if self.min_loss_scale > self.initial_loss_scale:
+            return [f"--min-loss-scale ({self.min_loss_scale}) must be <= --initial-loss-scale "
+                    f"({self.initial_loss_scale})"]
+        return []
+
 
 @dataclass
 class DistributedConfig(ConfigGroup, title="distributed"):
@@ -519,6 +574,10 @@ class ValidationConfig(ConfigGroup, title="validation"):
     """Only evaluate, do not train."""
 
 
+# The data flags that give one split's data each (the other source: --data-path and --split).
+PER_SPLIT_DATA_PATHS = ("train_data_path", "valid_data_path", "test_data_path")
+
+
 @dataclass
 class DataConfig(ConfigGroup, title="data and dataloader"):
     """Datasets, splits and the data loader."""
@@ -558,6 +617,55 @@ class DataConfig(ConfigGroup, title="data and dataloader"):
     """SFT prompt format: llama2-chat, chatml, nemotron-h-aligned, or default (the chat_template of
     the HuggingFace tokenizer's tokenizer_config.json).
     """
+
+    def rules(self) -> list[str]:
+        """One data source (--data-path, --train/valid/test-data-path or --mock-data), each blend and the
+        split well formed, --sft's prompt format and the options it replaces, the worker count. (That
+        the files exist is the run's: validate_args.)"""
+        from megatron.data.utils import parse_and_normalize_split, parse_data_path
+
+        per_split = [name for name in PER_SPLIT_DATA_PATHS if getattr(self, name) is not None]
+        sources = (["data_path"] if self.data_path is not None else []) + per_split
+        for name in sources:
+            if not getattr(self, name):
+                return [f"{self.flag(name)} needs at least one dataset prefix"]
+            try:
+                parse_data_path(getattr(self, name))
+            except ValueError as error:
+                return [str(error).replace("--data-path", self.flag(name))]
+        given = [self.flag(name) for name in sources]
+        if self.data_path is not None and per_split:
+            return [f"--data-path cannot be combined with {', '.join(given[1:])}; "
+                    "give one blend split by --split, or one path per split"]
+        if self.mock_data and given:
+            return [f"--mock-data cannot be combined with {', '.join(given)}; drop one of them"]
+        if per_split and self.split is not None:
+            return ["--split cannot be used with --train-data-path/--valid-data-path/--test-data-path; "
+                    "each split already has its own data"]
+        if self.split is not None:
+            try:
+                parse_and_normalize_split(self.split)
+            except ValueError as error:
+                return [str(error)]
+        return self._sft_rules() or self.not_positive(("num_workers",), allow_zero=True)
+
+    def _sft_rules(self) -> list[str]:
+        """--sft: JSON-lines data through a known prompt format; the masks and positions are its own."""
+        if not self.sft:
+            return []
+        from megatron.data.sft_conversation import DEFAULT_FORMAT, PROMPT_FORMATS
+
+        formats = (*PROMPT_FORMATS, DEFAULT_FORMAT)
+        if self.sft_tokenizer_prompt_format not in formats:
+            return [f"--sft-tokenizer-prompt-format {self.sft_tokenizer_prompt_format!r} is not one of "
+                    f"{', '.join(formats)}"]
+        if self.mock_data:
+            return ["--sft cannot be combined with --mock-data: give --data-path with JSON-lines files"]
+        for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+            if getattr(self, name):
+                return [f"{self.flag(name)} cannot be combined with --sft: SFT samples restart positions and "
+                        "attention at each conversation and train on assistant tokens only"]
+        return []
 
 
 @dataclass
