@@ -39,6 +39,7 @@ import torch
 from megatron.training.checkpoint_safety import CheckpointError, load_file
 from megatron.convert import huggingface, mixtral
 from megatron.convert import mamba2 as mamba2_convert
+from megatron.convert import nemotron_h as nemotron_h_convert
 from megatron.convert import t5 as t5_convert
 from megatron.convert.layout_rules import is_vocab_tensor, padded_vocab_size
 from megatron.core.atomic_io import atomic_write
@@ -140,6 +141,9 @@ class HFCheckpoint:
         if view is not None:  # one expert of a fused tensor (transformers 5's Mixtral modules)
             _, expert, take = view
             return take(self._read(actual, expert))
+        view = None if actual == name else nemotron_h_convert.file_view(name)
+        if view is not None:  # NemotronH saved under its module names: model., experts fused
+            return self._read(*view)
         return self._read(actual)
 
     def _read(self, actual: str, index: Optional[int] = None) -> torch.Tensor:
@@ -157,7 +161,7 @@ class HFCheckpoint:
         for old, new in huggingface.HF_ALIASES.items():
             if new == name and old in self.weight_map:
                 return old
-        view = mixtral.fused_view(name)
+        view = mixtral.fused_view(name) or nemotron_h_convert.file_view(name)
         if view is not None and view[0] in self.weight_map:
             return view[0]
         return None
@@ -264,18 +268,24 @@ ARCHITECTURE_FLAGS = {
     "is_hybrid_model": "--is-hybrid-model", "hybrid_override_pattern": "--hybrid-override-pattern",
     "mamba_state_dim": "--mamba-state-dim", "mamba_head_dim": "--mamba-head-dim",
     "mamba_num_groups": "--mamba-num-groups", "mamba_num_heads": "--mamba-num-heads",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_router_score_function": "--moe-router-score-function",
+    "moe_router_topk_scaling_factor": "--moe-router-topk-scaling-factor",
 }
 # Settings of training, not of the model: taken from the HF config only when not given.
 TRAINING_FLAGS = {"hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout",
                   "init_method_std": "--init-method-std", "bias_gelu_fusion": "--no-bias-gelu-fusion",
                   "moe_aux_loss_coeff": "--moe-aux-loss-coeff",
-                  "moe_router_load_balancing_type": "--moe-router-load-balancing-type"}
+                  "moe_router_load_balancing_type": "--moe-router-load-balancing-type",
+                  "moe_router_dtype": "--moe-router-dtype"}
 
 
 def hf_arg_values(hf_config: Any) -> Dict[str, Any]:
     """Our args (dest -> value) of the model hf_config describes (ARCHITECTURE_FLAGS and TRAINING_FLAGS;
     for T5 also t5.T5_ARGS)."""
     try:
+        if hf_config.model_type == "nemotron_h":
+            return nemotron_h_convert.nemotron_h_arg_values(hf_config)
         if huggingface.ARCHITECTURES[hf_config.model_type].family == "MAMBA":
             return mamba2_convert.mamba2_arg_values(hf_config)
         config, model = huggingface.config_from_hf(hf_config)
