@@ -270,6 +270,7 @@ def hf_nemotron_h_config_from_args(args: Any, vocab_size: int) -> dict:
             "a hybrid model with --qk-layernorm, --apply-layernorm-1p or --apply-residual-connection-post-layernorm")
     _refuse_out(("-" in layers or "E" in layers) and (args.swiglu or not getattr(args, "squared_relu", False)),
             "a hybrid model whose MLP is not --squared-relu (ungated)", "NemotronH's MLPs are relu2")
+    moe = _hf_moe_config(args) if "E" in layers else {}
     hidden, head_dim = int(args.hidden_size), int(args.mamba_head_dim)
     heads = int(args.num_attention_heads)
     groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
@@ -286,14 +287,11 @@ def hf_nemotron_h_config_from_args(args: Any, vocab_size: int) -> dict:
                   use_bias=False, use_conv_bias=True, mamba_hidden_act="silu", time_step_limit=[0.0, float("inf")],
                   layer_norm_epsilon=float(args.norm_epsilon), tie_word_embeddings=False,
                   initializer_range=float(args.init_method_std), num_nextn_predict_layers=0)
-    if "E" in layers:
-        config.update(_hf_moe_config(args))
-    return config
+    return dict(config, **moe)
 
 
 def _hf_moe_config(args: Any) -> dict:
     """NemotronH's MoE fields of our MoE args (the E layers)."""
-    topk = int(args.moe_router_topk)
     _refuse_out(args.moe_router_score_function != "sigmoid" or args.moe_router_load_balancing_type == "sinkhorn",
             f"a hybrid MoE model routed by {args.moe_router_score_function} "
             f"({args.moe_router_load_balancing_type})", "NemotronH's router is a sigmoid")
@@ -301,6 +299,7 @@ def _hf_moe_config(args: Any) -> dict:
             "a hybrid MoE model without a shared expert", "NemotronH's MoE always has one")
     _refuse_out(getattr(args, "moe_expert_capacity_factor", None) is not None,
             "a hybrid MoE model with --moe-expert-capacity-factor (dropped tokens)", "NemotronH drops none")
+    topk = int(args.moe_router_topk)
     return dict(n_routed_experts=int(args.num_experts), num_experts_per_tok=topk,
                 moe_intermediate_size=int(args.moe_ffn_hidden_size or args.ffn_hidden_size),
                 moe_shared_expert_intermediate_size=int(args.moe_shared_expert_intermediate_size),
