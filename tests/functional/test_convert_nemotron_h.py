@@ -205,3 +205,37 @@ def test_files_under_the_module_names_read_the_same(converted, tmp_path):
     rules = {rule.ours: rule for rule in modules.rules()}
     for rule in original.rules():
         assert torch.equal(modules.ours(rules[rule.ours]), original.ours(rule)), rule.ours
+
+
+def test_megatron_lm_names_round_trip(converted):
+    """Ours -> Megatron-LM's megatron-core files (Transformer Engine's fused norm names: Nemotron-H's own
+    training format) -> ours -> HF: the source bit for bit."""
+    run_convert(converted / "tp2pp2", converted / "core", "megatron", "core")
+    names = load_file(get_checkpoint_name(str(converted / "core"), 0, release=True, pipeline_parallel=True,
+                                          tensor_rank=0, pipeline_rank=0))["model"]
+    assert {"decoder.layers.0.mixer.in_proj.layer_norm_weight", "decoder.layers.1.self_attention.linear_qkv."
+            "layer_norm_weight", "decoder.layers.2.mlp.linear_fc1.layer_norm_weight"} <= set(names)
+    run_convert(converted / "core", converted / "core-back", "core", "hf", "--true-vocab-size", "200")
+    source, back = _safetensors(converted / "hf"), _safetensors(converted / "core-back")
+    assert sorted(source) == sorted(back) and all(torch.equal(source[k], back[k]) for k in source)
+
+
+def test_pretrain_mamba_load_hf_starts_from_the_hf_weights(converted, tmp_path):
+    """pretrain_mamba.py --load-hf of the NemotronH: after one step at lr 0 the checkpoint holds HF's tensors."""
+    import pretrain_mamba
+    from megatron.training.initialize import reset_megatron
+
+    ckpt = str(tmp_path / "ckpt")
+    try:
+        pretrain_mamba.main(["--load-hf", str(converted / "hf"), "--micro-batch-size", "2", "--global-batch-size", "2",
+                             "--train-iters", "1", "--lr", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                             "--vocab-size", "199", "--seq-length", "16", "--eval-iters", "0", "--save", ckpt,
+                             "--save-interval", "1", "--ckpt-format", "torch"])
+    finally:
+        reset_megatron()
+    saved = load_file(get_checkpoint_name(ckpt, 1))["model"]
+    expected = state_dict_from_hf(_safetensors(converted / "hf"),
+                                  transformers.AutoConfig.from_pretrained(str(converted / "hf")))
+    assert sorted(k for k in saved if not k.endswith("_extra_state")) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(saved[name][:tensor.shape[0]], tensor), name  # (the vocabulary padded to 256 rows)
