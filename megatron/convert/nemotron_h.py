@@ -42,7 +42,9 @@ multi-token-prediction layers (num_nextn_predict_layers), and in E layers: a lat
 (moe_latent_size), group-limited routing (topk_group < n_group), norm_topk_prob off with k > 1 (or on
 with k = 1), and a nonzero e_score_correction_bias (the aux-loss-free expert bias, a weight: refused
 when the weights are read). HF ignores sliding_window and residual_in_fp32 (its blocks keep the
-residual in the activations' dtype): in an fp32 run the models are the same; accepted. Out of ours:
+residual in the activations' dtype): in an fp32 run the models are the same; accepted, as are the init
+settings (time_step_min / max / floor, rescale_prenorm_residual) and n_shared_experts (HF builds one
+shared expert of moe_shared_expert_intermediate_size whatever it says). Out of ours:
 a pure-Mamba pattern goes to Mamba2ForCausalLM (mamba2.py), any other hybrid pattern here; tied
 embeddings, RoPE, LayerNorm, linear biases, a gated or non-squared-ReLU MLP, an E layer without a
 shared expert, and MoE settings HF's router lacks are refused.

@@ -4,8 +4,9 @@ A tiny random NemotronH with every kind of layer (pattern M*-EME: Mamba-2, atten
 sigmoid-routed MoE with a shared expert) converted to ours: the same logits, loss and gradients as HF's
 torch path, the same greedy tokens as HF generate, and the state dict back bit for bit; our args of such a
 model -> HF config and weights -> the same logits; tools/checkpoint/convert.py HF -> TP = 2, PP = 2 -> HF
-bit for bit (convert.py compares logits at each step), also from files under transformers 5's module names;
-and the settings HF has and ours lacks refused with one message naming them.
+bit for bit (convert.py compares logits at each step), also from files under transformers 5's module names
+and through Megatron-LM's megatron-core names; pretrain_mamba.py --load-hf; the settings HF ignores
+accepted, and those HF has and ours lacks (or the reverse) refused with one message naming them.
 """
 
 from __future__ import annotations
@@ -127,6 +128,18 @@ def test_our_hybrid_args_give_the_hf_config_and_weights():
     derived = hf_arg_values(hf_config)
     assert {dest: getattr(args, dest) for dest in ARCHITECTURE_FLAGS if dest in derived} == \
         {dest: value for dest, value in derived.items() if dest in ARCHITECTURE_FLAGS}
+
+
+def test_settings_hf_ignores_change_nothing():
+    """HF's NemotronH never ties lm_head and masks its attention causally whatever tie_word_embeddings and
+    sliding_window say: the converted model is untied and runs at the full length."""
+    from megatron.convert.hf_files import hf_seq_length
+
+    hf_config = tiny_nemotron_h(tie_word_embeddings=True, sliding_window=4, max_position_embeddings=64)
+    hf = transformers.NemotronHForCausalLM(hf_config)
+    assert hf.lm_head.weight is not hf.model.embeddings.weight
+    assert config_from_hf(hf_config)[1]["share_embeddings_and_output_weights"] is False
+    assert hf_seq_length(hf_config) == 64
 
 
 @pytest.mark.parametrize("hf_setting, ours_setting, message", [
