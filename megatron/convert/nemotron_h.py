@@ -66,6 +66,7 @@ from megatron.model.utils import squared_relu
 ARCHITECTURE = "NemotronHForCausalLM"
 EMBEDDING = "backbone.embeddings.weight"
 _SYMBOLS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+_FC_PROJ = ((1, "up_proj"), (2, "down_proj"))  # our linear_fc{n} <-> HF's {proj} (an ungated MLP)
 # transformers 5's module names -> the file names the rules use
 _MODULE_PREFIX = re.compile(r"^model\.(embeddings\.|layers\.|norm_f\.)")
 _FUSED = re.compile(r"^(model|backbone)\.(layers\.\d+\.mixer\.experts)\.(up_proj|down_proj)$")
@@ -131,7 +132,8 @@ def _moe_config(c: Any) -> dict:
     _refuse(int(c.topk_group) < int(c.n_group), f"NemotronH with n_group {c.n_group}, topk_group {c.topk_group} "
             "(group-limited routing; our router has none)")
     _refuse(bool(c.norm_topk_prob) != (topk > 1), f"NemotronH with norm_topk_prob {c.norm_topk_prob} and "
-            f"num_experts_per_tok {topk} (our sigmoid router divides the top-k weights by their sum exactly when k > 1)")
+            f"num_experts_per_tok {topk} (our sigmoid router divides the top-k weights by their sum exactly "
+            "when k > 1)")
     scale = float(c.routed_scaling_factor)
     return dict(num_moe_experts=int(c.n_routed_experts), moe_router_topk=topk,
                 moe_ffn_hidden_size=int(c.moe_intermediate_size),
@@ -202,9 +204,9 @@ def nemotron_h_rules(c: Any) -> list[WeightRule]:
                               hf + "mixer.gate.e_score_correction_bias")]
             for e in range(int(c.n_routed_experts)):
                 rules += [_same(f"{ours}mlp.experts.local_experts.{e}.linear_fc{n}.weight",
-                                f"{hf}mixer.experts.{e}.{proj}.weight") for n, proj in ((1, "up_proj"), (2, "down_proj"))]
+                                f"{hf}mixer.experts.{e}.{proj}.weight") for n, proj in _FC_PROJ]
             rules += [_same(f"{ours}mlp.shared_experts.linear_fc{n}.weight", f"{hf}mixer.shared_experts.{proj}.weight")
-                      for n, proj in ((1, "up_proj"), (2, "down_proj"))]
+                      for n, proj in _FC_PROJ]
     rules += [_same("decoder.final_norm.weight", "backbone.norm_f.weight"),
               _same("output_layer.weight", "lm_head.weight")]
     return rules

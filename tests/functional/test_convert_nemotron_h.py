@@ -30,6 +30,18 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PATTERN = "M*-EME"
+OUR_FLAGS = [  # pretrain_mamba.py's flags of a hybrid model NemotronH can hold (pattern E-*M, k = 1)
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+    "--num-query-groups", "2", "--kv-channels", "8", "--ffn-hidden-size", "40", "--seq-length", "16",
+    "--max-position-embeddings", "64", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--is-hybrid-model",
+    "--hybrid-override-pattern", "E-*M", "--mamba-state-dim", "8", "--mamba-head-dim", "8",
+    "--mamba-num-groups", "2", "--mamba-num-heads", "8", "--normalization", "RMSNorm", "--disable-bias-linear",
+    "--squared-relu", "--position-embedding-type", "none", "--untie-embeddings-and-output-weights",
+    "--num-experts", "4", "--moe-router-topk", "1", "--moe-ffn-hidden-size", "16",
+    "--moe-shared-expert-intermediate-size", "24",
+    "--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor", "2.0",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--init-method-std", "0.1"]
 
 
 def tiny_nemotron_h(**overrides):
@@ -102,17 +114,7 @@ def test_our_hybrid_args_give_the_hf_config_and_weights():
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.config_builders import core_transformer_config_from_args, mamba_model_kwargs
 
-    args = parse_and_validate_args(argv=[
-        "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
-        "--num-query-groups", "2", "--kv-channels", "8", "--ffn-hidden-size", "40", "--seq-length", "16",
-        "--max-position-embeddings", "64", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "96", "--is-hybrid-model",
-        "--hybrid-override-pattern", "E-*M", "--mamba-state-dim", "8", "--mamba-head-dim", "8",
-        "--mamba-num-groups", "2", "--mamba-num-heads", "8", "--normalization", "RMSNorm", "--disable-bias-linear", "--squared-relu",
-        "--position-embedding-type", "none", "--untie-embeddings-and-output-weights", "--num-experts", "4",
-        "--moe-router-topk", "1", "--moe-ffn-hidden-size", "16", "--moe-shared-expert-intermediate-size", "24",
-        "--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor", "2.0",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--init-method-std", "0.1"])
+    args = parse_and_validate_args(argv=OUR_FLAGS)
     torch.manual_seed(1)
     ours = MambaModel(core_transformer_config_from_args(args), vocab_size=96, max_sequence_length=64,
                       share_embeddings_and_output_weights=False, **mamba_model_kwargs(args)).eval()
@@ -252,3 +254,28 @@ def test_pretrain_mamba_load_hf_starts_from_the_hf_weights(converted, tmp_path):
     assert sorted(k for k in saved if not k.endswith("_extra_state")) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(saved[name][:tensor.shape[0]], tensor), name  # (the vocabulary padded to 256 rows)
+
+
+def test_a_trained_hybrid_checkpoint_converts_to_hf(tmp_path):
+    """pretrain_mamba.py of OUR_FLAGS saves a checkpoint; --saver hf writes a NemotronH from its args (the
+    converter's logits check: the checkpoint against the HF folder read back) that transformers loads with
+    no missing or unexpected tensor and whose logits equal those of the folder converted to ours."""
+    import pretrain_mamba
+    from megatron.training.initialize import reset_megatron
+
+    ckpt = str(tmp_path / "ckpt")
+    try:
+        pretrain_mamba.main([*OUR_FLAGS, "--global-batch-size", "1", "--eval-iters", "0", "--save", ckpt,
+                             "--save-interval", "1", "--ckpt-format", "torch"])
+    finally:
+        reset_megatron()
+    run_convert(ckpt, tmp_path / "hf", "megatron", "hf", "--true-vocab-size", "96")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert type(hf).__name__ == "NemotronHForCausalLM" and hf.config.hybrid_override_pattern == "E-*M"
+    assert not any(info.values()), info
+    config_kwargs, model_kwargs = config_from_hf(hf.config, seq_length=64)
+    ours = MambaModel(TransformerConfig(**config_kwargs), **model_kwargs).eval()
+    ours.load_state_dict(state_dict_from_hf(_safetensors(tmp_path / "hf"), hf.config))
+    ids = torch.randint(2, 96, (1, 13), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids, None), hf.eval()(ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
