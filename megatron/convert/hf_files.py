@@ -141,7 +141,7 @@ class HFCheckpoint:
         if view is not None:  # one expert of a fused tensor (transformers 5's Mixtral modules)
             _, expert, take = view
             return take(self._read(actual, expert))
-        view = None if actual == name else nemotron_h_convert.file_view(name)
+        view = None if actual == name else self._nemotron_h_view(name)
         if view is not None:  # NemotronH saved under its module names: model., experts fused
             return self._read(*view)
         return self._read(actual)
@@ -161,10 +161,14 @@ class HFCheckpoint:
         for old, new in huggingface.HF_ALIASES.items():
             if new == name and old in self.weight_map:
                 return old
-        view = mixtral.fused_view(name) or nemotron_h_convert.file_view(name)
+        view = mixtral.fused_view(name) or self._nemotron_h_view(name)
         if view is not None and view[0] in self.weight_map:
             return view[0]
         return None
+
+    def _nemotron_h_view(self, name: str) -> Optional[Tuple[str, Optional[int]]]:
+        """A NemotronH file name's tensor under transformers 5's module names (nemotron_h.file_view)."""
+        return nemotron_h_convert.file_view(name) if self.config.model_type == "nemotron_h" else None
 
     def rules(self) -> List[huggingface.WeightRule]:
         """weight_rules of the config, after checking that the files hold exactly the tensors they need."""
@@ -182,6 +186,11 @@ class HFCheckpoint:
             family = huggingface.ARCHITECTURES[self.config.model_type].family
             raise CheckpointError(f"{self.path}: {len(extra)} tensor(s) have no counterpart in our "
                                   f"{huggingface.MODEL_CLASSES[family]}: {', '.join(extra[:4])}")
+        if self.config.model_type == "nemotron_h":  # a weight our router cannot hold, refused before any write
+            try:
+                nemotron_h_convert.check_expert_biases(self.config, self.tensor)
+            except ValueError as error:
+                raise CheckpointError(f"{self.path}: {error}") from None
         return rules
 
     def _tied_copies(self) -> Dict[str, str]:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -169,12 +170,25 @@ def nemotron_h_arg_values(c: Any) -> dict:
     return values
 
 
+def _check_expert_bias(name: str, bias: torch.Tensor) -> None:
+    _refuse(bool(torch.any(bias != 0)), f"NemotronH with a nonzero {name} (the aux-loss-free expert bias that "
+            "shifts the choice of experts; our router has none)")
+
+
+def check_expert_biases(c: Any, read: Callable[[str], torch.Tensor]) -> None:
+    """Refuse (ValueError) a nonzero e_score_correction_bias of any E layer, read by HF file name: a
+    converter checks them all before it writes anything."""
+    for i, symbol in enumerate(pattern(c)):
+        if symbol == "E":
+            name = f"backbone.layers.{i}.mixer.gate.e_score_correction_bias"
+            _check_expert_bias(name, read(name))
+
+
 def _router(ours: str, weight: str, bias: str) -> WeightRule:
     """gate.weight [E, h] and a zero e_score_correction_bias [E] <-> router.weight (ours has no expert bias)."""
 
     def to_ours(w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        _refuse(bool(torch.any(b != 0)), f"NemotronH with a nonzero {bias} (the aux-loss-free expert bias that "
-                "shifts the choice of experts; our router has none)")
+        _check_expert_bias(bias, b)
         return w
 
     return WeightRule(ours, (weight, bias), to_ours, lambda w: (w, torch.zeros(w.shape[0], dtype=torch.float32)))

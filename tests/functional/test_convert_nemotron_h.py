@@ -177,6 +177,20 @@ def test_what_nemotron_h_or_ours_lacks_is_refused(hf_setting, ours_setting, mess
         config_from_hf(tiny_nemotron_h(**hf_setting))
 
 
+def test_a_nonzero_expert_bias_in_files_is_refused_before_anything_is_written(tmp_path):
+    """The converter's HF loader checks every E layer's e_score_correction_bias with the other tensors
+    (HFCheckpoint.rules), so the refusal is one line before any file is written."""
+    from megatron.training.checkpoint_safety import CheckpointError
+
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(tiny_nemotron_h())
+    with torch.no_grad():
+        model.model.layers[5].mixer.gate.e_score_correction_bias[2] = 0.25
+    model.save_pretrained(str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"nonzero backbone\.layers\.5\.mixer\.gate\.e_score_correction_bias"):
+        HFCheckpoint(str(tmp_path)).rules()
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("nemotron_h")
