@@ -152,7 +152,7 @@ def test_settings_hf_ignores_change_nothing():
     ("e_score_correction_bias", None, r"nonzero backbone\.layers\.3\.mixer\.gate\.e_score_correction_bias"),
     (None, dict(untie_embeddings_and_output_weights=False), "tied embeddings cannot be converted to HF"),
     (None, dict(moe_router_score_function="softmax"), "routed by softmax"),
-])
+], ids=["group-limited-routing", "latent-moe", "mlp-activation", "mtp", "expert-bias", "tied-to-hf", "softmax-to-hf"])
 def test_what_nemotron_h_or_ours_lacks_is_refused(hf_setting, ours_setting, message):
     """One ValueError naming the setting, HF -> ours (config or weights) and ours -> HF."""
     from argparse import Namespace
