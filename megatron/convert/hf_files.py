@@ -39,6 +39,7 @@ import torch
 from megatron.training.checkpoint_safety import CheckpointError, load_file
 from megatron.convert import huggingface, mixtral
 from megatron.convert import mamba2 as mamba2_convert
+from megatron.convert import nemotron_h as nemotron_h_convert
 from megatron.convert import t5 as t5_convert
 from megatron.convert.layout_rules import is_vocab_tensor, padded_vocab_size
 from megatron.core.atomic_io import atomic_write
@@ -140,6 +141,9 @@ class HFCheckpoint:
         if view is not None:  # one expert of a fused tensor (transformers 5's Mixtral modules)
             _, expert, take = view
             return take(self._read(actual, expert))
+        view = None if actual == name else self._nemotron_h_view(name)
+        if view is not None:  # NemotronH saved under its module names: model., experts fused
+            return self._read(*view)
         return self._read(actual)
 
     def _read(self, actual: str, index: Optional[int] = None) -> torch.Tensor:
@@ -157,10 +161,14 @@ class HFCheckpoint:
         for old, new in huggingface.HF_ALIASES.items():
             if new == name and old in self.weight_map:
                 return old
-        view = mixtral.fused_view(name)
+        view = mixtral.fused_view(name) or self._nemotron_h_view(name)
         if view is not None and view[0] in self.weight_map:
             return view[0]
         return None
+
+    def _nemotron_h_view(self, name: str) -> Optional[Tuple[str, Optional[int]]]:
+        """A NemotronH file name's tensor under transformers 5's module names (nemotron_h.file_view)."""
+        return nemotron_h_convert.file_view(name) if self.config.model_type == "nemotron_h" else None
 
     def rules(self) -> List[huggingface.WeightRule]:
         """weight_rules of the config, after checking that the files hold exactly the tensors they need."""
@@ -178,6 +186,11 @@ class HFCheckpoint:
             family = huggingface.ARCHITECTURES[self.config.model_type].family
             raise CheckpointError(f"{self.path}: {len(extra)} tensor(s) have no counterpart in our "
                                   f"{huggingface.MODEL_CLASSES[family]}: {', '.join(extra[:4])}")
+        if self.config.model_type == "nemotron_h":  # a weight our router cannot hold, refused before any write
+            try:
+                nemotron_h_convert.check_expert_biases(self.config, self.tensor)
+            except ValueError as error:
+                raise CheckpointError(f"{self.path}: {error}") from None
         return rules
 
     def _tied_copies(self) -> Dict[str, str]:
@@ -264,18 +277,24 @@ ARCHITECTURE_FLAGS = {
     "is_hybrid_model": "--is-hybrid-model", "hybrid_override_pattern": "--hybrid-override-pattern",
     "mamba_state_dim": "--mamba-state-dim", "mamba_head_dim": "--mamba-head-dim",
     "mamba_num_groups": "--mamba-num-groups", "mamba_num_heads": "--mamba-num-heads",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_router_score_function": "--moe-router-score-function",
+    "moe_router_topk_scaling_factor": "--moe-router-topk-scaling-factor",
 }
 # Settings of training, not of the model: taken from the HF config only when not given.
 TRAINING_FLAGS = {"hidden_dropout": "--hidden-dropout", "attention_dropout": "--attention-dropout",
                   "init_method_std": "--init-method-std", "bias_gelu_fusion": "--no-bias-gelu-fusion",
                   "moe_aux_loss_coeff": "--moe-aux-loss-coeff",
-                  "moe_router_load_balancing_type": "--moe-router-load-balancing-type"}
+                  "moe_router_load_balancing_type": "--moe-router-load-balancing-type",
+                  "moe_router_dtype": "--moe-router-dtype"}
 
 
 def hf_arg_values(hf_config: Any) -> Dict[str, Any]:
     """Our args (dest -> value) of the model hf_config describes (ARCHITECTURE_FLAGS and TRAINING_FLAGS;
     for T5 also t5.T5_ARGS)."""
     try:
+        if hf_config.model_type == "nemotron_h":
+            return nemotron_h_convert.nemotron_h_arg_values(hf_config)
         if huggingface.ARCHITECTURES[hf_config.model_type].family == "MAMBA":
             return mamba2_convert.mamba2_arg_values(hf_config)
         config, model = huggingface.config_from_hf(hf_config)

@@ -247,7 +247,10 @@ def _head_dim(c: Any) -> int:
 
 
 def _sliding_window(c: Any) -> int | None:
-    """The window HF applies, or None (Qwen2 applies it only on use_sliding_window / its layer_types)."""
+    """The window HF applies, or None (Qwen2 applies it only on use_sliding_window / its layer_types;
+    NemotronH's attention masks causally whatever its sliding_window says)."""
+    if c.model_type == "nemotron_h":
+        return None
     window = getattr(c, "sliding_window", None)
     if c.model_type == "qwen2":
         layer_types = getattr(c, "layer_types", None)

@@ -14,7 +14,8 @@ Notation: np heads, ng query groups (HF num_key_value_heads), hn head dim, h hid
 L. = decoder.layers.{i}. (ours); {i} the layer. MegatronBertForPreTraining <-> BertModel is in
 megatron/convert/bert.py (registered in ARCHITECTURES below, family "BERT"), T5ForConditionalGeneration
 <-> T5Model in megatron/convert/t5.py (family "T5"), Mamba2ForCausalLM <-> MambaModel in
-megatron/convert/mamba2.py (family "MAMBA").
+megatron/convert/mamba2.py (family "MAMBA"), NemotronHForCausalLM <-> a hybrid MambaModel (M, *, -, E
+layers) in megatron/convert/nemotron_h.py (family "MAMBA").
 
 GPT2LMHeadModel. HF's Conv1D stores a weight as [in, out]: transposed to our [out, in].
     transformer.wte.weight               embedding.word_embeddings.weight
@@ -109,6 +110,7 @@ from megatron.convert.hf_rules import (  # noqa: F401 (the mapping's pieces, re-
 from megatron.convert import bert as _bert
 from megatron.convert import mamba2 as _mamba2
 from megatron.convert import mixtral as _mixtral
+from megatron.convert import nemotron_h as _nemotron_h
 from megatron.convert import t5 as _t5
 
 
@@ -119,6 +121,7 @@ class _Architecture:
     rules: Callable[[Any], list[WeightRule]]
     embedding: str  # HF name of the word embedding (what a tied lm_head repeats)
     family: str = "GPT"  # our model: GPTModel, BertModel (megatron/convert/bert.py) or T5Model (t5.py)
+    tied_head: bool = True  # tie_word_embeddings ties lm_head (NemotronH's lm_head is never tied)
 
     def tied_copies(self, hf_config: Any) -> dict[str, str]:
         """HF names of tensors that repeat another (not written by save_pretrained) -> the one repeated."""
@@ -126,7 +129,7 @@ class _Architecture:
             return dict(_bert.TIED_COPIES)
         if self.family == "T5":
             return dict(_t5.TIED_COPIES)
-        return {"lm_head.weight": self.embedding} if hf_config.tie_word_embeddings else {}
+        return {"lm_head.weight": self.embedding} if self.tied_head and hf_config.tie_word_embeddings else {}
 
 
 ARCHITECTURES = {  # by HF model_type
@@ -146,6 +149,8 @@ ARCHITECTURES.update({
                              "model.embed_tokens.weight"),
     "mamba2": _Architecture(_mamba2.ARCHITECTURE, _mamba2.mamba2_config, _mamba2.mamba2_rules, _mamba2.EMBEDDING,
                             family="MAMBA"),
+    "nemotron_h": _Architecture(_nemotron_h.ARCHITECTURE, _nemotron_h.nemotron_h_config, _nemotron_h.nemotron_h_rules,
+                                _nemotron_h.EMBEDDING, family="MAMBA", tied_head=False),
 })
 MODEL_CLASSES = {"GPT": "GPTModel", "BERT": "BertModel", "T5": "T5Model",
                  "MAMBA": "MambaModel"}  # our model of each family
@@ -184,6 +189,8 @@ def state_dict_from_hf(hf_state_dict: dict[str, Tensor], hf_config: Any) -> dict
     hf = {HF_ALIASES.get(k, k): t for k, t in hf_state_dict.items()}
     if hf_config.model_type == "mixtral":  # transformers 5's fused experts -> the per-expert names
         hf = _mixtral.unfuse(hf)
+    if hf_config.model_type == "nemotron_h":  # the module's names (model., fused experts) -> the files'
+        hf = _nemotron_h.file_names(hf)
     ours, used = {}, set()
     for rule in arch.rules(hf_config):
         missing = [k for k in rule.hf if k not in hf]
@@ -224,6 +231,8 @@ def state_dict_to_hf(our_state_dict: dict[str, Tensor], hf_config: Any) -> dict[
         hf[copy_] = hf[repeated]
     if hf_config.model_type == "mixtral":  # the module's names: its experts fused
         hf = _mixtral.fuse(hf, int(hf_config.num_local_experts))
+    if hf_config.model_type == "nemotron_h":
+        hf = _nemotron_h.module_names(hf, int(hf_config.n_routed_experts))
     return hf
 
 
@@ -250,8 +259,10 @@ def hf_config_from_args(args: Any, vocab_size: int) -> dict:
         return _bert.hf_bert_config_from_args(args, vocab_size)
     if getattr(args, "model_family", "GPT") == "T5":
         return _t5.hf_t5_config_from_args(args, vocab_size)
-    if getattr(args, "is_hybrid_model", False):
-        return _mamba2.hf_mamba2_config_from_args(args, vocab_size)
+    if getattr(args, "is_hybrid_model", False):  # all Mamba: Mamba2; with other layers: NemotronH
+        if set(_nemotron_h.args_pattern(args)) == {"M"}:
+            return _mamba2.hf_mamba2_config_from_args(args, vocab_size)
+        return _nemotron_h.hf_nemotron_h_config_from_args(args, vocab_size)
     heads, hidden = int(args.num_attention_heads), int(args.hidden_size)
     groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
     head_dim = int(getattr(args, "kv_channels", None) or hidden // heads)

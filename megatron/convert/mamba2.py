@@ -15,9 +15,9 @@ Refused: linear biases (use_bias; Megatron's mixer has none), a conv without bia
 than silu, a time_step_limit other than (0, inf) (HF would clamp dt; Megatron does not), and
 rescale_prenorm_residual (an init setting HF applies when it initialises, not a model difference: accepted).
 HF's residual_in_fp32 keeps the residual stream in fp32: the same model in an fp32 run (in half
-precision, --fp32-residual-connection is ours). The hybrid HF families (Bamba, NemotronH, FalconH1,
-Zamba2, GraniteMoeHybrid) are not mapped: their layers differ from Megatron's hybrid stack in norms,
-attention or MLP details.
+precision, --fp32-residual-connection is ours). Of the hybrid HF families, NemotronH (Megatron's hybrid
+stack itself) is mapped in nemotron_h.py; Bamba, FalconH1, Zamba2 and GraniteMoeHybrid are not: their
+layers differ from Megatron's hybrid stack in norms, attention or MLP details.
 """
 
 from __future__ import annotations
