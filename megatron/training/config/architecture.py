@@ -63,7 +63,7 @@ LABELS: dict[str, str] = {
 }
 _ROTARY = ("rotary_percent", "rotary_interleaved", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
 _MOE = ("moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk",
-        "moe_router_pre_softmax")
+        "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor")
 _HYBRID = ("hybrid_override_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
 
 
@@ -104,6 +104,8 @@ class ModelArchitecture:
     norm_epsilon: Optional[float] = None
     openai_gelu: Optional[bool] = None
     moe_router_pre_softmax: Optional[bool] = None
+    moe_router_score_function: Optional[str] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
     is_hybrid_model: Optional[bool] = None
     hybrid_override_pattern: Optional[str] = None
     mamba_state_dim: Optional[int] = None
