@@ -102,3 +102,31 @@ def mamba_layer_activation_bytes(m: Any, lay: Any, e: int) -> int:
     across = 4 * b * heads * ((c + 1) ** 2 + (c + 1) * hd * n + entering * hd * n) + 2 * (c + 1) ** 2
     gated = 5 * e * s * b * inner + 4 * s * b * groups
     return norm + projections + dt + within + operands + across + gated
+
+
+def hybrid_layer_flops_per_sequence(m: Any, kind: str) -> float:
+    """Forward + backward FLOPs (3 x the forward) of one layer of a hybrid model on one sequence, by its
+    symbol, as the log line counts them (training_log.hybrid_flops, Megatron-LM's per-kind count, which
+    takes d_in = 2h for the Mamba projections):
+
+        M  2 s h (2 d_in + 2 ng n + nh) in_proj, 7 s d_in n the scan, 2 s d_in h out_proj
+        *  4 s h p (h + h g / a + s / 2), p = kv channels x a / h
+        -  4 s h f (x 3/2 with SwiGLU)
+        E  the shared experts' 4 s h f_shared (x 3/2): the routed experts run by rows
+           (plan.expert_flops_per_micro_batch; flops_per_step counts top-k of them per token)."""
+    s, h = m.seq_length, m.hidden_size
+    gated = 1.5 if m.swiglu else 1.0
+    if kind == "M":
+        hy = m.hybrid
+        d_in, n, ng, nh = 2 * h, hy.state_dim, hy.num_groups, hy.num_heads
+        return 3 * (2 * s * h * (2 * d_in + 2 * ng * n + nh) + 7 * s * d_in * n + 2 * s * d_in * h)
+    if kind == "*":
+        a, g = m.num_attention_heads, m.num_query_groups
+        p = m.kv_channels * a / h
+        return 3 * 4 * s * h * p * (h + h * g / a + s / 2)
+    if kind == "-":
+        return 3 * 4 * s * h * m.ffn_hidden_size * gated
+    if kind == "E":
+        return 3 * 4 * s * h * (m.moe.shared_ffn_hidden_size or 0) * gated
+    raise ValueError(f"unknown hybrid layer symbol {kind!r}")
+

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional
 
 from megatron.core.context_parallel import cp_exchange_bytes
+from megatron.planner.mamba import hybrid_layer_flops_per_sequence
 from megatron.planner.model import (
     PARAM_BYTES,
     PlanError,
@@ -158,8 +159,15 @@ def expert_flops_per_micro_batch(m: ModelShape, lay: Layout) -> float:
 def flops_per_step(m: ModelShape, global_batch_size: int) -> float:
     """Model FLOPs of one iteration: training_log.num_floating_point_operations's formula, in
     its order of operations (so the two agree to the bit); recompute is not counted. An MoE
-    layer counts the experts a token runs: top-k x moe_ffn_hidden_size + the shared experts."""
+    layer counts the experts a token runs: top-k x moe_ffn_hidden_size + the shared experts. A hybrid
+    model counts each layer by its kind (hybrid_layer_flops_per_sequence), as its log line does."""
     s, layers, h, a, g = m.seq_length, m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups
+    if m.hybrid is not None:
+        per_sequence = sum(hybrid_layer_flops_per_sequence(m, kind) for kind in m.hybrid.pattern)
+        if "E" in m.hybrid.pattern:  # the routed experts a token runs
+            per_sequence += m.hybrid.pattern.count("E") * 12 * s * h * m.moe.ffn_hidden_size * m.moe.topk * \
+                (1.5 if m.swiglu else 1.0)
+        return global_batch_size * (per_sequence + 6 * s * h * m.padded_vocab_size)
     q_ratio = m.kv_channels * a / h
     gated = 1.5 if m.swiglu else 1.0
     attention = 12 * layers * h * h * (1 + g / a + s / (2 * h)) * q_ratio
@@ -172,11 +180,13 @@ def flops_per_step(m: ModelShape, global_batch_size: int) -> float:
     return global_batch_size * s * (attention + mlp + logits)
 
 
-def _recompute_flops_per_layer(m: ModelShape, lay: Layout, moe: bool = False) -> float:
-    """Per sequence: the dense part's rerun (full: its forward; selective: the scores and x V)."""
+def _recompute_flops_per_layer(m: ModelShape, lay: Layout, moe: bool = False, kind: str | None = None) -> float:
+    """Per sequence: the dense part's rerun (full: its forward; selective: the scores and x V, of an
+    attention layer only). kind: a hybrid model's layer symbol."""
     if lay.recompute == "full":
-        return layer_flops_per_sequence(m, moe) / 3  # the forward again
-    if lay.recompute == "selective":
+        forward = layer_flops_per_sequence(m, moe) if kind is None else hybrid_layer_flops_per_sequence(m, kind)
+        return forward / 3  # the forward again
+    if lay.recompute == "selective" and kind in (None, "*"):
         q_ratio = m.kv_channels * m.num_attention_heads / m.hidden_size
         return 2 * m.seq_length * m.seq_length * m.hidden_size * q_ratio  # scores and x V, forward
     return 0.0
@@ -188,6 +198,16 @@ def _stage_flops(m: ModelShape, lay: Layout, stage: int) -> float:
     sequences = lay.global_batch_size // lay.dp  # per DP rank and step
     numbers = [n for chunk in range(lay.vpp) for n in chunk_layer_numbers(m, lay, stage, chunk)]
     moe = sum(m.is_moe_layer(n) for n in numbers)
+    if m.hybrid is not None:  # each layer by its kind; an E layer's routed experts by rows below
+        kinds = [m.hybrid.kind(n) for n in numbers]
+        total = sequences * sum(hybrid_layer_flops_per_sequence(m, kind) + _recompute_flops_per_layer(m, lay, kind=kind)
+                                for kind in kinds) / (lay.tp * lay.cp)
+        if moe:
+            moe_rerun = 4 / 3 if lay.recompute == "full" else 1.0
+            total += moe * lay.num_microbatches * expert_flops_per_micro_batch(m, lay) * moe_rerun
+        if stage == lay.pp - 1:
+            total += sequences * 6 * m.hidden_size * m.padded_vocab_size * m.seq_length / (lay.tp * lay.cp)
+        return total
     dense = (layer_flops_per_sequence(m) + _recompute_flops_per_layer(m, lay)) / (lay.tp * lay.cp)
     total = sequences * (len(numbers) - moe) * dense
     if moe:

@@ -4,6 +4,8 @@ equal what autograd saves in an fp32 training forward, the inference state equal
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -105,3 +107,31 @@ def test_cp_with_mamba_layers_is_refused_in_one_line(capsys):
     m = shape_from_args(_args([], 16, capsys))
     with pytest.raises(PlanError, match="--context-parallel-size > 1 with Mamba layers is not modelled"):
         make_plan(m, Layout(micro_batch_size=2, global_batch_size=2, cp=2), Device())
+
+
+@pytest.mark.parametrize("extra", [[], ["--group-query-attention", "--num-query-groups", "2"], MOE],
+                         ids=["hybrid", "gqa", "moe-layer"])
+def test_hybrid_flops_are_the_log_lines_and_the_stages_share_them(extra, capsys):
+    """The planner counts a hybrid model's layers by kind (Mamba, attention, MLP, MoE), as the log line
+    (training_log.hybrid_flops) does: its FLOPs per step are the log line's, the ranks' FLOPs add up to
+    them over PP2 x DP2, full recompute adds the forward of every layer, selective that of the scores."""
+    from megatron.planner.plan import _stage_flops, flops_per_step
+    from megatron.training.training_log import num_floating_point_operations
+
+    hybrid = ["--is-hybrid-model", "--num-layers", "6", "--hybrid-override-pattern"]  # pretrain_mamba.py's default
+    args = _args([*extra, *hybrid, "M*-EM-" if "--num-experts" in extra else "M*-MM-"], 64, capsys)
+    m = shape_from_args(args)
+    logged = num_floating_point_operations(args, 8)
+    assert flops_per_step(m, 8) == pytest.approx(logged, rel=1e-12)
+    dense_gpt = shape_from_args(_args([*hybrid, "******"], 64, capsys))
+    assert flops_per_step(m, 8) != flops_per_step(dense_gpt, 8)  # not the GPT count of 6 layers
+    lay = Layout(pp=2, dp=2, micro_batch_size=2, global_batch_size=8)
+    assert 2 * sum(_stage_flops(m, lay, stage) for stage in range(2)) == pytest.approx(logged, rel=1e-12)
+    logits = 8 // 2 * 6 * m.hidden_size * m.padded_vocab_size * m.seq_length  # one DP rank's, last stage
+    plain = sum(_stage_flops(m, lay, stage) for stage in range(2)) - logits
+    full = sum(_stage_flops(m, replace(lay, recompute="full"), stage) for stage in range(2)) - logits
+    assert full == pytest.approx(plain * 4 / 3, rel=1e-12)
+    selective = sum(_stage_flops(m, replace(lay, recompute="selective"), stage) for stage in range(2)) - logits
+    s, h = m.seq_length, m.hidden_size
+    assert selective - plain == pytest.approx(8 // 2 * 2 * s * s * h * m.kv_channels * m.num_attention_heads / h,
+                                              rel=1e-12)  # the one attention layer's scores and x V
