@@ -252,8 +252,11 @@ def _stage_comm(m: ModelShape, lay: Layout, rank: RankPlan) -> dict:
     # An MoE layer's MLP does no TP collective (the dispatcher moves its tokens) unless it has shared experts.
     moe_tp = per_layer if m.moe is not None and m.moe.shared_ffn_hidden_size else per_layer / 2
     ends = (rank.stage == 0) + (rank.stage == lay.pp - 1)  # embedding reduce, output layer's input grad
-    tp = mbs_per_step * ((len(numbers) - moe_layers) * per_layer + moe_layers * moe_tp
-                         + ends * _ring("all_reduce", act, t))
+    blocks = (len(numbers) - moe_layers) * per_layer + moe_layers * moe_tp
+    if m.hybrid is not None:  # one block per layer (a mixer, attention, MLP or MoE): half a GPT layer's
+        shared = m.moe is not None and m.moe.shared_ffn_hidden_size
+        blocks = sum(per_layer / 2 for n in numbers if m.hybrid.kind(n) != "E" or shared)
+    tp = mbs_per_step * (blocks + ends * _ring("all_reduce", act, t))
     ep = mbs_per_step * moe_layers * _dispatch_bytes(m, lay) * (1.5 if full else 1.0) if moe_layers else 0.0
     sent = act // (t if lay.sequence_parallel else 1)  # a stage's output (its s/t slice under SP)
     boundaries = lay.vpp * 2 - (rank.stage == 0) - (rank.stage == lay.pp - 1) if lay.pp > 1 else 0

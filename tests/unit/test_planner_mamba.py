@@ -135,3 +135,19 @@ def test_hybrid_flops_are_the_log_lines_and_the_stages_share_them(extra, capsys)
     s, h = m.seq_length, m.hidden_size
     assert selective - plain == pytest.approx(8 // 2 * 2 * s * s * h * m.kv_channels * m.num_attention_heads / h,
                                               rel=1e-12)  # the one attention layer's scores and x V
+
+
+@pytest.mark.parametrize("pattern, blocks", [("M*-MM-", 6), ("M*-EM-", 5)], ids=["dense", "moe-layer-no-shared"])
+def test_hybrid_tp_traffic_is_one_collective_per_layer_and_direction(pattern, blocks, capsys):
+    """TP2: every Mamba, attention and MLP layer is one block (a column- then row-parallel pair: one
+    all-reduce forward, one backward), an MoE layer without shared experts none (its dispatcher moves the
+    tokens); plus the embedding's and the output layer's all-reduce."""
+    from megatron.planner.plan import Device, _ring, make_plan
+
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24"] if "E" in pattern else []
+    args = _args([*moe, "--is-hybrid-model", "--num-layers", "6", "--hybrid-override-pattern", pattern], 64, capsys)
+    m = shape_from_args(args)
+    lay = Layout(tp=2, micro_batch_size=2, global_batch_size=4)
+    rank = make_plan(m, lay, Device()).ranks[0]
+    act = 4 * 64 * 2 * m.hidden_size  # fp32 [s, b, h]
+    assert rank.comm["tp"] == pytest.approx(2 * (blocks * 2 + 2) * _ring("all_reduce", act, 2), rel=1e-12)
