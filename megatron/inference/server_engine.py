@@ -268,11 +268,14 @@ def client_gone(connection: socket.socket) -> bool:
 
 
 def run_choices(backend: EngineBackend, request: GenerationRequest, options: CompletionOptions,
-                on_piece: Optional[Callable[[int, str], bool]] = None,
+                on_piece: Optional[Callable[[int, str, Dict[str, Any]], bool]] = None,
                 gone: Optional[Callable[[], bool]] = None) -> Optional[List[Dict[str, Any]]]:
     """Generate every choice on the engine; the completion choices (server.completion_choices), or
-    None when the client went away (its requests cancelled). on_piece(index, text) gets each piece of
-    text as it becomes final and returns False when it could not be sent (the client is gone)."""
+    None when the client went away (its requests cancelled). on_piece(index, text, tokens) gets each
+    piece of text as it becomes final, with the tokens whose text is now all sent (their `_segments`,
+    `_logprobs` and `_top_logprobs`, as a choice holds them; empty while the tokens' texts do not
+    line up with the text, e.g. a character split over tokens), and returns False when it could not be
+    sent (the client is gone)."""
     prompt_ids = [backend.tokenize(prompt) for prompt in request.prompts]
     events: queue.Queue = queue.Queue()
     handles: List[Handle] = []
@@ -286,6 +289,8 @@ def run_choices(backend: EngineBackend, request: GenerationRequest, options: Com
     texts = [IncrementalText(backend.detokenize, ids, prompt, request.tokens_to_generate, options.stop, stops)
              for ids, prompt in zip(prompt_ids, request.prompts)]
     index_of = {id(handle): index for index, handle in enumerate(handles)}
+    segments: List[List[str]] = [[] for _ in handles]  # each choice's tokens' texts so far
+    covered = [0] * len(handles)  # tokens whose text has been sent whole
     open_, checked = len(handles), time.monotonic()
     while open_:
         if gone is not None and time.monotonic() - checked > 0.02:  # the client may have left
@@ -300,15 +305,40 @@ def run_choices(backend: EngineBackend, request: GenerationRequest, options: Com
         if token is _DONE:
             open_ -= 1
             continue
+        if token not in stops:
+            segments[index].append(backend.detokenize([token]))
         piece = texts[index].add(token)
-        if piece and on_piece is not None and not on_piece(index, piece):
-            return _abandon(backend, handles)
+        if piece and on_piece is not None:
+            sent = texts[index].sent
+            tokens = _tokens_sent(segments[index], sent, covered[index])
+            start, covered[index] = covered[index], covered[index] + len(tokens)
+            engine_request = handle.request
+            tokens["_logprobs"] = list(engine_request.logprobs[start:covered[index]]) if request.logprobs else None
+            tokens["_top_logprobs"] = ([{backend.detokenize([t]): v for t, v in pairs}
+                                        for pairs in engine_request.top_logprobs[start:covered[index]]]
+                                       if request.top_logprobs else None)
+            if not on_piece(index, piece, tokens):
+                return _abandon(backend, handles)
         if texts[index].done:  # a stop string (or max_tokens): nothing more is needed
             backend.cancel(handle)
     for handle in handles:
         if handle.error is not None:
             raise handle.error
     return completion_choices(backend, request, options, _result(backend, request, prompt_ids, handles))
+
+
+def _tokens_sent(segments: List[str], sent: str, covered: int) -> Dict[str, Any]:
+    """The tokens after the first `covered` whose texts lie whole within the text sent so far,
+    {"_segments": [...]}; none when the tokens' texts are not the text's start (a character whose
+    bytes are split over tokens: their log-probs then come with the last chunk)."""
+    start = len("".join(segments[:covered]))
+    end, count = start, covered
+    while count < len(segments) and end + len(segments[count]) <= len(sent):
+        end += len(segments[count])
+        count += 1
+    if not sent.startswith("".join(segments[:count])):
+        return {"_segments": []}
+    return {"_segments": segments[covered:count]}
 
 
 def _abandon(backend: EngineBackend, handles: List[Handle]) -> None:
@@ -338,19 +368,22 @@ def _result(backend: EngineBackend, request: GenerationRequest, prompt_ids: List
 
 
 def serve_on_engine(handler: Any, request: GenerationRequest, options: CompletionOptions) -> None:
-    """Answer a completion or chat request from the engine: whole, or streamed token by token (with
-    logprobs: streamed once generated, as the lock-step server does). A client that goes away, or
-    whose stream cannot be written, has its requests cancelled."""
+    """Answer a completion or chat request from the engine: whole, or streamed as the text becomes
+    final, each chunk with the log-probs of the tokens whose text it completes (those left, e.g. of a
+    character split over tokens, come with the choice's last chunk; with echo the stream is sent once
+    generated, as the lock-step server does). A client that goes away, or whose stream cannot be
+    written, has its requests cancelled."""
     from megatron.inference.server import completion_answer, stream_chunks, usage
-    from megatron.inference.server_chat import chat_chunk, chat_chunks, chat_completion
+    from megatron.inference.server_chat import chat_chunk, chat_chunks, chat_completion, chat_logprobs
 
     backend = handler.server.backend
     chat = options.chat
     fields = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
               "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
               "model": options.model}
-    incremental = options.stream and options.logprobs is None and not options.echo
+    incremental = options.stream and not options.echo
     sent = [""] * len(request.prompts)
+    covered = [0] * len(request.prompts)  # tokens whose log-probs were sent
     started: List[bool] = []
 
     def start() -> bool:
@@ -362,9 +395,31 @@ def serve_on_engine(handler: Any, request: GenerationRequest, options: Completio
                            for i in range(len(request.prompts)))
         return True
 
-    def on_piece(index: int, text: str) -> bool:
+    def logprobs_of(index: int, tokens: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        """The chunk's logprobs of `tokens` (a choice's _segments / _logprobs / _top_logprobs slice)."""
+        if options.logprobs is None or tokens.get("_logprobs") is None or not tokens["_segments"]:
+            return None
+        if chat:
+            return chat_logprobs(tokens, options)
+        offsets = [covered_text[index] + len("".join(tokens["_segments"][:i])) for i in range(len(tokens["_segments"]))]
+        return {"tokens": tokens["_segments"], "token_logprobs": tokens["_logprobs"],
+                "top_logprobs": tokens["_top_logprobs"] if options.logprobs > 0 else None,
+                "text_offset": offsets}
+
+    covered_text = [0] * len(request.prompts)  # characters of the tokens whose log-probs were sent
+
+    def send_logprobs(index: int, tokens: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+        logprobs = logprobs_of(index, tokens)
+        covered[index] += len(tokens["_segments"])
+        covered_text[index] += sum(len(segment) for segment in tokens["_segments"])
+        return logprobs
+
+    def on_piece(index: int, text: str, tokens: Dict[str, Any]) -> bool:
         sent[index] += text
-        payload = chat_chunk(index, {"content": text}) if chat else event(index, text)
+        logprobs = send_logprobs(index, tokens)
+        payload = chat_chunk(index, {"content": text}, logprobs=logprobs) if chat else event(index, text)
+        if not chat and logprobs is not None:
+            payload["choices"][0]["logprobs"] = logprobs
         return start() and handler.write_event({**payload, **fields})
 
     gone = (lambda: client_gone(handler.connection))
@@ -384,9 +439,15 @@ def serve_on_engine(handler: Any, request: GenerationRequest, options: Completio
         chunks = []
         for choice in choices:
             index, final = choice["index"], choice["text"]
-            if final.startswith(sent[index]) and len(final) > len(sent[index]):
-                rest = final[len(sent[index]):]
-                chunks.append(chat_chunk(index, {"content": rest}) if chat else event(index, rest))
+            rest = final[len(sent[index]):] if final.startswith(sent[index]) else ""
+            left = {key: choice[key][covered[index]:] if choice.get(key) is not None else None
+                    for key in ("_segments", "_logprobs", "_top_logprobs")}  # the tokens not yet covered
+            logprobs = send_logprobs(index, left)
+            if rest or logprobs is not None:
+                payload = chat_chunk(index, {"content": rest}, logprobs=logprobs) if chat else event(index, rest)
+                if not chat and logprobs is not None:
+                    payload["choices"][0]["logprobs"] = logprobs
+                chunks.append(payload)
             chunks.append(chat_chunk(index, {}, choice["finish_reason"]) if chat
                           else event(index, "", choice["finish_reason"]))
     else:

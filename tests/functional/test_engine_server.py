@@ -117,6 +117,34 @@ def test_openai_client_chat_completions(served):
     assert "".join(c.choices[0].delta.content or "" for c in streamed_scores) == scored.choices[0].message.content
 
 
+def test_streamed_logprobs_come_with_their_tokens_and_equal_the_whole_answers(served):
+    """stream=true with logprobs streams as the text becomes final: each chunk carries the log-probs of
+    the tokens its text completes, and together they are the answer's, for completions and chat."""
+    _, _, client, _, _ = served
+    prompt = "The quick brown fox"
+    whole = client.completions.create(model="megatron", prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+    chunks = [c.choices[0] for c in client.completions.create(model="megatron", prompt=prompt, max_tokens=8,
+                                                              temperature=0, logprobs=2, stream=True)]
+    scored = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert len(scored) > 1 and chunks[0].logprobs is not None  # token by token, not all at the end
+    expected = whole.choices[0].logprobs
+    assert "".join(c.text for c in chunks) == whole.choices[0].text
+    assert [t for lp in scored for t in lp.tokens] == expected.tokens
+    assert [o for lp in scored for o in lp.text_offset] == expected.text_offset
+    torch.testing.assert_close([v for lp in scored for v in lp.token_logprobs], expected.token_logprobs)
+    assert [sorted(top) for lp in scored for top in lp.top_logprobs] == [sorted(top) for top in expected.top_logprobs]
+    messages = [{"role": "user", "content": "Hello, who are you?"}]
+    answer = client.chat.completions.create(model="megatron", messages=messages, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=2)
+    pieces = list(client.chat.completions.create(model="megatron", messages=messages, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    entries = [entry for c in pieces if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert sum(1 for c in pieces if c.choices and c.choices[0].logprobs) > 1
+    assert [e.token for e in entries] == [e.token for e in answer.choices[0].logprobs.content]
+    torch.testing.assert_close([e.logprob for e in entries], [e.logprob for e in answer.choices[0].logprobs.content])
+    assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == answer.choices[0].message.content
+
+
 def test_concurrent_clients_get_their_own_greedy_answers(served):
     _, backend, client, _, _ = served
     prompts = [f"Number {i} is" + " very" * (i % 5) for i in range(16)]
