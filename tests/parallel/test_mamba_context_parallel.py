@@ -14,7 +14,8 @@ drops more of CP rank 0's tokens, so the per-micro-batch mean has to count the w
                   CP (2 heads, 1 group per rank)
 
 Each layout also counts the exchanges: every Mamba layer runs two all-to-alls on the CP group in the
-forward and two in the backward, nothing else (the attention layer's ring is "cp_ring").
+forward and two in the backward, nothing else (the attention layer's ring is "cp_ring"), moving the
+bytes of _a2a_bytes; and a forward with an inference context (generation) is refused in one line.
 """
 
 import pytest
@@ -27,6 +28,7 @@ from megatron.core.communication import count_communication
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import gather_tensor_parallel
+from megatron.inference.context import InferenceContext
 from megatron.model import TransformerConfig
 from megatron.model.mamba import MambaModel
 from megatron.training.utils import get_batch_on_this_cp_rank
@@ -112,10 +114,17 @@ def _compare(layout: dict, serial_losses: list, serial_grads: dict) -> dict:
         grad = gather_tensor_parallel(param, param.main_grad)
         rows = slice(0, VOCAB) if "word_embeddings" in name or "output_layer" in name else slice(None)
         grad_errors[name] = _relative_error(grad[rows], serial_grads[name][rows])
+    local = get_batch_on_this_cp_rank(batches[0])
+    try:  # generation under CP: refused (the first layer is a Mamba layer)
+        with torch.no_grad():
+            model.module(local["tokens"], local["position_ids"], None, inference_context=InferenceContext(MBS, SEQ))
+        generation = None
+    except ValueError as error:
+        generation = str(error)
     parallel_state.destroy_model_parallel()
     return {"losses": losses, "serial_losses": serial_losses[share], "grad_errors": grad_errors,
             "a2a_calls_per_microbatch": len(cp_a2a) / len(batches), "a2a_bytes": sum(e.nbytes for e in cp_a2a),
-            "microbatches": len(batches)}
+            "microbatches": len(batches), "generation": generation}
 
 
 def _compare_layouts() -> dict:
@@ -149,6 +158,7 @@ def test_mamba_context_parallel_equals_the_serial_run(dist_pool):
             assert result["a2a_calls_per_microbatch"] == 2 * 2 * 2, (name, rank)
             layout = LAYOUTS[name]
             assert result["a2a_bytes"] == _a2a_bytes(layout.get("tp", 1), layout["cp"], result["microbatches"])
+            assert result["generation"] == "generation with --context-parallel-size > 1 is not supported", name
     assert any("mixer.conv1d.weight" in key for key in results[0]["cp2-tp2-sp"]["grad_errors"])
 
 
