@@ -29,6 +29,12 @@ Initialisation (Megatron-Core / mamba_ssm): in_proj init_method, out_proj output
 conv1d kaiming-uniform(a = sqrt 5) with a uniform(+-1/sqrt k) bias, dt_bias = softplus^-1(dt) for dt
 log-uniform in [1e-3, 1e-1] floored at 1e-4, A = uniform(1, 16) (A_log = log A), D = 1, norm.weight = 1.
 
+Context parallelism (context_parallel_size N > 1; context_parallel.py): in_proj's x, B, C and dt of this
+CP rank's s/N tokens go through an all-to-all to every token of 1/N of the TP rank's heads and groups (nh/t
+and ng/t divisible by N), the conv and scan run on the whole sequence in position order with this CP rank's
+slices of conv1d, dt_bias, A_log and D, and the scan's output comes back by the inverse all-to-all;
+z, the gated norm and out_proj stay on the rank's tokens. Generation (an inference context) is refused.
+
 The scan and the convolution are megatron.fused_kernels.fused_ssd's chunk_scan and conv1d_silu: on
 CUDA, when importable (never required), mamba_ssm's and causal_conv1d's kernels; otherwise, and
 always on CPU, PyTorch.
