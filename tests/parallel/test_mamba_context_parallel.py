@@ -12,6 +12,7 @@ drops more of CP rank 0's tokens, so the per-micro-batch mean has to count the w
     cp2-dp2       CP 2 x DP 2 (each replica half the micro-batches): 4 heads, 2 groups per CP rank
     cp2-tp2-sp    CP 2 x TP 2 with sequence parallelism: heads over TP first (4, 2 groups), then over
                   CP (2 heads, 1 group per rank)
+    cp2-dp2-recompute   CP 2 x DP 2 with full recompute (uniform, 1 layer): the exchanges rerun in backward
 
 Each layout also counts the exchanges: every Mamba layer runs two all-to-alls on the CP group in the
 forward and two in the backward, nothing else (the attention layer's ring is "cp_ring"), moving the
@@ -34,20 +35,22 @@ from megatron.model.mamba import MambaModel
 from megatron.training.utils import get_batch_on_this_cp_rank
 
 VOCAB, SEQ, MBS, HIDDEN, SEED, MICROBATCHES, PATTERN = 100, 64, 2, 32, 1234, 2, "M*-M"
-LAYOUTS = {"cp2-dp2": dict(cp=2, split_data=True), "cp2-tp2-sp": dict(cp=2, tp=2, sp=True)}
+LAYOUTS = {"cp2-dp2": dict(cp=2, split_data=True), "cp2-tp2-sp": dict(cp=2, tp=2, sp=True),
+           "cp2-dp2-recompute": dict(cp=2, split_data=True, recompute=True)}
 
 
 def _padded(tp: int) -> int:
     return -(-VOCAB // (128 * tp)) * (128 * tp)
 
 
-def _model(cp: int = 1, tp: int = 1, sp: bool = False) -> MambaModel:
+def _model(cp: int = 1, tp: int = 1, sp: bool = False, recompute: bool = False) -> MambaModel:
     config = TransformerConfig(
         num_layers=len(PATTERN), hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=48,
         normalization="RMSNorm", add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
         hidden_dropout=0.0, attention_dropout=0.0, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=4,
         mamba_chunk_size=16, init_method_std=0.1, tensor_model_parallel_size=tp, sequence_parallel=sp,
-        context_parallel_size=cp, fused_kernels_cpu_impl="reference")
+        context_parallel_size=cp, fused_kernels_cpu_impl="reference",
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}))
     torch.manual_seed(SEED)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     return MambaModel(config, vocab_size=_padded(tp), num_tokens=VOCAB, max_sequence_length=SEQ,
@@ -94,7 +97,7 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def _compare(layout: dict, serial_losses: list, serial_grads: dict) -> dict:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.get("tp", 1),
                                              context_parallel_size=layout["cp"])
-    model = _model(layout["cp"], layout.get("tp", 1), layout.get("sp", False))
+    model = _model(layout["cp"], layout.get("tp", 1), layout.get("sp", False), layout.get("recompute", False))
     model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
     share = slice(None)
     if layout.get("split_data"):  # each DP replica its half of the micro-batches
@@ -137,14 +140,16 @@ def _compare_layouts() -> dict:
     return {name: _compare(layout, losses, grads) for name, layout in LAYOUTS.items()}
 
 
-def _a2a_bytes(tp: int, cp: int, microbatches: int) -> int:
+def _a2a_bytes(tp: int, cp: int, microbatches: int, recompute: bool) -> int:
     """What one CP rank sends in the Mamba layers' all-to-alls (communication.py counts what leaves a rank):
     per layer and micro-batch, forward and backward each, x, B, C, dt [s/N, b, (d_in + 2 ng n + nh)/t] and
-    y [s, b, d_in/(t N)], the (N-1)/N of each that goes to other ranks; fp32."""
+    y [s, b, d_in/(t N)], the (N-1)/N of each that goes to other ranks; fp32. Full recompute runs the forward's
+    exchanges again in backward: 3/2 of that."""
     d_in, bc, nh, mamba_layers = 64, 4 * 8, 8, PATTERN.count("M")
     to_heads = (SEQ // cp) * MBS * (d_in + 2 * bc + nh) // tp
     to_sequence = SEQ * MBS * d_in // (tp * cp)
-    return 2 * mamba_layers * microbatches * (cp - 1) * (to_heads + to_sequence) // cp * 4
+    passes = 3 if recompute else 2
+    return passes * mamba_layers * microbatches * (cp - 1) * (to_heads + to_sequence) // cp * 4
 
 
 def test_mamba_context_parallel_equals_the_serial_run(dist_pool):
@@ -154,10 +159,12 @@ def test_mamba_context_parallel_equals_the_serial_run(dist_pool):
             bad = {key: error for key, error in result["grad_errors"].items() if error > 1e-5}
             assert not bad, (name, rank, bad)
             assert result["losses"] == pytest.approx(result["serial_losses"], rel=1e-5), (name, rank)
-            # two Mamba layers: to_heads and to_sequence each, forward and backward
-            assert result["a2a_calls_per_microbatch"] == 2 * 2 * 2, (name, rank)
             layout = LAYOUTS[name]
-            assert result["a2a_bytes"] == _a2a_bytes(layout.get("tp", 1), layout["cp"], result["microbatches"])
+            recompute = layout.get("recompute", False)
+            # two Mamba layers: to_heads and to_sequence each, forward and backward (and the recomputed forward)
+            assert result["a2a_calls_per_microbatch"] == 2 * 2 * (3 if recompute else 2), (name, rank)
+            assert result["a2a_bytes"] == _a2a_bytes(layout.get("tp", 1), layout["cp"], result["microbatches"],
+                                                     recompute), (name, rank)
             assert result["generation"] == "generation with --context-parallel-size > 1 is not supported", name
     assert any("mixer.conv1d.weight" in key for key in results[0]["cp2-tp2-sp"]["grad_errors"])
 

@@ -56,7 +56,7 @@ class MambaContextParallel:
         dt [s, b, nh/(t N)]: every token in position order, this CP rank's heads and groups."""
         s_local, b = xbc.shape[:2]
         n = self.size
-        parts = torch.split(torch.cat((xbc, dt), dim=-1), self.part_sizes, dim=-1)
+        parts = (*torch.split(xbc, self.part_sizes[:3], dim=-1), dt)  # x, B, C, dt
         # each part [s/N, b, c] -> [s/N, b, N, c/N]; packed along the last dim: one exchange for all four
         packed = torch.cat([part.reshape(s_local, b, n, part.shape[-1] // n) for part in parts], dim=-1)
         gathered = heads_to_sequence(packed, self.group)  # [N s/N, b, 1, W]: rank j's tokens j-th
