@@ -1,6 +1,6 @@
-"""pretrain_mamba.py at TP / SP / PP / DP / distributed-optimizer / recompute layouts on the shared 4-rank gloo
-pool (TP2+SP x DP2, PP2 x DP2, PP2 x 2 virtual stages x DP2, TP2+SP x PP2, PP2 x DP2 distopt, DP4 distopt with
-full recompute): every layout logs the serial run's losses and gradient norms (rel 1e-5); a torch_dist checkpoint the
+"""pretrain_mamba.py at TP / SP / PP / DP / CP / distributed-optimizer / recompute layouts on the shared 4-rank
+gloo pool (TP2+SP x DP2, PP2 x DP2, PP2 x 2 virtual stages x DP2, TP2+SP x PP2, PP2 x DP2 distopt, DP4 distopt
+with full recompute, CP2 x DP2): every layout logs the serial run's losses and gradient norms (rel 1e-5); a torch_dist checkpoint the
 TP2 x PP2 run saves at iteration 2 resumes at DP4 with the distributed optimizer (the Mamba mixer's explicit
 in_proj / conv1d rows resharded) and iterations 3-4 again log the serial run's. The pattern M*-E (an MoE layer of
 4 experts, top 2, aux loss) at EP2 x DP4, TP2+SP x EP2 x DP2 with the distributed optimizer and PP2 x EP2 x DP2 logs its serial
@@ -39,6 +39,7 @@ LAYOUTS = {
     "tp2-sp-pp2": [*TP2, *PP2],
     "pp2-dp2-distopt": [*PP2, *DISTOPT],
     "dp4-distopt-recompute": [*DISTOPT, *RECOMPUTE],
+    "cp2-dp2": ["--context-parallel-size", "2"],  # Mamba CP: 4 heads, 1 group per CP rank; the attention's p2p ring
 }
 
 

@@ -29,6 +29,12 @@ Initialisation (Megatron-Core / mamba_ssm): in_proj init_method, out_proj output
 conv1d kaiming-uniform(a = sqrt 5) with a uniform(+-1/sqrt k) bias, dt_bias = softplus^-1(dt) for dt
 log-uniform in [1e-3, 1e-1] floored at 1e-4, A = uniform(1, 16) (A_log = log A), D = 1, norm.weight = 1.
 
+Context parallelism (context_parallel_size N > 1; context_parallel.py): in_proj's x, B, C and dt of this
+CP rank's s/N tokens go through an all-to-all to every token of 1/N of the TP rank's heads and groups (nh/t
+and ng/t divisible by N), the conv and scan run on the whole sequence in position order with this CP rank's
+slices of conv1d, dt_bias, A_log and D, and the scan's output comes back by the inverse all-to-all;
+z, the gated norm and out_proj stay on the rank's tokens. Generation (an inference context) is refused.
+
 The scan and the convolution are megatron.fused_kernels.fused_ssd's chunk_scan and conv1d_silu: on
 CUDA, when importable (never required), mamba_ssm's and causal_conv1d's kernels; otherwise, and
 always on CPU, PyTorch.
@@ -47,6 +53,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.fused_kernels.fused_ssd import chunk_scan, conv1d_silu, ssd_step
+from megatron.model.mamba.context_parallel import MambaContextParallel
 from megatron.model.module import MegatronModule
 from megatron.model.spec import ModuleSpec, build_module
 from megatron.model.transformer_config import ConfigRuleError, TransformerConfig
@@ -56,7 +63,8 @@ DT_MIN, DT_MAX, DT_FLOOR, A_INIT_RANGE = 1e-3, 1e-1, 1e-4, (1.0, 16.0)
 
 @dataclass(frozen=True)
 class MambaDims:
-    """The mixer's sizes: whole (d_inner, nheads, ngroups) and this rank's (the *_local ones)."""
+    """The mixer's sizes: whole (d_inner, nheads, ngroups) and this TP rank's (the *_local ones); under
+    context parallelism (cp > 1) the scan's share of a CP rank is 1/cp of the TP rank's."""
 
     hidden: int
     d_inner: int
@@ -66,6 +74,7 @@ class MambaDims:
     d_state: int
     d_conv: int
     tp: int
+    cp: int = 1
 
     @property
     def d_inner_local(self) -> int:
@@ -83,6 +92,10 @@ class MambaDims:
     def conv_dim(self) -> int:
         """Channels of the convolution: x, B and C."""
         return self.d_inner + 2 * self.ngroups * self.d_state
+
+    @property
+    def conv_dim_local(self) -> int:
+        return self.conv_dim // self.tp
 
     @property
     def in_proj_dim(self) -> int:
@@ -130,7 +143,13 @@ def mamba_dims(config: TransformerConfig) -> MambaDims:
     if nh % tp or ng % tp:
         raise ConfigRuleError(f"the Mamba heads ({nh}) and <<mamba_num_groups>> ({ng}) must be divisible by "
                               f"<<tensor_model_parallel_size>> ({tp})")
-    return MambaDims(config.hidden_size, nh * hd, nh, hd, ng, n, config.mamba_d_conv, tp)
+    cp = config.context_parallel_size
+    if cp > 1 and ((nh // tp) % cp or (ng // tp) % cp):
+        raise ConfigRuleError(f"Mamba context parallelism splits each tensor-parallel rank's Mamba heads ({nh // tp}) "
+                              f"and <<mamba_num_groups>> ({ng // tp}) over the <<context_parallel_size>> ({cp}) "
+                              f"ranks: both must be divisible by it (heads {nh} and groups {ng} over "
+                              f"<<tensor_model_parallel_size>> {tp})")
+    return MambaDims(config.hidden_size, nh * hd, nh, hd, ng, n, config.mamba_d_conv, tp, cp)
 
 
 @dataclass
@@ -203,37 +222,53 @@ class MambaMixer(MegatronModule):
         self.out_proj = build_module(submodules.out_proj, dims.d_inner, dims.hidden, config=config,
                                      init_method=config.output_layer_init_method, bias=False,
                                      input_is_parallel=True, skip_bias_add=True)
+        self.cp = None  # not a module: no parameters, nothing in the state dict
+        if dims.cp > 1:
+            bc = dims.ngroups_local * dims.d_state
+            self.cp = MambaContextParallel(parallel_state.get_context_parallel_group(), dims.cp,
+                                           parallel_state.get_context_parallel_rank(),
+                                           (dims.d_inner_local, bc, bc, dims.nheads_local))
 
     def forward(self, hidden_states: torch.Tensor, inference_context=None) -> tuple[torch.Tensor, None]:
         d = self.dims
-        zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, proj/t] (the whole sequence under SP)
-        s, b = zxbcdt.shape[:2]
+        zxbcdt, _ = self.in_proj(hidden_states)  # [s, b, proj/t] (the whole sequence under SP; s/N under CP)
         zxbcdt = zxbcdt.transpose(0, 1)  # [b, s, proj/t]
-        bc = d.ngroups_local * d.d_state
-        z, xbc, dt = torch.split(zxbcdt, [d.d_inner_local, d.d_inner_local + 2 * bc, d.nheads_local], dim=-1)
+        z, xbc, dt = torch.split(zxbcdt, [d.d_inner_local, d.conv_dim_local, d.nheads_local], dim=-1)
+        conv_weight, conv_bias, dt_bias, A_log, D = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log,
+                                                     self.D)
+        if self.cp is not None:  # the CP ranks split the heads for the conv and scan (context_parallel.py)
+            if inference_context is not None:
+                raise ValueError("generation with --context-parallel-size > 1 is not supported")
+            xbc, dt = self.cp.to_heads(xbc.transpose(0, 1), dt.transpose(0, 1))  # [s, b, ch/(t N)], [s, b, nh/(t N)]
+            xbc, dt = xbc.transpose(0, 1), dt.transpose(0, 1)  # [b, s, ...], s the whole sequence
+            conv_weight, conv_bias = self.cp.conv_slice(conv_weight), self.cp.conv_slice(conv_bias)
+            dt_bias, A_log, D = self.cp.head_slice(dt_bias), self.cp.head_slice(A_log), self.cp.head_slice(D)
+        b, s = xbc.shape[:2]
+        heads, groups = d.nheads_local // d.cp, d.ngroups_local // d.cp  # the scan's heads and groups
+        bc = groups * d.d_state
         conv_state = ssm_state = None
         if inference_context is not None:
             conv_state, ssm_state = inference_context.mamba_states(
-                self.layer_number, b, (xbc.shape[-1], d.d_conv - 1), (d.nheads_local, d.head_dim, d.d_state),
+                self.layer_number, b, (xbc.shape[-1], d.d_conv - 1), (heads, d.head_dim, d.d_state),
                 xbc.dtype, xbc.device)
-        xbc, new_conv_state = conv1d_silu(xbc.transpose(1, 2), self.conv1d.weight, self.conv1d.bias,
-                                          conv_state)  # [b, ch/t, s]
-        xbc = xbc.transpose(1, 2)  # [b, s, ch/t]
-        x, B, C = torch.split(xbc, [d.d_inner_local, bc, bc], dim=-1)
-        x = x.unflatten(-1, (d.nheads_local, d.head_dim))  # [b, s, nh/t, hd]
-        B = B.unflatten(-1, (d.ngroups_local, d.d_state))  # [b, s, ng/t, n]
-        C = C.unflatten(-1, (d.ngroups_local, d.d_state))
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # [b, s, nh/t], fp32
-        A = -torch.exp(self.A_log.float())  # [nh/t]
+        xbc, new_conv_state = conv1d_silu(xbc.transpose(1, 2), conv_weight, conv_bias, conv_state)  # [b, ch, s]
+        xbc = xbc.transpose(1, 2)  # [b, s, ch]
+        x, B, C = torch.split(xbc, [heads * d.head_dim, bc, bc], dim=-1)
+        x = x.unflatten(-1, (heads, d.head_dim))  # [b, s, nh/t, hd] (nh/(t N) under CP)
+        B = B.unflatten(-1, (groups, d.d_state))  # [b, s, ng/t, n]
+        C = C.unflatten(-1, (groups, d.d_state))
+        dt = F.softplus(dt.float() + dt_bias.float())  # [b, s, nh/t], fp32
+        A = -torch.exp(A_log.float())  # [nh/t]
         if ssm_state is not None and s == 1 and inference_context.sequence_len_offset > 0:
-            y, final_state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], self.D)
+            y, final_state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
             y = y[:, None]  # [b, 1, nh/t, hd]
         else:
-            y, final_state = chunk_scan(x, dt, A, B, C, self.config.mamba_chunk_size, self.D, ssm_state)
+            y, final_state = chunk_scan(x, dt, A, B, C, self.config.mamba_chunk_size, D, ssm_state)
         if inference_context is not None:
             conv_state.copy_(new_conv_state)
             ssm_state.copy_(final_state)
-        y = self.norm(y.reshape(b, s, d.d_inner_local), z)  # [b, s, d_in/t], z's dtype
+        y = y.reshape(b, s, heads * d.head_dim)  # [b, s, d_in/t]
+        if self.cp is not None:  # back to this CP rank's tokens, every head of the TP rank
+            y = self.cp.to_sequence(y.transpose(0, 1)).transpose(0, 1)  # [s, b, d_in/(t N)] -> [b, s/N, d_in/t]
+        y = self.norm(y, z)  # [b, s, d_in/t], z's dtype
         return self.out_proj(y.transpose(0, 1))  # ([s, b, h] or [s/t, b, h] under SP, None)
-
-
