@@ -90,6 +90,23 @@ def biased():
     return _seeded(BIASED, 303)
 
 
+# DeepSeek-V3's router: sigmoid, group-limited (2 groups of 2 experts, one kept per token), the aux-loss-free
+# expert bias (mlp.router.expert_bias, set to nonzero values so that it changes the choice)
+BIAS_GROUPS = FLAGS + ["--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
+                       "--moe-router-group-topk", "1", "--moe-router-enable-expert-bias"]
+
+
+@pytest.fixture(scope="module")
+def bias_groups():
+    args, whole, model = _seeded(BIAS_GROUPS, 304)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
+                whole[name] = buffer.clone()
+    return args, whole, model
+
+
 @pytest.fixture(scope="module")
 def mixtral():
     return _seeded(MIXTRAL, 301)
@@ -250,6 +267,8 @@ CASES = {  # id: (naming, TE spec, TP, PP, EP, ETP, the model fixture)
     # 0.16.1 asserts ETP 1 with biased experts)
     "biased-sequential-tp2-ep2": ("sequential", False, 2, 1, 2, None, "biased"),
     "biased-te-grouped-tp2-etp1-ep2": ("te_grouped", True, 2, 1, 2, 1, "biased"),
+    # the router's expert bias (fp32, replicated) with group-limited routing
+    "expert-bias-groups-sequential-tp2-ep2": ("sequential", False, 2, 1, 2, None, "bias_groups"),
 }
 
 
@@ -392,9 +411,9 @@ def _one_line_error(argv, capsys):
     (dict(skip={(1, 0, 1)}), "no file holds EP rank 1's experts (expert-TP rank 1): "),
     (dict(args_changes={"expert_tensor_parallel_size": 4}), "expert_tensor_parallel_size 4 does not divide "
                                                             "tensor_model_parallel_size 2"),
-    (dict(args_changes={"moe_router_enable_expert_bias": True}), "moe_router_enable_expert_bias=True (the "
-                                                                 "aux-loss-free expert bias"),
-], ids=["missing-ep-file", "etp-not-dividing-tp", "expert-bias"])
+    (dict(args_changes={"moe_router_topk_limited_devices": 2}), "moe_router_topk_limited_devices=2 (the "
+                                                                "deprecated device-limited routing"),
+], ids=["missing-ep-file", "etp-not-dividing-tp", "limited-devices"])
 def test_wrong_moe_layouts_are_one_line_and_nothing_written(layout, message, moe, tmp_path, capsys):
     args, whole, _ = moe
     write_megatron_lm_moe(tmp_path / "bad", args, whole, "sequential", tp=2, **layout)

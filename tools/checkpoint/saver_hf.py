@@ -157,6 +157,12 @@ def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
             tensor = tensor[:vocab]  # the padding rows are Megatron's, not the model's
         for hf_name, hf_tensor in zip(rule.hf, rule.to_hf(tensor)):
             writer.add(file_names.get(hf_name, hf_name), _own(hf_tensor))
+    for name in sorted(set(rules) - seen):
+        rule = rules[name]
+        if rule.absent is not None:  # a feature the model was trained without: HF's constant (a zero bias)
+            seen.add(name)
+            for hf_name, hf_tensor in zip(rule.hf, rule.absent()):
+                writer.add(file_names.get(hf_name, hf_name), _own(hf_tensor))
     missing = sorted(set(rules) - seen)
     if missing:
         raise CheckpointError(f"the loader sent no {', '.join(missing[:4])} ({len(missing)} tensors missing)")
