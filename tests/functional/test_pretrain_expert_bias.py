@@ -1,8 +1,9 @@
 """pretrain_gpt.py with the aux-loss-free expert bias and group-limited routing (sigmoid top-2 of 4
-experts in 2 groups, each token's experts from its best group): the serial run and a data-parallel
-run on 2 gloo ranks log the same losses (rel 1e-5), and the routers' biases after training are the same
-on both ranks and equal to the serial run's (the counts are summed over the data-parallel group before
-each update); the bias moves each step by exactly the update rate per expert. A run resumed from its
+experts in 2 groups, each token's experts from its best group): the serial run, a data-parallel run on
+2 gloo ranks and a TP 2 run with sequence parallelism (each rank routes half of each sequence) log the same
+losses (rel 1e-5), and the routers' biases after training are the same on both ranks and equal to the
+serial run's (the counts are summed over the TP x DP ranks before each update); the bias moves each step by
+exactly the update rate per expert. A run resumed from its
 iteration-2 checkpoint (torch_dist, the bias saved under mlp.router.expert_bias) continues with the
 uninterrupted run's losses and ends with its biases.
 
@@ -74,7 +75,9 @@ def _same_losses(run, reference):
         assert run[iteration]["lm loss"] == pytest.approx(losses["lm loss"], rel=1e-5), iteration
 
 
-def test_data_parallel_keeps_one_bias_and_the_serial_losses(pool2, serial):
+@pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
+                         ids=["dp2", "tp2-sp"])
+def test_two_ranks_keep_one_bias_and_the_serial_losses(pool2, serial, layout):
     losses, biases = serial
     assert sorted(losses) == [1, 2, 3]
     assert sorted(biases) == ["decoder.layers.0.mlp.router.expert_bias", "decoder.layers.1.mlp.router.expert_bias"]
@@ -85,7 +88,7 @@ def test_data_parallel_keeps_one_bias_and_the_serial_losses(pool2, serial):
         steps = bias / RATE
         torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-4)
         assert steps.abs().max() <= 3
-    ranks = pool2.run(_train, FLAGS)
+    ranks = pool2.run(_train, [*FLAGS, *layout])
     _same_losses(ranks[-1][0], losses)
     for rank_losses, rank_biases in ranks:
         assert sorted(rank_biases) == sorted(biases)
