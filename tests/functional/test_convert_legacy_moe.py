@@ -364,6 +364,8 @@ config = TransformerConfig(
     num_moe_experts=a.num_experts, moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_router_topk=a.moe_router_topk,
     moe_layer_freq=a.moe_layer_freq, moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
     moe_grouped_gemm=a.moe_grouped_gemm, moe_aux_loss_coeff=a.moe_aux_loss_coeff,
+    moe_router_score_function=a.moe_router_score_function, moe_router_num_groups=a.moe_router_num_groups,
+    moe_router_group_topk=a.moe_router_group_topk, moe_router_enable_expert_bias=a.moe_router_enable_expert_bias,
     apply_rope_fusion=False, bias_activation_fusion=False, use_cpu_initialization=True)
 spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=a.normalization)
 model = GPTModel(config, spec, vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
@@ -378,12 +380,14 @@ emit({"impl": a.transformer_impl, "keys": sorted(state["model"]), "logits": logi
 '''
 
 
-@pytest.mark.parametrize("fixture, naming", [("moe", "grouped"), ("biased", "te_grouped")])
+@pytest.mark.parametrize("fixture, naming", [("moe", "grouped"), ("biased", "te_grouped"),
+                                             ("bias_groups", "sequential")])
 def test_mcore_saver_moe_loads_strictly_in_megatron_core_and_gives_our_logits(fixture, naming, request, tmp_path,
                                                                               capsys):
-    """Megatron-LM (GroupedMLP, or with linear biases TEGroupedMLP, at EP 2) -> --saver mcore
-    --saver-transformer-impl local at EP 1: megatron-core's MoE GPTModel (local spec: SequentialMLP,
-    biased experts with add_bias_linear) loads the file strictly and gives the original logits."""
+    """Megatron-LM (GroupedMLP, or with linear biases TEGroupedMLP, or SequentialMLP with a grouped sigmoid
+    router and its expert bias, at EP 2) -> --saver mcore --saver-transformer-impl local at EP 1:
+    megatron-core's MoE GPTModel (local spec: SequentialMLP, biased experts with add_bias_linear, the
+    router's expert_bias) loads the file strictly and gives the original logits."""
     args, whole, model = request.getfixturevalue(fixture)
     write_megatron_lm_moe(tmp_path / "src", args, whole, naming, te=naming == "te_grouped")
     _convert("mcore", "mcore", tmp_path / "src", tmp_path / "local", "--target-expert-parallel-size", "1",
