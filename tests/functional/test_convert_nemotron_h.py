@@ -298,16 +298,19 @@ def test_pretrain_mamba_load_hf_starts_from_the_hf_weights(converted, tmp_path):
         assert torch.equal(saved[name][:tensor.shape[0]], tensor), name  # (the vocabulary padded to 256 rows)
 
 
-def test_a_trained_hybrid_checkpoint_converts_to_hf(tmp_path):
+@pytest.mark.parametrize("expert_bias", [True, False], ids=["expert-bias", "no-expert-bias"])
+def test_a_trained_hybrid_checkpoint_converts_to_hf(tmp_path, expert_bias):
     """pretrain_mamba.py of OUR_FLAGS saves a checkpoint; --saver hf writes a NemotronH from its args (the
     converter's logits check: the checkpoint against the HF folder read back) that transformers loads with
-    no missing or unexpected tensor and whose logits equal those of the folder converted to ours."""
+    no missing or unexpected tensor and whose logits equal those of the folder converted to ours. The
+    expert bias after the training step is HF's e_score_correction_bias; trained without one, HF's is zero."""
     import pretrain_mamba
     from megatron.training.initialize import reset_megatron
 
     ckpt = str(tmp_path / "ckpt")
+    flags = [f for f in OUR_FLAGS if expert_bias or f != "--moe-router-enable-expert-bias"]
     try:
-        pretrain_mamba.main([*OUR_FLAGS, "--global-batch-size", "1", "--eval-iters", "0", "--save", ckpt,
+        pretrain_mamba.main([*flags, "--global-batch-size", "1", "--eval-iters", "0", "--save", ckpt,
                              "--save-interval", "1", "--ckpt-format", "torch"])
     finally:
         reset_megatron()
@@ -315,6 +318,8 @@ def test_a_trained_hybrid_checkpoint_converts_to_hf(tmp_path):
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     assert type(hf).__name__ == "NemotronHForCausalLM" and hf.config.hybrid_override_pattern == "E-*M"
     assert not any(info.values()), info
+    bias = hf.model.layers[0].mixer.gate.e_score_correction_bias  # (pattern E-*M: layer 0 is the E)
+    assert bool(bias.abs().max() > 0) == expert_bias
     config_kwargs, model_kwargs = config_from_hf(hf.config, seq_length=64)
     ours = MambaModel(TransformerConfig(**config_kwargs), **model_kwargs).eval()
     ours.load_state_dict(state_dict_from_hf(_safetensors(tmp_path / "hf"), hf.config))
