@@ -12,6 +12,15 @@ Tokens are the rows of x [T, h] (this rank's [s/t * b] under sequence parallelis
                                                        are sigmoid (k = 1) or the softmax over all E
     then x moe_router_topk_scaling_factor when given.
 
+Group-limited routing (moe_router_num_groups G, moe_router_group_topk g): the E experts form G equal
+groups, a group scores the sum of its top k/g scores (logits, or the softmax / sigmoid ones), each
+token keeps its g best groups and takes its top-k among their experts (the others masked to -inf).
+The expert bias (moe_router_enable_expert_bias, sigmoid only): buffer expert_bias [E] fp32 is added to
+the sigmoid scores to choose the experts (and the groups); the weights stay the unbiased scores. In
+training (autograd on) local_tokens_per_expert [E] counts the tokens each expert got (after dropping);
+finalize_model_grads.update_router_expert_bias sums the counts over TP x CP x DP after the step's
+micro-batches and moves the bias by rate * sign(mean - count) (Megatron-Core's aux-loss-free balancing).
+
 The result is probs [T, E] (zero off the chosen experts) and routing_map [T, E] (bool), as in
 Megatron-Core. Capacity (moe_expert_capacity_factor f): each expert takes at most
 C = ceil(T * k / E * f) of this rank's tokens; the rest of its tokens are dropped (their weight
