@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +37,16 @@ class WeightRule:
     """One tensor of ours and the HF tensors it is made of.
 
     to_ours(*hf_tensors) -> ours; to_hf(ours) -> the HF tensors, in the order of `hf`.
-    The two are exact inverses (reorderings, transposes, concatenations).
+    The two are exact inverses (reorderings, transposes, concatenations). absent() -> the HF tensors
+    when our model lacks the tensor (a feature it was built without, whose HF form is a constant, such
+    as NemotronH's zero expert bias); None: ours must have it.
     """
 
     ours: str
     hf: tuple[str, ...]
     to_ours: Callable[..., Tensor]
     to_hf: Callable[[Tensor], tuple[Tensor, ...]]
+    absent: Optional[Callable[[], tuple[Tensor, ...]]] = None
 
 
 def _same(ours: str, hf: str) -> WeightRule:

@@ -226,6 +226,9 @@ def state_dict_to_hf(our_state_dict: dict[str, Tensor], hf_config: Any) -> dict[
                          "drop the vocabulary padding first")
     hf = {}
     for rule in rules:
+        if rule.ours not in our_state_dict and rule.absent is not None:  # a feature ours was built without
+            hf.update(zip(rule.hf, rule.absent()))
+            continue
         hf.update(zip(rule.hf, (t.contiguous() for t in rule.to_hf(our_state_dict[rule.ours]))))
     for copy_, repeated in arch.tied_copies(hf_config).items():
         hf[copy_] = hf[repeated]

@@ -13,7 +13,7 @@ saved args (np heads, ng query groups, hn head dim, t ranks; L. = decoder.layers
     L.self_attention.linear_proj.weight       columns, contiguous (row parallel)
     L.mlp.linear_fc1.{weight,bias}            rows, stride 2 with --swiglu ([gate_r ; up_r]), else 1
     L.mlp.linear_fc2.weight                   columns, contiguous (row parallel)
-    L.mlp.router.{weight,bias}                replicated (every rank routes all its tokens)
+    L.mlp.router.{weight,bias,expert_bias}    replicated (every rank routes all its tokens)
     L.mlp.experts.local_experts.{e}.linear_fc1 / linear_fc2, L.mlp.shared_experts.linear_fc1 / fc2:
                                               as the dense MLP's, t the expert-tensor-parallel size
                                               for the experts (classic files: = TP; expert_key below)
@@ -54,7 +54,7 @@ _EXPERT = re.compile(r"^(.+\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$")
 _REPLICATED = re.compile(r"(layernorm|norm)\.(weight|bias)$|^embedding\.(position|tokentype)_embeddings\.weight$"
                          r"|linear_(proj|fc2)\.bias$|^(lm_head\.(dense|layer_norm)|pooler\.dense|binary_head)\."
                          r"|^(encoder|decoder)_relative_pos_emb\.relative_attention_bias\.weight$"
-                         r"|\.mlp\.router\.(weight|bias)$")
+                         r"|\.mlp\.router\.(weight|bias|expert_bias)$")
 _ADAPTER = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.adapter\.linear_(in|out)\.weight$")
 VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias",
                  "lm_head.output_layer.weight", "lm_head.output_layer.bias")  # the last two: T5Model's

@@ -91,10 +91,9 @@ _BOOLEANS = (  # Megatron-LM's fields (default False when absent), our flags' de
 )
 # MoE fields of Megatron-LM our MoE layer does not have (truthy -> refused, with what it is)
 _MOE_UNSUPPORTED = {
-    "moe_router_enable_expert_bias": "the aux-loss-free expert bias (mlp.router.expert_bias)",
     "moe_shared_expert_gate": "the shared experts' gate (mlp.shared_experts.gate_weight)",
     "moe_extended_tp": "--moe-extended-tp (experts split over TP x EP)",
-    "moe_router_num_groups": "group-limited routing",
+    "moe_router_topk_limited_devices": "the deprecated device-limited routing (--moe-router-num-groups now)",
     "moe_apply_probs_on_input": "expert inputs weighted by the router (--moe-apply-probs-on-input)",
     "moe_latent_size": "a latent MoE projection",
     "moe_router_force_load_balancing": "random routing for benchmarks",
@@ -103,8 +102,10 @@ _MOE_UNSUPPORTED = {
 # Megatron-LM's MoE values taken as they are (absent: our default, which is Megatron's)
 _MOE_VALUES = ("moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_dtype", "moe_z_loss_coeff",
-               "moe_expert_capacity_factor", "moe_token_drop_policy")
-_MOE_BOOLEANS = ("moe_router_pre_softmax", "moe_grouped_gemm", "moe_pad_expert_input_to_capacity")
+               "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_router_num_groups", "moe_router_group_topk",
+               "moe_router_bias_update_rate")
+_MOE_BOOLEANS = ("moe_router_pre_softmax", "moe_grouped_gemm", "moe_pad_expert_input_to_capacity",
+                 "moe_router_enable_expert_bias")
 # Megatron-LM's fields that are True by default (absent: True); our flags turn each off (--no-bias-gelu-fusion)
 _DEFAULT_TRUE = ("bias_gelu_fusion",)
 # copied as they are after validation (tokenizer, counters); absent ones keep our defaults

@@ -20,7 +20,8 @@ read), L. = decoder.layers.{i}. (ours), e an expert:
        H.mixer.down_proj.weight             L.mlp.linear_fc2.weight
     E  H.norm.weight                        L.pre_mlp_layernorm.weight
        H.mixer.gate.weight [E, h]           L.mlp.router.weight
-       H.mixer.gate.e_score_correction_bias  (none: must be zero in, written as zeros [E] fp32 out)
+       H.mixer.gate.e_score_correction_bias [E] fp32  L.mlp.router.expert_bias (out: zeros when ours was
+                                            trained without --moe-router-enable-expert-bias)
        H.mixer.experts.{e}.up_proj.weight   L.mlp.experts.local_experts.{e}.linear_fc1.weight
        H.mixer.experts.{e}.down_proj.weight L.mlp.experts.local_experts.{e}.linear_fc2.weight
            (modules: H.mixer.experts.up_proj [E, ffn, h], down_proj [E, h, ffn])
@@ -33,28 +34,32 @@ q/k/v/o without them whatever attention_bias says), scale 1/sqrt(head_dim) and G
 router is a sigmoid with top-k, the k weights divided by their sum (norm_topk_prob) and times
 routed_scaling_factor: ours with --moe-router-score-function sigmoid (which divides when k > 1) and
 --moe-router-topk-scaling-factor, the router in fp32 as HF's; one shared expert of
-moe_shared_expert_intermediate_size, added to the routed ones.
+moe_shared_expert_intermediate_size, added to the routed ones. HF's e_score_correction_bias is
+Megatron's aux-loss-free expert bias (added to the scores only to choose the experts): a converted model
+always has --moe-router-enable-expert-bias and the bias (HF's router always holds one). n_group /
+topk_group are --moe-router-num-groups / --moe-router-group-topk when topk_group < n_group (HF scores a
+group by the sum of its top 2 scores, Megatron by its top k / group-topk: they must agree, k = 2 x
+topk_group); with topk_group = n_group every group is kept and ours routes without groups.
 
 Refused (one ValueError naming the setting): biases on the Mamba projections (use_bias), a conv without
 bias, a Mamba activation other than silu, a time_step_limit other than (0, inf), MLP biases (mlp_bias:
 ours would put them on the attention too), an MLP activation other than relu2 (in - and E layers),
 multi-token-prediction layers (num_nextn_predict_layers), and in E layers: a latent projection
-(moe_latent_size), group-limited routing (topk_group < n_group), norm_topk_prob off with k > 1 (or on
-with k = 1), and a nonzero e_score_correction_bias (the aux-loss-free expert bias, a weight: refused
-when the weights are read). HF ignores sliding_window and residual_in_fp32 (its blocks keep the
+(moe_latent_size), group-limited routing with num_experts_per_tok other than 2 x topk_group (or
+experts not divisible by n_group), and norm_topk_prob off with k > 1 (or on with k = 1). HF ignores sliding_window and residual_in_fp32 (its blocks keep the
 residual in the activations' dtype): in an fp32 run the models are the same; accepted, as are the init
 settings (time_step_min / max / floor, rescale_prenorm_residual) and n_shared_experts (HF builds one
 shared expert of moe_shared_expert_intermediate_size whatever it says). Out of ours:
 a pure-Mamba pattern goes to Mamba2ForCausalLM (mamba2.py), any other hybrid pattern here; tied
 embeddings, RoPE, LayerNorm, linear biases, a gated or non-squared-ReLU MLP, an E layer without a
-shared expert, and MoE settings HF's router lacks are refused.
+shared expert, group-limited routing with k other than 2 x --moe-router-group-topk, and MoE settings HF's
+router lacks are refused.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,8 +135,14 @@ def _moe_config(c: Any) -> dict:
     topk = int(c.num_experts_per_tok)
     _refuse(c.moe_latent_size is not None, f"NemotronH with moe_latent_size {c.moe_latent_size} (a latent "
             "projection around the experts; our MoE has none)")
-    _refuse(int(c.topk_group) < int(c.n_group), f"NemotronH with n_group {c.n_group}, topk_group {c.topk_group} "
-            "(group-limited routing; our router has none)")
+    groups, group_topk, experts = int(c.n_group), int(c.topk_group), int(c.n_routed_experts)
+    limited = group_topk < groups
+    _refuse(limited and experts % groups != 0, f"NemotronH with n_group {groups} not dividing n_routed_experts "
+            f"{experts}")
+    _refuse(limited and topk != 2 * group_topk, f"NemotronH with n_group {groups}, topk_group {group_topk} and "
+            f"num_experts_per_tok {topk} (HF scores a group by its top 2 experts, Megatron's group-limited "
+            "routing by its top num_experts_per_tok / topk_group: they agree when num_experts_per_tok = "
+            "2 x topk_group)")
     _refuse(bool(c.norm_topk_prob) != (topk > 1), f"NemotronH with norm_topk_prob {c.norm_topk_prob} and "
             f"num_experts_per_tok {topk} (our sigmoid router divides the top-k weights by their sum exactly "
             "when k > 1)")
@@ -140,7 +151,9 @@ def _moe_config(c: Any) -> dict:
                 moe_ffn_hidden_size=int(c.moe_intermediate_size),
                 moe_shared_expert_intermediate_size=int(c.moe_shared_expert_intermediate_size),
                 moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
-                moe_router_topk_scaling_factor=None if scale == 1.0 else scale, moe_router_dtype="fp32")
+                moe_router_topk_scaling_factor=None if scale == 1.0 else scale, moe_router_dtype="fp32",
+                moe_router_num_groups=groups if limited else None, moe_router_group_topk=group_topk if limited else None,
+                moe_router_enable_expert_bias=True)
 
 
 def nemotron_h_arg_values(c: Any) -> dict:
@@ -166,32 +179,15 @@ def nemotron_h_arg_values(c: Any) -> dict:
                       moe_shared_expert_intermediate_size=config["moe_shared_expert_intermediate_size"],
                       moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
                       moe_router_topk_scaling_factor=config["moe_router_topk_scaling_factor"],
-                      moe_router_dtype="fp32")
+                      moe_router_dtype="fp32", moe_router_num_groups=config["moe_router_num_groups"],
+                      moe_router_group_topk=config["moe_router_group_topk"], moe_router_enable_expert_bias=True)
     return values
 
 
-def _check_expert_bias(name: str, bias: torch.Tensor) -> None:
-    _refuse(bool(torch.any(bias != 0)), f"NemotronH with a nonzero {name} (the aux-loss-free expert bias that "
-            "shifts the choice of experts; our router has none)")
-
-
-def check_expert_biases(c: Any, read: Callable[[str], torch.Tensor]) -> None:
-    """Refuse (ValueError) a nonzero e_score_correction_bias of any E layer, read by HF file name: a
-    converter checks them all before it writes anything."""
-    for i, symbol in enumerate(pattern(c)):
-        if symbol == "E":
-            name = f"backbone.layers.{i}.mixer.gate.e_score_correction_bias"
-            _check_expert_bias(name, read(name))
-
-
-def _router(ours: str, weight: str, bias: str) -> WeightRule:
-    """gate.weight [E, h] and a zero e_score_correction_bias [E] <-> router.weight (ours has no expert bias)."""
-
-    def to_ours(w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        _check_expert_bias(bias, b)
-        return w
-
-    return WeightRule(ours, (weight, bias), to_ours, lambda w: (w, torch.zeros(w.shape[0], dtype=torch.float32)))
+def _expert_bias(ours: str, hf: str, experts: int) -> WeightRule:
+    """e_score_correction_bias [E] fp32 <-> router.expert_bias; zeros to HF from a model without one."""
+    return WeightRule(ours, (hf,), lambda b: b.float(), lambda b: (b.float(),),
+                      absent=lambda: (torch.zeros(experts, dtype=torch.float32),))
 
 
 def nemotron_h_rules(c: Any) -> list[WeightRule]:
@@ -214,8 +210,9 @@ def nemotron_h_rules(c: Any) -> list[WeightRule]:
                       _same(ours + "mlp.linear_fc2.weight", hf + "mixer.down_proj.weight")]
         else:
             rules += [_same(ours + "pre_mlp_layernorm.weight", hf + "norm.weight"),
-                      _router(ours + "mlp.router.weight", hf + "mixer.gate.weight",
-                              hf + "mixer.gate.e_score_correction_bias")]
+                      _same(ours + "mlp.router.weight", hf + "mixer.gate.weight"),
+                      _expert_bias(ours + "mlp.router.expert_bias", hf + "mixer.gate.e_score_correction_bias",
+                                   int(c.n_routed_experts))]
             for e in range(int(c.n_routed_experts)):
                 rules += [_same(f"{ours}mlp.experts.local_experts.{e}.linear_fc{n}.weight",
                                 f"{hf}mixer.experts.{e}.{proj}.weight") for n, proj in _FC_PROJ]
@@ -318,8 +315,14 @@ def _hf_moe_config(args: Any) -> dict:
     _refuse_out(getattr(args, "moe_expert_capacity_factor", None) is not None,
             "a hybrid MoE model with --moe-expert-capacity-factor (dropped tokens)", "NemotronH drops none")
     topk = int(args.moe_router_topk)
+    groups, group_topk = getattr(args, "moe_router_num_groups", None), getattr(args, "moe_router_group_topk", None)
+    limited = bool(group_topk) and int(group_topk) < int(groups)
+    _refuse_out(limited and topk != 2 * int(group_topk), f"a hybrid MoE model with --moe-router-topk {topk} and "
+                f"--moe-router-group-topk {group_topk}", "NemotronH scores a group by its top 2 experts, ours by "
+                "its top topk / group-topk: they agree when --moe-router-topk is 2 x --moe-router-group-topk")
     return dict(n_routed_experts=int(args.num_experts), num_experts_per_tok=topk,
                 moe_intermediate_size=int(args.moe_ffn_hidden_size or args.ffn_hidden_size),
                 moe_shared_expert_intermediate_size=int(args.moe_shared_expert_intermediate_size),
-                n_shared_experts=1, moe_latent_size=None, n_group=1, topk_group=1, norm_topk_prob=topk > 1,
+                n_shared_experts=1, moe_latent_size=None, n_group=int(groups) if limited else 1,
+                topk_group=int(group_topk) if limited else 1, norm_topk_prob=topk > 1,
                 routed_scaling_factor=float(args.moe_router_topk_scaling_factor or 1.0))

@@ -177,6 +177,12 @@ class TransformerConfig:
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: float | None = None
     moe_router_dtype: str | None = None
+    # Group-limited routing (both set): the E experts in num_groups groups, each token's experts chosen
+    # from its group_topk best groups. Expert bias: the aux-loss-free balancing buffer of the router.
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float | None = None
     moe_grouped_gemm: bool = False
@@ -295,6 +301,7 @@ class TransformerConfig:
         if self.moe_ffn_hidden_size % self.expert_tensor_parallel_size:
             raise ConfigRuleError(f"<<moe_ffn_hidden_size>> ({self.moe_ffn_hidden_size}) must be divisible by "
                                   f"<<expert_tensor_parallel_size>> ({self.expert_tensor_parallel_size})")
+        self._check_moe_routing()
         if self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff:
             raise ConfigRuleError("<<moe_router_load_balancing_type>> sinkhorn takes no aux loss: set "
                                   "<<moe_aux_loss_coeff>> to 0")
@@ -318,6 +325,41 @@ class TransformerConfig:
         if self.tensor_model_parallel_size > 1 and not self.sequence_parallel:
             raise ConfigRuleError("<<num_moe_experts>> with <<tensor_model_parallel_size>> > 1 needs "
                                   "<<sequence_parallel>>, as in Megatron")
+
+    def _check_moe_routing(self) -> None:
+        """Megatron-Core's rules for group-limited routing and the expert bias."""
+        experts, topk = self.num_moe_experts, self.moe_router_topk
+        for name in ("moe_router_num_groups", "moe_router_group_topk"):
+            _require_positive(name, getattr(self, name))
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ConfigRuleError("<<moe_router_enable_expert_bias>> (the aux-loss-free expert bias) needs "
+                                  "<<moe_router_score_function>> sigmoid, as in Megatron")
+        if self.moe_router_enable_expert_bias and self.moe_router_load_balancing_type == "sinkhorn":
+            raise ConfigRuleError("<<moe_router_enable_expert_bias>> is a top-k router's: it cannot be used with "
+                                  "<<moe_router_load_balancing_type>> sinkhorn")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if group_topk is None:
+            if groups is not None:
+                raise ConfigRuleError("<<moe_router_num_groups>> needs <<moe_router_group_topk>> (the groups "
+                                      "each token chooses from)")
+            return
+        if groups is None:
+            raise ConfigRuleError("<<moe_router_group_topk>> (group-limited routing) needs <<moe_router_num_groups>>")
+        if experts % groups:
+            raise ConfigRuleError(f"<<num_moe_experts>> ({experts}) must be divisible by <<moe_router_num_groups>> "
+                                  f"({groups})")
+        if group_topk > groups:
+            raise ConfigRuleError(f"<<moe_router_group_topk>> ({group_topk}) cannot exceed <<moe_router_num_groups>> "
+                                  f"({groups})")
+        # Each group's score is the sum of its top (topk // group_topk) scores (at least one), and the
+        # top-k is taken among the chosen groups' experts (at least k of them).
+        if topk < group_topk or topk > group_topk * (experts // groups):
+            raise ConfigRuleError(f"<<moe_router_topk>> ({topk}) must be at least <<moe_router_group_topk>> "
+                                  f"({group_topk}) and at most the chosen groups' experts ({group_topk} x "
+                                  f"{experts // groups})")
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            raise ConfigRuleError("<<moe_router_group_topk>> (group-limited routing) is a top-k router's: it cannot "
+                                  "be used with <<moe_router_load_balancing_type>> sinkhorn")
 
     def cp_comm_type_of(self, layer_number: int) -> str:
         """The context-parallel exchange of the 1-based layer `layer_number` ("p2p" by default)."""

@@ -183,6 +183,8 @@ def _moe_from_args(args: argparse.Namespace, arch: ModelArchitecture) -> Optiona
         raise PlanError("--moe-router-score-function sigmoid is not modelled by the planner")
     if args.moe_z_loss_coeff:
         raise PlanError("--moe-z-loss-coeff is not modelled by the planner")
+    if args.moe_router_group_topk:
+        raise PlanError("--moe-router-group-topk (group-limited routing) is not modelled by the planner")
     if args.moe_grouped_gemm and args.fp16:
         raise PlanError("--moe-grouped-gemm with --fp16: the batched fallback's memory is not modelled")
     hybrid = hybrid_shape_from_args(args)

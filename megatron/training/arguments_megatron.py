@@ -222,10 +222,6 @@ NO_EFFECT = (
 REFUSED = (
     _true("--moe-extended-tp", "--moe-extended-tp (deprecated in Megatron: use --expert-tensor-parallel-size)"),
     _true("--moe-use-upcycling", "upcycling a dense checkpoint into MoE"),
-    _value("--moe-router-num-groups", int, None, "group-limited MoE routing"),
-    _value("--moe-router-group-topk", int, None, "group-limited MoE routing"),
-    _true("--moe-router-enable-expert-bias", "the aux-loss-free expert bias of the MoE router"),
-    _value("--moe-router-bias-update-rate", float, 1e-3, "the aux-loss-free expert bias of the MoE router"),
     _true("--moe-router-force-load-balancing", "random MoE routing for benchmarks"),
     _value("--moe-input-jitter-eps", float, None, "MoE router input jitter"),
     _true("--moe-apply-probs-on-input", "weighting MoE expert inputs instead of outputs"),

@@ -33,6 +33,7 @@ _ARCH_ARGS: Tuple[str, ...] = (
     "make_vocab_size_divisible_by", "seq_length", "group_query_attention",
     "rotary_base", "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor",
     "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_token_dispatcher_type",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
     "moe_grouped_gemm",
 )
 # Paths from the machine that saved the checkpoint: used only when this run gives none.

@@ -90,6 +90,23 @@ def biased():
     return _seeded(BIASED, 303)
 
 
+# DeepSeek-V3's router: sigmoid, group-limited (2 groups of 2 experts, one kept per token), the aux-loss-free
+# expert bias (mlp.router.expert_bias, set to nonzero values so that it changes the choice)
+BIAS_GROUPS = FLAGS + ["--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
+                       "--moe-router-group-topk", "1", "--moe-router-enable-expert-bias"]
+
+
+@pytest.fixture(scope="module")
+def bias_groups():
+    args, whole, model = _seeded(BIAS_GROUPS, 304)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
+                whole[name] = buffer.clone()
+    return args, whole, model
+
+
 @pytest.fixture(scope="module")
 def mixtral():
     return _seeded(MIXTRAL, 301)
@@ -250,6 +267,8 @@ CASES = {  # id: (naming, TE spec, TP, PP, EP, ETP, the model fixture)
     # 0.16.1 asserts ETP 1 with biased experts)
     "biased-sequential-tp2-ep2": ("sequential", False, 2, 1, 2, None, "biased"),
     "biased-te-grouped-tp2-etp1-ep2": ("te_grouped", True, 2, 1, 2, 1, "biased"),
+    # the router's expert bias (fp32, replicated) with group-limited routing
+    "expert-bias-groups-sequential-tp2-ep2": ("sequential", False, 2, 1, 2, None, "bias_groups"),
 }
 
 
@@ -345,6 +364,8 @@ config = TransformerConfig(
     num_moe_experts=a.num_experts, moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_router_topk=a.moe_router_topk,
     moe_layer_freq=a.moe_layer_freq, moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
     moe_grouped_gemm=a.moe_grouped_gemm, moe_aux_loss_coeff=a.moe_aux_loss_coeff,
+    moe_router_score_function=a.moe_router_score_function, moe_router_num_groups=a.moe_router_num_groups,
+    moe_router_group_topk=a.moe_router_group_topk, moe_router_enable_expert_bias=a.moe_router_enable_expert_bias,
     apply_rope_fusion=False, bias_activation_fusion=False, use_cpu_initialization=True)
 spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=a.normalization)
 model = GPTModel(config, spec, vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
@@ -359,12 +380,14 @@ emit({"impl": a.transformer_impl, "keys": sorted(state["model"]), "logits": logi
 '''
 
 
-@pytest.mark.parametrize("fixture, naming", [("moe", "grouped"), ("biased", "te_grouped")])
+@pytest.mark.parametrize("fixture, naming", [("moe", "grouped"), ("biased", "te_grouped"),
+                                             ("bias_groups", "sequential")])
 def test_mcore_saver_moe_loads_strictly_in_megatron_core_and_gives_our_logits(fixture, naming, request, tmp_path,
                                                                               capsys):
-    """Megatron-LM (GroupedMLP, or with linear biases TEGroupedMLP, at EP 2) -> --saver mcore
-    --saver-transformer-impl local at EP 1: megatron-core's MoE GPTModel (local spec: SequentialMLP,
-    biased experts with add_bias_linear) loads the file strictly and gives the original logits."""
+    """Megatron-LM (GroupedMLP, or with linear biases TEGroupedMLP, or SequentialMLP with a grouped sigmoid
+    router and its expert bias, at EP 2) -> --saver mcore --saver-transformer-impl local at EP 1:
+    megatron-core's MoE GPTModel (local spec: SequentialMLP, biased experts with add_bias_linear, the
+    router's expert_bias) loads the file strictly and gives the original logits."""
     args, whole, model = request.getfixturevalue(fixture)
     write_megatron_lm_moe(tmp_path / "src", args, whole, naming, te=naming == "te_grouped")
     _convert("mcore", "mcore", tmp_path / "src", tmp_path / "local", "--target-expert-parallel-size", "1",
@@ -392,9 +415,9 @@ def _one_line_error(argv, capsys):
     (dict(skip={(1, 0, 1)}), "no file holds EP rank 1's experts (expert-TP rank 1): "),
     (dict(args_changes={"expert_tensor_parallel_size": 4}), "expert_tensor_parallel_size 4 does not divide "
                                                             "tensor_model_parallel_size 2"),
-    (dict(args_changes={"moe_router_enable_expert_bias": True}), "moe_router_enable_expert_bias=True (the "
-                                                                 "aux-loss-free expert bias"),
-], ids=["missing-ep-file", "etp-not-dividing-tp", "expert-bias"])
+    (dict(args_changes={"moe_router_topk_limited_devices": 2}), "moe_router_topk_limited_devices=2 (the "
+                                                                "deprecated device-limited routing"),
+], ids=["missing-ep-file", "etp-not-dividing-tp", "limited-devices"])
 def test_wrong_moe_layouts_are_one_line_and_nothing_written(layout, message, moe, tmp_path, capsys):
     args, whole, _ = moe
     write_megatron_lm_moe(tmp_path / "bad", args, whole, "sequential", tp=2, **layout)

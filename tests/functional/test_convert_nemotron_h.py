@@ -41,6 +41,7 @@ OUR_FLAGS = [  # pretrain_mamba.py's flags of a hybrid model NemotronH can hold 
     "--num-experts", "4", "--moe-router-topk", "1", "--moe-ffn-hidden-size", "16",
     "--moe-shared-expert-intermediate-size", "24",
     "--moe-router-score-function", "sigmoid", "--moe-router-topk-scaling-factor", "2.0",
+    "--moe-router-enable-expert-bias",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--init-method-std", "0.1"]
 
 
@@ -54,20 +55,30 @@ def tiny_nemotron_h(**overrides):
 
 
 def _perturb(model):
-    """Norms and D away from their constant init, so that a mix-up shows."""
+    """Norms and D away from their constant init, so that a mix-up shows; the expert biases nonzero."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".D"):
                 p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.05)
+
+
+# Nemotron-H's trained routers: group-limited (2 groups of 2 experts, the best one kept per token: k = 2 =
+# 2 x topk_group) with a nonzero e_score_correction_bias (_perturb), Megatron's aux-loss-free expert bias
+ROUTING = dict(n_group=2, topk_group=1)
 
 
 @pytest.fixture(scope="module")
 def hf_and_ours():
-    hf_config = tiny_nemotron_h()
+    hf_config = tiny_nemotron_h(**ROUTING)
     torch.manual_seed(0)
     hf = transformers.NemotronHForCausalLM(hf_config).eval()
     _perturb(hf)
     config_kwargs, model_kwargs = config_from_hf(hf_config, seq_length=64)
+    assert (config_kwargs["moe_router_num_groups"], config_kwargs["moe_router_group_topk"]) == (2, 1)
+    assert config_kwargs["moe_router_enable_expert_bias"]
     ours = MambaModel(TransformerConfig(**config_kwargs), **model_kwargs).eval()
     ours.load_state_dict(state_dict_from_hf(hf.state_dict(), hf_config))
     return hf_config, hf, ours
@@ -92,6 +103,25 @@ def test_converted_hf_nemotron_h_gives_the_same_logits_loss_and_gradients(hf_and
     hf_state, back = hf.state_dict(), state_dict_to_hf(ours.state_dict(), hf_config)
     assert sorted(back) == sorted(hf_state)
     assert not [k for k in hf_state if not torch.equal(hf_state[k], back[k])]
+    bias = hf_state["model.layers.3.mixer.gate.e_score_correction_bias"]
+    assert bias.abs().min() > 0 and torch.equal(ours.decoder.layers[3].mlp.router.expert_bias, bias)
+
+
+def test_the_groups_and_the_expert_bias_change_the_routing(hf_and_ours):
+    """Without the groups, or with a zero expert bias, the logits differ: the equality above covers both."""
+    hf_config, hf, ours = hf_and_ours
+    ids = torch.randint(2, 96, (2, 21), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = ours(ids, None)
+        for changes in (dict(n_group=1, topk_group=1), "zero bias"):
+            config = hf_config if changes == "zero bias" else tiny_nemotron_h(**changes)
+            config_kwargs, model_kwargs = config_from_hf(config, seq_length=64)
+            other = MambaModel(TransformerConfig(**config_kwargs), **model_kwargs).eval()
+            state = dict(ours.state_dict())
+            if changes == "zero bias":
+                state = {k: torch.zeros_like(v) if k.endswith("expert_bias") else v for k, v in state.items()}
+            other.load_state_dict(state)
+            assert not torch.allclose(other(ids, None), reference, rtol=1e-4, atol=1e-4), changes
 
 
 def test_greedy_generation_equals_hf_generate(hf_and_ours):
@@ -145,14 +175,18 @@ def test_settings_hf_ignores_change_nothing():
 
 
 @pytest.mark.parametrize("hf_setting, ours_setting, message", [
-    (dict(n_group=2, topk_group=1), None, "n_group 2, topk_group 1 .*group-limited routing"),
+    (dict(n_group=2, topk_group=1, num_experts_per_tok=1, norm_topk_prob=False), None,
+     "n_group 2, topk_group 1 and num_experts_per_tok 1 .*top 2 experts"),
+    (dict(n_group=3, topk_group=1), None, "n_group 3 not dividing n_routed_experts 4"),
     (dict(moe_latent_size=16), None, "moe_latent_size 16"),
     (dict(mlp_hidden_act="silu"), None, "mlp_hidden_act 'silu'"),
     (dict(num_nextn_predict_layers=1), None, "num_nextn_predict_layers 1"),
-    ("e_score_correction_bias", None, r"nonzero backbone\.layers\.3\.mixer\.gate\.e_score_correction_bias"),
     (None, dict(untie_embeddings_and_output_weights=False), "tied embeddings cannot be converted to HF"),
     (None, dict(moe_router_score_function="softmax"), "routed by softmax"),
-], ids=["group-limited-routing", "latent-moe", "mlp-activation", "mtp", "expert-bias", "tied-to-hf", "softmax-to-hf"])
+    (None, dict(moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk=1), "--moe-router-topk 1 and "
+     "--moe-router-group-topk 1 cannot be converted to HF"),
+], ids=["group-topk-not-half-of-k", "groups-not-dividing-experts", "latent-moe", "mlp-activation", "mtp", "tied-to-hf",
+        "softmax-to-hf", "group-topk-not-half-of-k-to-hf"])
 def test_what_nemotron_h_or_ours_lacks_is_refused(hf_setting, ours_setting, message):
     """One ValueError naming the setting, HF -> ours (config or weights) and ours -> HF."""
     from argparse import Namespace
@@ -165,36 +199,28 @@ def test_what_nemotron_h_or_ours_lacks_is_refused(hf_setting, ours_setting, mess
         with pytest.raises(ValueError, match=message):
             hf_config_from_args(Namespace(is_hybrid_model=True, **{**args, **ours_setting}), 96)
         return
-    if hf_setting == "e_score_correction_bias":
-        hf_config = tiny_nemotron_h()
-        torch.manual_seed(0)
-        state = transformers.NemotronHForCausalLM(hf_config).state_dict()
-        state["model.layers.3.mixer.gate.e_score_correction_bias"][1] = 0.5
-        with pytest.raises(ValueError, match=message):
-            state_dict_from_hf(state, hf_config)
-        return
     with pytest.raises(ValueError, match=message):
         config_from_hf(tiny_nemotron_h(**hf_setting))
 
 
-def test_a_nonzero_expert_bias_in_files_is_refused_before_anything_is_written(tmp_path):
-    """The converter's HF loader checks every E layer's e_score_correction_bias with the other tensors
-    (HFCheckpoint.rules), so the refusal is one line before any file is written."""
-    from megatron.training.checkpoint_safety import CheckpointError
-
+def test_a_nonzero_expert_bias_in_files_reaches_our_router(tmp_path):
+    """The converter's HF loader reads every E layer's e_score_correction_bias (fp32 in the files, as HF
+    keeps it) into our mlp.router.expert_bias."""
     torch.manual_seed(0)
-    model = transformers.NemotronHForCausalLM(tiny_nemotron_h())
+    model = transformers.NemotronHForCausalLM(tiny_nemotron_h(**ROUTING))
     with torch.no_grad():
         model.model.layers[5].mixer.gate.e_score_correction_bias[2] = 0.25
     model.save_pretrained(str(tmp_path))
-    with pytest.raises(CheckpointError, match=r"nonzero backbone\.layers\.5\.mixer\.gate\.e_score_correction_bias"):
-        HFCheckpoint(str(tmp_path)).rules()
+    checkpoint = HFCheckpoint(str(tmp_path))
+    rules = {rule.ours: rule for rule in checkpoint.rules()}
+    bias = checkpoint.ours(rules["decoder.layers.5.mlp.router.expert_bias"])
+    assert bias.dtype == torch.float32 and bias.tolist() == [0.0, 0.0, 0.25, 0.0]
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("nemotron_h")
-    save_hf(tiny_nemotron_h(vocab_size=200, initializer_range=0.02), root / "hf")
+    save_hf(tiny_nemotron_h(vocab_size=200, initializer_range=0.02, **ROUTING), root / "hf")
     run_convert(root / "hf", root / "tp2pp2", "hf", "megatron", "--target-tensor-parallel-size", "2",
                 "--target-pipeline-parallel-size", "2")
     run_convert(root / "tp2pp2", root / "back", "megatron", "hf")
@@ -250,7 +276,8 @@ def test_megatron_lm_names_round_trip(converted):
 
 
 def test_pretrain_mamba_load_hf_starts_from_the_hf_weights(converted, tmp_path):
-    """pretrain_mamba.py --load-hf of the NemotronH: after one step at lr 0 the checkpoint holds HF's tensors."""
+    """pretrain_mamba.py --load-hf of the NemotronH: after one step at lr 0 (and expert-bias rate 0) the
+    checkpoint holds HF's tensors; the run takes HF's group-limited routing and expert bias."""
     import pretrain_mamba
     from megatron.training.initialize import reset_megatron
 
@@ -259,10 +286,11 @@ def test_pretrain_mamba_load_hf_starts_from_the_hf_weights(converted, tmp_path):
         pretrain_mamba.main(["--load-hf", str(converted / "hf"), "--micro-batch-size", "2", "--global-batch-size", "2",
                              "--train-iters", "1", "--lr", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
                              "--vocab-size", "199", "--seq-length", "16", "--eval-iters", "0", "--save", ckpt,
-                             "--save-interval", "1", "--ckpt-format", "torch"])
+                             "--save-interval", "1", "--ckpt-format", "torch", "--moe-router-bias-update-rate", "0"])
     finally:
         reset_megatron()
     saved = load_file(get_checkpoint_name(ckpt, 1))["model"]
+    assert "decoder.layers.3.mlp.router.expert_bias" in saved
     expected = state_dict_from_hf(_safetensors(converted / "hf"),
                                   transformers.AutoConfig.from_pretrained(str(converted / "hf")))
     assert sorted(k for k in saved if not k.endswith("_extra_state")) == sorted(expected)
@@ -270,16 +298,19 @@ def test_pretrain_mamba_load_hf_starts_from_the_hf_weights(converted, tmp_path):
         assert torch.equal(saved[name][:tensor.shape[0]], tensor), name  # (the vocabulary padded to 256 rows)
 
 
-def test_a_trained_hybrid_checkpoint_converts_to_hf(tmp_path):
+@pytest.mark.parametrize("expert_bias", [True, False], ids=["expert-bias", "no-expert-bias"])
+def test_a_trained_hybrid_checkpoint_converts_to_hf(tmp_path, expert_bias):
     """pretrain_mamba.py of OUR_FLAGS saves a checkpoint; --saver hf writes a NemotronH from its args (the
     converter's logits check: the checkpoint against the HF folder read back) that transformers loads with
-    no missing or unexpected tensor and whose logits equal those of the folder converted to ours."""
+    no missing or unexpected tensor and whose logits equal those of the folder converted to ours. The
+    expert bias after the training step is HF's e_score_correction_bias; trained without one, HF's is zero."""
     import pretrain_mamba
     from megatron.training.initialize import reset_megatron
 
     ckpt = str(tmp_path / "ckpt")
+    flags = [f for f in OUR_FLAGS if expert_bias or f != "--moe-router-enable-expert-bias"]
     try:
-        pretrain_mamba.main([*OUR_FLAGS, "--global-batch-size", "1", "--eval-iters", "0", "--save", ckpt,
+        pretrain_mamba.main([*flags, "--global-batch-size", "1", "--eval-iters", "0", "--save", ckpt,
                              "--save-interval", "1", "--ckpt-format", "torch"])
     finally:
         reset_megatron()
@@ -287,6 +318,8 @@ def test_a_trained_hybrid_checkpoint_converts_to_hf(tmp_path):
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     assert type(hf).__name__ == "NemotronHForCausalLM" and hf.config.hybrid_override_pattern == "E-*M"
     assert not any(info.values()), info
+    bias = hf.model.layers[0].mixer.gate.e_score_correction_bias  # (pattern E-*M: layer 0 is the E)
+    assert bool(bias.abs().max() > 0) == expert_bias
     config_kwargs, model_kwargs = config_from_hf(hf.config, seq_length=64)
     ours = MambaModel(TransformerConfig(**config_kwargs), **model_kwargs).eval()
     ours.load_state_dict(state_dict_from_hf(_safetensors(tmp_path / "hf"), hf.config))

@@ -173,6 +173,7 @@ def test_plan_tool_and_search_for_a_7b_model(capsys):
     assert main(SMALL + ["--world-size", "3"]) == 2  # a batch that does not split: the flag's one-line error
     assert main(SMALL + MOE + ["--moe-z-loss-coeff", "1e-3"]) == 2  # not modelled: said so
     assert main(SMALL + MOE + ["--moe-router-load-balancing-type", "sinkhorn"]) == 2
+    assert main(SMALL + MOE + ["--moe-router-num-groups", "2", "--moe-router-group-topk", "1"]) == 2
     capsys.readouterr()
     assert main(LLAMA_7B + ["--world-size", "64", "--search", "--top", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()

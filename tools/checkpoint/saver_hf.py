@@ -85,6 +85,12 @@ def _check_config(config: Any, args: argparse.Namespace) -> None:
                 and not (dest == "num_query_groups" and not derived["group_query_attention"])
                 # an MoE model with an MoE MLP in every layer (Mixtral) never uses the dense ffn size
                 and not (dest == "ffn_hidden_size" and derived.get("num_experts"))
+                # a router without the expert bias: HF's (NemotronH's) is written as zeros
+                and not (dest == "moe_router_enable_expert_bias" and not getattr(args, dest))
+                # groups that keep every group: HF's n_group = topk_group = 1, the same routing
+                and not (dest in ("moe_router_num_groups", "moe_router_group_topk") and derived[dest] is None
+                         and (getattr(args, "moe_router_group_topk", None) or 0)
+                         >= (getattr(args, "moe_router_num_groups", None) or 0))
                 and dest != "openai_gelu"]  # compared as the GeLU computed, below
     if derived.get("t5_activation") is not None:  # T5: its own args (megatron/convert/t5.py)
         problems += [f"{dest} {getattr(args, dest, None)} in the checkpoint, {derived[dest]} in the HF config"
@@ -157,6 +163,12 @@ def save_checkpoint(meta: Metadata, tensors: Iterator[Tuple[str, torch.Tensor]],
             tensor = tensor[:vocab]  # the padding rows are Megatron's, not the model's
         for hf_name, hf_tensor in zip(rule.hf, rule.to_hf(tensor)):
             writer.add(file_names.get(hf_name, hf_name), _own(hf_tensor))
+    for name in sorted(set(rules) - seen):
+        rule = rules[name]
+        if rule.absent is not None:  # a feature the model was trained without: HF's constant (a zero bias)
+            seen.add(name)
+            for hf_name, hf_tensor in zip(rule.hf, rule.absent()):
+                writer.add(file_names.get(hf_name, hf_name), _own(hf_tensor))
     missing = sorted(set(rules) - seen)
     if missing:
         raise CheckpointError(f"the loader sent no {', '.join(missing[:4])} ({len(missing)} tensors missing)")

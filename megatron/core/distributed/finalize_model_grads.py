@@ -15,6 +15,8 @@ In this order (Megatron's):
        encoder-decoder split (T5) adds the first decoder stage's copy to the group, and sums the
        learned position table of its first encoder and first decoder stage likewise, and a
        stack's relative position table over the stack's stages.
+    3b. the MoE routers' aux-loss-free expert bias (update_router_expert_bias): not a gradient, but
+       Megatron updates it here, once per global batch, from the step's token counts.
     4. per-token normalisation (--calculate-per-token-loss): gradients divided by the number of
        loss tokens of the global batch (each replica's count summed over the data-parallel group;
        DistributedDataParallel summed, not averaged, the replicas' gradients).
@@ -179,6 +181,31 @@ def divide_by_global_token_count(model_chunks: List[nn.Module], num_tokens: torc
         scale_gradients(model_chunks, 1.0 / count)
 
 
+def update_router_expert_bias(model_chunks: List[nn.Module]) -> None:
+    """The aux-loss-free balancing step of every MoE router with an expert bias (Megatron-Core's
+    _update_router_expert_bias): its token counts of the step's micro-batches are summed over the
+    TP x CP x DP ranks (all that saw other tokens of the global batch), then
+
+        expert_bias += rate * sign(mean_e(count) - count)       (rate: moe_router_bias_update_rate)
+
+    so an expert that got fewer tokens than the mean is favoured next step, and every replica
+    keeps the same bias. The counts are zeroed for the next step."""
+    routers = [module for chunk in model_chunks for module in chunk.modules()
+               if getattr(module, "expert_bias", None) is not None]
+    if not routers:  # a dense model, or a pipeline stage without MoE layers
+        return
+    counts = torch.stack([router.local_tokens_per_expert for router in routers])  # [L, E] fp32
+    for group in (parallel_state.get_tensor_and_data_parallel_group(),
+                  parallel_state.get_context_parallel_group()):
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            communication.all_reduce(counts, group=group)  # [L, E], summed over TP x DP, then CP
+    offset = counts.sum(dim=-1, keepdim=True) / counts.shape[-1] - counts  # [L, E]
+    with torch.no_grad():
+        for router, step in zip(routers, torch.sign(offset)):
+            router.expert_bias += step * router.config.moe_router_bias_update_rate
+            router.local_tokens_per_expert.zero_()
+
+
 def finalize_model_grads(model_chunks: List[nn.Module], num_tokens: Optional[torch.Tensor] = None) -> None:
     """Run the reductions above; num_tokens (per-token loss only) is this replica's token count.
 
@@ -197,5 +224,6 @@ def finalize_model_grads(model_chunks: List[nn.Module], num_tokens: Optional[tor
     allreduce_embedding_grads(model_chunks)
     allreduce_position_embedding_grads(model_chunks)
     allreduce_pipeline_stack_grads(model_chunks)
+    update_router_expert_bias(model_chunks)
     if num_tokens is not None:
         divide_by_global_token_count(model_chunks, num_tokens)

@@ -12,6 +12,15 @@ Tokens are the rows of x [T, h] (this rank's [s/t * b] under sequence parallelis
                                                        are sigmoid (k = 1) or the softmax over all E
     then x moe_router_topk_scaling_factor when given.
 
+Group-limited routing (moe_router_num_groups G, moe_router_group_topk g): the E experts form G equal
+groups, a group scores the sum of its top k/g scores (logits, or the softmax / sigmoid ones), each
+token keeps its g best groups and takes its top-k among their experts (the others masked to -inf).
+The expert bias (moe_router_enable_expert_bias, sigmoid only): buffer expert_bias [E] fp32 is added to
+the sigmoid scores to choose the experts (and the groups); the weights stay the unbiased scores. In
+training (autograd on) local_tokens_per_expert [E] counts the tokens each expert got (after dropping);
+finalize_model_grads.update_router_expert_bias sums the counts over TP x CP x DP after the step's
+micro-batches and moves the bias by rate * sign(mean - count) (Megatron-Core's aux-loss-free balancing).
+
 The result is probs [T, E] (zero off the chosen experts) and routing_map [T, E] (bool), as in
 Megatron-Core. Capacity (moe_expert_capacity_factor f): each expert takes at most
 C = ceil(T * k / E * f) of this rank's tokens; the rest of its tokens are dropped (their weight
@@ -60,18 +69,46 @@ def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
     return d1 * cost * d0.unsqueeze(1)
 
 
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """(values, indices) [T, k] of the top-k of scores [T, E] among each token's group_topk best groups of
+    experts (a group's score: the sum of its top topk // group_topk scores; Megatron-Core's group_limited_topk)."""
+    num_tokens, num_experts = scores.shape
+    grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)  # [T, G, E/G]
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)  # [T, G]
+    chosen = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)  # [T, E]
+    return torch.topk(scores.masked_fill(~expert_mask, float("-inf")), k=topk, dim=-1)
+
+
 def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax", pre_softmax: bool = False,
-                 scaling_factor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [T, E], routing_map [T, E] bool) of top-k routing with the score function (module doc)."""
+                 scaling_factor: float | None = None, num_groups: int | None = None, group_topk: int | None = None,
+                 expert_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs [T, E], routing_map [T, E] bool) of top-k routing with the score function (module doc);
+    group_topk (with num_groups) limits each token to its best groups; expert_bias [E] (sigmoid only) is
+    added to the scores to choose the experts, not to their weights."""
+
+    def choose(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if group_topk:
+            return group_limited_topk(scores, topk, num_groups, group_topk)
+        return torch.topk(scores, k=topk, dim=1)
+
+    if expert_bias is not None and score_function != "sigmoid":
+        raise ValueError(f"the expert bias needs the sigmoid score function, got {score_function!r}")
     if score_function == "softmax":
         if pre_softmax:
-            scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
-            weights, indices = torch.topk(scores, k=topk, dim=1)
+            weights, indices = choose(torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits))
         else:
-            top, indices = torch.topk(logits, k=topk, dim=1)
+            top, indices = choose(logits)
             weights = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
     elif score_function == "sigmoid":
-        weights, indices = torch.topk(torch.sigmoid(logits.float()).type_as(logits), k=topk, dim=1)
+        scores = torch.sigmoid(logits.float()).type_as(logits)
+        if expert_bias is not None:  # the bias picks the experts; the weights stay the unbiased scores
+            indices = choose(scores + expert_bias)[1]
+            weights = torch.gather(scores, 1, indices)
+        else:
+            weights, indices = choose(scores)
         if topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     else:
@@ -156,6 +193,30 @@ class TopKRouter(MegatronModule):
             self.bias.sequence_parallel = config.sequence_parallel
         else:
             self.register_parameter("bias", None)
+        if config.moe_router_enable_expert_bias:
+            # expert_bias is saved (mlp.router.expert_bias, Megatron's key); the counts of the step's
+            # micro-batches are not (update_router_expert_bias zeroes them after each step).
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.expert_bias = self.local_tokens_per_expert = None
+
+    def _keep_expert_bias_fp32(self) -> None:
+        """A bf16/fp16 cast of the model casts the buffers too: the bias and counts go back to fp32 (small
+        steps of the update rate would be lost in 16 bits)."""
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buffer = getattr(self, name)
+            if buffer is not None and buffer.dtype != torch.float32:
+                buffer.data = buffer.data.to(torch.float32)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._keep_expert_bias_fp32()
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _save_to_state_dict(self, *args, **kwargs) -> None:
+        self._keep_expert_bias_fp32()
+        super()._save_to_state_dict(*args, **kwargs)
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         """logits [s, b, E] in moe_router_dtype (else x's dtype)."""
@@ -164,6 +225,7 @@ class TopKRouter(MegatronModule):
         return torch.nn.functional.linear(x.to(dtype), self.weight.to(dtype), bias)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._keep_expert_bias_fp32()
         seq_length, batch = hidden_states.shape[:2]
         logits = self.gating(hidden_states).reshape(-1, self.num_experts)  # [T, E]
         return self.routing(logits, seq_length, batch)
@@ -194,11 +256,18 @@ class TopKRouter(MegatronModule):
             probs, routing_map = sinkhorn_routing(logits, self.topk, self.training)
         else:
             probs, routing_map = topk_routing(logits, self.topk, config.moe_router_score_function,
-                                              config.moe_router_pre_softmax, config.moe_router_topk_scaling_factor)
+                                              config.moe_router_pre_softmax, config.moe_router_topk_scaling_factor,
+                                              config.moe_router_num_groups, config.moe_router_group_topk,
+                                              self.expert_bias)
         routed = routing_map
         if config.moe_expert_capacity_factor is not None:
             probs, routing_map = drop_tokens(probs, routing_map, self.topk, config.moe_expert_capacity_factor,
                                              config.moe_token_drop_policy, config.moe_pad_expert_input_to_capacity)
+        if self.expert_bias is not None and torch.is_grad_enabled():
+            # Megatron counts with autograd on (not in evaluation, nor the no-grad first pass of a
+            # recomputed layer: its recompute counts), the tokens kept after dropping.
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
         if self._balancing():
             aux_losses.record_tokens(self.layer_number, num_layers, routed.sum(0), (routed & routing_map).sum(0))
             kind, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff

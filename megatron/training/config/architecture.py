@@ -63,7 +63,8 @@ LABELS: dict[str, str] = {
 }
 _ROTARY = ("rotary_percent", "rotary_interleaved", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
 _MOE = ("moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk",
-        "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor")
+        "moe_router_pre_softmax", "moe_router_score_function", "moe_router_topk_scaling_factor",
+        "moe_router_num_groups", "moe_router_group_topk", "moe_router_enable_expert_bias")
 _HYBRID = ("hybrid_override_pattern", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")
 
 
@@ -106,6 +107,9 @@ class ModelArchitecture:
     moe_router_pre_softmax: Optional[bool] = None
     moe_router_score_function: Optional[str] = None
     moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None  # group-limited routing (with the group top-k)
+    moe_router_group_topk: Optional[int] = None
+    moe_router_enable_expert_bias: Optional[bool] = None  # the router holds an expert_bias buffer
     is_hybrid_model: Optional[bool] = None
     hybrid_override_pattern: Optional[str] = None
     mamba_state_dim: Optional[int] = None

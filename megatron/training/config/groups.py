@@ -765,6 +765,17 @@ class MoEConfig(ConfigGroup, title="moe"):
     """Ours: warn when more than this fraction of an MoE layer's routed tokens is dropped in a
     logging interval (an expert with no tokens is always warned about).
     """
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: the experts split into this many equal groups (with
+    --moe-router-group-topk; DeepSeek-V3's node-limited routing)."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: the groups each token may choose its experts from, picked by the sum of
+    the top (topk / group-topk) scores of each group."""
+    moe_router_enable_expert_bias: bool = False
+    """The aux-loss-free expert bias: a per-expert bias added to the scores only to choose the experts,
+    updated after each step towards equal token counts (needs --moe-router-score-function sigmoid)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Each step the expert bias moves by this rate times sign(mean count - the expert's count)."""
 
 
 @dataclass
