@@ -47,7 +47,9 @@ def _worker(rank, world, rendezvous, cfg, out, queue):
     a = argparse.Namespace(**cfg["args"])
     a.params_dtype = torch.float32
     tp, pp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size
-    parallel_state.initialize_model_parallel(tp, pp)
+    moe = cfg.get("moe", {})  # TransformerConfig's MoE fields (the experts' EP / ETP among them)
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=moe.get("expert_model_parallel_size", 1),
+                                             expert_tensor_parallel_size=moe.get("expert_tensor_parallel_size"))
     model_parallel_cuda_manual_seed(cfg["seed"])
     torch.manual_seed(cfg["seed"])
     config = TransformerConfig(
@@ -57,8 +59,12 @@ def _worker(rank, world, rendezvous, cfg, out, queue):
         layernorm_epsilon=a.norm_epsilon, add_bias_linear=a.add_bias_linear, gated_linear_unit=a.swiglu,
         activation_func=F.silu if a.swiglu else F.gelu, hidden_dropout=0.0, attention_dropout=0.0,
         apply_rope_fusion=False, bias_activation_fusion=False, use_cpu_initialization=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
-    spec = get_gpt_layer_local_spec(normalization=a.normalization)
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, **moe)
+    if moe:  # SequentialMLP experts (no grouped GEMM without TE)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=a.normalization)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=a.normalization)
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     model = GPTModel(config, spec, vocab_size=a.padded_vocab_size, max_sequence_length=a.max_position_embeddings,
                      position_embedding_type=a.position_embedding_type, pre_process=first, post_process=last,
@@ -129,6 +135,49 @@ def llama_tp2_pp2(tmp_path_factory):
     cfg = {"args": raw, "seed": 5, "world": 4, "tokens": TOKENS}
     logits = run_mcore(SAVE, env={"CFG": json.dumps(cfg), "OUTDIR": str(out)})
     return out, torch.tensor(logits)
+
+
+# a Mixtral-like MoE: every layer MoE (so the experts are one global tensor [layers, experts, ...]), 4
+# SequentialMLP experts, top-2, a shared expert; experts over EP 2 at ETP 1 beside the dense TP 2, PP 2
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_shared_expert_intermediate_size": 16,
+       "moe_layer_freq": 1, "moe_aux_loss_coeff": 0.0, "moe_token_dispatcher_type": "alltoall",
+       "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}
+
+
+@pytest.fixture(scope="module")
+def moe_tp2_pp2_ep2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mcore_dist") / "moe"
+    args = legacy_args("llama")
+    raw = {k: v for k, v in vars(args).items() if isinstance(v, (type(None), bool, int, float, str))}
+    raw.update(MOE, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world_size=4,
+               transformer_impl="local", use_legacy_models=False, ckpt_format="torch_dist")
+    moe = {"num_moe_experts" if k == "num_experts" else k: v for k, v in MOE.items()}
+    cfg = {"args": raw, "seed": 6, "world": 4, "tokens": TOKENS, "moe": moe}
+    logits = run_mcore(SAVE, env={"CFG": json.dumps(cfg), "OUTDIR": str(out)})
+    return out, torch.tensor(logits)
+
+
+def _converted_logits(load_dir, save_dir, capsys):
+    convert.main(["--model-type", "GPT", "--loader", "mcore", "--saver", "megatron", "--load-dir", str(load_dir),
+                  "--save-dir", str(save_dir), "--target-tensor-parallel-size", "1",
+                  "--target-pipeline-parallel-size", "1"])
+    assert "-> OK" in capsys.readouterr().out
+    target_args, tensors = saver_megatron.read_back(str(save_dir))
+    return verify.logits_of(verify.build_serial_model(target_args, tensors), torch.tensor(TOKENS))
+
+
+def test_megatron_lm_moe_torch_dist_converts_to_megatron_core_logits(moe_tp2_pp2_ep2, tmp_path, capsys):
+    load_dir, reference = moe_tp2_pp2_ep2
+    from megatron.convert.mcore_dist import MegatronLMDist
+
+    names = MegatronLMDist(str(load_dir / "iter_0000007")).names()
+    experts = [n for n in names if n.startswith("decoder.layers.1.mlp.experts.")]
+    assert experts == [f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc{fc}.weight"
+                       for e in range(4) for fc in (1, 2)]
+    assert "decoder.layers.1.mlp.shared_experts.linear_fc1.weight" in names
+    assert "decoder.layers.1.mlp.router.weight" in names
+    torch.testing.assert_close(_converted_logits(load_dir, tmp_path / "ours", capsys), reference,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_megatron_lm_torch_dist_converts_to_megatron_core_logits(llama_tp2_pp2, tmp_path, capsys):
