@@ -16,6 +16,14 @@ global shapes include the prepended axes):
     <..>.linear_qkv.weight                 query groups in order: our rows (checkpoint_version 3.0)
     <..>.linear_qkv.layer_norm_weight      the TE names of the fused norms (also what the local spec
                                            saves): input_layernorm / pre_mlp_layernorm (legacy.core_name)
+    <..>.mlp.experts.experts.linear_fc1/2.weight (and .bias)
+                                           an MoE layer's experts (SequentialMLP, TEGroupedMLP and
+                                           GroupedMLP save the same): the expert axis [E, *TP = 1
+                                           shape] after the layer axis if any, EP / expert-TP shards
+                                           placed in it -> <..>.mlp.experts.local_experts.<e>.*;
+                                           singleton_local_shards: <..>.experts.experts.<e>.linear_fc1.*
+                                           one key per global expert (fc1's _w / _v halves as above)
+    <..>.mlp.router.weight, <..>.mlp.shared_experts.*   as they are
     <module>._extra_state/shard_<o>_<n>    ShardedObjects (bytes: a torch.save'd list of the objects);
                                            empty ones are dropped, FP8 data refused (check_extra_state)
     output_layer.weight                    absent when tied (the last stage's copy is saved as a

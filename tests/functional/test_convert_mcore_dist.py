@@ -7,7 +7,6 @@ megatron-core's save on CPU needs two patches (in the snippet): torch.cuda.synch
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -149,7 +148,7 @@ def moe_tp2_pp2_ep2(tmp_path_factory):
     out = tmp_path_factory.mktemp("mcore_dist") / "moe"
     args = legacy_args("llama")
     raw = {k: v for k, v in vars(args).items() if isinstance(v, (type(None), bool, int, float, str))}
-    raw.update(MOE, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world_size=4,
+    raw.update(MOE, num_layers=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world_size=4,
                transformer_impl="local", use_legacy_models=False, ckpt_format="torch_dist")
     moe = {"num_moe_experts" if k == "num_experts" else k: v for k, v in MOE.items()}
     cfg = {"args": raw, "seed": 6, "world": 4, "tokens": TOKENS, "moe": moe}
