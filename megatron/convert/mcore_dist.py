@@ -24,6 +24,11 @@ global shapes include the prepended axes):
                                            singleton_local_shards: <..>.experts.experts.<e>.linear_fc1.*
                                            one key per global expert (fc1's _w / _v halves as above)
     <..>.mlp.router.weight, <..>.mlp.shared_experts.*   as they are
+    decoder.layers.N.mixer.in_proj.weight.{z,x,B,C,dt}   a hybrid (MambaStack: per-layer keys) Mamba
+    decoder.layers.N.mixer.conv1d.{weight,bias}.{x,B,C}  mixer's packed tensors, one global tensor per
+                                           part (each the TP = 1 part): joined in that order, our
+                                           TP = 1 in_proj / conv1d; mixer.in_proj.layer_norm_weight
+                                           is the layer's norm (TE's fused name), decoder.final_norm
     <module>._extra_state/shard_<o>_<n>    ShardedObjects (bytes: a torch.save'd list of the objects);
                                            empty ones are dropped, FP8 data refused (check_extra_state)
     output_layer.weight                    absent when tied (the last stage's copy is saved as a
@@ -52,7 +57,10 @@ _STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
 # an MoE layer's experts (the MoE layer's `experts.` and the expert module's own `experts.`)
 _EXPERTS_STACKED = re.compile(r"^(.*\.mlp\.experts\.)experts\.(linear_fc[12]\.(?:weight|bias))$")  # [.., E, ...]
 _EXPERT_SINGLE = re.compile(r"^(.*\.mlp\.experts\.)experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$")
-_SWIGLU_HALF = re.compile(r"^(.*\.linear_fc1\.(?:weight|bias))_([wv])$")
+_SWIGLU_HALF = re.compile(r"^(.*\.linear_fc1\.(?:weight|bias))(_[wv])$")
+# a Mamba mixer's packed tensors, saved as one global tensor per part (MambaMixer.sharded_state_dict)
+_MAMBA_PART = re.compile(r"^(.*\.mixer\.(?:in_proj\.weight|conv1d\.(?:weight|bias)))(\.(?:z|x|B|C|dt))$")
+_MAMBA_PARTS = {"in_proj": (".z", ".x", ".B", ".C", ".dt"), "conv1d": (".x", ".B", ".C")}  # in row order
 
 
 def read_common(base_dir: str) -> Dict[str, Any]:
@@ -76,6 +84,18 @@ def is_megatron_lm(common: Dict[str, Any]) -> bool:
     return "content" not in common
 
 
+def _whole_of(key: str) -> Tuple[str, Optional[Tuple[str, ...]]]:
+    """(the whole tensor's key, the suffixes of its parts in row order) of a key that holds one part
+    of a tensor (SwiGLU's _w / _v halves, a Mamba mixer's z / x / B / C / dt), else (key, None)."""
+    match = _SWIGLU_HALF.match(key)
+    if match is not None:
+        return match.group(1), ("_w", "_v")
+    match = _MAMBA_PART.match(key)
+    if match is not None:
+        return match.group(1), _MAMBA_PARTS[match.group(1).split(".")[-2]]
+    return key, None
+
+
 class MegatronLMDist:
     """One Megatron-LM torch_dist iteration folder: `args` (ours), `iteration`, `names()` (our TP = 1
     names in canonical order) and `read(name)` (that whole tensor). One process, no collectives."""
@@ -97,15 +117,13 @@ class MegatronLMDist:
                                   "checkpoints have 3.0")
         self.raw_args = common["args"]
         self.args = megatron_lm_args(self.raw_args, path, family)
-        if getattr(self.args, "is_hybrid_model", False):  # its in_proj / conv1d are split into per-part shards
-            raise CheckpointError(f"{path}: a hybrid (Mamba) model in Megatron-LM's torch_dist format is not read "
-                                  "yet; save it with --ckpt-format torch and convert that (--loader mcore)")
         self.iteration = int(common.get("iteration", 0))
         metadata_path = os.path.join(base_dir, DCP_METADATA)
         if not os.path.isfile(metadata_path):
             raise CheckpointError(f"{base_dir} has no DCP metadata file {DCP_METADATA}: the save did not finish")
         self.metadata = read_dcp_metadata(metadata_path)
-        self._sources: Dict[str, Tuple[str, Tuple[int, ...], Optional[str]]] = {}  # ours -> (key, index, half)
+        # ours -> (key, index along the prepended axes, None or the suffixes of the parts to join)
+        self._sources: Dict[str, Tuple[str, Tuple[int, ...], Optional[Tuple[str, ...]]]] = {}
         self._scan()
 
     # ---------------------------------------------------------------- key mapping
@@ -114,7 +132,7 @@ class MegatronLMDist:
         from megatron.convert.legacy import check_extra_state, core_name, expert_order
         from megatron.dist_checkpointing.load import _canonical_order
 
-        found: Dict[str, Tuple[str, Tuple[int, ...], Optional[str]]] = {}
+        found: Dict[str, Tuple[str, Tuple[int, ...], Optional[Tuple[str, ...]]]] = {}
         for key, stored in self.metadata.state_dict_metadata.items():
             if key.startswith(_NOT_MODEL):
                 continue
@@ -130,13 +148,14 @@ class MegatronLMDist:
                 continue
             if not isinstance(stored, TensorStorageMetadata):
                 raise CheckpointError(f"{self.base_dir}: {key} is neither a tensor nor bytes")
-            half = None
-            match = _SWIGLU_HALF.match(key)
-            name = key
-            if match is not None:
-                name, half = match.group(1), match.group(2)
+            name, parts = _whole_of(key)
+            if parts is not None:
+                missing = [name + part for part in parts if name + part not in self.metadata.state_dict_metadata]
+                if missing:
+                    raise CheckpointError(f"{self.base_dir} holds {key} but not {', '.join(missing)}: the parts "
+                                          f"of {name} are incomplete")
             for ours, index in self._places(key, name, tuple(stored.size)):
-                self._add(found, core_name(ours), key, index, half)
+                self._add(found, core_name(ours), name, index, parts)
         # each layer's experts expert by expert (fc1, then fc2), as SequentialMLP's state dict has them
         self._sources = expert_order({name: found[name] for name in sorted(found, key=_canonical_order)})
 
@@ -176,16 +195,13 @@ class MegatronLMDist:
         return experts
 
     @staticmethod
-    def _add(found: Dict[str, Any], name: str, key: str, index: Tuple[int, ...], half: Optional[str]) -> None:
-        if half is not None:  # the w and v halves: one entry, the v key found from the w key
-            name_key = key[:-2]
-            if name in found and found[name][2] is not None:
-                return
-            found[name] = (name_key, index, "wv")
-            return
+    def _add(found: Dict[str, Any], name: str, key: str, index: Tuple[int, ...],
+             parts: Optional[Tuple[str, ...]]) -> None:
+        if parts is not None and name in found and found[name][2] == parts:
+            return  # one entry for all the parts (key: their common prefix)
         if name in found:
             raise CheckpointError(f"{key} and {found[name][0]} both name {name} (TE's fused norm and a separate one?)")
-        found[name] = (key, index, None)
+        found[name] = (key, index, parts)
 
     def _objects(self, key: str) -> List[Any]:
         from megatron.dist_checkpointing.dcp_io import _load_bytes
@@ -226,10 +242,10 @@ class MegatronLMDist:
         return out.reshape(shape[len(index):])
 
     def read(self, name: str) -> torch.Tensor:
-        key, index, half = self._sources[name]
-        if half is None:
+        key, index, parts = self._sources[name]
+        if parts is None:
             return self._slab(key, index)
-        return torch.cat([self._slab(key + "_w", index), self._slab(key + "_v", index)])
+        return torch.cat([self._slab(key + part, index) for part in parts])
 
     def tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
         for name in self._sources:
