@@ -77,22 +77,23 @@ def _worker(rank, world, rendezvous, cfg, out, queue):
                 param.add_(torch.randn_like(param) * 0.3)
     if pp > 1 and not a.untie_embeddings_and_output_weights:
         raise SystemExit("tied embeddings at PP > 1 need the embedding group's all-reduce")
-    sharded = model.sharded_state_dict(metadata=cfg.get("metadata"))
-    state = {"args": a, "checkpoint_version": 3.0, "iteration": 7, "model": sharded,
-             "num_floating_point_operations_so_far": 0.0, "opt_param_scheduler": {"num_steps": 7}}
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    state["rng_state"] = ShardedObject("rng_state", [{"random_rng_state": torch.get_rng_state()}], (pp, tp),
-                                       (parallel_state.get_pipeline_model_parallel_rank(),
-                                        parallel_state.get_tensor_model_parallel_rank()),
-                                       replica_id=parallel_state.get_data_parallel_rank())
-    base = os.path.join(out, "iter_0000007")
-    if rank == 0:
-        os.makedirs(base, exist_ok=True)
-    torch.distributed.barrier()
-    dist_checkpointing.save(state, base)
-    if rank == 0:
-        with open(os.path.join(out, "latest_checkpointed_iteration.txt"), "w") as f:
-            f.write("7")
+    for folder, metadata in cfg.get("saves", [[".", None]]):  # (subfolder, sharded_state_dict's metadata)
+        state = {"args": a, "checkpoint_version": 3.0, "iteration": 7,
+                 "model": model.sharded_state_dict(metadata=metadata),
+                 "num_floating_point_operations_so_far": 0.0, "opt_param_scheduler": {"num_steps": 7}}
+        state["rng_state"] = ShardedObject("rng_state", [{"random_rng_state": torch.get_rng_state()}], (pp, tp),
+                                           (parallel_state.get_pipeline_model_parallel_rank(),
+                                            parallel_state.get_tensor_model_parallel_rank()),
+                                           replica_id=parallel_state.get_data_parallel_rank())
+        base = os.path.join(out, folder, "iter_0000007")
+        if rank == 0:
+            os.makedirs(base, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(state, base)
+        if rank == 0:
+            with open(os.path.join(out, folder, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("7")
     # logits on the fixed batch: the stages run in turn (PP) by sending activations
     tokens = torch.tensor(cfg["tokens"])
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
@@ -146,6 +147,13 @@ MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 24, "moe_s
        "expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1}
 
 
+# the model saved three ways: Megatron-LM's default (every layer in one tensor, [layers, experts, ...]
+# for the experts), one key per layer ([experts, ...]), and singleton_local_shards (one key per layer
+# and expert, fc1's gate and up halves apart: ..experts.experts.<e>.linear_fc1.weight_w / _v)
+MOE_SAVES = [["stacked", None], ["per_layer", {"non_homogeneous_layers": True}],
+             ["singleton", {"singleton_local_shards": True}]]
+
+
 @pytest.fixture(scope="module")
 def moe_tp2_pp2_ep2(tmp_path_factory):
     out = tmp_path_factory.mktemp("mcore_dist") / "moe"
@@ -154,7 +162,7 @@ def moe_tp2_pp2_ep2(tmp_path_factory):
     raw.update(MOE, num_layers=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world_size=4,
                transformer_impl="local", use_legacy_models=False, ckpt_format="torch_dist")
     moe = {"num_moe_experts" if k == "num_experts" else k: v for k, v in MOE.items()}
-    cfg = {"args": raw, "seed": 6, "world": 4, "tokens": TOKENS, "moe": moe}
+    cfg = {"args": raw, "seed": 6, "world": 4, "tokens": TOKENS, "moe": moe, "saves": MOE_SAVES}
     logits = run_mcore(SAVE, env={"CFG": json.dumps(cfg), "OUTDIR": str(out)})
     return out, torch.tensor(logits)
 
@@ -168,11 +176,19 @@ def _converted_logits(load_dir, save_dir, capsys):
     return verify.logits_of(verify.build_serial_model(target_args, tensors), torch.tensor(TOKENS))
 
 
-def test_megatron_lm_moe_torch_dist_converts_to_megatron_core_logits(moe_tp2_pp2_ep2, tmp_path, capsys):
-    load_dir, reference = moe_tp2_pp2_ep2
+@pytest.mark.parametrize("saved", [folder for folder, _ in MOE_SAVES])
+def test_megatron_lm_moe_torch_dist_converts_to_megatron_core_logits(moe_tp2_pp2_ep2, saved, tmp_path, capsys):
     from megatron.convert.mcore_dist import MegatronLMDist
+    from megatron.dist_checkpointing import read_dcp_metadata
 
-    names = MegatronLMDist(str(load_dir / "iter_0000007")).names()
+    load_dir, reference = moe_tp2_pp2_ep2[0] / saved, moe_tp2_pp2_ep2[1]
+    base = load_dir / "iter_0000007"
+    fc1 = {"stacked": [("decoder.layers.mlp.experts.experts.linear_fc1.weight", [2, 4, 48, 32])],
+           "per_layer": [("decoder.layers.1.mlp.experts.experts.linear_fc1.weight", [4, 48, 32])],
+           "singleton": [(f"decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_{h}", [24, 32]) for h in "wv"]}
+    stored = read_dcp_metadata(str(base / ".metadata")).state_dict_metadata
+    assert [list(stored[key].size) for key, _ in fc1[saved]] == [shape for _, shape in fc1[saved]]
+    names = MegatronLMDist(str(base)).names()
     experts = [n for n in names if n.startswith("decoder.layers.1.mlp.experts.")]
     assert experts == [f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc{fc}.weight"
                        for e in range(4) for fc in (1, 2)]
@@ -350,16 +366,41 @@ def hybrid_tp2(tmp_path_factory):
     return out
 
 
+def _torch_files(load_dir):
+    """The whole tensors --loader mcore reads from Megatron-LM's torch files (per TP rank) in load_dir."""
+    import argparse
+
+    from tools.checkpoint import loader_core
+
+    parser = argparse.ArgumentParser()
+    loader_core.add_arguments(parser)
+    args = parser.parse_args([])
+    args.load_dir, args.model_type = str(load_dir), "GPT"
+    return dict(loader_core.load_checkpoint(args)[1])
+
+
 def test_megatron_lm_hybrid_torch_dist_converts_as_its_torch_files(hybrid_tp2, tmp_path, capsys):
     from megatron.convert.mcore_dist import MegatronLMDist
 
     names = MegatronLMDist(str(hybrid_tp2 / "torch_dist" / "iter_0000007")).names()
     assert "decoder.layers.0.mixer.in_proj.weight" in names and "decoder.layers.0.norm.weight" in names
-    dist = _converted_logits(hybrid_tp2 / "torch_dist", tmp_path / "from_dist", capsys)
-    torch_format = _converted_logits(hybrid_tp2 / "torch", tmp_path / "from_torch", capsys)
+    _converted_logits(hybrid_tp2 / "torch_dist", tmp_path / "from_dist", capsys)  # convert.py verifies the logits
     _, from_dist = saver_megatron.read_back(str(tmp_path / "from_dist"))
-    _, from_torch = saver_megatron.read_back(str(tmp_path / "from_torch"))
-    from_dist, from_torch = dict(from_dist), dict(from_torch)
+    from_dist, from_torch = dict(from_dist), _torch_files(hybrid_tp2 / "torch")
     assert list(from_dist) == list(from_torch)
     assert not [k for k in from_dist if not torch.equal(from_dist[k], from_torch[k])]
-    torch.testing.assert_close(dist, torch_format, rtol=0, atol=0)
+
+
+def test_incomplete_parts_and_a_wrong_expert_axis_are_one_line(hybrid_tp2, moe_tp2_pp2_ep2):
+    from megatron.convert.mcore_dist import MegatronLMDist
+
+    hybrid = MegatronLMDist(str(hybrid_tp2 / "torch_dist" / "iter_0000007"))
+    del hybrid.metadata.state_dict_metadata["decoder.layers.0.mixer.in_proj.weight.dt"]
+    with pytest.raises(CheckpointError, match=r"holds decoder\.layers\.0\.mixer\.in_proj\.weight\.z but not "
+                                              r"decoder\.layers\.0\.mixer\.in_proj\.weight\.dt"):
+        hybrid._scan()
+    moe = MegatronLMDist(str(moe_tp2_pp2_ep2[0] / "stacked" / "iter_0000007"))
+    moe.args.num_experts = 8
+    with pytest.raises(CheckpointError, match=r"experts\.experts\.linear_fc1\.weight has shape \[2, 4, 48, 32\], "
+                                              r"whose axis 1 is not the 8 experts"):
+        moe._scan()
