@@ -161,8 +161,8 @@ class MegatronLMDist:
 
     def _places(self, key: str, name: str, shape: Tuple[int, ...]) -> List[Tuple[str, Tuple[int, ...]]]:
         """(our name, its index along the prepended axes) of each whole tensor in the global tensor
-        `key` (name: key without its SwiGLU half suffix): the layer axis of a homogeneous block, then
-        the expert axis of stacked experts (E, the global expert index), or none."""
+        `key` (name: key without a part's suffix, _whole_of): the layer axis of a homogeneous block,
+        then the expert axis of stacked experts (E, the global expert index), or none."""
         layers = int(self.args.num_layers)
         stacked = _STACKED.match(name)
         if stacked is None:
