@@ -25,8 +25,9 @@ The groups live in three modules by theme (the table's last column); this module
 To add a setting: add a field to the group it belongs to, with its default and, under it, the help
 string; its flag, dest and type follow from the name and annotation (setting(...) for anything
 else). The Namespace a command line parses to carries it under the field's name. A rule between a
-group's values goes in the group's rules() (one line per problem, naming the flags): validate_args
-refuses a command line with it, MegatronConfig.check a config built in Python.
+group's values goes in the group's rules() (one line per problem, naming the flags), a rule between
+two groups' values in between.py: validate_args refuses a command line with it, MegatronConfig.check
+a config built in Python.
 """
 
 from megatron.training.config.groups_model import (

@@ -135,6 +135,19 @@ class ModelConfig(ConfigGroup, title="network size"):
     transformer_impl: str = setting("local", type=None, choices=("local", "transformer_engine"))
     """Layer implementation (only local is supported yet)."""
 
+    def rules(self) -> list[str]:
+        """The sizes given positive (which ones a run must give is the run's: validate_args); without
+        --kv-channels the heads split the hidden size evenly."""
+        sizes = self.not_positive(("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                                   "ffn_hidden_size", "kv_channels", "norm_epsilon"))
+        if sizes:
+            return sizes
+        hidden, heads = self.hidden_size, self.num_attention_heads
+        if self.kv_channels is None and hidden is not None and heads is not None and hidden % heads:
+            return [f"--hidden-size ({hidden}) must be divisible by --num-attention-heads ({heads}), "
+                    "or give --kv-channels"]
+        return []
+
 
 @dataclass
 class MoEConfig(ConfigGroup, title="moe"):
@@ -179,6 +192,19 @@ class MoEConfig(ConfigGroup, title="moe"):
     logging interval (an expert with no tokens is always warned about).
     """
 
+    def rules(self) -> list[str]:
+        """With experts (or expert parallelism): the expert-parallel sizes positive, a token dispatcher we
+        have. (That the world size divides into them is the run's: validate_args.)"""
+        if self.num_experts is None and self.expert_model_parallel_size == 1:
+            return []
+        sizes = self.not_positive(("expert_model_parallel_size", "expert_tensor_parallel_size"))
+        if sizes:
+            return sizes
+        if self.num_experts is not None and self.moe_token_dispatcher_type == "flex":  # a Megatron choice we lack
+            return ["--moe-token-dispatcher-type flex: the DeepEP dispatcher is not supported yet; "
+                    "use allgather or alltoall"]
+        return []
+
 
 @dataclass
 class LoRAConfig(ConfigGroup, title="lora"):
@@ -196,6 +222,22 @@ class LoRAConfig(ConfigGroup, title="lora"):
                                              nargs="+", choices=("linear_qkv", "linear_proj", "linear_fc1",
                                                                  "linear_fc2"))
     """The linear layers of each transformer layer that get an adapter."""
+
+    def rules(self) -> list[str]:
+        """A rank >= 0 (0: off); with adapters, alpha > 0, dropout in [0, 1), each target once."""
+        if self.lora_rank < 0:
+            return [f"--lora-rank must be >= 0 (0: no LoRA), got {self.lora_rank}"]
+        if not self.lora_rank:
+            return []
+        if not self.lora_alpha > 0:  # (NaN too)
+            return [f"--lora-alpha must be > 0, got {self.lora_alpha}"]
+        dropout = self.not_fraction(("lora_dropout",))
+        if dropout:
+            return dropout
+        targets = self.lora_target_modules
+        if not targets or len(set(targets)) != len(targets):
+            return [f"--lora-target-modules needs each module once, got {targets}"]
+        return []
 
 
 @dataclass
@@ -224,3 +266,19 @@ class HybridConfig(ConfigGroup, title="hybrid models"):
     """Number of heads of the Mamba layers (default: 2 x --hidden-size / --mamba-head-dim)."""
     disable_mamba_mem_eff_path: bool = False
     """Megatron's switch off its fused conv + scan + norm CUDA kernel; the PyTorch scan is the same either way."""
+
+    def is_hybrid(self) -> bool:
+        """Whether these settings ask for a hybrid model (any of its flags given)."""
+        return bool(self.is_hybrid_model or self.hybrid_override_pattern or self.hybrid_attention_ratio
+                    or self.hybrid_mlp_ratio)
+
+    def layer_pattern(self, num_layers: int) -> str | None:
+        """The layer pattern of a hybrid model of num_layers layers (--hybrid-override-pattern, or the
+        ratios' allocation), None when the model is not one; a pattern or ratio that cannot be is a
+        HybridPatternError (a ValueError naming the flag)."""
+        if not self.is_hybrid():
+            return None
+        from megatron.model.mamba.hybrid import allocate_layers
+
+        return allocate_layers(num_layers, self.hybrid_attention_ratio, self.hybrid_mlp_ratio,
+                               self.hybrid_override_pattern)

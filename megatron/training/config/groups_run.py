@@ -75,6 +75,26 @@ class CheckpointConfig(ConfigGroup, title="checkpointing"):
     a checkpoint becomes the latest once every rank finished writing it.
     """
 
+    def rules(self) -> list[str]:
+        """--save with an interval > 0; a format we write, torch_dist for --async-save; the options that
+        read a checkpoint with --load. (That the directories can be read and written is the run's:
+        validate_args.)"""
+        if self.save is not None and self.save_interval is None:
+            return ["--save needs --save-interval (iterations between checkpoints)"]
+        if self.ckpt_format not in ("torch", "torch_dist"):
+            return [f"--ckpt-format {self.ckpt_format}: checkpoint formats other than 'torch' and 'torch_dist' "
+                    "are not supported yet; use --ckpt-format torch_dist or torch"]
+        if self.async_save and self.ckpt_format != "torch_dist":
+            return [f"--async-save needs --ckpt-format torch_dist (this run has --ckpt-format {self.ckpt_format}), "
+                    "as in Megatron"]
+        interval = self.not_positive(("save_interval",))
+        if interval:
+            return interval
+        for name in ("use_checkpoint_args", "finetune"):
+            if getattr(self, name) and self.load is None:
+                return [f"{self.flag(name)} needs --load (the checkpoint directory to read)"]
+        return []
+
 
 @dataclass
 class DistributedConfig(ConfigGroup, title="distributed"):
@@ -195,10 +215,14 @@ class DataConfig(ConfigGroup, title="data and dataloader"):
     """
 
     def rules(self) -> list[str]:
-        """One data source (--data-path, --train/valid/test-data-path or --mock-data), each blend and the
-        split well formed, --sft's prompt format and the options it replaces, the worker count. (That
-        the files exist is the run's: validate_args.)"""
+        """A positive sequence length; one data source (--data-path, --train/valid/test-data-path or
+        --mock-data), each blend and the split well formed, --sft's prompt format and the options it
+        replaces, the worker count. (That the files exist is the run's: validate_args.)"""
         from megatron.data.utils import parse_and_normalize_split, parse_data_path
+
+        length = self.not_positive(("seq_length",))
+        if length:
+            return length
 
         per_split = [name for name in PER_SPLIT_DATA_PATHS if getattr(self, name) is not None]
         sources = (["data_path"] if self.data_path is not None else []) + per_split
@@ -264,6 +288,9 @@ class TokenizerConfig(ConfigGroup, title="tokenizer"):
     """Pad the vocab size to be divisible by this value (times the tensor model parallel size), for
     computation efficiency.
     """
+
+    def rules(self) -> list[str]:
+        return self.not_positive(("make_vocab_size_divisible_by",))
 
 
 @dataclass

@@ -33,6 +33,30 @@ class RegularizationConfig(ConfigGroup, title="regularization"):
     adam_eps: float = 1e-08
     sgd_momentum: float = 0.9
 
+    def rules(self) -> list[str]:
+        """Dropout probabilities in [0, 1); weight decay >= 0 and its schedule's values for its style; the
+        optimizer's constants in the ranges torch accepts (torch would only say so once the model is
+        built): betas and momentum in [0, 1), eps > 0, clipping >= 0 (0: none)."""
+        return (self.not_fraction(("hidden_dropout", "attention_dropout"))
+                or self.not_positive(("weight_decay",), allow_zero=True) or self._weight_decay_rules()
+                or self.not_fraction(("adam_beta1", "adam_beta2", "sgd_momentum"))
+                or self.not_positive(("adam_eps",)) or self.not_positive(("clip_grad",), allow_zero=True))
+
+    def _weight_decay_rules(self) -> list[str]:
+        """The constant style is --weight-decay alone; linear and cosine need a start and an end >= 0."""
+        ends = ("start_weight_decay", "end_weight_decay")
+        if self.weight_decay_incr_style == "constant":
+            for name in ends:
+                # equal to --weight-decay: a Namespace validated before (validate_args sets both to it)
+                if getattr(self, name) not in (None, self.weight_decay):
+                    return [f"{self.flag(name)} needs --weight-decay-incr-style linear or cosine; "
+                            "with the constant style use --weight-decay"]
+            return []
+        for name in ends:
+            if getattr(self, name) is None:
+                return [f"--weight-decay-incr-style {self.weight_decay_incr_style} needs {self.flag(name)}"]
+        return self.not_positive(ends, allow_zero=True)
+
 
 @dataclass
 class TrainingConfig(ConfigGroup, title="training"):
@@ -145,9 +169,13 @@ class TrainingConfig(ConfigGroup, title="training"):
     """
 
     def rules(self) -> list[str]:
-        """The batch sizes: micro and global batch positive; the ramp-up's three values (rampup_batch_sizes)
-        within the global batch size, which it reaches in whole increments. (Divisibility by the
-        data-parallel size is the run's: validate_args, which knows the world size.)"""
+        """The batch sizes, then the training length. (That a length is given, and divisibility by the
+        data-parallel size, are the run's: validate_args, which knows the world size.)"""
+        return self._batch_rules() or self._length_rules()
+
+    def _batch_rules(self) -> list[str]:
+        """Micro and global batch positive; the ramp-up's three values (rampup_batch_sizes) within the
+        global batch size, which it reaches in whole increments."""
         sizes = self.not_positive(("micro_batch_size", "global_batch_size"))
         if sizes or self.rampup_batch_size is None:
             return sizes
@@ -161,6 +189,18 @@ class TrainingConfig(ConfigGroup, title="training"):
         if gbs is not None and (gbs - start) % incr:
             return [f"--global-batch-size ({gbs}) minus the --rampup-batch-size start ({start}) must be divisible "
                     f"by its increment ({incr})"]
+        return []
+
+    def _length_rules(self) -> list[str]:
+        """By iterations or by samples, not both, and positive; a ramp-up counts samples."""
+        if self.train_iters is not None and self.train_samples is not None:
+            return ["--train-iters and --train-samples cannot both be given; train by iterations or by samples"]
+        length = self.not_positive(("train_iters", "train_samples"))
+        if length:
+            return length
+        if self.train_iters is not None and self.rampup_batch_size is not None:
+            return ["--rampup-batch-size needs sample-based training (Megatron-LM refuses it with --train-iters "
+                    "too): use --train-samples instead of --train-iters"]
         return []
 
 
@@ -191,6 +231,10 @@ class InitializationConfig(ConfigGroup, title="initialization"):
     init_method_std: float = 0.02
     """Standard deviation of the zero-mean normal weight initialization."""
 
+    def rules(self) -> list[str]:
+        """A positive standard deviation. (The seed's range depends on the pipeline size: validate_args.)"""
+        return self.not_positive(("init_method_std",))
+
 
 @dataclass
 class LearningRateConfig(ConfigGroup, title="learning rate"):
@@ -220,6 +264,29 @@ class LearningRateConfig(ConfigGroup, title="learning rate"):
     """Use the scheduler values of the command line, not the checkpoint's."""
     use_checkpoint_opt_param_scheduler: bool = setting(False, flags=("--use-checkpoint-opt_param-scheduler",))
     """Use the scheduler values of the checkpoint."""
+
+    def rules(self) -> list[str]:
+        """Rates and warm-up lengths >= 0, decay lengths > 0; --min-lr at most --lr; one way to give the
+        warm-up; WSD's decay phase given. (That --lr is given is the run's: validate_args.)"""
+        problems = (self.not_positive(("lr", "min_lr", "lr_warmup_init", "lr_warmup_iters", "lr_warmup_samples"),
+                                      allow_zero=True)
+                    or self.not_positive(("lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters",
+                                          "lr_wsd_decay_samples")))
+        if problems:
+            return problems
+        if self.lr is not None and self.min_lr > self.lr:
+            return [f"--min-lr ({self.min_lr}) must be <= --lr ({self.lr})"]
+        fraction = self.lr_warmup_fraction
+        if fraction is not None:
+            if not 0.0 <= fraction <= 1.0:
+                return [f"--lr-warmup-fraction must be in [0, 1], got {fraction}"]
+            for name in ("lr_warmup_iters", "lr_warmup_samples"):
+                if getattr(self, name):
+                    return [f"can only specify one of --lr-warmup-fraction and {self.flag(name)}"]
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None and self.lr_wsd_decay_samples is None:
+            return ["--lr-decay-style WSD needs the length of its decay phase: "
+                    "--lr-wsd-decay-iters or --lr-wsd-decay-samples"]
+        return []
 
 
 @dataclass
