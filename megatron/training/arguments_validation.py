@@ -70,7 +70,7 @@ import torch
 from megatron.training.argument_utils import ArgsError, flag
 from megatron.training.arguments_megatron import refusal_rows, validate_megatron_flags
 from megatron.training.arguments_model import default_ffn_hidden_size, validate_model_architecture
-from megatron.training.config import GROUPS
+from megatron.training.config import GROUPS, ConfigGroup
 from megatron.training.config.container import RUN_STATE, MegatronConfig
 from megatron.training.config.fields import not_positive
 from megatron.training.config.groups import PER_SPLIT_DATA_PATHS, TrainingConfig, rampup_batch_sizes
@@ -165,7 +165,7 @@ def _refuse_broken_group_rules(args: Namespace) -> None:
     """Every group's rules but TrainingConfig's (applied once the global batch size is derived:
     _validate_batch), in --help order."""
     for group in GROUPS:
-        if group is not TrainingConfig:
+        if group is not TrainingConfig and group.rules is not ConfigGroup.rules:  # (a group with rules)
             _refuse_broken_rules(group, args)
 
 

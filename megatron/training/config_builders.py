@@ -99,8 +99,10 @@ def hybrid_pattern_from_args(args: Namespace) -> str | None:
     from megatron.model.mamba.hybrid import HybridPatternError
     from megatron.training.config.groups import HybridConfig
 
+    hybrid = HybridConfig(is_hybrid_model=args.is_hybrid_model, hybrid_attention_ratio=args.hybrid_attention_ratio,
+                          hybrid_mlp_ratio=args.hybrid_mlp_ratio, hybrid_override_pattern=args.hybrid_override_pattern)
     try:
-        return HybridConfig.from_namespace(args).layer_pattern(args.num_layers)
+        return hybrid.layer_pattern(args.num_layers)
     except HybridPatternError as error:
         raise ArgsError(str(error)) from None
 
