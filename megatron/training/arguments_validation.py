@@ -7,7 +7,7 @@ Order (each step may rely on the values the earlier ones derived):
 | 1 | _apply_defaults | values from args_defaults that the user left at None |
 | 2 | _apply_flag_aliases | exits/raises for dead flags; recompute/rope aliases |
 | 2b | validate_megatron_flags | num_layers, seq_length (--encoder-*), use_flash_attn (--attention-backend) |
-| 3 | _validate_parallel | rank, world_size, data_parallel_size, distributed_backend |
+| 3 | _validate_parallel | rank, world_size, data_parallel_size, distributed_backend (after DistributedConfig's rules) |
 | 4 | _validate_not_yet_supported | (nothing: features of later issues raise) |
 | 5 | _require_model_shape | (--num-layers, --hidden-size, --num-attention-heads, --max-position-embeddings given) |
 | 5a | _refuse_broken_group_rules | (every group's rules() but TrainingConfig's) |
@@ -17,16 +17,13 @@ Order (each step may rely on the values the earlier ones derived):
 | 6 | _validate_precision | params_dtype, attention_softmax_in_fp32, bf16 fp32 grad accumulation |
 | 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints (TrainingConfig's rules, those between groups) |
 | 7b | _validate_pipeline_parallel | virtual_pipeline_model_parallel_size |
-| 7c | _validate_data_parallel | |
 | 7c | _validate_context_parallel | (seq length divisible by 2 x CP; causal mask only; no ALiBi) |
 | 7d | _validate_pipeline_schedule | (PP > 1: the schedule simulator finds no deadlock) |
 | 7c | _validate_recompute | (granularity, method, layers per stage, distributed saved inputs) |
 | 8 | _validate_train_length | (--train-iters or --train-samples given) |
 | 9 | _validate_lr | start/end_weight_decay for the constant style (--lr given) |
-| 9c | _validate_seed | (a positive seed that numpy accepts on every pipeline stage) |
 | 10 | _validate_checkpointing | (--load a directory; --save created and writable) |
 | 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' (none required: pretrain() checks); with --sft every line of the chat files parsed (FILE:LINE) |
-| 12 | _validate_intervals | |
 | 13 | _set_training_state | consumed/skipped sample counters, variable_seq_lengths |
 
 Every error is an ArgsError naming the flag(s) and what to do. validate_megatron_flags is in
@@ -35,24 +32,26 @@ in megatron/training/arguments_model.py.
 
 Where each rule is written. A rule between the values of one config group is written on the group
 (its rules(): the model's sizes, dropout and the optimizer's constants, the learning-rate schedule, the
-training length and batch sizes, checkpointing, precision, data, MoE and LoRA settings; the groups are
-in megatron/training/config/groups*.py), a rule between groups once in megatron/training/config/between.py
-(positions against the sequence, the hybrid pattern, the schedule's unit, warm-up before decay, LoRA
-without experts). Steps 5a and 7 apply them here; MegatronConfig.check gives a config built in Python
-the same line. What stays here, and why:
+training length, batch sizes and intervals, checkpointing, precision, the parallel sizes and timeouts,
+data, MoE and LoRA settings; the groups are in megatron/training/config/groups*.py), a rule between
+groups once in megatron/training/config/between.py (positions against the sequence, the data-parallel
+options, the hybrid pattern, the schedule's unit, warm-up before decay, the seed on every pipeline stage,
+LoRA without experts). Steps 3 (DistributedConfig's), 5a (the other groups') and 7 (TrainingConfig's,
+then those between groups) apply them here; MegatronConfig.check gives a config built in Python the
+same line. What stays here, and why:
   - required flags (step 5, --micro-batch-size, the training length, --lr, --seq-length): a run needs
     them; a config is built from defaults that leave them unset, and only a run is refused for that;
-  - the parallel layout (steps 3, 5c, 5d's query groups, 7-7d, the expert layout in _validate_moe, the
-    seed's range, which grows with the pipeline stages): it needs the world size and rank, or divides
-    the model by the layout's sizes; the tensor, pipeline and context sizes are checked positive where
-    they divide the world size (the expert sizes' positivity is MoEConfig's);
+  - the parallel layout's divisibility (steps 3, 5c, 5d's query groups, 7-7d, the expert layout in
+    _validate_moe): the world size divided by the sizes, the model's heads, layers, sequence and
+    micro-batches by them (the world size and the run's model family are the run's, not settings), and
+    --distributed-backend nccl, which needs the device;
   - the file system: --load and --save directories, dataset files, --sft files (steps 10, 11);
   - derived values and their checks (kv_channels, ffn_hidden_size, params_dtype, the global batch size,
     the legacy split), the dead and older flags (steps 1-2b), the refusal table (step 4);
   - the rules of the model's TransformerConfig (_check_config_rules) and the Mamba sizes: written once in
     megatron/model/transformer_config.py, on the built config (derived values included);
   - the architecture rules of validate_model_architecture (arguments_model.py: rope, GQA, activations,
-    T5 and BERT), the intervals (step 12), the data-parallel and context-parallel options: not moved yet.
+    T5 and BERT, which read the model family and derived sizes): not moved yet.
 """
 
 from __future__ import annotations
@@ -72,8 +71,12 @@ from megatron.training.arguments_megatron import refusal_rows, validate_megatron
 from megatron.training.arguments_model import default_ffn_hidden_size, validate_model_architecture
 from megatron.training.config import GROUPS, ConfigGroup
 from megatron.training.config.container import RUN_STATE, MegatronConfig
-from megatron.training.config.fields import not_positive
-from megatron.training.config.groups import PER_SPLIT_DATA_PATHS, TrainingConfig, rampup_batch_sizes
+from megatron.training.config.groups import (
+    PER_SPLIT_DATA_PATHS,
+    DistributedConfig,
+    TrainingConfig,
+    rampup_batch_sizes,
+)
 from megatron.training.config_builders import config_flag, core_transformer_config_from_args
 from megatron.core import device
 from megatron.data.utils import parse_data_path
@@ -143,14 +146,6 @@ def with_run_state(args: Namespace) -> Namespace:
     return args
 
 
-def _require_positive(args: Namespace, dests: tuple, allow_zero: bool = False) -> None:
-    """Each given (non-None) value must be a finite number > 0 (>= 0 with allow_zero)."""
-    for dest in dests:
-        problem = not_positive(flag(dest), getattr(args, dest), allow_zero)
-        if problem:
-            raise ArgsError(problem)
-
-
 def _refuse_broken_rules(group: type, args: Namespace) -> None:
     """The rules written on a config group (its rules(): megatron/training/config/groups.py) applied to
     args' values: the first broken one is the ArgsError, the line MegatronConfig.check gives a config
@@ -162,10 +157,11 @@ def _refuse_broken_rules(group: type, args: Namespace) -> None:
 
 
 def _refuse_broken_group_rules(args: Namespace) -> None:
-    """Every group's rules but TrainingConfig's (applied once the global batch size is derived:
-    _validate_batch), in --help order."""
+    """Every group's rules, in --help order, but DistributedConfig's (applied before the world size is
+    divided: _validate_parallel) and TrainingConfig's (once the global batch size is derived:
+    _validate_batch)."""
     for group in GROUPS:
-        if group is not TrainingConfig and group.rules is not ConfigGroup.rules:  # (a group with rules)
+        if group not in (DistributedConfig, TrainingConfig) and group.rules is not ConfigGroup.rules:
             _refuse_broken_rules(group, args)
 
 
@@ -254,8 +250,7 @@ def _validate_parallel(args: Namespace) -> None:
     if not 0 <= args.rank < args.world_size:
         raise ArgsError(f"RANK ({args.rank}) must be in [0, WORLD_SIZE ({args.world_size})); "
                         "launch with torchrun, which sets both")
-    _require_positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                             "context_parallel_size"))
+    _refuse_broken_rules(DistributedConfig, args)  # (the sizes positive before the world size is divided)
     args.data_parallel_size = data_parallel_size(args.world_size, args.tensor_model_parallel_size,
                                                  args.pipeline_model_parallel_size, args.context_parallel_size)
     _print_rank_0(args, f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, "
@@ -267,11 +262,6 @@ def _validate_parallel(args: Namespace) -> None:
     elif args.distributed_backend == "nccl" and not device.accelerator_available():
         raise ArgsError("--distributed-backend nccl needs a CUDA device and none is available; "
                         "use --distributed-backend gloo (or leave it unset to choose automatically)")
-    _require_positive(args, ("distributed_timeout_minutes", "cpu_threads", "watchdog_seconds"))
-    if args.watchdog_seconds is not None and args.watchdog_seconds > args.distributed_timeout_minutes * 60:
-        raise ArgsError(f"--watchdog-seconds ({args.watchdog_seconds:g}) is longer than --distributed-timeout-minutes "
-                        f"({args.distributed_timeout_minutes}): the collectives would time out before the watchdog "
-                        "reports them; raise --distributed-timeout-minutes")
 
 
 def _validate_not_yet_supported(args: Namespace) -> None:
@@ -364,28 +354,12 @@ def _validate_batch(args: Namespace) -> None:
                         f"({args.data_parallel_size}), so that every ramp-up batch splits into micro-batches")
 
 
-def _validate_data_parallel(args: Namespace) -> None:
-    """--overlap-param-gather overlaps the distributed optimizer's all-gather (Megatron's requirements);
-    per-token gradients are summed over the replicas, so they cannot be averaged in the collective."""
-    if args.calculate_per_token_loss and args.ddp_average_in_collective:
-        raise ArgsError("--ddp-average-in-collective cannot be used with --calculate-per-token-loss: per-token "
-                        "gradients are summed over the data-parallel ranks and divided by the global token count")
-    if args.overlap_param_gather:
-        if not args.use_distributed_optimizer:
-            raise ArgsError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
-                            "distributed optimizer's parameter all-gather with the next forward)")
-        if not args.overlap_grad_reduce:
-            raise ArgsError("--overlap-param-gather needs --overlap-grad-reduce")
-
-
 def _validate_context_parallel(args: Namespace) -> None:
     """--context-parallel-size > 1: the load-balanced split needs s divisible by 2 x CP (and the CP
     rank's s / CP by TP under sequence parallelism); only the causal mask and no ALiBi; the comm
     types' own rules are TransformerConfig's (_check_config_rules)."""
     cp = args.context_parallel_size
     if cp == 1:
-        if args.hierarchical_context_parallel_sizes is not None:
-            raise ArgsError("--hierarchical-context-parallel-sizes needs --context-parallel-size > 1")
         return
     family = args.model_family
     if family in ("BERT", "T5"):
@@ -513,17 +487,6 @@ def _validate_lr(args: Namespace) -> None:
         args.start_weight_decay = args.end_weight_decay = args.weight_decay
 
 
-# numpy seeds are below 2**32; each pipeline stage adds 100 x its rank (megatron/training/initialize.py).
-_MAX_SEED = 2**32 - 1
-
-
-def _validate_seed(args: Namespace) -> None:
-    """A positive seed (as Megatron requires) that stays a valid numpy seed on the last pipeline stage."""
-    highest = _MAX_SEED - 100 * (args.pipeline_model_parallel_size - 1)
-    if not 1 <= args.seed <= highest:
-        raise ArgsError(f"--seed must be an integer in [1, {highest}], got {args.seed}")
-
-
 # ----------------------------------------------------------------------------- steps 10-13
 
 
@@ -638,14 +601,6 @@ def _check_dataset_files(shown: str, prefixes: list, jsonl: bool = False) -> Non
             raise ArgsError(f"{shown} {prefix}: no such dataset, {' and '.join(missing)} not found{hint}")
 
 
-def _validate_intervals(args: Namespace) -> None:
-    """Logging, evaluation and exit intervals."""
-    _require_positive(args, ("log_interval", "eval_interval", "exit_interval", "exit_duration_in_mins",
-                             "tensorboard_log_interval", "tensorboard_queue_size", "ddp_bucket_size",
-                             "check_weight_hash_across_dp_replicas_interval"))
-    _require_positive(args, ("eval_iters",), allow_zero=True)
-
-
 def _set_training_state(args: Namespace) -> None:
     """Counters that checkpoints carry; they start at zero."""
     args.consumed_train_samples = 0
@@ -676,17 +631,14 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     _validate_precision(args)
     _validate_batch(args)
     _validate_pipeline_parallel(args)
-    _validate_data_parallel(args)
     _validate_context_parallel(args)
     _validate_pipeline_schedule(args)
     _validate_model_config(args)
     _validate_moe(args)
     _validate_train_length(args)
     _validate_lr(args)
-    _validate_seed(args)
     _validate_checkpointing(args)
     _validate_data(args)
-    _validate_intervals(args)
     _set_training_state(args)
     print_args(args)
     return args

@@ -114,6 +114,23 @@ CASES = [
     ("hybrid-spec", dict(num_layers=2, hybrid_override_pattern="M*",
                          spec=["megatron.model.layer_specs", "get_gpt_layer_spec"]),
      "--spec megatron.model.layer_specs get_gpt_layer_spec --hybrid-override-pattern M*"),
+    # the parallel sizes and timeouts: DistributedConfig; the data-parallel options and the seed (between groups)
+    ("tensor-parallel-size", dict(tensor_model_parallel_size=0), "--tensor-model-parallel-size 0"),
+    ("cpu-threads", dict(cpu_threads=0), "--cpu-threads 0"),
+    ("watchdog-over-timeout", dict(watchdog_seconds=700.0), "--watchdog-seconds 700"),
+    ("hierarchical-cp", dict(hierarchical_context_parallel_sizes=[1, 1]), "--hierarchical-context-parallel-sizes 1 1"),
+    ("ddp-bucket-size", dict(ddp_bucket_size=0), "--ddp-bucket-size 0"),
+    ("per-token-loss-averaged", dict(calculate_per_token_loss=True, ddp_average_in_collective=True),
+     "--ddp-average-in-collective --calculate-per-token-loss"),
+    ("overlap-param-gather", dict(overlap_param_gather=True), "--overlap-param-gather"),
+    ("overlap-param-gather-grad-reduce", dict(overlap_param_gather=True, use_distributed_optimizer=True),
+     "--overlap-param-gather --use-distributed-optimizer"),
+    ("seed", dict(seed=0), "--seed 0"),
+    # intervals: TrainingConfig, ValidationConfig, LoggingConfig
+    ("log-interval", dict(log_interval=0), "--log-interval 0"),
+    ("exit-duration", dict(exit_duration_in_mins=-1.0), "--exit-duration-in-mins -1"),
+    ("eval-iters", dict(eval_iters=-1), "--eval-iters -1"),
+    ("tensorboard-queue-size", dict(tensorboard_queue_size=0), "--tensorboard-queue-size 0"),
 ]
 
 # Rules of a run trained by iterations: BASE with --train-iters for --train-samples.

@@ -83,6 +83,37 @@ def warmup_before_decay(config: MegatronConfig) -> str | None:
     return None
 
 
+# numpy seeds are below 2**32; each pipeline stage adds 100 x its rank (megatron/training/initialize.py).
+MAX_SEED = 2**32 - 1
+
+
+def seed_on_every_stage(config: MegatronConfig) -> str | None:
+    """A positive seed (InitializationConfig), as Megatron requires, that stays a valid numpy seed on the
+    last pipeline stage (DistributedConfig)."""
+    seed, stages = config.initialization.seed, config.distributed.pipeline_model_parallel_size
+    highest = MAX_SEED - 100 * (stages - 1)
+    if not 1 <= seed <= highest:
+        return f"--seed must be an integer in [1, {highest}], got {seed}"
+    return None
+
+
+def data_parallel_options(config: MegatronConfig) -> str | None:
+    """Per-token gradients (TrainingConfig) are summed over the replicas, so they cannot be averaged in
+    the collective (DistributedConfig); --overlap-param-gather (DistributedConfig) overlaps the
+    distributed optimizer's all-gather (TrainingConfig), and needs --overlap-grad-reduce, as in Megatron."""
+    training, distributed = config.training, config.distributed
+    if training.calculate_per_token_loss and distributed.ddp_average_in_collective:
+        return ("--ddp-average-in-collective cannot be used with --calculate-per-token-loss: per-token gradients "
+                "are summed over the data-parallel ranks and divided by the global token count")
+    if distributed.overlap_param_gather:
+        if not training.use_distributed_optimizer:
+            return ("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the distributed "
+                    "optimizer's parameter all-gather with the next forward)")
+        if not distributed.overlap_grad_reduce:
+            return "--overlap-param-gather needs --overlap-grad-reduce"
+    return None
+
+
 def lora_without_experts(config: MegatronConfig) -> str | None:
     """LoRA adapters (LoRAConfig) on a dense model only (MoEConfig)."""
     if config.lora.lora_rank and config.moe.num_experts is not None:
@@ -93,9 +124,11 @@ def lora_without_experts(config: MegatronConfig) -> str | None:
 # In the order validate_args checked them before they were written here.
 RULES: tuple[Callable[[MegatronConfig], str | None], ...] = (
     positions_cover_the_sequence,
+    data_parallel_options,
     hybrid_layers,
     schedule_in_the_training_unit,
     warmup_before_decay,
+    seed_on_every_stage,
     lora_without_experts,
 )
 

@@ -169,6 +169,25 @@ class DistributedConfig(ConfigGroup, title="distributed"):
     again every step (tuned by default on CPU: memory kept for reuse).
     """
 
+    def rules(self) -> list[str]:
+        """The parallel sizes, timeouts and intervals positive; the watchdog reports before the collectives
+        time out; hierarchical context parallelism needs context parallelism. (That the world size
+        divides into the sizes is the run's: validate_args, which knows it.)"""
+        problems = self.not_positive(("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                      "context_parallel_size", "distributed_timeout_minutes", "cpu_threads",
+                                      "watchdog_seconds", "ddp_bucket_size",
+                                      "check_weight_hash_across_dp_replicas_interval"))
+        if problems:
+            return problems
+        watchdog, timeout = self.watchdog_seconds, self.distributed_timeout_minutes
+        if watchdog is not None and watchdog > timeout * 60:
+            return [f"--watchdog-seconds ({watchdog:g}) is longer than --distributed-timeout-minutes ({timeout}): "
+                    "the collectives would time out before the watchdog reports them; raise "
+                    "--distributed-timeout-minutes"]
+        if self.context_parallel_size == 1 and self.hierarchical_context_parallel_sizes is not None:
+            return ["--hierarchical-context-parallel-sizes needs --context-parallel-size > 1"]
+        return []
+
 
 # The data flags that give one split's data each (the other source: --data-path and --split).
 PER_SPLIT_DATA_PATHS = ("train_data_path", "valid_data_path", "test_data_path")
@@ -324,6 +343,9 @@ class LoggingConfig(ConfigGroup, title="logging"):
     """Where wandb saves its files."""
     logging_level: int | None = None
     """Python logging level."""
+
+    def rules(self) -> list[str]:
+        return self.not_positive(("tensorboard_log_interval", "tensorboard_queue_size"))
 
 
 @dataclass

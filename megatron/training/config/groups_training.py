@@ -169,9 +169,11 @@ class TrainingConfig(ConfigGroup, title="training"):
     """
 
     def rules(self) -> list[str]:
-        """The batch sizes, then the training length. (That a length is given, and divisibility by the
-        data-parallel size, are the run's: validate_args, which knows the world size.)"""
-        return self._batch_rules() or self._length_rules()
+        """The batch sizes, then the training length, then the logging and exit intervals positive. (That a
+        length is given, and divisibility by the data-parallel size, are the run's: validate_args, which
+        knows the world size.)"""
+        return (self._batch_rules() or self._length_rules()
+                or self.not_positive(("log_interval", "exit_interval", "exit_duration_in_mins")))
 
     def _batch_rules(self) -> list[str]:
         """Micro and global batch positive; the ramp-up's three values (rampup_batch_sizes) within the
@@ -348,3 +350,6 @@ class ValidationConfig(ConfigGroup, title="validation"):
     """Iterations between evaluations."""
     skip_train: bool = False
     """Only evaluate, do not train."""
+
+    def rules(self) -> list[str]:
+        return self.not_positive(("eval_interval",)) or self.not_positive(("eval_iters",), allow_zero=True)
