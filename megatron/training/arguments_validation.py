@@ -7,34 +7,51 @@ Order (each step may rely on the values the earlier ones derived):
 | 1 | _apply_defaults | values from args_defaults that the user left at None |
 | 2 | _apply_flag_aliases | exits/raises for dead flags; recompute/rope aliases |
 | 2b | validate_megatron_flags | num_layers, seq_length (--encoder-*), use_flash_attn (--attention-backend) |
-| 3 | _validate_parallel | rank, world_size, data_parallel_size, distributed_backend |
+| 3 | _validate_parallel | rank, world_size, data_parallel_size, distributed_backend (after DistributedConfig's rules) |
 | 4 | _validate_not_yet_supported | (nothing: features of later issues raise) |
-| 5 | _validate_model | ffn_hidden_size (4h; --swiglu: int(4h x 2/3 / 64) x 64), kv_channels (h / heads) |
-| 5b | _validate_tensor_parallel | sequence_parallel off when TP = 1 (with a warning) |
-| 5c | validate_model_architecture | apply_rope_fusion off without rope (rope, GQA, activation rules) |
+| 5 | _require_model_shape | (--num-layers, --hidden-size, --num-attention-heads, --max-position-embeddings given) |
+| 5a | _refuse_broken_group_rules | (every group's rules() but TrainingConfig's) |
+| 5b | _validate_model | ffn_hidden_size (4h; --swiglu: int(4h x 2/3 / 64) x 64), kv_channels (h / heads) |
+| 5c | _validate_tensor_parallel | sequence_parallel off when TP = 1 (with a warning) |
+| 5d | validate_model_architecture | apply_rope_fusion off without rope (rope, GQA, activation rules) |
 | 6 | _validate_precision | params_dtype, attention_softmax_in_fp32, bf16 fp32 grad accumulation |
-| 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints |
+| 7 | _validate_batch | global_batch_size (mbs x dp), rampup_batch_size as ints (TrainingConfig's rules, those between groups) |
 | 7b | _validate_pipeline_parallel | virtual_pipeline_model_parallel_size |
-| 7c | _validate_data_parallel | |
 | 7c | _validate_context_parallel | (seq length divisible by 2 x CP; causal mask only; no ALiBi) |
 | 7d | _validate_pipeline_schedule | (PP > 1: the schedule simulator finds no deadlock) |
 | 7c | _validate_recompute | (granularity, method, layers per stage, distributed saved inputs) |
-| 8 | _validate_train_length | (iteration- or sample-based consistency) |
-| 9 | _validate_lr | start/end_weight_decay for the constant style |
-| 9b | _validate_optimizer | (Adam betas and eps, momentum, clipping: the ranges torch accepts) |
-| 9c | _validate_seed | (a positive seed that numpy accepts on every pipeline stage) |
-| 9d | _validate_lora | (rank, alpha, dropout ranges; no MoE) |
-| 10 | _validate_checkpointing | |
+| 8 | _validate_train_length | (--train-iters or --train-samples given) |
+| 9 | _validate_lr | start/end_weight_decay for the constant style (--lr given) |
+| 10 | _validate_checkpointing | (--load a directory; --save created and writable) |
 | 11 | _validate_data | split '969, 30, 1' with --data-path, dataloader_type 'single' (none required: pretrain() checks); with --sft every line of the chat files parsed (FILE:LINE) |
-| 12 | _validate_intervals | |
 | 13 | _set_training_state | consumed/skipped sample counters, variable_seq_lengths |
 
 Every error is an ArgsError naming the flag(s) and what to do. validate_megatron_flags is in
 megatron/training/arguments_megatron.py, beside its tables of Megatron-LM's flags; validate_model_architecture
-in megatron/training/arguments_model.py. The rules between the values of one config group (precision,
-batch sizes, data sources) are written on the group (rules() in megatron/training/config/groups.py):
-the steps above apply them (_refuse_broken_rules), and MegatronConfig.check gives a config built in
-Python the same line; what needs the run (the world size, the files) stays here.
+in megatron/training/arguments_model.py.
+
+Where each rule is written. A rule between the values of one config group is written on the group
+(its rules(): the model's sizes, dropout and the optimizer's constants, the learning-rate schedule, the
+training length, batch sizes and intervals, checkpointing, precision, the parallel sizes and timeouts,
+data, MoE and LoRA settings; the groups are in megatron/training/config/groups*.py), a rule between
+groups once in megatron/training/config/between.py (positions against the sequence, the data-parallel
+options, the hybrid pattern, the schedule's unit, warm-up before decay, the seed on every pipeline stage,
+LoRA without experts). Steps 3 (DistributedConfig's), 5a (the other groups') and 7 (TrainingConfig's,
+then those between groups) apply them here; MegatronConfig.check gives a config built in Python the
+same line. What stays here, and why:
+  - required flags (step 5, --micro-batch-size, the training length, --lr, --seq-length): a run needs
+    them; a config is built from defaults that leave them unset, and only a run is refused for that;
+  - the parallel layout's divisibility (steps 3, 5c, 5d's query groups, 7-7d, the expert layout in
+    _validate_moe): the world size divided by the sizes, the model's heads, layers, sequence and
+    micro-batches by them (the world size and the run's model family are the run's, not settings), and
+    --distributed-backend nccl, which needs the device;
+  - the file system: --load and --save directories, dataset files, --sft files (steps 10, 11);
+  - derived values and their checks (kv_channels, ffn_hidden_size, params_dtype, the global batch size,
+    the legacy split), the dead and older flags (steps 1-2b), the refusal table (step 4);
+  - the rules of the model's TransformerConfig (_check_config_rules) and the Mamba sizes: written once in
+    megatron/model/transformer_config.py, on the built config (derived values included);
+  - the architecture rules of validate_model_architecture (arguments_model.py: rope, GQA, activations,
+    T5 and BERT, which read the model family and derived sizes): not moved yet.
 """
 
 from __future__ import annotations
@@ -52,12 +69,11 @@ import torch
 from megatron.training.argument_utils import ArgsError, flag
 from megatron.training.arguments_megatron import refusal_rows, validate_megatron_flags
 from megatron.training.arguments_model import default_ffn_hidden_size, validate_model_architecture
-from megatron.training.config.container import RUN_STATE
-from megatron.training.config.fields import not_positive
+from megatron.training.config import GROUPS, ConfigGroup
+from megatron.training.config.container import RUN_STATE, MegatronConfig
 from megatron.training.config.groups import (
     PER_SPLIT_DATA_PATHS,
-    DataConfig,
-    MixedPrecisionConfig,
+    DistributedConfig,
     TrainingConfig,
     rampup_batch_sizes,
 )
@@ -130,20 +146,29 @@ def with_run_state(args: Namespace) -> Namespace:
     return args
 
 
-def _require_positive(args: Namespace, dests: tuple, allow_zero: bool = False) -> None:
-    """Each given (non-None) value must be a finite number > 0 (>= 0 with allow_zero)."""
-    for dest in dests:
-        problem = not_positive(flag(dest), getattr(args, dest), allow_zero)
-        if problem:
-            raise ArgsError(problem)
-
-
 def _refuse_broken_rules(group: type, args: Namespace) -> None:
     """The rules written on a config group (its rules(): megatron/training/config/groups.py) applied to
     args' values: the first broken one is the ArgsError, the line MegatronConfig.check gives a config
     built in Python. (The dead alias flags, removed from args, are at their defaults.)"""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(group) if f.name not in FLAG_ALIASES}
     problems = group(**values).rules()
+    if problems:
+        raise ArgsError(problems[0])
+
+
+def _refuse_broken_group_rules(args: Namespace) -> None:
+    """Every group's rules, in --help order, but DistributedConfig's (applied before the world size is
+    divided: _validate_parallel) and TrainingConfig's (once the global batch size is derived:
+    _validate_batch)."""
+    for group in GROUPS:
+        if group not in (DistributedConfig, TrainingConfig) and group.rules is not ConfigGroup.rules:
+            _refuse_broken_rules(group, args)
+
+
+def _refuse_broken_rules_between_groups(args: Namespace) -> None:
+    """The rules between groups (megatron/training/config/between.py), every group's own having passed:
+    the first broken one is the ArgsError, the line MegatronConfig.check gives a config."""
+    problems = MegatronConfig.from_namespace(args).rules()
     if problems:
         raise ArgsError(problems[0])
 
@@ -225,8 +250,7 @@ def _validate_parallel(args: Namespace) -> None:
     if not 0 <= args.rank < args.world_size:
         raise ArgsError(f"RANK ({args.rank}) must be in [0, WORLD_SIZE ({args.world_size})); "
                         "launch with torchrun, which sets both")
-    _require_positive(args, ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                             "context_parallel_size", "expert_model_parallel_size"))
+    _refuse_broken_rules(DistributedConfig, args)  # (the sizes positive before the world size is divided)
     args.data_parallel_size = data_parallel_size(args.world_size, args.tensor_model_parallel_size,
                                                  args.pipeline_model_parallel_size, args.context_parallel_size)
     _print_rank_0(args, f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, "
@@ -238,11 +262,6 @@ def _validate_parallel(args: Namespace) -> None:
     elif args.distributed_backend == "nccl" and not device.accelerator_available():
         raise ArgsError("--distributed-backend nccl needs a CUDA device and none is available; "
                         "use --distributed-backend gloo (or leave it unset to choose automatically)")
-    _require_positive(args, ("distributed_timeout_minutes", "cpu_threads", "watchdog_seconds"))
-    if args.watchdog_seconds is not None and args.watchdog_seconds > args.distributed_timeout_minutes * 60:
-        raise ArgsError(f"--watchdog-seconds ({args.watchdog_seconds:g}) is longer than --distributed-timeout-minutes "
-                        f"({args.distributed_timeout_minutes}): the collectives would time out before the watchdog "
-                        "reports them; raise --distributed-timeout-minutes")
 
 
 def _validate_not_yet_supported(args: Namespace) -> None:
@@ -260,28 +279,19 @@ def _validate_not_yet_supported(args: Namespace) -> None:
 # ----------------------------------------------------------------------------- steps 5-6
 
 
-def _validate_model(args: Namespace) -> None:
-    """Required shape flags, the 4h and h/heads defaults, positional range and dropouts."""
+def _require_model_shape(args: Namespace) -> None:
+    """The GPT model's shape flags (Megatron's required_args): a run needs them."""
     for dest in REQUIRED_MODEL_ARGS:
         if getattr(args, dest) is None:
             raise ArgsError(f"{flag(dest)} is required")
-    _require_positive(args, REQUIRED_MODEL_ARGS + ("ffn_hidden_size", "kv_channels", "seq_length",
-                                                   "make_vocab_size_divisible_by", "norm_epsilon",
-                                                   "init_method_std"))
+
+
+def _validate_model(args: Namespace) -> None:
+    """The 4h and h/heads defaults (ModelConfig's rules passed: the heads split the hidden size)."""
     if args.kv_channels is None:
-        if args.hidden_size % args.num_attention_heads:
-            raise ArgsError(f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
-                            f"({args.num_attention_heads}), or give --kv-channels")
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = default_ffn_hidden_size(args)
-    if (args.seq_length is not None and args.position_embedding_type == "learned_absolute"
-            and args.max_position_embeddings < args.seq_length):
-        raise ArgsError(f"--max-position-embeddings ({args.max_position_embeddings}) must be >= --seq-length "
-                        f"({args.seq_length}); raise --max-position-embeddings or shorten --seq-length")
-    for dest in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(args, dest) < 1.0:
-            raise ArgsError(f"{flag(dest)} must be in [0, 1), got {getattr(args, dest)}")
 
 
 def _validate_tensor_parallel(args: Namespace) -> None:
@@ -302,7 +312,6 @@ def _validate_tensor_parallel(args: Namespace) -> None:
 def _validate_precision(args: Namespace) -> None:
     """params_dtype from --fp16/--bf16, softmax in fp32 with query-key scaling; the precision rules
     (fp16 or bf16, loss scales) are MixedPrecisionConfig's."""
-    _refuse_broken_rules(MixedPrecisionConfig, args)
     args.params_dtype = torch.float32
     if args.fp16:
         args.params_dtype = torch.half
@@ -330,6 +339,7 @@ def _validate_batch(args: Namespace) -> None:
     if derived:
         args.global_batch_size = per_step
     _refuse_broken_rules(TrainingConfig, args)  # (the ramp-up against a derived global batch size too)
+    _refuse_broken_rules_between_groups(args)
     if derived:
         _print_rank_0(args, f"setting global batch size to {args.global_batch_size}")
     if args.global_batch_size % per_step:
@@ -344,28 +354,12 @@ def _validate_batch(args: Namespace) -> None:
                         f"({args.data_parallel_size}), so that every ramp-up batch splits into micro-batches")
 
 
-def _validate_data_parallel(args: Namespace) -> None:
-    """--overlap-param-gather overlaps the distributed optimizer's all-gather (Megatron's requirements);
-    per-token gradients are summed over the replicas, so they cannot be averaged in the collective."""
-    if args.calculate_per_token_loss and args.ddp_average_in_collective:
-        raise ArgsError("--ddp-average-in-collective cannot be used with --calculate-per-token-loss: per-token "
-                        "gradients are summed over the data-parallel ranks and divided by the global token count")
-    if args.overlap_param_gather:
-        if not args.use_distributed_optimizer:
-            raise ArgsError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps the "
-                            "distributed optimizer's parameter all-gather with the next forward)")
-        if not args.overlap_grad_reduce:
-            raise ArgsError("--overlap-param-gather needs --overlap-grad-reduce")
-
-
 def _validate_context_parallel(args: Namespace) -> None:
     """--context-parallel-size > 1: the load-balanced split needs s divisible by 2 x CP (and the CP
     rank's s / CP by TP under sequence parallelism); only the causal mask and no ALiBi; the comm
     types' own rules are TransformerConfig's (_check_config_rules)."""
     cp = args.context_parallel_size
     if cp == 1:
-        if args.hierarchical_context_parallel_sizes is not None:
-            raise ArgsError("--hierarchical-context-parallel-sizes needs --context-parallel-size > 1")
         return
     family = args.model_family
     if family in ("BERT", "T5"):
@@ -458,33 +452,19 @@ def _validate_pipeline_schedule(args: Namespace) -> None:
 def _validate_model_config(args: Namespace) -> None:
     """The rules of the model's config (recompute, MoE, ...): written once, in TransformerConfig,
     and reported here naming the flags."""
-    if args.num_experts is not None and args.moe_token_dispatcher_type == "flex":  # a Megatron choice we lack
-        raise ArgsError("--moe-token-dispatcher-type flex: the DeepEP dispatcher is not supported yet; "
-                        "use allgather or alltoall")
     _check_config_rules(args)
     _validate_hybrid(args)
 
 
 def _validate_hybrid(args: Namespace) -> None:
-    """A hybrid model's pattern (its length, symbols and the ratios) and its Mamba sizes (heads and
-    groups divisible by each other and by the tensor-parallel size), named by their flags."""
+    """A hybrid model's Mamba sizes (heads and groups divisible by each other and by the tensor-parallel
+    size), named by their flags; its pattern's rules are between.hybrid_layers'."""
     from megatron.model.mamba.mixer import mamba_dims
     from megatron.model.transformer_config import ConfigRuleError
     from megatron.training.config_builders import hybrid_pattern_from_args
 
     pattern = hybrid_pattern_from_args(args)
-    if pattern is None:
-        return
-    if "E" in pattern and args.num_experts is None:
-        raise ArgsError(f"--hybrid-override-pattern {pattern}: E (MoE) layers need --num-experts")
-    if args.num_experts is not None and "E" not in pattern:
-        raise ArgsError(f"--num-experts: the hybrid pattern {pattern} has no E (MoE) layer to give experts")
-    if args.num_experts is not None and args.moe_layer_freq != 1:
-        raise ArgsError("--moe-layer-freq: a hybrid model's MoE layers are the pattern's E layers "
-                        "(--hybrid-override-pattern)")
-    if args.spec is not None:
-        raise ArgsError("--spec: a hybrid model builds its layers from --hybrid-override-pattern, not a layer spec")
-    if "M" not in pattern:
+    if pattern is None or "M" not in pattern:
         return
     try:
         mamba_dims(core_transformer_config_from_args(args))
@@ -493,124 +473,26 @@ def _validate_hybrid(args: Namespace) -> None:
 
 
 def _validate_train_length(args: Namespace) -> None:
-    """Exactly one of --train-iters / --train-samples, and no mixing of iteration and sample flags."""
-    if args.train_iters is not None and args.train_samples is not None:
-        raise ArgsError("--train-iters and --train-samples cannot both be given; "
-                        "train by iterations or by samples")
+    """A training length: --train-iters or --train-samples (its rules are TrainingConfig's)."""
     if args.train_iters is None and args.train_samples is None:
         raise ArgsError("give the training length: --train-iters or --train-samples")
-    _require_positive(args, ("train_iters", "train_samples"))
-    if args.train_iters is not None:
-        if args.rampup_batch_size is not None:
-            raise ArgsError("--rampup-batch-size needs sample-based training (Megatron-LM refuses it with "
-                            "--train-iters too): use --train-samples instead of --train-iters")
-        mixed = [d for d in ("lr_decay_samples", "lr_wsd_decay_samples") if getattr(args, d) is not None]
-        mixed += ["lr_warmup_samples"] if args.lr_warmup_samples else []
-        unit, other, kind = "iters", "samples", "iteration"
-    else:
-        mixed = [d for d in ("lr_decay_iters", "lr_wsd_decay_iters") if getattr(args, d) is not None]
-        mixed += ["lr_warmup_iters"] if args.lr_warmup_iters else []
-        unit, other, kind = "samples", "iters", "sample"
-    if mixed:
-        bad = flag(mixed[0])
-        raise ArgsError(f"{bad} cannot be used with --train-{unit} ({kind}-based training); "
-                        f"use {bad.replace(other, unit)}")
 
 
 def _validate_lr(args: Namespace) -> None:
-    """Learning rate, warmup, decay and weight-decay schedule."""
+    """A peak learning rate; the constant weight-decay style's start and end (the schedule's rules are
+    LearningRateConfig's and RegularizationConfig's, the optimizer's constants' too)."""
     if args.lr is None:
         raise ArgsError("--lr is required (the peak learning rate)")
-    _require_positive(args, ("lr", "min_lr", "lr_warmup_init", "lr_warmup_iters", "lr_warmup_samples",
-                             "weight_decay"), allow_zero=True)
-    _require_positive(args, ("lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples"))
-    if args.min_lr > args.lr:
-        raise ArgsError(f"--min-lr ({args.min_lr}) must be <= --lr ({args.lr})")
-    if args.lr_warmup_fraction is not None:
-        if not 0.0 <= args.lr_warmup_fraction <= 1.0:
-            raise ArgsError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
-        for dest in ("lr_warmup_iters", "lr_warmup_samples"):
-            if getattr(args, dest):
-                raise ArgsError(f"can only specify one of --lr-warmup-fraction and {flag(dest)}")
-    if args.train_iters is not None and args.lr_warmup_iters:
-        decay = args.lr_decay_iters or args.train_iters
-        if args.lr_warmup_iters >= decay:
-            raise ArgsError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --lr-decay-iters ({decay}; "
-                            "it defaults to --train-iters)")
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.lr_wsd_decay_samples is None:
-        raise ArgsError("--lr-decay-style WSD needs the length of its decay phase: "
-                        "--lr-wsd-decay-iters or --lr-wsd-decay-samples")
     if args.weight_decay_incr_style == "constant":
-        for dest in ("start_weight_decay", "end_weight_decay"):
-            # equal to --weight-decay: args validated before, which is fine
-            if getattr(args, dest) not in (None, args.weight_decay):
-                raise ArgsError(f"{flag(dest)} needs --weight-decay-incr-style linear or cosine; "
-                                "with the constant style use --weight-decay")
         args.start_weight_decay = args.end_weight_decay = args.weight_decay
-    else:
-        for dest in ("start_weight_decay", "end_weight_decay"):
-            if getattr(args, dest) is None:
-                raise ArgsError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs {flag(dest)}")
-        _require_positive(args, ("start_weight_decay", "end_weight_decay"), allow_zero=True)
-
-
-def _validate_optimizer(args: Namespace) -> None:
-    """Adam and SGD hyper-parameters and gradient clipping, in the ranges torch accepts (torch would
-    only say so once the model is built)."""
-    for dest in ("adam_beta1", "adam_beta2", "sgd_momentum"):
-        value = getattr(args, dest)
-        if not 0.0 <= value < 1.0:  # also refuses NaN
-            raise ArgsError(f"{flag(dest)} must be in [0, 1), got {value}")
-    _require_positive(args, ("adam_eps",))
-    _require_positive(args, ("clip_grad",), allow_zero=True)  # 0: no clipping
-
-
-# numpy seeds are below 2**32; each pipeline stage adds 100 x its rank (megatron/training/initialize.py).
-_MAX_SEED = 2**32 - 1
-
-
-def _validate_seed(args: Namespace) -> None:
-    """A positive seed (as Megatron requires) that stays a valid numpy seed on the last pipeline stage."""
-    highest = _MAX_SEED - 100 * (args.pipeline_model_parallel_size - 1)
-    if not 1 <= args.seed <= highest:
-        raise ArgsError(f"--seed must be an integer in [1, {highest}], got {args.seed}")
 
 
 # ----------------------------------------------------------------------------- steps 10-13
 
 
-def _validate_lora(args: Namespace) -> None:
-    """--lora-*: a rank >= 0 (0: off), alpha > 0, dropout in [0, 1), the targets once each; no MoE layers."""
-    if args.lora_rank < 0:
-        raise ArgsError(f"--lora-rank must be >= 0 (0: no LoRA), got {args.lora_rank}")
-    if not args.lora_rank:
-        return
-    if not args.lora_alpha > 0:
-        raise ArgsError(f"--lora-alpha must be > 0, got {args.lora_alpha}")
-    if not 0.0 <= args.lora_dropout < 1.0:
-        raise ArgsError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
-    targets = args.lora_target_modules
-    if not targets or len(set(targets)) != len(targets):
-        raise ArgsError(f"--lora-target-modules needs each module once, got {targets}")
-    if args.num_experts is not None:
-        raise ArgsError("--lora-rank with --num-experts: LoRA on mixture-of-experts layers is not supported")
-
-
 def _validate_checkpointing(args: Namespace) -> None:
-    """--save needs --save-interval and a writable directory (created if missing); loading
-    options need --load, which must not be a file."""
-    if args.save is not None and args.save_interval is None:
-        raise ArgsError("--save needs --save-interval (iterations between checkpoints)")
-    if args.ckpt_format not in ("torch", "torch_dist"):
-        raise ArgsError(f"--ckpt-format {args.ckpt_format}: checkpoint formats other than 'torch' and "
-                        "'torch_dist' are not supported yet; use --ckpt-format torch_dist or torch")
-    if args.async_save and args.ckpt_format != "torch_dist":
-        raise ArgsError(f"--async-save needs --ckpt-format torch_dist (this run has --ckpt-format "
-                        f"{args.ckpt_format}), as in Megatron")
-    _require_positive(args, ("save_interval",))
-    for dest in ("use_checkpoint_args", "finetune"):
-        if getattr(args, dest) and args.load is None:
-            raise ArgsError(f"{flag(dest)} needs --load (the checkpoint directory to read)")
+    """--load must be a directory (not a file); --save a writable one (created if missing). (The flags'
+    rules, --save-interval, the format, the options that need --load, are CheckpointConfig's.)"""
     if args.load is not None:
         from megatron.training.checkpointing import check_load_directory
 
@@ -641,13 +523,10 @@ def _check_save_directory(path: str) -> None:
 
 
 def _validate_moe(args: Namespace) -> None:
-    """The mixture-of-experts flags against the layout; the MoE rules themselves are TransformerConfig's
-    (_check_moe), written once there and reported by _validate_model_config naming the flags."""
+    """The expert-parallel layout against the world size. (The sizes' own rules are MoEConfig's; the MoE
+    rules of the model are TransformerConfig's (_check_moe), reported by _validate_model_config.)"""
     if args.num_experts is None and args.expert_model_parallel_size == 1:
         return
-    _require_positive(args, ("expert_model_parallel_size",))
-    if args.expert_tensor_parallel_size is not None:
-        _require_positive(args, ("expert_tensor_parallel_size",))
     etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     ep, pp = args.expert_model_parallel_size, args.pipeline_model_parallel_size
     if args.world_size % (etp * ep * pp):
@@ -669,7 +548,6 @@ def _check_config_rules(args: Namespace) -> None:
 def _validate_data(args: Namespace) -> None:
     """The data rules (one source, blends, split, --sft's options) are DataConfig's; here the dataset
     files, the legacy default split, the sequence length and the data loader's type."""
-    _refuse_broken_rules(DataConfig, args)
     for dest in ("data_path",) + PER_SPLIT_DATA_PATHS:
         if getattr(args, dest) is not None:
             _check_dataset_files(flag(dest), parse_data_path(getattr(args, dest))[0], jsonl=args.sft)
@@ -723,14 +601,6 @@ def _check_dataset_files(shown: str, prefixes: list, jsonl: bool = False) -> Non
             raise ArgsError(f"{shown} {prefix}: no such dataset, {' and '.join(missing)} not found{hint}")
 
 
-def _validate_intervals(args: Namespace) -> None:
-    """Logging, evaluation and exit intervals."""
-    _require_positive(args, ("log_interval", "eval_interval", "exit_interval", "exit_duration_in_mins",
-                             "tensorboard_log_interval", "tensorboard_queue_size", "ddp_bucket_size",
-                             "check_weight_hash_across_dp_replicas_interval"))
-    _require_positive(args, ("eval_iters",), allow_zero=True)
-
-
 def _set_training_state(args: Namespace) -> None:
     """Counters that checkpoints carry; they start at zero."""
     args.consumed_train_samples = 0
@@ -753,25 +623,22 @@ def validate_args(args: Namespace, defaults: dict[str, Any] | None = None) -> Na
     validate_megatron_flags(args)
     _validate_parallel(args)
     _validate_not_yet_supported(args)
+    _require_model_shape(args)
+    _refuse_broken_group_rules(args)
     _validate_model(args)
     _validate_tensor_parallel(args)
     validate_model_architecture(args)
     _validate_precision(args)
     _validate_batch(args)
     _validate_pipeline_parallel(args)
-    _validate_data_parallel(args)
     _validate_context_parallel(args)
     _validate_pipeline_schedule(args)
     _validate_model_config(args)
     _validate_moe(args)
     _validate_train_length(args)
     _validate_lr(args)
-    _validate_optimizer(args)
-    _validate_seed(args)
-    _validate_lora(args)
     _validate_checkpointing(args)
     _validate_data(args)
-    _validate_intervals(args)
     _set_training_state(args)
     print_args(args)
     return args

@@ -96,14 +96,13 @@ def _mamba_kwargs(args: Namespace) -> dict[str, Any]:
 def hybrid_pattern_from_args(args: Namespace) -> str | None:
     """The layer pattern of a hybrid model (--hybrid-override-pattern or the ratios' allocation), or
     None for a model that is not one (no hybrid flag given)."""
-    if not (args.is_hybrid_model or args.hybrid_override_pattern or args.hybrid_attention_ratio
-            or args.hybrid_mlp_ratio):
-        return None
-    from megatron.model.mamba.hybrid import HybridPatternError, allocate_layers
+    from megatron.model.mamba.hybrid import HybridPatternError
+    from megatron.training.config.groups import HybridConfig
 
+    hybrid = HybridConfig(is_hybrid_model=args.is_hybrid_model, hybrid_attention_ratio=args.hybrid_attention_ratio,
+                          hybrid_mlp_ratio=args.hybrid_mlp_ratio, hybrid_override_pattern=args.hybrid_override_pattern)
     try:
-        return allocate_layers(args.num_layers, args.hybrid_attention_ratio, args.hybrid_mlp_ratio,
-                               args.hybrid_override_pattern)
+        return hybrid.layer_pattern(args.num_layers)
     except HybridPatternError as error:
         raise ArgsError(str(error)) from None
 

@@ -1,7 +1,8 @@
-"""The precision, batch-size and data rules are written once, on their config groups (rules() of
-MixedPrecisionConfig, TrainingConfig, DataConfig): a config built in Python, with no command line, is
-refused with the very line validate_args gives the same values as flags; --yaml-cfg checks its values
-alone and leaves the rules to the whole run (file and command line together)."""
+"""The rules between settings are written once, on their config groups (rules() of ModelConfig,
+RegularizationConfig, TrainingConfig, LearningRateConfig, CheckpointConfig, MixedPrecisionConfig, DataConfig,
+MoEConfig, LoRAConfig, ...) or, between groups, in megatron/training/config/between.py: a config built in
+Python, with no command line, is refused with the very line validate_args gives the same values as flags;
+--yaml-cfg checks its values alone and leaves the rules to the whole run (file and command line together)."""
 
 import pytest
 
@@ -47,6 +48,100 @@ CASES = [
     ("sft-mock", dict(sft=True, mock_data=True), "--sft --mock-data"),
     ("sft-eod-mask", dict(sft=True, data_path=["a"], eod_mask_loss=True), "--sft --data-path a --eod-mask-loss"),
     ("num-workers", dict(num_workers=-1), "--num-workers -1"),
+    ("seq-length", dict(seq_length=0), "--seq-length 0"),
+    # model: ModelConfig, and its positions against the sequence (between groups)
+    ("num-layers", dict(num_layers=0), "--num-layers 0"),
+    ("ffn-hidden-size", dict(ffn_hidden_size=-1), "--ffn-hidden-size -1"),
+    ("kv-channels", dict(kv_channels=0), "--kv-channels 0"),
+    ("norm-epsilon", dict(norm_epsilon=0.0), "--norm-epsilon 0"),
+    ("heads-split-hidden", dict(hidden_size=18, num_attention_heads=4), "--hidden-size 18 --num-attention-heads 4"),
+    ("positions-cover-sequence", dict(max_position_embeddings=16, seq_length=32), "--max-position-embeddings 16"),
+    ("init-method-std", dict(init_method_std=0.0), "--init-method-std 0"),
+    ("vocab-divisible-by", dict(make_vocab_size_divisible_by=0), "--make-vocab-size-divisible-by 0"),
+    # dropout, weight decay and the optimizer's constants: RegularizationConfig
+    ("hidden-dropout", dict(hidden_dropout=1.0), "--hidden-dropout 1"),
+    ("attention-dropout", dict(attention_dropout=-0.1), "--attention-dropout -0.1"),
+    ("weight-decay", dict(weight_decay=-0.1), "--weight-decay -0.1"),
+    ("constant-style-start", dict(start_weight_decay=0.1), "--start-weight-decay 0.1"),
+    ("linear-style-needs-end", dict(weight_decay_incr_style="linear", start_weight_decay=0.0),
+     "--weight-decay-incr-style linear --start-weight-decay 0"),
+    ("cosine-style-start", dict(weight_decay_incr_style="cosine", start_weight_decay=-1.0, end_weight_decay=0.1),
+     "--start-weight-decay -1 --end-weight-decay 0.1 --weight-decay-incr-style cosine"),
+    ("adam-beta2", dict(adam_beta2=1.0), "--adam-beta2 1"),
+    ("sgd-momentum-nan", dict(sgd_momentum=float("nan")), "--sgd-momentum nan"),
+    ("adam-eps", dict(adam_eps=0.0), "--adam-eps 0"),
+    ("clip-grad", dict(clip_grad=-1.0), "--clip-grad -1"),
+    # learning rate: LearningRateConfig, its lengths against the training length's unit (between groups)
+    ("lr", dict(lr=-0.001), "--lr -0.001"),
+    ("lr-decay-iters", dict(lr_decay_iters=0), "--lr-decay-iters 0"),
+    ("min-lr-over-lr", dict(lr=1e-3, min_lr=1e-2), "--min-lr 1e-2"),
+    ("warmup-fraction-range", dict(lr_warmup_fraction=1.5), "--lr-warmup-fraction 1.5"),
+    ("warmup-fraction-and-samples", dict(lr_warmup_fraction=0.1, lr_warmup_samples=8),
+     "--lr-warmup-fraction 0.1 --lr-warmup-samples 8"),
+    ("wsd-decay-length", dict(lr_decay_style="WSD"), "--lr-decay-style WSD"),
+    ("iteration-schedule-by-samples", dict(train_samples=64, lr_warmup_iters=4), "--lr-warmup-iters 4"),
+    # training length: TrainingConfig
+    ("iters-and-samples", dict(train_iters=10, train_samples=64), "--train-iters 10"),
+    ("train-samples", dict(train_samples=0), "--train-samples 0"),
+    # checkpointing: CheckpointConfig
+    ("save-needs-interval", dict(save="ckpt"), "--save ckpt"),
+    ("save-interval", dict(save_interval=0), "--save-interval 0"),
+    ("ckpt-format", dict(ckpt_format="zarr"), "--ckpt-format zarr"),
+    ("async-save-format", dict(async_save=True, ckpt_format="torch"), "--async-save --ckpt-format torch"),
+    ("finetune-needs-load", dict(finetune=True), "--finetune"),
+    ("use-checkpoint-args-needs-load", dict(use_checkpoint_args=True), "--use-checkpoint-args"),
+    # LoRA: LoRAConfig, and no experts (between groups)
+    ("lora-rank", dict(lora_rank=-1), "--lora-rank -1"),
+    ("lora-alpha", dict(lora_rank=4, lora_alpha=0.0), "--lora-alpha 0 --lora-rank 4"),
+    ("lora-dropout", dict(lora_rank=4, lora_dropout=1.0), "--lora-dropout 1 --lora-rank 4"),
+    ("lora-targets", dict(lora_rank=4, lora_target_modules=["linear_qkv", "linear_qkv"]),
+     "--lora-target-modules linear_qkv linear_qkv --lora-rank 4"),
+    ("lora-with-experts", dict(lora_rank=4, num_experts=2), "--lora-rank 4 --num-experts 2"),
+    # mixture of experts: MoEConfig
+    ("expert-parallel-size", dict(expert_model_parallel_size=0), "--expert-model-parallel-size 0"),
+    ("expert-tensor-parallel-size", dict(num_experts=2, expert_tensor_parallel_size=0),
+     "--expert-tensor-parallel-size 0 --num-experts 2"),
+    ("flex-dispatcher", dict(num_experts=2, moe_token_dispatcher_type="flex"),
+     "--moe-token-dispatcher-type flex --num-experts 2"),
+    # hybrid models: the pattern against --num-layers, the experts and --spec (between groups)
+    ("hybrid-ratio", dict(num_layers=2, hybrid_attention_ratio=1.5), "--hybrid-attention-ratio 1.5"),
+    ("hybrid-pattern-length", dict(num_layers=2, hybrid_override_pattern="MMM"), "--hybrid-override-pattern MMM"),
+    ("hybrid-moe-needs-experts", dict(num_layers=2, hybrid_override_pattern="ME"), "--hybrid-override-pattern ME"),
+    ("hybrid-experts-need-moe", dict(num_layers=2, hybrid_override_pattern="M*", num_experts=2),
+     "--num-experts 2 --hybrid-override-pattern M*"),
+    ("hybrid-moe-layer-freq", dict(num_layers=2, hybrid_override_pattern="ME", num_experts=2, moe_layer_freq=2),
+     "--moe-layer-freq 2 --hybrid-override-pattern ME --num-experts 2"),
+    ("hybrid-spec", dict(num_layers=2, hybrid_override_pattern="M*",
+                         spec=["megatron.model.layer_specs", "get_gpt_layer_spec"]),
+     "--spec megatron.model.layer_specs get_gpt_layer_spec --hybrid-override-pattern M*"),
+    # the parallel sizes and timeouts: DistributedConfig; the data-parallel options and the seed (between groups)
+    ("tensor-parallel-size", dict(tensor_model_parallel_size=0), "--tensor-model-parallel-size 0"),
+    ("cpu-threads", dict(cpu_threads=0), "--cpu-threads 0"),
+    ("watchdog-over-timeout", dict(watchdog_seconds=700.0), "--watchdog-seconds 700"),
+    ("hierarchical-cp", dict(hierarchical_context_parallel_sizes=[1, 1]), "--hierarchical-context-parallel-sizes 1 1"),
+    ("ddp-bucket-size", dict(ddp_bucket_size=0), "--ddp-bucket-size 0"),
+    ("per-token-loss-averaged", dict(calculate_per_token_loss=True, ddp_average_in_collective=True),
+     "--ddp-average-in-collective --calculate-per-token-loss"),
+    ("overlap-param-gather", dict(overlap_param_gather=True), "--overlap-param-gather"),
+    ("overlap-param-gather-grad-reduce", dict(overlap_param_gather=True, use_distributed_optimizer=True),
+     "--overlap-param-gather --use-distributed-optimizer"),
+    ("seed", dict(seed=0), "--seed 0"),
+    # intervals: TrainingConfig, ValidationConfig, LoggingConfig
+    ("log-interval", dict(log_interval=0), "--log-interval 0"),
+    ("exit-duration", dict(exit_duration_in_mins=-1.0), "--exit-duration-in-mins -1"),
+    ("eval-iters", dict(eval_iters=-1), "--eval-iters -1"),
+    ("tensorboard-queue-size", dict(tensorboard_queue_size=0), "--tensorboard-queue-size 0"),
+]
+
+# Rules of a run trained by iterations: BASE with --train-iters for --train-samples.
+BASE_BY_ITERATIONS = [*BASE[:BASE.index("--train-samples")], "--train-iters", "10",
+                      *BASE[BASE.index("--train-samples") + 2:]]
+CASES_BY_ITERATIONS = [
+    ("rampup-by-iterations", dict(train_iters=10, rampup_batch_size=["2", "2", "8"]), "--rampup-batch-size 2 2 8"),
+    ("sample-schedule-by-iterations", dict(train_iters=10, lr_decay_samples=64), "--lr-decay-samples 64"),
+    ("warmup-past-decay", dict(train_iters=10, lr_warmup_iters=10), "--lr-warmup-iters 10"),
+    ("warmup-past-lr-decay-iters", dict(train_iters=10, lr_warmup_iters=4, lr_decay_iters=3),
+     "--lr-warmup-iters 4 --lr-decay-iters 3"),
 ]
 
 
@@ -57,9 +152,9 @@ def single_process(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # (no dataset file: the rules refuse before any file is looked for)
 
 
-def _cli_message(flags: list) -> str:
+def _cli_message(flags: list, base: list = BASE) -> str:
     with pytest.raises(ArgsError) as refused:
-        parse_and_validate_args(argv=[*BASE, *flags])
+        parse_and_validate_args(argv=[*base, *flags])
     return str(refused.value)
 
 
@@ -73,6 +168,16 @@ def test_a_config_built_in_python_gets_the_command_lines_line(values, flags):
     with pytest.raises(ConfigError) as refused:  # where the values came from, then the same line
         MegatronConfig.from_values(values)
     assert str(refused.value) == f"config: {message}"
+
+
+@pytest.mark.parametrize("values, flags", [case[1:] for case in CASES_BY_ITERATIONS],
+                         ids=[case[0] for case in CASES_BY_ITERATIONS])
+def test_a_config_trained_by_iterations_gets_the_command_lines_line(values, flags):
+    message = _cli_message(flags.split(), base=BASE_BY_ITERATIONS)
+    assert flags.split()[0] in message
+    with pytest.raises(ConfigError) as refused:
+        MegatronConfig.from_values(values, where="")
+    assert str(refused.value) == message
 
 
 def test_a_config_set_field_by_field_is_checked_as_the_flags():

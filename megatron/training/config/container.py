@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron.training.config import between
 from megatron.training.config.groups import (
     CheckpointConfig,
     DataConfig,
@@ -116,13 +117,21 @@ class MegatronConfig:
 
     def check(self, where: str = "config", rules: bool = True) -> None:
         """ConfigError (one line: where, if given, then the problem naming the flag) for a value the flag
-        would refuse, or (rules) a broken rule of a group (ConfigGroup.rules: the line validate_args
-        gives the same values on a command line)."""
+        would refuse, or (rules) a broken rule of a group (ConfigGroup.rules), then one between groups
+        (rules()): the line validate_args gives the same values on a command line."""
         for name in self.groups():
             group = getattr(self, name)
             problems = group.problems() if rules else group.value_problems()
             if problems:
                 raise ConfigError(f"{where}: {problems[0]}" if where else problems[0])
+        problems = self.rules() if rules else []
+        if problems:
+            raise ConfigError(f"{where}: {problems[0]}" if where else problems[0])
+
+    def rules(self) -> list[str]:
+        """The first broken rule between the values of two or more groups (between.py), each group's own
+        rules passing, as a one-line list naming the flag; [] when none is."""
+        return between.problems(self)
 
     def apply_to(self, args: argparse.Namespace) -> argparse.Namespace:
         """args (a Namespace of the parser's defaults) with every group's values, then `extra`, set."""

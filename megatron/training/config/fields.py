@@ -116,6 +116,16 @@ class ConfigGroup:
                 return [problem]
         return []
 
+    def not_fraction(self, names: tuple[str, ...]) -> list[str]:
+        """The first of these fields whose value (unless None) is not in [0, 1) (a probability that
+        cannot be 1, Adam's betas; NaN is not), as a problem naming its flag."""
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value < 1.0:
+                return [f"{self.flag(name)} must be in [0, 1), got {value}"]
+        return []
+
+
 
 def not_positive(flag: str, value: Any, allow_zero: bool = False) -> str | None:
     """What is wrong with a value that must be a finite number > 0 (>= 0 with allow_zero); None when
