@@ -10,10 +10,10 @@ the derived global batch size: megatron/training/arguments_validation.py). A rul
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from megatron.training.config.container import MegatronConfig
+# The whole configuration, container.MegatronConfig (not imported: container.py imports this module)
+MegatronConfig = Any
 
 
 def positions_cover_the_sequence(config: MegatronConfig) -> str | None:
