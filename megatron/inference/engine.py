@@ -9,7 +9,8 @@ Every step:
   1. cancelled requests leave (their blocks return to the pool);
   2. waiting requests are admitted in arrival order while fewer than max_requests run and the pool
      has the blocks of their known tokens (the prompt, less the blocks shared from the prefix
-     cache); the first request that does not fit waits at the head of the queue;
+     cache) and the running requests keep the blocks they grow into this step; the first request
+     that does not fit waits at the head of the queue;
   3. every decoding request gets the block its next token's K/V goes to, when it starts a new one
      (blocks are taken as a request grows, not for max_tokens up front). When the pool has none
      left, the most recently admitted running request is preempted: its blocks return to the pool
@@ -239,6 +240,10 @@ class DynamicEngine:
 
     def _admit(self) -> None:
         bs = self.config.block_size
+        # Without reserve_whole a request is admitted only if the running requests still get the blocks
+        # they grow into this step (_grow): admitting it would otherwise preempt it (or another) at once.
+        growing = 0 if self.config.reserve_whole else \
+            sum(max(0, self.blocks_for(len(r.tokens)) - len(r.blocks)) for r in self.running)
         while self.waiting and len(self.running) < self.config.max_requests:
             request = self.waiting[0]
             keys = chain_keys(request.prompt, bs, (len(request.prompt) - 1) // bs) if self.config.prefix_caching else []
@@ -247,7 +252,7 @@ class DynamicEngine:
                 needed = self.blocks_for(len(request.prompt) + request.params.max_tokens) - len(shared)
             else:  # the known tokens (a preempted request's generated ones too); decoding takes more
                 needed = self.blocks_for(len(request.tokens)) - len(shared)
-            if needed > self.pool.available():  # waits at the head of the queue
+            if needed + growing > self.pool.available():  # waits at the head of the queue
                 self.pool.release(shared)
                 break
             self.waiting.popleft()
