@@ -154,6 +154,21 @@ def test_blocks_are_taken_as_requests_grow_and_the_youngest_is_preempted_when_no
     assert engine.steps < whole.steps
 
 
+def test_a_request_is_not_admitted_into_the_blocks_a_running_one_grows_into(models):
+    _, ours = models
+    first, second = _prompts([4, 4], seed=8)
+    params = SamplingParams(max_tokens=3, top_k=1)
+    engine = _engine(ours, num_blocks=2)  # blocks of 4: the first request's prompt fills one
+    a = engine.add_request(first, params)
+    engine.step()  # a's prefill and first token: its next token starts its second block
+    b = engine.add_request(second, params)
+    engine.step()  # one free block, which a grows into: b waits instead of being admitted and preempted
+    assert b in engine.waiting and len(a.blocks) == 2 and engine.stats()["preemptions"] == 0
+    while engine.has_work():
+        engine.step()
+    assert [a.generated, b.generated] == [_engine(ours).generate([p], params)[0].generated for p in (first, second)]
+
+
 def test_an_alibi_model_answers_as_generate_tokens_does():
     """ALiBi (no HF counterpart among the test models): each request's bias over its own positions, in
     the decoders' group and in prefill chunks, gives each prompt's generate_tokens answer."""
