@@ -22,6 +22,18 @@ from tools.checkpoint import convert, saver_megatron
 
 TOKENS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
 
+# Both snippets start their workers the same way. A worker that fails puts its error on the queue, so
+# the queue's timeout only guards against a hang (a generous bound, not a timing assumption).
+LAUNCH = r'''import multiprocessing as mp
+ctx = mp.get_context("fork")
+queue = ctx.Queue()
+rendezvous = tempfile.mktemp(prefix="mcore-pg-")
+world = CFG["world"]
+procs = [ctx.Process(target=worker, args=(r, world, rendezvous, CFG, OUT, queue)) for r in range(world)]
+for p in procs: p.start()
+HANG = 900
+'''
+
 SAVE = r'''
 import argparse, json, os, sys, tempfile
 import torch, torch.nn.functional as F
@@ -112,14 +124,7 @@ def _worker(rank, world, rendezvous, cfg, out, queue):
             queue.put(logits.tolist())
     torch.distributed.barrier()
 
-import multiprocessing as mp
-ctx = mp.get_context("fork")
-queue = ctx.Queue()
-rendezvous = tempfile.mktemp(prefix="mcore-pg-")
-world = CFG["world"]
-procs = [ctx.Process(target=worker, args=(r, world, rendezvous, CFG, OUT, queue)) for r in range(world)]
-for p in procs: p.start()
-logits = queue.get(timeout=60)
+''' + LAUNCH + r'''logits = queue.get(timeout=HANG)
 assert isinstance(logits, list), logits
 for p in procs:
     p.join()
@@ -329,14 +334,7 @@ def _worker(rank, world, rendezvous, cfg, out):
     dist_checkpointing.save({**common, "model": model.sharded_state_dict()}, os.path.join(out, "torch_dist", "iter_0000007"))
     torch.distributed.barrier()
 
-import multiprocessing as mp
-ctx = mp.get_context("fork")
-queue = ctx.Queue()
-rendezvous = tempfile.mktemp(prefix="mcore-pg-")
-world = CFG["world"]
-procs = [ctx.Process(target=worker, args=(r, world, rendezvous, CFG, OUT, queue)) for r in range(world)]
-for p in procs: p.start()
-results = [queue.get(timeout=60) for _ in procs]
+''' + LAUNCH + r'''results = [queue.get(timeout=HANG) for _ in procs]
 for p in procs:
     p.join()
     assert p.exitcode == 0, p.exitcode
