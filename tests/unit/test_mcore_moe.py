@@ -197,7 +197,15 @@ def _assert_same_step(ours, reference, moe_layers):
         torch.testing.assert_close(ours["aux"][name], reference["aux"][name], rtol=1e-5, atol=1e-6, msg=name)
     assert set(ours["grads"]) == set(reference["grads"])
     for name, grad in ours["grads"].items():
-        torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(grad, reference["grads"][name], rtol=1e-5, atol=_grad_atol(reference["grads"][name]),
+                                   msg=name)
+
+
+def _grad_atol(reference: torch.Tensor) -> float:
+    """fp32 round-off relative to a gradient's scale. The embedding's rows sum every position's
+    gradient (entries up to ~0.5); its small entries carry a few 1e-7 of round-off from the large
+    ones, which varies from run to run (threaded reductions) and with the CPU kind."""
+    return max(1e-6, 1e-5 * reference.abs().max().item())
 
 
 @pytest.fixture(scope="module")
@@ -266,8 +274,8 @@ def test_the_balancing_losses_reach_the_router_gradient(mcore_runs):
     model = _ours("top2", "allgather", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
     model.load_state_dict(_strip_extra_state(saved["top2"]["state"]), strict=True)
     plain = _step(model, batch, ())["grads"]["decoder.layers.0.mlp.router.weight"]
-    assert not torch.allclose(plain, saved["top2"]["allgather"]["grads"]["decoder.layers.0.mlp.router.weight"],
-                              rtol=1e-4, atol=1e-6)
+    reference = saved["top2"]["allgather"]["grads"]["decoder.layers.0.mlp.router.weight"]
+    assert not torch.allclose(plain, reference, rtol=1e-4, atol=10 * _grad_atol(reference))  # 10x the check's
 
 
 def test_capacity_dropping_by_probs_is_megatron_cores(mcore_runs):
